@@ -1,0 +1,69 @@
+"""rlk-triton: the Triton backend of rlk (NVIDIA and AMD GPUs; the CPU through
+``TRITON_INTERPRET=1``, for tests).
+
+rlk finds it through the entry point ``rlk.backends: triton = rlk_triton:backend``.
+Every kernel is batch-invariant by construction: fixed tile sizes per dtype,
+no autotuning, no atomics, reductions in a fixed order (see ``logprob.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__version__ = "0.1.0"
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _probe() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        return f"triton not importable: {type(exc).__name__}: {exc}"
+    if _INTERPRET:
+        return None
+    if not torch.cuda.is_available():
+        return "no GPU visible to torch (set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
+    return None
+
+
+def _device_types() -> tuple[str, ...]:
+    if _probe() is not None:
+        return ()
+    types = ("cuda",) if torch.cuda.is_available() else ()
+    return types + (("cpu",) if _INTERPRET else ())
+
+
+def _supports(primitive: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} not supported (bfloat16, float16, float32)"
+    if device.type == "cpu" and dtype == torch.bfloat16 and primitive.startswith("linear_"):
+        return "bfloat16 tl.dot gives wrong results under the Triton CPU interpreter"
+    return None
+
+
+def backend():
+    """The ``rlk.Backend`` of this package (entry-point factory)."""
+    from rlk.abi import ABI_VERSION
+    from rlk.backend import Backend
+
+    from rlk_triton import logprob
+
+    return Backend(
+        name="triton",
+        version=__version__,
+        abi_version=ABI_VERSION,
+        primitives={
+            "selected_logprob_fwd": logprob.selected_logprob_fwd,
+            "selected_logprob_bwd": logprob.selected_logprob_bwd,
+            "linear_logprob_fwd": logprob.linear_logprob_fwd,
+            "linear_logprob_bwd": logprob.linear_logprob_bwd,
+        },
+        probe=_probe,
+        device_types=_device_types,
+        supports=_supports,
+        batch_invariant=True,
+    )

@@ -1,0 +1,566 @@
+"""Triton kernels of the log-prob ops: ``selected_logprob`` and ``linear_logprob``.
+
+The math is the spec in :mod:`rlk.reference.logprob`. For a row with scaled
+logits ``z = x * inv_temperature`` over ``V`` vocab entries and target ``y``::
+
+    lse     = logsumexp_v z_v
+    logprob = z_y - lse
+    entropy = lse - sum_v p_v z_v,            p = softmax(z)
+
+computed online over vocab tiles with a running max ``m`` (starts at -inf),
+sum ``s`` and weighted sum ``b``; ``lse = m + log s``, ``entropy = lse - b / s``.
+Gradients with respect to the unscaled logits ``x``::
+
+    dx_v = inv_t * (g_lp * (onehot(y)_v - p_v) + g_H * p_v * ((lse - H) - z_v))
+
+where the entropy term counts as 0 where ``p_v == 0`` (so -inf logits are fine).
+For ``linear_logprob`` the logits are ``x = hidden @ weight.T``; the kernels never
+materialize ``[N, V]``: ``grad_hidden = G @ weight`` and ``grad_weight = G.T @ hidden``
+are accumulated over fixed vocab chunks of ``G = d loss / d x``.
+
+Batch invariance by construction: every tile size is fixed per dtype in
+:data:`TILE_CONFIGS` (no autotuning, nothing derived from ``N``), a row's result
+is computed by the same instruction sequence whatever the other rows and its
+position in a row block, there are no atomics and every reduction (over vocab
+tiles, vocab splits, vocab chunks, the ``K`` loop of a GEMM) runs in a fixed
+order. ``grad_weight`` sums rows in a fixed partition and order, so it is
+deterministic run to run. Accumulation is fp32; fp32 inputs use IEEE fp32 dots
+(no TF32); 16-bit inputs use tensor-core dots with fp32 accumulators.
+
+Ignored rows (``target == ignore_index``) give logprob 0, entropy 0, lse 0 and
+zero gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+#: Fixed tile configuration per kernel family and input dtype; the launchers read it
+#: at every call, so a sweep may overwrite entries (kernels recompile per config).
+#: Nothing here depends on the batch size: that is what makes results batch-invariant.
+#:
+#: * ``"selected"``: ``selected_logprob`` fwd/bwd, one program per row looping over the
+#:   vocab in ``BLOCK_V`` chunks.
+#: * ``"linear"``: the ``linear_logprob`` forward and the backward's grad-logits kernel.
+#:   A program owns ``BLOCK_N`` rows and a tile of ``BLOCK_V`` vocab columns, computed by
+#:   a ``K`` loop over the hidden size in ``BLOCK_K`` steps. The forward splits the vocab
+#:   into ``VOCAB_SPLIT`` columns per program (partials merged in split order); the
+#:   backward walks the vocab in chunks of ``VOCAB_SPLIT`` columns. ``VOCAB_SPLIT`` must
+#:   be a multiple of ``BLOCK_V``. ``GROUP_N`` row blocks are scheduled together so that
+#:   concurrent programs share weight tiles in L2 (no effect on the numbers).
+#: * ``"gemm"``: the backward's ``C = A @ B`` kernel (``grad_hidden``, ``grad_weight``),
+#:   ``BLOCK_M x BLOCK_N`` output tiles, ``K`` loop in ``BLOCK_K`` steps, ``GROUP_M`` row
+#:   tiles scheduled together.
+TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
+    "selected": {
+        torch.float32: {"BLOCK_V": 2048, "num_warps": 8},
+        torch.float16: {"BLOCK_V": 4096, "num_warps": 8},
+        torch.bfloat16: {"BLOCK_V": 4096, "num_warps": 8},
+    },
+    "linear": {
+        torch.float32: {
+            "BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 32, "VOCAB_SPLIT": 4096, "GROUP_N": 32,
+            "num_warps": 4, "num_stages": 2,
+        },
+        torch.float16: {
+            "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_SPLIT": 4096, "GROUP_N": 32,
+            "num_warps": 8, "num_stages": 3,
+        },
+        torch.bfloat16: {
+            "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_SPLIT": 4096, "GROUP_N": 32,
+            "num_warps": 8, "num_stages": 3,
+        },
+    },
+    "gemm": {
+        torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2},
+        torch.float16: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+        torch.bfloat16: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    },
+}
+
+#: Rows per program of the forward's split-combine kernel (per-row work; any value gives the same bits).
+_COMBINE_ROWS = 128
+
+
+def _on_device(device: torch.device):
+    """Launch context: Triton launches on the current CUDA device, so make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared device helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_tile(pid, n_row_tiles, n_col_tiles, GROUP: tl.constexpr):
+    """Map a linear program id to (row tile, column tile), ``GROUP`` row tiles varying fastest.
+
+    Programs launched together then cover a ``GROUP x k`` block of tiles and share the
+    operand tiles in L2. Pure scheduling: no effect on any value.
+    """
+    per_group = GROUP * n_col_tiles
+    first_row_tile = (pid // per_group) * GROUP
+    group_rows = tl.minimum(n_row_tiles - first_row_tile, GROUP)
+    local = pid % per_group
+    return first_row_tile + local % group_rows, local // group_rows
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b`` with fp32 accumulation; IEEE fp32 products for fp32 inputs (no TF32)."""
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _online_update(m, s, b, z):
+    """One tile of the reference's online ``(m, s, b)`` update.
+
+    ``z`` is ``[R, C]`` fp32 (-inf in masked columns); ``m, s, b`` are ``[R]``. While a
+    row's max is -inf the shift is 0, so no ``exp((-inf) - (-inf))``; ``0 * -inf`` is 0.
+    """
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    rescale = tl.exp(m - shift)
+    e = tl.exp(z - shift[:, None])
+    s = s * rescale + tl.sum(e, axis=1)
+    b = b * rescale + tl.sum(tl.where(e > 0, z * e, 0.0), axis=1)
+    return m_new, s, b
+
+
+@triton.jit
+def _merge(m, s, b, m2, s2, b2):
+    """Merge two online states (same -inf convention as :func:`_online_update`)."""
+    m_new = tl.maximum(m, m2)
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    r1 = tl.exp(m - shift)
+    r2 = tl.exp(m2 - shift)
+    return m_new, s * r1 + s2 * r2, b * r1 + b2 * r2
+
+
+@triton.jit
+def _grad_z(z, is_target, lse, g_lp, mean_z, g_ent, HAS_ENT: tl.constexpr):
+    """``d loss / d z`` for a tile: ``g_lp * (onehot - p) + g_H * p * (E_p[z] - z)`` (0 where p == 0).
+
+    ``z`` is ``[R, C]``; the per-row operands are ``[R, 1]``; ``mean_z = lse - entropy``.
+    """
+    p = tl.exp(z - lse)
+    g = -g_lp * p
+    g = tl.where(is_target, g + g_lp, g)
+    if HAS_ENT:
+        g = g + tl.where(p > 0, g_ent * p * (mean_z - z), 0.0)
+    return g
+
+
+@triton.jit
+def _linear_logits_tile(
+    hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, H,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``hidden[rows] @ weight[cols].T`` as a ``[BLOCK_N, BLOCK_V]`` fp32 tile, K loop in fixed order.
+
+    ``rows`` and ``cols`` are int64. Masked rows/columns read zeros.
+    """
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    h_ptrs = hidden_ptr + rows[:, None] * H
+    w_ptrs = weight_ptr + cols[None, :] * H
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < H
+        h = tl.load(h_ptrs + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _dot(h, w, acc, IEEE)
+    return acc
+
+
+# ----------------------------------------------------------------------------------------------
+# selected_logprob: one program per row, vocab loop in BLOCK_V chunks (memory-bound)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _selected_fwd_kernel(
+    logits_ptr, targets_ptr, inv_t_ptr, logprob_ptr, entropy_ptr, lse_ptr,
+    V, ignore_index,
+    HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # this program's row, as a [1] tensor
+    tgt = tl.load(targets_ptr + rows)
+    valid = tgt != ignore_index
+    inv_t = tl.load(inv_t_ptr + rows)
+    row_ptr = logits_ptr + rows[:, None] * V
+    m = tl.full((1,), float("-inf"), tl.float32)
+    s = tl.zeros((1,), tl.float32)
+    b = tl.zeros((1,), tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols[None, :] < V
+        x = tl.load(row_ptr + cols[None, :], mask=col_mask & valid[:, None], other=0.0)
+        z = tl.where(col_mask, x.to(tl.float32) * inv_t[:, None], float("-inf"))
+        m, s, b = _online_update(m, s, b, z)
+    safe_tgt = tl.where(valid, tgt, 0)
+    z_tgt = tl.load(logits_ptr + rows * V + safe_tgt, mask=valid, other=0.0).to(tl.float32) * inv_t
+    lse = m + tl.log(s)
+    tl.store(logprob_ptr + rows, tl.where(valid, z_tgt - lse, 0.0))
+    tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0))
+    if HAS_ENTROPY:
+        tl.store(entropy_ptr + rows, tl.where(valid, lse - b / s, 0.0))
+
+
+@triton.jit
+def _selected_bwd_kernel(
+    logits_ptr, targets_ptr, inv_t_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, grad_ptr,
+    V, ignore_index,
+    HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    tgt = tl.load(targets_ptr + rows)
+    valid = tgt != ignore_index
+    inv_t = tl.load(inv_t_ptr + rows)[:, None]
+    lse = tl.load(lse_ptr + rows)[:, None]
+    g_lp = tl.load(g_lp_ptr + rows)[:, None]
+    mean_z = lse
+    g_ent = g_lp
+    if HAS_ENT:
+        mean_z = lse - tl.load(entropy_ptr + rows)[:, None]
+        g_ent = tl.load(g_ent_ptr + rows)[:, None]
+    row_off = rows[:, None] * V
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols[None, :] < V
+        x = tl.load(logits_ptr + row_off + cols[None, :], mask=col_mask & valid[:, None], other=0.0)
+        z = x.to(tl.float32) * inv_t
+        g = _grad_z(z, cols[None, :] == tgt[:, None], lse, g_lp, mean_z, g_ent, HAS_ENT)
+        g = tl.where(valid[:, None], g * inv_t, 0.0)
+        tl.store(grad_ptr + row_off + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=col_mask)
+
+
+def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
+    """Log-prob of the target, entropy and lse of ``softmax(logits * inv_temperature)`` per row.
+
+    Args:
+        logits: ``[N, V]`` fp32 / fp16 / bf16, contiguous.
+        targets: ``[N]`` int64; rows equal to ``ignore_index`` are ignored.
+        inv_temperature: ``[N]`` fp32, per-row ``1 / T``.
+        ignore_index: the ignored-row marker.
+        logprob_out: ``[N]`` fp32, written ``z_y - lse`` (0 on ignored rows).
+        entropy_out: ``[N]`` fp32 or None (then the entropy is not stored), written ``lse - E_p[z]``.
+        lse_out: ``[N]`` fp32, written ``logsumexp(z)`` (0 on ignored rows), for the backward.
+
+    Spec: :func:`rlk.reference.logprob.selected_logprob_fwd`. One program per row.
+    """
+    n_rows, vocab = logits.shape
+    cfg = TILE_CONFIGS["selected"][logits.dtype]
+    has_entropy = entropy_out is not None
+    with _on_device(logits.device):
+        _selected_fwd_kernel[(n_rows,)](
+            logits, targets, inv_temperature, logprob_out, entropy_out if has_entropy else logprob_out, lse_out,
+            vocab, ignore_index,
+            HAS_ENTROPY=has_entropy, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+        )
+
+
+def selected_logprob_bwd(
+    logits, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, grad_logits_out
+):
+    """Gradient of ``sum(grad_logprob * logprob + grad_entropy * entropy)`` w.r.t. the logits.
+
+    Args:
+        logits, targets, inv_temperature, ignore_index: as in :func:`selected_logprob_fwd`.
+        lse: ``[N]`` fp32 from the forward.
+        entropy: ``[N]`` fp32 from the forward; needed when ``grad_entropy`` is given.
+        grad_logprob: ``[N]`` fp32.
+        grad_entropy: ``[N]`` fp32 or None (no entropy term).
+        grad_logits_out: ``[N, V]`` in ``logits.dtype``, written
+            ``inv_t * (g_lp * (onehot - p) + g_H * p * ((lse - H) - z))``; 0 on ignored rows.
+
+    Spec: :func:`rlk.reference.logprob.selected_logprob_bwd`. One program per row, one pass over V.
+    """
+    n_rows, vocab = logits.shape
+    cfg = TILE_CONFIGS["selected"][logits.dtype]
+    has_ent = grad_entropy is not None
+    if has_ent and entropy is None:
+        raise ValueError("selected_logprob_bwd: grad_entropy needs the forward's entropy")
+    with _on_device(logits.device):
+        _selected_bwd_kernel[(n_rows,)](
+            logits, targets, inv_temperature, lse, entropy if has_ent else lse, grad_logprob,
+            grad_entropy if has_ent else grad_logprob, grad_logits_out,
+            vocab, ignore_index,
+            HAS_ENT=has_ent, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# linear_logprob forward: (row block x vocab split) partials, then a fixed-order split combine
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _linear_fwd_partial_kernel(
+    hidden_ptr, weight_ptr, targets_ptr, inv_t_ptr, part_m_ptr, part_s_ptr, part_b_ptr, z_tgt_ptr,
+    N, V, H,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, VOCAB_SPLIT: tl.constexpr,
+    GROUP_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online ``(m, s, b)`` of ``BLOCK_N`` rows over one vocab split; stores the target logit.
+
+    Partials go to ``part_*[split, row]``; ``z_tgt[row]`` is written only by the split holding
+    the row's target (exactly one program), so no two programs write the same element.
+    """
+    n_splits = tl.cdiv(V, VOCAB_SPLIT)
+    row_tile, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
+    rows = row_tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    tgt = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+    inv_t = tl.load(inv_t_ptr + rows, mask=row_mask, other=1.0)
+    v_begin = split * VOCAB_SPLIT
+    v_end = tl.minimum(v_begin + VOCAB_SPLIT, V)
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    b = tl.zeros((BLOCK_N,), tl.float32)
+    z_tgt = tl.zeros((BLOCK_N,), tl.float32)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        col_mask = cols < V
+        x = _linear_logits_tile(hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, H,
+                                BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
+        z = tl.where(col_mask[None, :], x * inv_t[:, None], float("-inf"))
+        m, s, b = _online_update(m, s, b, z)
+        # Exactly one column of one tile matches; adding zeros elsewhere keeps it exact.
+        z_tgt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+    part = split.to(tl.int64) * N + rows
+    tl.store(part_m_ptr + part, m, mask=row_mask)
+    tl.store(part_s_ptr + part, s, mask=row_mask)
+    tl.store(part_b_ptr + part, b, mask=row_mask)
+    tl.store(z_tgt_ptr + rows, z_tgt, mask=row_mask & (tgt >= v_begin) & (tgt < v_end))
+
+
+@triton.jit
+def _linear_fwd_combine_kernel(
+    part_m_ptr, part_s_ptr, part_b_ptr, z_tgt_ptr, targets_ptr, logprob_ptr, entropy_ptr, lse_ptr,
+    N, n_splits, ignore_index,
+    HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Merge the vocab-split partials of each row in split order 0, 1, ..., n_splits - 1."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row_mask = rows < N
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    b = tl.zeros((BLOCK,), tl.float32)
+    for split in range(0, n_splits):
+        part = split * N + rows
+        m2 = tl.load(part_m_ptr + part, mask=row_mask, other=float("-inf"))
+        s2 = tl.load(part_s_ptr + part, mask=row_mask, other=0.0)
+        b2 = tl.load(part_b_ptr + part, mask=row_mask, other=0.0)
+        m, s, b = _merge(m, s, b, m2, s2, b2)
+    tgt = tl.load(targets_ptr + rows, mask=row_mask, other=ignore_index)
+    valid = tgt != ignore_index
+    z_tgt = tl.load(z_tgt_ptr + rows, mask=row_mask & valid, other=0.0)
+    lse = m + tl.log(s)
+    tl.store(logprob_ptr + rows, tl.where(valid, z_tgt - lse, 0.0), mask=row_mask)
+    tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_mask)
+    if HAS_ENTROPY:
+        tl.store(entropy_ptr + rows, tl.where(valid, lse - b / s, 0.0), mask=row_mask)
+
+
+def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
+    """Log-prob, entropy and lse of ``softmax((hidden @ weight.T) * inv_temperature)`` without ``[N, V]``.
+
+    Args:
+        hidden: ``[N, H]`` fp32 / fp16 / bf16, contiguous.
+        weight: ``[V, H]``, ``hidden.dtype``, contiguous.
+        targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out: as in
+            :func:`selected_logprob_fwd`.
+
+    Spec: :func:`rlk.reference.logprob.linear_logprob_fwd`. Two launches: a grid of
+    ``cdiv(N, BLOCK_N) x cdiv(V, VOCAB_SPLIT)`` programs writes per-(split, row) partials
+    (fp32 scratch ``4 x n_splits x N``), then one program per ``_COMBINE_ROWS`` rows merges
+    them in split order.
+    """
+    n_rows, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    cfg = TILE_CONFIGS["linear"][hidden.dtype]
+    n_splits = triton.cdiv(vocab, cfg["VOCAB_SPLIT"])
+    part = torch.empty((3, n_splits, n_rows), dtype=torch.float32, device=hidden.device)
+    z_tgt = torch.empty((n_rows,), dtype=torch.float32, device=hidden.device)
+    has_entropy = entropy_out is not None
+    with _on_device(hidden.device):
+        _linear_fwd_partial_kernel[(triton.cdiv(n_rows, cfg["BLOCK_N"]) * n_splits,)](
+            hidden, weight, targets, inv_temperature, part[0], part[1], part[2], z_tgt,
+            n_rows, vocab, hidden_size,
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
+            VOCAB_SPLIT=cfg["VOCAB_SPLIT"], GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        _linear_fwd_combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS),)](
+            part[0], part[1], part[2], z_tgt, targets, logprob_out,
+            entropy_out if has_entropy else logprob_out, lse_out,
+            n_rows, n_splits, ignore_index,
+            HAS_ENTROPY=has_entropy, BLOCK=_COMBINE_ROWS,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# linear_logprob backward: per vocab chunk, G = d loss / d x (recomputed), then two GEMMs
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _linear_grad_logits_kernel(
+    hidden_ptr, weight_ptr, targets_ptr, inv_t_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, g_out_ptr,
+    N, H, v_start, chunk_cols, g_stride, ignore_index,
+    HAS_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``G[:, 0:chunk_cols] = d loss / d x`` for vocab columns ``v_start + [0, chunk_cols)``.
+
+    ``x`` is recomputed tile by tile (same K loop as the forward); G is stored in ``g_out``'s
+    dtype with row stride ``g_stride``; ignored rows get 0.
+    """
+    row_tile, col_tile = _grouped_tile(
+        tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(chunk_cols, BLOCK_V), GROUP_N
+    )
+    rows = row_tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    local_cols = col_tile.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = local_cols < chunk_cols
+    cols = v_start + local_cols
+    tgt = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
+    valid = tgt != ignore_index
+    inv_t = tl.load(inv_t_ptr + rows, mask=row_mask, other=1.0)[:, None]
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    g_lp = tl.load(g_lp_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    mean_z = lse
+    g_ent = g_lp
+    if HAS_ENT:
+        mean_z = lse - tl.load(entropy_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        g_ent = tl.load(g_ent_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    x = _linear_logits_tile(hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, H,
+                            BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
+    z = x * inv_t
+    g = _grad_z(z, cols[None, :] == tgt[:, None], lse, g_lp, mean_z, g_ent, HAS_ENT)
+    g = tl.where(valid[:, None], g * inv_t, 0.0)
+    g_ptrs = g_out_ptr + rows[:, None] * g_stride + local_cols[None, :]
+    tl.store(g_ptrs, g.to(g_out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, b_ptr, c_in_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cim, stride_cin, stride_cm, stride_cn,
+    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``C = A @ B (+ C_in)``: fp32 accumulation over K in fixed ``BLOCK_K`` steps, cast to C's dtype.
+
+    Arbitrary strides (pass a transposed view's strides for ``A.T``). With ``ACCUMULATE`` the
+    fp32 tile ``A @ B`` is added to ``C_in`` (which may alias ``C``) before the store.
+    """
+    tile_m, tile_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        k_mask = offs_k < K
+        a = tl.load(a_ptrs + offs_k[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _dot(a, b, acc, IEEE)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ACCUMULATE:
+        c_in = tl.load(c_in_ptr + offs_m[:, None] * stride_cim + offs_n[None, :] * stride_cin, mask=mask, other=0.0)
+        acc = acc + c_in.to(tl.float32)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, c_in: torch.Tensor | None = None) -> None:
+    """``out = a @ b (+ c_in)`` through :data:`_gemm_kernel` (any strides, fp32 accumulation).
+
+    ``a`` ``[M, K]`` and ``b`` ``[K, N]`` share a dtype (its ``TILE_CONFIGS["gemm"]`` entry is
+    used); ``out`` and ``c_in`` are ``[M, N]``; ``c_in`` may be ``out`` itself.
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    cfg = TILE_CONFIGS["gemm"][a.dtype]
+    accumulate = c_in is not None
+    c_in = c_in if accumulate else out
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _gemm_kernel[grid](
+        a, b, c_in, out, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        c_in.stride(0), c_in.stride(1), out.stride(0), out.stride(1),
+        ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def linear_logprob_bwd(
+    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
+    grad_hidden_out, grad_weight_out,
+):
+    """Gradients of ``sum(grad_logprob * logprob + grad_entropy * entropy)`` w.r.t. hidden and weight.
+
+    Args:
+        hidden, weight, targets, inv_temperature, ignore_index: as in :func:`linear_logprob_fwd`.
+        lse, entropy, grad_logprob, grad_entropy: as in :func:`selected_logprob_bwd`.
+        grad_hidden_out: ``[N, H]`` in ``hidden.dtype`` or None (not computed): ``G @ weight``.
+        grad_weight_out: ``[V, H]`` in ``weight.dtype`` or None (not computed): ``G.T @ hidden``.
+
+    Spec: :func:`rlk.reference.logprob.linear_logprob_bwd`. For each vocab chunk ``c`` of
+    ``VOCAB_SPLIT`` columns, in order: ``G_c`` (``[N, |c|]``, input dtype, one scratch buffer
+    reused) is recomputed from hidden and weight; ``grad_hidden += G_c @ weight[c]`` into an
+    fp32 ``[N, H]`` scratch (the first chunk writes, the last one stores in ``hidden.dtype``);
+    ``grad_weight[c] = G_c.T @ hidden`` with the rows summed in fixed order. Extra memory:
+    ``N * min(V, VOCAB_SPLIT)`` elements plus ``4 * N * H`` bytes when there are several
+    chunks and ``hidden`` is 16-bit.
+    """
+    if grad_hidden_out is None and grad_weight_out is None:
+        return
+    has_ent = grad_entropy is not None
+    if has_ent and entropy is None:
+        raise ValueError("linear_logprob_bwd: grad_entropy needs the forward's entropy")
+    n_rows, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    cfg = TILE_CONFIGS["linear"][hidden.dtype]
+    split = cfg["VOCAB_SPLIT"]
+    n_chunks = triton.cdiv(vocab, split)
+    g = torch.empty((n_rows, min(split, vocab)), dtype=hidden.dtype, device=hidden.device)
+    acc = None
+    if grad_hidden_out is not None and n_chunks > 1:
+        acc = grad_hidden_out
+        if grad_hidden_out.dtype != torch.float32:
+            acc = torch.empty((n_rows, hidden_size), dtype=torch.float32, device=hidden.device)
+    with _on_device(hidden.device):
+        for chunk in range(n_chunks):
+            v_start = chunk * split
+            cols = min(split, vocab - v_start)
+            grid = (triton.cdiv(n_rows, cfg["BLOCK_N"]) * triton.cdiv(cols, cfg["BLOCK_V"]),)
+            _linear_grad_logits_kernel[grid](
+                hidden, weight, targets, inv_temperature, lse, entropy if has_ent else lse, grad_logprob,
+                grad_entropy if has_ent else grad_logprob, g,
+                n_rows, hidden_size, v_start, cols, g.stride(0), ignore_index,
+                HAS_ENT=has_ent, BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
+                GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            )
+            g_chunk = g[:, :cols]
+            w_chunk = weight[v_start:v_start + cols]
+            if grad_hidden_out is not None:
+                out = grad_hidden_out if chunk == n_chunks - 1 else acc
+                _gemm(g_chunk, w_chunk, out, c_in=acc if chunk > 0 else None)
+            if grad_weight_out is not None:
+                _gemm(g_chunk.T, hidden, grad_weight_out[v_start:v_start + cols])

@@ -1,0 +1,3 @@
+from rlk.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The numerical contract: one machine-readable table, read by tests, the parity
+suite and the consistency tools. Nothing else hard-codes a tolerance.
+
+The table is ``contract.json`` beside this file; its ``about`` field states the
+rules. :func:`compare_outputs` and :func:`compare_grad` apply them and return
+:class:`Deviation` records whose ``ratio`` is worst deviation / allowed (a check
+passes when ``ratio <= 1``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Tolerances of one (op, dtype)."""
+
+    op: str
+    dtype: str
+    atol: float
+    rtol: float
+    grad_rel_l2: float
+    batch_invariance: str
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """Worst deviation of one output against ground truth, and what was allowed."""
+
+    name: str
+    worst: float
+    allowed: float
+
+    @property
+    def ratio(self) -> float:
+        if math.isnan(self.worst):
+            return math.inf
+        return self.worst / self.allowed if self.allowed > 0 else (0.0 if self.worst == 0 else math.inf)
+
+    @property
+    def ok(self) -> bool:
+        return self.ratio <= 1.0
+
+
+@functools.cache
+def table() -> dict:
+    """The raw contract table (parsed ``contract.json``)."""
+    return json.loads(resources.files("rlk").joinpath("contract.json").read_text())
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    if isinstance(dtype, str):
+        return dtype
+    if dtype not in _DTYPE_NAMES:
+        raise KeyError(f"the contract covers {', '.join(_DTYPE_NAMES.values())}, not {dtype}")
+    return _DTYPE_NAMES[dtype]
+
+
+def entry(op: str, dtype: torch.dtype | str) -> Entry:
+    """The contract entry of ``op`` for inputs of ``dtype``."""
+    name = dtype_name(dtype)
+    ops = table()["ops"]
+    if op not in ops or name not in ops[op]:
+        raise KeyError(f"the contract has no entry for op {op!r} with dtype {name}")
+    e = ops[op][name]
+    return Entry(op, name, float(e["atol"]), float(e["rtol"]), float(e["grad_rel_l2"]), e["batch_invariance"])
+
+
+def row_scale(ref_logprob: torch.Tensor, ref_lse: torch.Tensor) -> torch.Tensor:
+    """``1 + |lse| + |z_target|`` per row, from ground truth (fp64)."""
+    ref_logprob, ref_lse = ref_logprob.double(), ref_lse.double()
+    return 1.0 + ref_lse.abs() + (ref_logprob + ref_lse).abs()
+
+
+def compare_outputs(
+    e: Entry,
+    name: str,
+    value: torch.Tensor,
+    ref_value: torch.Tensor,
+    scale: torch.Tensor,
+) -> Deviation:
+    """Per-row check ``|value - ref| <= atol + rtol * scale``.
+
+    Reports the row with the worst ratio: its ``|delta|`` and its bound, so
+    ``ok`` is exact. NaN in ``value`` where ``ref_value`` is not NaN fails.
+    """
+    value, ref_value, scale = value.double().cpu(), ref_value.double().cpu(), scale.double().cpu()
+    if value.numel() == 0:
+        return Deviation(name, 0.0, e.atol)
+    same_nan = torch.isnan(value) & torch.isnan(ref_value)
+    same_inf = torch.isinf(value) & (value == ref_value)
+    delta = torch.where(same_nan | same_inf, 0.0, (value - ref_value).abs())
+    delta = torch.where(torch.isnan(delta), math.inf, delta)
+    bound = e.atol + e.rtol * torch.where(torch.isfinite(scale), scale, 0.0)
+    worst_row = int(torch.argmax(delta / bound))
+    return Deviation(name, float(delta[worst_row]), float(bound[worst_row]))
+
+
+def compare_grad(e: Entry, name: str, grad: torch.Tensor, ref_grad: torch.Tensor, max_scale: float) -> Deviation:
+    """``||g - g_ref||_2 / ||g_ref||_2 <= grad_rel_l2 + rtol * max_scale``."""
+    grad, ref_grad = grad.double().cpu(), ref_grad.double().cpu()
+    allowed = e.grad_rel_l2 + e.rtol * max_scale
+    if not bool(torch.isfinite(grad).all()):
+        return Deviation(name, math.nan, allowed)
+    ref_norm = float(torch.linalg.vector_norm(ref_grad))
+    err = float(torch.linalg.vector_norm(grad - ref_grad))
+    if ref_norm == 0.0:
+        return Deviation(name, 0.0 if err == 0.0 else math.inf, allowed)
+    return Deviation(name, err / ref_norm, allowed)
