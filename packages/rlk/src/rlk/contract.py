@@ -93,7 +93,7 @@ def compare_outputs(
     Reports the row with the worst ratio: its ``|delta|`` and its bound, so
     ``ok`` is exact. NaN in ``value`` where ``ref_value`` is not NaN fails.
     """
-    value, ref_value, scale = value.double().cpu(), ref_value.double().cpu(), scale.double().cpu()
+    value, ref_value, scale = (t.detach().double().cpu() for t in (value, ref_value, scale))
     if value.numel() == 0:
         return Deviation(name, 0.0, e.atol)
     same_nan = torch.isnan(value) & torch.isnan(ref_value)
@@ -107,7 +107,7 @@ def compare_outputs(
 
 def compare_grad(e: Entry, name: str, grad: torch.Tensor, ref_grad: torch.Tensor, max_scale: float) -> Deviation:
     """``||g - g_ref||_2 / ||g_ref||_2 <= grad_rel_l2 + rtol * max_scale``."""
-    grad, ref_grad = grad.double().cpu(), ref_grad.double().cpu()
+    grad, ref_grad = grad.detach().double().cpu(), ref_grad.detach().double().cpu()
     allowed = e.grad_rel_l2 + e.rtol * max_scale
     if not bool(torch.isfinite(grad).all()):
         return Deviation(name, math.nan, allowed)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The CPU test suite (what CI runs): lint, unit tests (reference backend, Triton kernels through
+# the Triton interpreter), the CPU parity matrix and the quick benchmark run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export TRITON_INTERPRET=1          # Triton kernels run on the CPU (slowly)
+export RLK_REQUIRE_BACKENDS=reference,triton   # a backend CI installed must be there and available
+export PYTHONUNBUFFERED=1
+out=${RLK_CI_OUT:-out/ci}
+mkdir -p "$out"
+
+echo "== ruff"; ruff check .
+echo "== rlk info"; python3 -m rlk info
+echo "== pytest"; python3 -m pytest -n 2 --durations=15
+echo "== parity (CPU matrix)"; python3 -m parity --device cpu --out "$out/parity"
+echo "== benchmarks (quick CPU mode)"; python3 bench_asv/run.py --quick --out "$out/bench"

@@ -1,0 +1,54 @@
+"""The contract table is complete and its checks can fail."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlk import abi, contract
+
+
+def test_every_op_and_dtype_has_an_entry():
+    for op in abi.OPS.values():
+        for dtype in op.dtypes:
+            e = contract.entry(op.name, dtype)
+            assert e.atol > 0 and e.rtol > 0 and e.grad_rel_l2 > 0
+            assert e.batch_invariance == "bitwise"
+
+
+def test_unknown_entries_are_errors():
+    with pytest.raises(KeyError, match="no entry for op 'nope'"):
+        contract.entry("nope", torch.float32)
+    with pytest.raises(KeyError, match="covers"):
+        contract.entry("selected_logprob", torch.int8)
+
+
+def test_compare_outputs_scales_with_the_row_and_catches_errors():
+    e = contract.entry("selected_logprob", torch.float32)
+    ref = torch.tensor([-1.0, -2.0, -3.0], dtype=torch.float64)
+    lse = torch.tensor([5.0, 1e4, 0.0], dtype=torch.float64)
+    scale = contract.row_scale(ref, lse)
+    assert torch.equal(scale, 1 + lse.abs() + (ref + lse).abs())
+    within = ref + 0.9 * (e.atol + e.rtol * scale)
+    assert contract.compare_outputs(e, "logprob", within.float(), ref, scale).ok
+    off = ref.clone()
+    off[0] += 2 * (e.atol + e.rtol * scale[0])
+    dev = contract.compare_outputs(e, "logprob", off, ref, scale)
+    assert not dev.ok and 1.9 < dev.ratio < 2.1
+    nan = ref.clone()
+    nan[2] = math.nan
+    assert not contract.compare_outputs(e, "logprob", nan, ref, scale).ok
+    inf = ref.clone()
+    inf[1] = -math.inf
+    assert contract.compare_outputs(e, "logprob", inf, inf, scale).ok
+
+
+def test_compare_grad():
+    e = contract.entry("linear_logprob", torch.bfloat16)
+    ref = torch.randn(100, dtype=torch.float64)
+    assert contract.compare_grad(e, "g", ref.to(torch.bfloat16), ref, 10.0).ok
+    assert not contract.compare_grad(e, "g", ref * 1.1, ref, 10.0).ok
+    assert not contract.compare_grad(e, "g", torch.full_like(ref, math.nan), ref, 10.0).ok
+    assert contract.compare_grad(e, "g", torch.zeros(3), torch.zeros(3), 1.0).ok
