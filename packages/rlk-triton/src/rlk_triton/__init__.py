@@ -49,7 +49,6 @@ def backend():
     """The ``rlk.Backend`` of this package (entry-point factory)."""
     from rlk.abi import ABI_VERSION
     from rlk.backend import Backend
-
     from rlk_triton import logprob
 
     return Backend(

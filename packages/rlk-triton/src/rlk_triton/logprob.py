@@ -355,12 +355,13 @@ def _linear_fwd_combine_kernel(
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
     b = tl.zeros((BLOCK,), tl.float32)
-    for split in range(0, n_splits):
-        part = split * N + rows
+    part = rows  # int64 offsets of [split, rows], advanced one split (N elements) per iteration
+    for _ in range(n_splits):
         m2 = tl.load(part_m_ptr + part, mask=row_mask, other=float("-inf"))
         s2 = tl.load(part_s_ptr + part, mask=row_mask, other=0.0)
         b2 = tl.load(part_b_ptr + part, mask=row_mask, other=0.0)
         m, s, b = _merge(m, s, b, m2, s2, b2)
+        part += N
     tgt = tl.load(targets_ptr + rows, mask=row_mask, other=ignore_index)
     valid = tgt != ignore_index
     z_tgt = tl.load(z_tgt_ptr + rows, mask=row_mask & valid, other=0.0)
