@@ -18,14 +18,17 @@ import triton
 
 from rlk_triton import logprob as tl_logprob
 
-LINEAR_CANDIDATES = [
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, VOCAB_SPLIT=4096, GROUP_N=32, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, VOCAB_SPLIT=4096, GROUP_N=8, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, VOCAB_SPLIT=4096, GROUP_N=8, num_warps=8, num_stages=4),
+FWD_CANDIDATES = [
     dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, VOCAB_SPLIT=4096, GROUP_N=8, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, VOCAB_SPLIT=4096, GROUP_N=16, num_warps=4, num_stages=4),
-    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_K=64, VOCAB_SPLIT=4096, GROUP_N=8, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, VOCAB_SPLIT=8192, GROUP_N=8, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, VOCAB_SPLIT=4096, GROUP_N=8, num_warps=8, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, VOCAB_SPLIT=8192, GROUP_N=4, num_warps=8, num_stages=3),
+    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_K=64, VOCAB_SPLIT=4096, GROUP_N=8, num_warps=8, num_stages=4),
+]
+BWD_CANDIDATES = [
+    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, VOCAB_CHUNK=4096, GROUP_N=8, num_warps=8, num_stages=4),
+    dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, VOCAB_CHUNK=4096, GROUP_N=8, num_warps=8, num_stages=3),
+    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_K=64, VOCAB_CHUNK=4096, GROUP_N=8, num_warps=8, num_stages=3),
+    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, VOCAB_CHUNK=8192, GROUP_N=4, num_warps=4, num_stages=4),
 ]
 GEMM_CANDIDATES = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
@@ -38,6 +41,19 @@ GEMM_CANDIDATES = [
 
 def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=400, return_mode="median")
+
+
+def _kernel_breakdown(fn) -> str:
+    """Total device time per kernel name over one call, from torch.profiler."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name[:40]] = totals.get(event.name[:40], 0.0) + event.device_time / 1e3
+    return ", ".join(f"{name}: {ms:.1f}" for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:4])
 
 
 def main() -> None:
@@ -84,16 +100,28 @@ def main() -> None:
     def bwd():
         tl_logprob.linear_logprob_bwd(hidden, weight, targets, inv_t, lse, ent, g_lp, g_ent, -100, grad_h, grad_w)
 
-    print("| linear config | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | total ms |")
-    print("|---|---|---|---|---|---|")
-    for cfg in LINEAR_CANDIDATES:
-        tl_logprob.TILE_CONFIGS["linear"][dtype] = cfg
+    print("| linear_fwd config | fwd ms | fwd TFLOP/s |")
+    print("|---|---|---|")
+    for cfg in FWD_CANDIDATES:
+        tl_logprob.TILE_CONFIGS["linear_fwd"][dtype] = cfg
         try:
-            f, b_ = _ms(fwd), _ms(bwd)
+            f = _ms(fwd)
         except Exception as exc:
             print(f"| {cfg} | FAILED {type(exc).__name__}: {str(exc)[:100]} |")
             continue
-        print(f"| {cfg} | {f:.1f} | {flops_fwd / f / 1e9:.0f} | {b_:.1f} | {flops_bwd / b_ / 1e9:.0f} | {f + b_:.1f} |")
+        print(f"| {cfg} | {f:.1f} | {flops_fwd / f / 1e9:.0f} |")
+    tl_logprob.TILE_CONFIGS.update(copy.deepcopy(shipped))
+    fwd()
+    print("| linear_bwd config | bwd ms | bwd TFLOP/s | per-kernel ms (profiler) |")
+    print("|---|---|---|---|")
+    for cfg in BWD_CANDIDATES:
+        tl_logprob.TILE_CONFIGS["linear_bwd"][dtype] = cfg
+        try:
+            b_ = _ms(bwd)
+        except Exception as exc:
+            print(f"| {cfg} | FAILED {type(exc).__name__}: {str(exc)[:100]} |")
+            continue
+        print(f"| {cfg} | {b_:.1f} | {flops_bwd / b_ / 1e9:.0f} | {_kernel_breakdown(bwd)} |")
     tl_logprob.TILE_CONFIGS.update(shipped)
 
 

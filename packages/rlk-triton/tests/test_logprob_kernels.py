@@ -38,8 +38,10 @@ LINEAR_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, mark
 
 # Tiny tiles so that CPU-sized problems cover several row blocks, vocab splits / chunks and K steps.
 SMALL_TILES = {
-    "linear": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_SPLIT": 64, "GROUP_N": 2,
-               "num_warps": 4, "num_stages": 1},
+    "linear_fwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_SPLIT": 64, "GROUP_N": 2,
+                   "num_warps": 4, "num_stages": 1},
+    "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_CHUNK": 48, "GROUP_N": 2,
+                   "num_warps": 4, "num_stages": 1},
     "gemm": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
 }
 
@@ -286,7 +288,7 @@ def _linear_batch_invariance(dtype, v, h, batch_sizes):
 
 @pytest.mark.parametrize("dtype", LINEAR_DTYPES)
 def test_linear_batch_invariance_default_tiles(dtype):
-    block_n = tk.TILE_CONFIGS["linear"][dtype]["BLOCK_N"]
+    block_n = max(tk.TILE_CONFIGS[family][dtype]["BLOCK_N"] for family in ("linear_fwd", "linear_bwd"))
     _linear_batch_invariance(dtype, 300, 40, (2, 37, block_n + 2))
 
 
@@ -328,9 +330,9 @@ def test_gemm(small_tiles, dtype, transpose_a, accumulate):
 
 
 def test_tile_configs_are_consistent():
-    for family in ("selected", "linear", "gemm"):
+    for family in ("selected", "linear_fwd", "linear_bwd", "gemm"):
         assert set(tk.TILE_CONFIGS[family]) == {torch.float32, torch.float16, torch.bfloat16}
-    for cfg in tk.TILE_CONFIGS["linear"].values():
+    for cfg in tk.TILE_CONFIGS["linear_fwd"].values():
         assert cfg["VOCAB_SPLIT"] % cfg["BLOCK_V"] == 0
 
 

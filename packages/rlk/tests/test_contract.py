@@ -52,3 +52,6 @@ def test_compare_grad():
     assert not contract.compare_grad(e, "g", ref * 1.1, ref, 10.0).ok
     assert not contract.compare_grad(e, "g", torch.full_like(ref, math.nan), ref, 10.0).ok
     assert contract.compare_grad(e, "g", torch.zeros(3), torch.zeros(3), 1.0).ok
+    tiny = torch.full((4,), 0.5 * e.atol)
+    assert contract.compare_grad(e, "g", tiny, torch.zeros(4), 1.0).ok
+    assert not contract.compare_grad(e, "g", 4 * tiny, torch.zeros(4), 1.0).ok

@@ -45,13 +45,14 @@ import triton.language as tl
 #:
 #: * ``"selected"``: ``selected_logprob`` fwd/bwd, one program per row looping over the
 #:   vocab in ``BLOCK_V`` chunks.
-#: * ``"linear"``: the ``linear_logprob`` forward and the backward's grad-logits kernel.
-#:   A program owns ``BLOCK_N`` rows and a tile of ``BLOCK_V`` vocab columns, computed by
-#:   a ``K`` loop over the hidden size in ``BLOCK_K`` steps. The forward splits the vocab
-#:   into ``VOCAB_SPLIT`` columns per program (partials merged in split order); the
-#:   backward walks the vocab in chunks of ``VOCAB_SPLIT`` columns. ``VOCAB_SPLIT`` must
-#:   be a multiple of ``BLOCK_V``. ``GROUP_N`` row blocks are scheduled together so that
-#:   concurrent programs share weight tiles in L2 (no effect on the numbers).
+#: * ``"linear_fwd"``: the ``linear_logprob`` forward. A program owns ``BLOCK_N`` rows and
+#:   one vocab split of ``VOCAB_SPLIT`` columns (a multiple of ``BLOCK_V``), walked in tiles
+#:   of ``BLOCK_V`` columns, each computed by a ``K`` loop over the hidden size in ``BLOCK_K``
+#:   steps; the splits' partials are merged in split order. ``GROUP_N`` row blocks are
+#:   scheduled together so that concurrent programs share weight tiles in L2 (no effect on
+#:   the numbers).
+#: * ``"linear_bwd"``: the backward walks the vocab in chunks of ``VOCAB_CHUNK`` columns; its
+#:   grad-logits kernel computes one ``BLOCK_N x BLOCK_V`` tile per program.
 #: * ``"gemm"``: the backward's ``C = A @ B`` kernel (``grad_hidden``, ``grad_weight``),
 #:   ``BLOCK_M x BLOCK_N`` output tiles, ``K`` loop in ``BLOCK_K`` steps, ``GROUP_M`` row
 #:   tiles scheduled together.
@@ -61,24 +62,38 @@ TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
         torch.float16: {"BLOCK_V": 4096, "num_warps": 8},
         torch.bfloat16: {"BLOCK_V": 4096, "num_warps": 8},
     },
-    "linear": {
+    "linear_fwd": {
         torch.float32: {
             "BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 32, "VOCAB_SPLIT": 4096, "GROUP_N": 32,
             "num_warps": 4, "num_stages": 2,
         },
         torch.float16: {
-            "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_SPLIT": 4096, "GROUP_N": 32,
+            "BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "VOCAB_SPLIT": 4096, "GROUP_N": 8,
             "num_warps": 8, "num_stages": 3,
         },
         torch.bfloat16: {
-            "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_SPLIT": 4096, "GROUP_N": 32,
+            "BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "VOCAB_SPLIT": 4096, "GROUP_N": 8,
             "num_warps": 8, "num_stages": 3,
+        },
+    },
+    "linear_bwd": {
+        torch.float32: {
+            "BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 32, "VOCAB_CHUNK": 4096, "GROUP_N": 32,
+            "num_warps": 4, "num_stages": 2,
+        },
+        torch.float16: {
+            "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_CHUNK": 4096, "GROUP_N": 8,
+            "num_warps": 8, "num_stages": 4,
+        },
+        torch.bfloat16: {
+            "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_CHUNK": 4096, "GROUP_N": 8,
+            "num_warps": 8, "num_stages": 4,
         },
     },
     "gemm": {
         torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2},
-        torch.float16: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-        torch.bfloat16: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+        torch.float16: {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+        torch.bfloat16: {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
     },
 }
 
@@ -388,7 +403,7 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
     """
     n_rows, hidden_size = hidden.shape
     vocab = weight.shape[0]
-    cfg = TILE_CONFIGS["linear"][hidden.dtype]
+    cfg = TILE_CONFIGS["linear_fwd"][hidden.dtype]
     n_splits = triton.cdiv(vocab, cfg["VOCAB_SPLIT"])
     part = torch.empty((3, n_splits, n_rows), dtype=torch.float32, device=hidden.device)
     z_tgt = torch.empty((n_rows,), dtype=torch.float32, device=hidden.device)
@@ -522,11 +537,11 @@ def linear_logprob_bwd(
         grad_weight_out: ``[V, H]`` in ``weight.dtype`` or None (not computed): ``G.T @ hidden``.
 
     Spec: :func:`rlk.reference.logprob.linear_logprob_bwd`. For each vocab chunk ``c`` of
-    ``VOCAB_SPLIT`` columns, in order: ``G_c`` (``[N, |c|]``, input dtype, one scratch buffer
+    ``VOCAB_CHUNK`` columns, in order: ``G_c`` (``[N, |c|]``, input dtype, one scratch buffer
     reused) is recomputed from hidden and weight; ``grad_hidden += G_c @ weight[c]`` into an
     fp32 ``[N, H]`` scratch (the first chunk writes, the last one stores in ``hidden.dtype``);
     ``grad_weight[c] = G_c.T @ hidden`` with the rows summed in fixed order. Extra memory:
-    ``N * min(V, VOCAB_SPLIT)`` elements plus ``4 * N * H`` bytes when there are several
+    ``N * min(V, VOCAB_CHUNK)`` elements plus ``4 * N * H`` bytes when there are several
     chunks and ``hidden`` is 16-bit.
     """
     if grad_hidden_out is None and grad_weight_out is None:
@@ -536,8 +551,8 @@ def linear_logprob_bwd(
         raise ValueError("linear_logprob_bwd: grad_entropy needs the forward's entropy")
     n_rows, hidden_size = hidden.shape
     vocab = weight.shape[0]
-    cfg = TILE_CONFIGS["linear"][hidden.dtype]
-    split = cfg["VOCAB_SPLIT"]
+    cfg = TILE_CONFIGS["linear_bwd"][hidden.dtype]
+    split = cfg["VOCAB_CHUNK"]
     n_chunks = triton.cdiv(vocab, split)
     g = torch.empty((n_rows, min(split, vocab)), dtype=hidden.dtype, device=hidden.device)
     acc = None

@@ -1,0 +1,225 @@
+"""Run the rlk log-prob benchmarks without asv: a Markdown table on stdout, JSON with ``--out``.
+
+Every point of ``benchmarks/logprob.py`` (the asv suite; its docstring defines what is measured) runs
+through the same ``Case`` class asv uses, in one process, after measuring the machine's ceilings (a
+square matmul's TFLOP/s and a device-to-device copy's GB/s). Each row reports the achieved rate as a
+fraction of its ceiling (TFLOP/s of the matmul for ``linear_logprob``, GB/s of the copy for
+``selected_logprob``) and the speedup over ``torch_compile`` and ``torch_eager`` at the same point
+(their time over this row's time).
+
+Usage::
+
+    python bench_asv/run.py                      # the full suite on a GPU (bf16, headline shapes)
+    python bench_asv/run.py --quick              # tiny float32 shapes (also what runs without a GPU)
+    python bench_asv/run.py --only linear --out out/bench
+
+``RLK_BACKEND=<name>`` pins rlk's backend; ``RLK_REQUIRE_GPU=1`` refuses to run without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+OPS = {"linear": "LinearLogprob", "selected": "SelectedLogprob"}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny float32 shapes (sets RLK_BENCH_QUICK=1)")
+    parser.add_argument("--only", choices=sorted(OPS), help="run one op's benchmarks")
+    parser.add_argument("--out", type=Path, help="directory for logprob.json and logprob.md")
+    return parser.parse_args()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return done.stdout.strip()
+
+
+def environment(bench) -> dict:
+    """Hardware, versions and the command line of this run."""
+    if bench.DEVICE.type == "cuda":
+        device = torch.cuda.get_device_name(bench.DEVICE)
+    else:
+        device = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return {
+        "device": device,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "rlk": _version("rlk"),
+        "rlk_triton": _version("rlk-triton"),
+        "git_commit": _git_commit(),
+        "command": shlex.join(["python", *sys.argv]),
+        "rlk_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RLK_")},
+        "quick": bench.QUICK,
+        "dtype": str(bench.DTYPE).removeprefix("torch."),
+        "temperature": bench.TEMPERATURE,
+        "warmup": bench.WARMUP,
+        "repeats": bench.REPEATS,
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def measure_point(bench, op: str, impl: str, entropy: bool, shape: tuple[int, ...]) -> dict:
+    """One row: time, rate and (on a GPU) peak extra memory, or the out-of-memory status."""
+    row = {
+        "op": op,
+        "impl": impl,
+        "entropy": entropy,
+        "shape": list(shape),
+        "backend": None,
+        "status": "ok",
+        "ms": None,
+        "rate": None,
+        "unit": None,
+        "peak_extra_mib": None,
+    }
+    case = None
+    try:
+        case = bench.Case(op, impl, entropy, shape)
+        row["ms"], row["rate"], row["unit"] = case.ms(), case.rate(), case.unit
+        if case.decision is not None:
+            row["backend"], row["rlk_explain"] = case.decision.backend, str(case.decision)
+        if bench.DEVICE.type == "cuda":
+            row["peak_extra_mib"] = case.peak_extra_mib()
+    except torch.OutOfMemoryError:
+        row["status"] = "OOM"
+    except Exception as exc:  # keep the other points of a long GPU run; main() exits non-zero
+        row["status"] = f"error: {type(exc).__name__}: {exc}".splitlines()[0]
+    finally:
+        del case
+        gc.collect()
+        if bench.DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def add_ratios(rows: list[dict], ceilings: dict) -> None:
+    """Fraction of the ceiling, and speedup/memory against the PyTorch baselines at the same point."""
+    by_point = {(r["op"], tuple(r["shape"]), r["entropy"], r["impl"]): r for r in rows}
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        ceiling = ceilings["matmul_tflops"] if row["unit"] == "TFLOP/s" else ceilings["copy_gbps"]
+        row["of_ceiling"] = row["rate"] / ceiling
+        for base in ("torch_compile", "torch_eager"):
+            other = by_point.get((row["op"], tuple(row["shape"]), row["entropy"], base))
+            ok = other is not None and other["status"] == "ok"
+            row[f"speedup_vs_{base}"] = other["ms"] / row["ms"] if ok else None
+            mib = row["peak_extra_mib"]
+            row[f"memory_vs_{base}"] = mib / other["peak_extra_mib"] if ok and mib is not None else None
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(rows: list[dict], ceilings: dict, env: dict) -> str:
+    """The results as a Markdown report: environment, ceilings, one table row per point."""
+    lines = [
+        f"rlk log-prob benchmarks: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+        f"rlk {env['rlk']}, rlk-triton {env['rlk_triton']}; {env['dtype']}, T={env['temperature']}, "
+        f"median of {env['repeats']} after {env['warmup']} warm-up",
+        f"command: `{env['command']}`",
+        "",
+        f"ceilings: matmul {ceilings['matmul_n']}^3 {ceilings['matmul_dtype']} "
+        f"{ceilings['matmul_tflops']:.3g} TFLOP/s; copy {ceilings['copy_bytes'] / 2**20:.0f} MiB "
+        f"{ceilings['copy_gbps']:.3g} GB/s (read + write)",
+        "rates credit every impl with the same nominal work per fwd+bwd: linear_logprob 8NHV FLOPs (the torch "
+        "baselines keep the logits and do 6NHV), selected_logprob 3NV*itemsize bytes (logits read twice, "
+        "grad written once); x vs = baseline ms / row ms; mem vs = row MiB / baseline MiB",
+        "",
+        "| op | impl | shape | entropy | ms | rate | of ceiling | peak extra MiB "
+        "| x vs compile | x vs eager | mem vs compile |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        impl = f"rlk ({r['backend']})" if r["impl"] == "rlk" else r["impl"]
+        names = "NHV" if r["op"] == "linear_logprob" else "NV"
+        shape = " ".join(f"{k}={v}" for k, v in zip(names, r["shape"]))
+        head = f"| {r['op']} | {impl} | {shape} | {r['entropy']} |"
+        if r["status"] != "ok":
+            lines.append(f"{head} {r['status']} | | | | | | |")
+            continue
+        lines.append(
+            f"{head} {r['ms']:.3f} | {r['rate']:.3g} {r['unit']} | {_fmt(r['of_ceiling'], '.1%')} "
+            f"| {_fmt(r['peak_extra_mib'], '.0f')} | {_fmt(r['speedup_vs_torch_compile'], '.2f', 'x')} "
+            f"| {_fmt(r['speedup_vs_torch_eager'], '.2f', 'x')} | {_fmt(r['memory_vs_torch_compile'], '.2f', 'x')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def save(out: Path, env: dict, ceilings: dict, rows: list[dict]) -> None:
+    """Write ``logprob.json`` (everything) and ``logprob.md`` (the report) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    document = {"env": env, "ceilings": ceilings, "results": rows}
+    (out / "logprob.json").write_text(json.dumps(document, indent=2) + "\n")
+    (out / "logprob.md").write_text(markdown(rows, ceilings, env))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.quick:
+        os.environ["RLK_BENCH_QUICK"] = "1"
+    if os.environ.get("RLK_REQUIRE_GPU") == "1" and not torch.cuda.is_available():
+        sys.exit("RLK_REQUIRE_GPU=1 but torch sees no GPU")
+    sys.path.insert(0, str(HERE))
+    from benchmarks import logprob as bench
+
+    env = environment(bench)
+    print(f"device: {env['device']}; measuring ceilings", file=sys.stderr)
+    ceilings = {
+        "matmul_n": bench.MATMUL_N,
+        "matmul_dtype": str(bench.MATMUL_DTYPE).removeprefix("torch."),
+        "matmul_tflops": bench.matmul_tflops(),
+        "copy_bytes": bench.COPY_BYTES,
+        "copy_gbps": bench.copy_gbps(),
+    }
+    rows = []
+    for key in [args.only] if args.only else list(OPS):
+        cls = getattr(bench, OPS[key])
+        for impl, entropy, shape in itertools.product(*cls.params):
+            row = measure_point(bench, cls.op, impl, entropy, shape)
+            print(
+                f"{cls.op} {impl} entropy={entropy} {shape}: {row['status']} {_fmt(row['ms'], '.3f', ' ms')}",
+                file=sys.stderr,
+            )
+            rows.append(row)
+            add_ratios(rows, ceilings)
+            if args.out:  # after every point, so a run cut short keeps what it measured
+                save(args.out, env, ceilings, rows)
+    print(markdown(rows, ceilings, env))
+    if args.out:
+        print(f"wrote {args.out / 'logprob.json'} and {args.out / 'logprob.md'}", file=sys.stderr)
+    if any(r["status"].startswith("error") for r in rows):
+        sys.exit("some points failed (status 'error' above)")
+
+
+if __name__ == "__main__":
+    main()
