@@ -2,7 +2,8 @@
 
 Tests marked ``gpu`` are deselected (reported as deselected, never silently
 passed) when torch sees no GPU. ``RLK_REQUIRE_GPU=1`` turns a missing GPU into
-an error, so a GPU run can't quietly turn into a CPU run.
+an error, so a GPU run can't quietly turn into a CPU run. Tests marked
+``triton_interpreter`` are deselected unless ``TRITON_INTERPRET=1`` (CI sets it).
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ import pytest
 import torch
 
 
+def _deselect(config, items, marker: str) -> None:
+    chosen = [item for item in items if item.get_closest_marker(marker)]
+    if chosen:
+        config.hook.pytest_deselected(items=chosen)
+        items[:] = [item for item in items if not item.get_closest_marker(marker)]
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        _deselect(config, items, "triton_interpreter")
     if torch.cuda.is_available():
         return
     if os.environ.get("RLK_REQUIRE_GPU") == "1":
         raise pytest.UsageError("RLK_REQUIRE_GPU=1 but torch sees no GPU")
-    gpu = [item for item in items if item.get_closest_marker("gpu")]
-    if gpu:
-        config.hook.pytest_deselected(items=gpu)
-        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    _deselect(config, items, "gpu")

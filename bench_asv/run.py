@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny float32 shapes (sets RLK_BENCH_QUICK=1)")
     parser.add_argument("--only", choices=sorted(OPS), help="run one op's benchmarks")
     parser.add_argument("--out", type=Path, help="directory for logprob.json and logprob.md")
+    parser.add_argument("--shape", help="run only this shape, e.g. 16384,4096,151936 (linear) or 16384,151936")
     return parser.parse_args()
 
 
@@ -205,6 +206,8 @@ def main() -> None:
     for key in [args.only] if args.only else list(OPS):
         cls = getattr(bench, OPS[key])
         for impl, entropy, shape in itertools.product(*cls.params):
+            if args.shape and shape != tuple(int(x) for x in args.shape.split(",")):
+                continue
             row = measure_point(bench, cls.op, impl, entropy, shape)
             print(
                 f"{cls.op} {impl} entropy={entropy} {shape}: {row['status']} {_fmt(row['ms'], '.3f', ' ms')}",

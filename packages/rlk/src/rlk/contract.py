@@ -93,7 +93,7 @@ def compare_outputs(
     Reports the row with the worst ratio: its ``|delta|`` and its bound, so
     ``ok`` is exact. NaN in ``value`` where ``ref_value`` is not NaN fails.
     """
-    value, ref_value, scale = (t.detach().double().cpu() for t in (value, ref_value, scale))
+    value, ref_value, scale = (t.detach().to(ref_value.device, torch.float64) for t in (value, ref_value, scale))
     if value.numel() == 0:
         return Deviation(name, 0.0, e.atol)
     same_nan = torch.isnan(value) & torch.isnan(ref_value)
@@ -111,7 +111,7 @@ def compare_grad(e: Entry, name: str, grad: torch.Tensor, ref_grad: torch.Tensor
     Where the true gradient is exactly zero (``V = 1``, every row ignored) a relative
     error means nothing; then the RMS of ``g`` must be ``<= atol``.
     """
-    grad, ref_grad = grad.detach().double().cpu(), ref_grad.detach().double().cpu()
+    grad, ref_grad = grad.detach().to(ref_grad.device, torch.float64), ref_grad.detach().double()
     allowed = e.grad_rel_l2 + e.rtol * max_scale
     if not bool(torch.isfinite(grad).all()):
         return Deviation(name, math.nan, allowed)

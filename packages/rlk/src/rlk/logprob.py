@@ -206,8 +206,8 @@ def selected_logprob(
         return_entropy: also return the entropy.
 
     Returns:
-        fp32 (fp64 for fp64 logits) ``logprob`` of shape ``targets.shape``, and fp32 ``entropy`` of the
-        same shape when ``return_entropy``. Both are differentiable w.r.t.
+        ``logprob`` of shape ``targets.shape``, and ``entropy`` of the same shape when
+        ``return_entropy``; fp32 (fp64 for fp64 logits, a reference-only mode). Both are differentiable w.r.t.
         ``logits`` (``d logprob/dz = onehot - p``, ``d entropy/dz = p (E_p[z] - z)``).
 
     Memory: one pass over the logits; nothing of size ``[N, V]`` is allocated

@@ -1,0 +1,82 @@
+"""``python -m parity``: run the parity matrix, print it, optionally write it to a folder."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from parity import report
+from parity.cases import OPS
+from parity.run import FAIL, Config, run_matrix, runnable_backends
+
+DTYPE_ALIASES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+    "fp32": "float32", "float32": "float32", "float": "float32",
+}
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m parity",
+        description="Compare every available rlk backend with the reference run in fp64, under the numerical "
+                    "contract, and check batch invariance. Exit code 1 if anything fails.",
+    )
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", default=default_device, help=f"torch device (default: {default_device})")
+    parser.add_argument("--backends", help="comma-separated backends (default: every one that serves the device)")
+    parser.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated dtypes (default: bf16,fp16,fp32)")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
+    parser.add_argument("--quick", action="store_true", help="a small subset of the cases (CI smoke)")
+    parser.add_argument("--out", type=Path, help="write parity.md and parity.json into this folder")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default: 0)")
+    args = parser.parse_args(argv)
+    try:
+        args.dtypes = list(dict.fromkeys(DTYPE_ALIASES[d] for d in _split(args.dtypes)))
+    except KeyError as exc:
+        parser.error(f"unknown dtype {exc.args[0]!r}; use bf16, fp16 or fp32")
+    args.ops = _split(args.ops)
+    unknown = [op for op in args.ops if op not in OPS]
+    if unknown:
+        parser.error(f"unknown op(s) {', '.join(unknown)}; ops: {', '.join(OPS)}")
+    args.device = torch.device(args.device)
+    runnable, not_run = runnable_backends(args.device)
+    if args.backends:
+        wanted = _split(args.backends)
+        refused = [f"{b}: {not_run.get(b, 'not installed')}" for b in wanted if b not in runnable]
+        if refused:
+            parser.error(f"cannot run on {args.device}: " + "; ".join(refused))
+        runnable = wanted
+    args.backends, args.not_run = runnable, not_run
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    # The Triton interpreter evaluates both sides of tl.where on masked lanes (log(0), 0 * -inf); numpy warns.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+    config = Config(args.device, args.backends, args.dtypes, args.ops, args.quick, args.seed)
+    env = report.environment(config.device, shlex.join(["python", "-m", "parity", *argv]))
+    start = time.perf_counter()
+    cells = run_matrix(config)
+    seconds = time.perf_counter() - start
+    markdown = report.to_markdown(config, cells, args.not_run, env, seconds)
+    print(markdown, flush=True)
+    if args.out is not None:
+        report.write(args.out, markdown, report.to_json(config, cells, args.not_run, env, seconds))
+    return 1 if any(c.status == FAIL for c in cells) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

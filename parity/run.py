@@ -1,0 +1,373 @@
+"""Running the parity matrix: values against fp64 ground truth, and batch invariance.
+
+For each op, dtype and backend (pinned with :func:`rlk.use_backend`), every value
+case runs the public op forward and backward (loss ``sum(c1 * logprob + c2 *
+entropy)``). Ground truth is the same public op on fp64 copies of the same input
+values, pinned to the reference backend. Outputs and gradients are compared
+with :mod:`rlk.contract`; no tolerance is defined here.
+
+Backends that declare ``batch_invariant`` must give a probe row the same bits
+alone and inside batches (``torch.equal``); for the others the same check is
+run and reported as information only.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import rlk
+from parity import cases as cs
+from rlk import abi, contract, dispatch
+
+PASS, FAIL, NA = "PASS", "FAIL", "n/a"
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Outputs:
+    """What one op call produced: fp32/fp64 per-row outputs and the input gradients."""
+
+    logprob: torch.Tensor
+    entropy: torch.Tensor | None
+    grads: dict[str, torch.Tensor]
+
+
+@dataclass
+class CaseResult:
+    """One value case on one backend: every deviation, or the error it raised."""
+
+    case: cs.Case
+    deviations: list[contract.Deviation] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(d.ok for d in self.deviations)
+
+    @property
+    def worst(self) -> contract.Deviation | None:
+        return max(self.deviations, key=lambda d: d.ratio, default=None)
+
+
+@dataclass
+class InvarianceCheck:
+    """The probe row inside one batch: which outputs differ from the probe alone."""
+
+    batch: int
+    position: int
+    differs: list[str]
+
+
+@dataclass
+class InvarianceResult:
+    """Batch invariance of one (op, dtype, backend)."""
+
+    claimed: bool
+    plan: cs.InvariancePlan
+    checks: list[InvarianceCheck] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def bitwise(self) -> bool:
+        return self.error is None and not any(c.differs for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        """Short verdict for the matrix: ``bitwise``, ``BROKEN ...`` or ``not claimed (measured: ...)``."""
+        if self.error is not None:
+            measured = "error"
+        elif self.bitwise:
+            measured = "bitwise"
+        else:
+            measured = f"differs in {sum(bool(c.differs) for c in self.checks)}/{len(self.checks)} batches"
+        if self.claimed:
+            return measured if self.bitwise else f"BROKEN ({measured})"
+        return f"not claimed (measured: {measured})"
+
+    @property
+    def details(self) -> str:
+        """Which batch, position and outputs differ (or the error)."""
+        if self.error is not None:
+            return self.error
+        bad = [f"N={c.batch} at {c.position}: {', '.join(c.differs)}" for c in self.checks if c.differs]
+        return "; ".join(bad) or "all equal"
+
+    @property
+    def ok(self) -> bool:
+        return self.bitwise or not self.claimed
+
+
+@dataclass
+class Cell:
+    """One (op, dtype, backend) of the matrix."""
+
+    op: str
+    dtype: str
+    backend: str
+    na_reason: str | None = None
+    results: list[CaseResult] = field(default_factory=list)
+    skipped: list[tuple[cs.Case, str]] = field(default_factory=list)
+    invariance: InvarianceResult | None = None
+
+    @property
+    def status(self) -> str:
+        if self.na_reason is not None:
+            return NA
+        if all(r.ok for r in self.results) and (self.invariance is None or self.invariance.ok):
+            return PASS
+        return FAIL
+
+    @property
+    def worst(self) -> tuple[CaseResult, contract.Deviation] | None:
+        """The case and check with the largest deviation / allowed ratio."""
+        pairs = [(r, r.worst) for r in self.results if r.worst is not None]
+        return max(pairs, key=lambda p: p[1].ratio, default=None)
+
+
+@dataclass
+class Config:
+    """What to run (the parsed command line)."""
+
+    device: torch.device
+    backends: list[str]
+    dtypes: list[str]
+    ops: list[str]
+    quick: bool
+    seed: int
+
+
+# ---------------------------------------------------------------------------
+# backends
+# ---------------------------------------------------------------------------
+
+
+def runnable_backends(device: torch.device) -> tuple[list[str], dict[str, str]]:
+    """Backends that are available and serve ``device``, and why the others don't."""
+    run, not_run = [], {}
+    for name, status in dispatch.discover().items():
+        if not status.available:
+            not_run[name] = f"unavailable: {status.reason}"
+            continue
+        served = status.backend.device_types()
+        if device.type in served or "*" in served:
+            run.append(name)
+        else:
+            not_run[name] = f"does not serve device type '{device.type}' (serves: {', '.join(served) or 'none'})"
+    return run, not_run
+
+
+def claims_invariance(backend: str) -> bool:
+    return dispatch.discover()[backend].backend.batch_invariant
+
+
+# ---------------------------------------------------------------------------
+# one call
+# ---------------------------------------------------------------------------
+
+
+def forward_backward(op: str, inputs: cs.Inputs, with_entropy: bool) -> Outputs:
+    """The public op, forward and backward of ``sum(c1 * logprob + c2 * entropy)``, on the pinned backend."""
+    x = inputs.x.detach().requires_grad_()
+    kwargs = {"temperature": inputs.temperature, "ignore_index": cs.IGNORE_INDEX, "return_entropy": with_entropy}
+    if op == "selected_logprob":
+        out = rlk.selected_logprob(x, inputs.targets, **kwargs)
+        leaves = {"grad_logits": x}
+    else:
+        weight = inputs.weight.detach().requires_grad_()
+        out = rlk.linear_logprob(x, weight, inputs.targets, **kwargs)
+        leaves = {"grad_hidden": x, "grad_weight": weight}
+    logprob, entropy = out if with_entropy else (out, None)
+    loss = inputs.c1 * logprob
+    if entropy is not None:
+        loss = loss + inputs.c2 * entropy
+    loss.sum().backward()
+    grads = {name: leaf.grad for name, leaf in leaves.items()}
+    return Outputs(logprob.detach(), None if entropy is None else entropy.detach(), grads)
+
+
+def reference_lse(op: str, inputs: cs.Inputs) -> torch.Tensor:
+    """Ground-truth ``lse`` of fp64 inputs, from the forward custom op pinned to the reference."""
+    t = inputs.temperature
+    if not isinstance(t, torch.Tensor):
+        t = torch.full((inputs.rows,), t, dtype=torch.float64, device=inputs.x.device)
+    inv_t = torch.reciprocal(t.to(torch.float64)).contiguous()
+    with rlk.use_backend("reference"), torch.no_grad():
+        if op == "selected_logprob":
+            _, _, lse = torch.ops.rlk.selected_logprob_fwd(inputs.x, inputs.targets, inv_t, cs.IGNORE_INDEX, False)
+        else:
+            _, _, lse = torch.ops.rlk.linear_logprob_fwd(
+                inputs.x, inputs.weight, inputs.targets, inv_t, cs.IGNORE_INDEX, False
+            )
+    return lse
+
+
+@dataclass
+class GroundTruth:
+    """fp64 reference outputs and gradients of one case, with the contract's row scales."""
+
+    outputs: Outputs
+    scale: torch.Tensor
+    max_scale: float
+
+
+def ground_truth(op: str, low: cs.Inputs, with_entropy: bool) -> GroundTruth:
+    """The reference backend on fp64 copies of the low-precision inputs ``low``."""
+    exact = low.cast(torch.float64, low.x.device)
+    with rlk.use_backend("reference"):
+        outputs = forward_backward(op, exact, with_entropy)
+    scale = contract.row_scale(outputs.logprob, reference_lse(op, exact))
+    valid = exact.targets != cs.IGNORE_INDEX
+    max_scale = float(scale[valid].max()) if bool(valid.any()) else 0.0
+    return GroundTruth(outputs, scale, max_scale)
+
+
+def compare(op: str, dtype: torch.dtype, got: Outputs, truth: GroundTruth) -> list[contract.Deviation]:
+    """Every output and gradient of ``got`` against the ground truth, under the contract."""
+    entry = contract.entry(op, dtype)
+    ref = truth.outputs
+    deviations = [contract.compare_outputs(entry, "logprob", got.logprob, ref.logprob, truth.scale)]
+    if ref.entropy is not None:
+        deviations.append(contract.compare_outputs(entry, "entropy", got.entropy, ref.entropy, truth.scale))
+    for name, grad in got.grads.items():
+        deviations.append(contract.compare_grad(entry, name, grad, ref.grads[name], truth.max_scale))
+    return deviations
+
+
+# ---------------------------------------------------------------------------
+# invariance
+# ---------------------------------------------------------------------------
+
+
+def _probe_row(out: Outputs, position: int) -> dict[str, torch.Tensor]:
+    """The probe row's outputs and per-row gradients (``grad_weight`` mixes rows: not compared)."""
+    row = {"logprob": out.logprob[position], "entropy": out.entropy[position]}
+    for name, grad in out.grads.items():
+        if name != "grad_weight":
+            row[name] = grad[position]
+    return row
+
+
+def check_invariance(
+    plan: cs.InvariancePlan, probe: cs.Inputs, others: cs.Inputs, dtype: torch.dtype, backend: str,
+    device: torch.device,
+) -> InvarianceResult:
+    """The probe row alone versus inside each batch of ``plan`` at first, middle and last position
+    (``probe`` and ``others`` from :func:`parity.cases.make_invariance_inputs`)."""
+    result = InvarianceResult(claims_invariance(backend), plan)
+    op = plan.op
+    probe, others = probe.cast(dtype, device), others.cast(dtype, device)
+    try:
+        with rlk.use_backend(backend):
+            alone = _probe_row(forward_backward(op, probe, True), 0)
+            for batch in plan.batches:
+                for position in plan.positions(batch):
+                    inputs = cs.embed_probe(probe, others, batch, position)
+                    row = _probe_row(forward_backward(op, inputs, True), position)
+                    differs = [name for name, value in alone.items() if not torch.equal(value, row[name])]
+                    result.checks.append(InvarianceCheck(batch, position, differs))
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc(file=sys.stderr)
+    return result
+
+
+# ---------------------------------------------------------------------------
+# the matrix
+# ---------------------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_matrix(config: Config, progress: Callable[[str], None] = _say) -> list[Cell]:
+    """Every (op, dtype, backend) cell of the matrix, in the order of ``config``."""
+    device = config.device
+    cells: dict[tuple[str, str, str], Cell] = {}
+    for op in config.ops:
+        for dtype in config.dtypes:
+            for backend in config.backends:
+                reason = dispatch.why_not(backend, abi.OPS[op], device, DTYPES[dtype])
+                cells[op, dtype, backend] = Cell(op, dtype, backend, na_reason=reason)
+    live = [c for c in cells.values() if c.na_reason is None]
+    total = len(live) + sum(
+        1
+        for cell in live
+        for case in cs.value_cases(cell.op, device.type, config.quick)
+        if cs.skip_reason(cell.backend, device, case) is None
+    )
+    counter = _Counter(total, progress)
+    for op in config.ops:
+        for case in cs.value_cases(op, device.type, config.quick):
+            _run_case(config, case, [c for c in live if c.op == op], counter)
+    for op in config.ops:
+        plan = cs.invariance_plan(op, device.type, config.quick)
+        probe, others = cs.make_invariance_inputs(plan, config.seed)
+        for cell in (c for c in live if c.op == op):
+            start = time.perf_counter()
+            cell.invariance = check_invariance(plan, probe, others, DTYPES[cell.dtype], cell.backend, device)
+            counter(f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {plan.batches}, V={plan.vocab}): "
+                    f"{cell.invariance.verdict} [{cell.invariance.details}] ({time.perf_counter() - start:.1f}s)")
+    return list(cells.values())
+
+
+class _Counter:
+    """Numbers progress lines: ``[done/total] message``."""
+
+    def __init__(self, total: int, sink: Callable[[str], None]):
+        self.total, self.done, self.sink = total, 0, sink
+
+    def __call__(self, message: str) -> None:
+        self.done += 1
+        self.sink(f"[{self.done}/{self.total}] {message}")
+
+
+def _run_case(config: Config, case: cs.Case, cells: list[Cell], progress: Callable[[str], None]) -> None:
+    """One value case in every dtype on every backend of ``cells`` (ground truth computed once per dtype)."""
+    device = config.device
+    base = cs.make_inputs(case, config.seed)
+    for dtype in config.dtypes:
+        todo = []
+        for cell in (c for c in cells if c.dtype == dtype):
+            reason = cs.skip_reason(cell.backend, device, case)
+            if reason is None:
+                todo.append(cell)
+            else:
+                cell.skipped.append((case, reason))
+        if not todo:
+            continue
+        low = base.cast(DTYPES[dtype], device)
+        truth = ground_truth(case.op, low, case.features.entropy)
+        for cell in todo:
+            result = CaseResult(case)
+            start = time.perf_counter()
+            try:
+                with rlk.use_backend(cell.backend):
+                    got = forward_backward(case.op, low, case.features.entropy)
+                result.deviations = compare(case.op, DTYPES[dtype], got, truth)
+            except Exception as exc:
+                result.error = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc(file=sys.stderr)
+            result.seconds = time.perf_counter() - start
+            cell.results.append(result)
+            progress(_case_line(cell, result))
+        del low, truth
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _case_line(cell: Cell, result: CaseResult) -> str:
+    head = f"{cell.op} {cell.dtype} {cell.backend} {result.case.label()}:"
+    if result.error is not None:
+        return f"{head} FAIL error {result.error} ({result.seconds:.1f}s)"
+    worst = result.worst
+    verdict = PASS if result.ok else FAIL
+    return f"{head} {verdict} worst {worst.ratio:.3g} ({worst.name}) ({result.seconds:.1f}s)"

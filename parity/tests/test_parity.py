@@ -1,0 +1,173 @@
+"""The parity suite itself: it runs a tiny matrix, reports it, and can fail.
+
+Tiny matrices (V in {1000, 3000}, N in {1, 7}) keep these tests fast on the CPU;
+the Triton backend runs under its CPU interpreter when no GPU is visible.
+Deliberately broken backends are registered by patching ``rlk.dispatch.discover``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+import rlk
+from parity import cases as cs
+from parity import report
+from parity.__main__ import main
+from parity.run import FAIL, NA, PASS, Config, run_matrix, runnable_backends
+from rlk import dispatch
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # Triton interpreter: log(0) on masked lanes
+
+
+@pytest.fixture(autouse=True)
+def tiny_matrix(monkeypatch):
+    monkeypatch.setattr(cs, "QUICK_VOCABS", (1000, 3000))
+    monkeypatch.setattr(cs, "QUICK_ROWS", (1, 7))
+    monkeypatch.setitem(cs.INVARIANCE_VOCAB, "cpu", {"selected_logprob": 1000, "linear_logprob": 1000})
+
+
+def _config(backends, dtypes=("float32",), ops=cs.OPS) -> Config:
+    return Config(CPU, list(backends), list(dtypes), list(ops), quick=True, seed=0)
+
+
+def _run(config: Config):
+    return {(c.op, c.dtype, c.backend): c for c in run_matrix(config, progress=lambda line: None)}
+
+
+def _register(monkeypatch, backend: rlk.Backend) -> None:
+    statuses = dict(dispatch.discover())
+    statuses[backend.name] = dispatch.BackendStatus(backend.name, backend, None, "test")
+    monkeypatch.setattr(dispatch, "discover", lambda: statuses)
+
+
+def _selected_only(name: str, batch_invariant: bool, after_forward) -> rlk.Backend:
+    """The reference's selected_logprob primitives, with ``after_forward(logits, logprob_out)`` applied."""
+    ref = dispatch.discover()["reference"].backend.primitives
+
+    def forward(logits, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
+        ref["selected_logprob_fwd"](logits, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out)
+        after_forward(logits, logprob_out)
+
+    return rlk.Backend(
+        name=name,
+        version="0",
+        abi_version=rlk.ABI_VERSION,
+        primitives={"selected_logprob_fwd": forward, "selected_logprob_bwd": ref["selected_logprob_bwd"]},
+        probe=lambda: None,
+        device_types=lambda: ("cpu",),
+        batch_invariant=batch_invariant,
+    )
+
+
+def _offset(logits, logprob_out):
+    logprob_out.add_(1e-2)
+
+
+def _depends_on_batch(logits, logprob_out):
+    logprob_out.add_(1e-6 * logits.shape[0])  # within the value tolerance, but not the same bits
+
+
+def _json_roundtrip(config, cells) -> dict:
+    env = report.environment(CPU, "python -m parity --quick")
+    record = report.to_json(config, cells, {}, env, 1.0)
+    return json.loads(json.dumps(record, allow_nan=False))
+
+
+def test_reference_matrix_passes_and_reports_every_case():
+    config = _config(["reference"], dtypes=("float32", "bfloat16"))
+    cells = _run(config)
+    assert len(cells) == 4 and all(c.status == PASS for c in cells.values())
+    selected = cells["selected_logprob", "float32", "reference"]
+    assert len(selected.results) == 4
+    assert selected.invariance is not None and not selected.invariance.claimed
+    assert selected.invariance.verdict.startswith("not claimed (measured: ")
+
+    record = _json_roundtrip(config, list(cells.values()))
+    assert record["failed"] is False
+    assert {"torch", "triton", "rlk", "device_name", "command"} <= set(record["environment"])
+    linear = next(c for c in record["cells"] if c["op"] == "linear_logprob" and c["dtype"] == "float32")
+    names = {d["name"] for case in linear["cases"] for d in case["deviations"]}
+    assert names == {"logprob", "entropy", "grad_hidden", "grad_weight"}
+    assert all(d["ok"] and d["ratio"] <= 1 for case in linear["cases"] for d in case["deviations"])
+
+    markdown = report.to_markdown(config, list(cells.values()), {}, record["environment"], 1.0)
+    assert "| op | dtype | reference |" in markdown
+    assert "| selected_logprob | bfloat16 | PASS · worst " in markdown
+    assert "## Failures\n\nnone" in markdown
+
+
+@pytest.mark.triton_interpreter
+def test_triton_under_the_interpreter():
+    assert "triton" in runnable_backends(CPU)[0], "triton must serve the CPU under TRITON_INTERPRET=1"
+    cells = _run(_config(["reference", "triton"], dtypes=("float32", "bfloat16")))
+    assert cells["linear_logprob", "bfloat16", "triton"].status == NA
+    assert "interpreter" in cells["linear_logprob", "bfloat16", "triton"].na_reason
+    for key in [("selected_logprob", "float32"), ("selected_logprob", "bfloat16"), ("linear_logprob", "float32")]:
+        cell = cells[(*key, "triton")]
+        assert cell.status == PASS, [r.worst for r in cell.results]
+        assert cell.invariance.claimed and cell.invariance.verdict == "bitwise"
+
+
+def test_a_backend_off_by_1e_2_fails(monkeypatch):
+    _register(monkeypatch, _selected_only("broken", False, _offset))
+    cells = _run(_config(["broken"]))
+    selected = cells["selected_logprob", "float32", "broken"]
+    assert selected.status == FAIL
+    case, worst = selected.worst
+    assert worst.name == "logprob" and worst.ratio > 100
+    linear = cells["linear_logprob", "float32", "broken"]
+    assert linear.status == NA and "does not implement linear_logprob_fwd" in linear.na_reason
+
+
+def test_the_command_line_exits_1_on_failure(monkeypatch, tmp_path, capsys):
+    _register(monkeypatch, _selected_only("broken", False, _offset))
+    argv = ["--device", "cpu", "--backends", "broken", "--ops", "selected_logprob", "--dtypes", "fp32", "--quick",
+            "--out", str(tmp_path)]
+    assert main(argv) == 1
+    assert "| selected_logprob | float32 | FAIL · worst " in capsys.readouterr().out
+    record = json.loads((tmp_path / "parity.json").read_text())
+    assert record["failed"] is True and record["environment"]["command"].endswith("--out " + str(tmp_path))
+    assert (tmp_path / "parity.md").read_text().startswith("# rlk parity report")
+
+
+def test_a_batch_dependent_backend_breaks_its_invariance_claim(monkeypatch):
+    _register(monkeypatch, _selected_only("batchy", True, _depends_on_batch))
+    cell = _run(_config(["batchy"], ops=["selected_logprob"]))["selected_logprob", "float32", "batchy"]
+    assert all(r.ok for r in cell.results)  # the values are within the contract...
+    assert cell.invariance.verdict.startswith("BROKEN")  # ...but the bits depend on the batch
+    assert "logprob" in cell.invariance.details
+    assert cell.status == FAIL
+
+
+def test_an_unclaimed_batch_dependence_is_information_only(monkeypatch):
+    _register(monkeypatch, _selected_only("batchy", False, _depends_on_batch))
+    cell = _run(_config(["batchy"], ops=["selected_logprob"]))["selected_logprob", "float32", "batchy"]
+    assert cell.invariance.verdict.startswith("not claimed (measured: differs")
+    assert cell.status == PASS
+
+
+def test_inputs_are_deterministic_and_never_zero():
+    case = cs.value_cases("selected_logprob", "cpu", quick=False)[3]
+    a, b = cs.make_inputs(case, seed=0), cs.make_inputs(case, seed=0)
+    assert torch.equal(a.x, b.x) and torch.equal(a.targets, b.targets)
+    assert not torch.equal(a.x, cs.make_inputs(case, seed=1).x)
+    assert bool((a.x != 0).all())
+    finite = torch.isfinite(a.x)
+    assert bool(finite.any(dim=1).all())  # -inf never fills a row
+    valid = a.targets != cs.IGNORE_INDEX
+    assert bool(finite[valid.nonzero().squeeze(1), a.targets[valid]].all())  # nor hits a target
+
+
+def test_cli_refuses_a_backend_that_cannot_run():
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--backends", "no-such-backend"])
