@@ -365,3 +365,9 @@ def test_selected_int64_indexing_gpu():
     grad = run_selected_bwd(tk, x, targets, inv_t, out, grad_lp, None)
     grad_truth = run_selected_bwd(ref, x_last, targets[last], inv_t[last].double(), truth, grad_lp[last].double(), None)
     check_grad("selected_logprob", torch.bfloat16, "grad_logits", grad[last], grad_truth, max_scale)
+
+
+@pytest.mark.gpu
+def test_linear_batch_invariance_headline_shape_gpu():
+    """A row alone vs at first/middle/last of N = 16384 rows, V = 151936, H = 4096, bf16 (N*V > 2^31)."""
+    _linear_batch_invariance(torch.bfloat16, 151936, 4096, (16384,))
