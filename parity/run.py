@@ -121,6 +121,8 @@ class Cell:
     def status(self) -> str:
         if self.na_reason is not None:
             return NA
+        if not self.results and self.invariance is None:
+            return FAIL  # nothing ran: never a vacuous PASS
         if all(r.ok for r in self.results) and (self.invariance is None or self.invariance.ok):
             return PASS
         return FAIL

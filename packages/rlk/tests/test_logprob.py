@@ -196,6 +196,17 @@ def test_bad_input_gets_a_clear_error(call, error, message):
         call()
 
 
+def test_value_checks_can_be_switched_off(monkeypatch):
+    logits, targets, temperature = torch.randn(3, 5), torch.tensor([0, 2, 1]), torch.full((3,), 0.5)
+    checked = rlk.selected_logprob(logits, targets, temperature=temperature)
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")
+    assert torch.equal(rlk.selected_logprob(logits, targets, temperature=temperature), checked)
+    rlk.selected_logprob(logits, targets, temperature=-temperature)  # not checked: no error
+    monkeypatch.setenv("RLK_CHECK_VALUES", "1")
+    with pytest.raises(ValueError, match="targets: values must lie"):
+        rlk.selected_logprob(logits, torch.tensor([0, 7, 1]))
+
+
 def test_device_mismatch_is_named():
     meta_targets = torch.zeros(3, dtype=torch.long, device="meta")
     with pytest.raises(ValueError, match="targets: expected device cpu"):
