@@ -14,3 +14,6 @@ echo "== rlk info"; python3 -m rlk info
 echo "== pytest"; python3 -m pytest -n 2 --durations=15
 echo "== parity (CPU matrix)"; python3 -m parity --device cpu --out "$out/parity"
 echo "== benchmarks (quick CPU mode)"; python3 bench_asv/run.py --quick --out "$out/bench"
+echo "== asv (quick CPU mode)"
+(cd bench_asv && asv machine --yes > /dev/null && asv check --python=same \
+  && asv run --python=same --quick --launch-method forkserver --show-stderr)
