@@ -46,16 +46,19 @@ class Primitive:
 
 @dataclass(frozen=True)
 class Op:
-    """A public op: its forward and backward primitives and supported dtypes."""
+    """A public op: its forward and backward primitives and supported dtypes.
+
+    ``backward`` is None for ops that are not differentiable (advantages, returns).
+    """
 
     name: str
     forward: str
-    backward: str
+    backward: str | None
     dtypes: tuple[str, ...]
 
     @property
-    def primitives(self) -> tuple[str, str]:
-        return (self.forward, self.backward)
+    def primitives(self) -> tuple[str, ...]:
+        return (self.forward,) if self.backward is None else (self.forward, self.backward)
 
 
 PRIMITIVES: dict[str, Primitive] = {
