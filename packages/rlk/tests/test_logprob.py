@@ -259,3 +259,34 @@ def test_torch_compile_fullgraph_matches_eager():
         results.append((loss.detach(), h.grad, w.grad))
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compile_and_opcheck_on_the_gpu_backend(dtype):
+    """The GPU path (the best backend rlk picks there) under opcheck and inductor fullgraph."""
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(3, 11, 64, generator=g).to("cuda", dtype)
+    weight = (torch.randn(1000, 64, generator=g) / 8).to("cuda", dtype)
+    targets = torch.randint(0, 1000, (3, 11), generator=g).cuda()
+    targets[0, :4] = -100
+    assert rlk.explain("linear_logprob", hidden, weight, targets).backend != "reference"
+    inv_t = torch.full((33,), 1 / 0.7, device="cuda")
+    torch.library.opcheck(torch.ops.rlk.linear_logprob_fwd.default,
+                          (hidden.reshape(33, 64).requires_grad_(), weight.requires_grad_(), targets.reshape(-1),
+                           inv_t, -100, True))
+
+    logits = (hidden.float() @ weight.float().T).to(dtype)
+
+    def loss_fn(h, w, x):
+        lp, ent = rlk.linear_logprob(h, w, targets, temperature=0.7, return_entropy=True)
+        return (lp + 0.1 * ent).sum() + rlk.selected_logprob(x, targets, return_entropy=True)[1].sum()
+
+    results = []
+    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, logits)]
+        loss = fn(*leaves)
+        loss.backward()
+        results.append([loss.detach()] + [t.grad for t in leaves])
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
