@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import itertools
 import json
 import os
@@ -34,7 +35,11 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-OPS = {"linear": "LinearLogprob", "selected": "SelectedLogprob"}
+# --only key -> (module of bench_asv/benchmarks, asv class); each class names its Case type.
+OPS = {
+    "linear": ("logprob", "LinearLogprob"),
+    "selected": ("logprob", "SelectedLogprob"),
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -61,10 +66,10 @@ def _git_commit() -> str | None:
     return done.stdout.strip()
 
 
-def environment(bench) -> dict:
+def environment(common) -> dict:
     """Hardware, versions and the command line of this run."""
-    if bench.DEVICE.type == "cuda":
-        device = torch.cuda.get_device_name(bench.DEVICE)
+    if common.DEVICE.type == "cuda":
+        device = torch.cuda.get_device_name(common.DEVICE)
     else:
         device = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     return {
@@ -78,21 +83,21 @@ def environment(bench) -> dict:
         "git_commit": _git_commit(),
         "command": shlex.join(["python", *sys.argv]),
         "rlk_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RLK_")},
-        "quick": bench.QUICK,
-        "dtype": str(bench.DTYPE).removeprefix("torch."),
-        "temperature": bench.TEMPERATURE,
-        "warmup": bench.WARMUP,
-        "repeats": bench.REPEATS,
+        "quick": common.QUICK,
+        "warmup": common.WARMUP,
+        "repeats": common.REPEATS,
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
 
-def measure_point(bench, op: str, impl: str, entropy: bool, shape: tuple[int, ...]) -> dict:
+def measure_point(cls, impl: str, option, shape: tuple[int, ...]) -> dict:
     """One row: time, rate and (on a GPU) peak extra memory, or the out-of-memory status."""
     row = {
-        "op": op,
+        "op": cls.op,
         "impl": impl,
-        "entropy": entropy,
+        "option_name": cls.param_names[1],
+        "option": option,
+        "shape_names": cls.shape_names,
         "shape": list(shape),
         "backend": None,
         "status": "ok",
@@ -103,11 +108,11 @@ def measure_point(bench, op: str, impl: str, entropy: bool, shape: tuple[int, ..
     }
     case = None
     try:
-        case = bench.Case(op, impl, entropy, shape)
+        case = cls.case_type(cls.op, impl, option, shape)
         row["ms"], row["rate"], row["unit"] = case.ms(), case.rate(), case.unit
         if case.decision is not None:
             row["backend"], row["rlk_explain"] = case.decision.backend, str(case.decision)
-        if bench.DEVICE.type == "cuda":
+        if torch.cuda.is_available():
             row["peak_extra_mib"] = case.peak_extra_mib()
     except torch.OutOfMemoryError:
         row["status"] = "OOM"
@@ -116,21 +121,21 @@ def measure_point(bench, op: str, impl: str, entropy: bool, shape: tuple[int, ..
     finally:
         del case
         gc.collect()
-        if bench.DEVICE.type == "cuda":
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return row
 
 
 def add_ratios(rows: list[dict], ceilings: dict) -> None:
     """Fraction of the ceiling, and speedup/memory against the PyTorch baselines at the same point."""
-    by_point = {(r["op"], tuple(r["shape"]), r["entropy"], r["impl"]): r for r in rows}
+    by_point = {(r["op"], tuple(r["shape"]), r["option"], r["impl"]): r for r in rows}
     for row in rows:
         if row["status"] != "ok":
             continue
         ceiling = ceilings["matmul_tflops"] if row["unit"] == "TFLOP/s" else ceilings["copy_gbps"]
         row["of_ceiling"] = row["rate"] / ceiling
         for base in ("torch_compile", "torch_eager"):
-            other = by_point.get((row["op"], tuple(row["shape"]), row["entropy"], base))
+            other = by_point.get((row["op"], tuple(row["shape"]), row["option"], base))
             ok = other is not None and other["status"] == "ok"
             row[f"speedup_vs_{base}"] = other["ms"] / row["ms"] if ok else None
             mib = row["peak_extra_mib"]
@@ -144,9 +149,8 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 def markdown(rows: list[dict], ceilings: dict, env: dict) -> str:
     """The results as a Markdown report: environment, ceilings, one table row per point."""
     lines = [
-        f"rlk log-prob benchmarks: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
-        f"rlk {env['rlk']}, rlk-triton {env['rlk_triton']}; {env['dtype']}, T={env['temperature']}, "
-        f"median of {env['repeats']} after {env['warmup']} warm-up",
+        f"rlk benchmarks: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+        f"rlk {env['rlk']}, rlk-triton {env['rlk_triton']}; median of {env['repeats']} after {env['warmup']} warm-up",
         f"command: `{env['command']}`",
         "",
         f"ceilings: matmul {ceilings['matmul_n']}^3 {ceilings['matmul_dtype']} "
@@ -156,15 +160,14 @@ def markdown(rows: list[dict], ceilings: dict, env: dict) -> str:
         "baselines keep the logits and do 6NHV), selected_logprob 3NV*itemsize bytes (logits read twice, "
         "grad written once); x vs = baseline ms / row ms; mem vs = row MiB / baseline MiB",
         "",
-        "| op | impl | shape | entropy | ms | rate | of ceiling | peak extra MiB "
+        "| op | impl | shape | option | ms | rate | of ceiling | peak extra MiB "
         "| x vs compile | x vs eager | mem vs compile |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         impl = f"rlk ({r['backend']})" if r["impl"] == "rlk" else r["impl"]
-        names = "NHV" if r["op"] == "linear_logprob" else "NV"
-        shape = " ".join(f"{k}={v}" for k, v in zip(names, r["shape"]))
-        head = f"| {r['op']} | {impl} | {shape} | {r['entropy']} |"
+        shape = " ".join(f"{k}={v}" for k, v in zip(r["shape_names"], r["shape"]))
+        head = f"| {r['op']} | {impl} | {shape} | {r['option_name']}={r['option']} |"
         if r["status"] != "ok":
             lines.append(f"{head} {r['status']} | | | | | | |")
             continue
@@ -191,26 +194,28 @@ def main() -> None:
     if os.environ.get("RLK_REQUIRE_GPU") == "1" and not torch.cuda.is_available():
         sys.exit("RLK_REQUIRE_GPU=1 but torch sees no GPU")
     sys.path.insert(0, str(HERE))
-    from benchmarks import logprob as bench
+    from benchmarks import common
 
-    env = environment(bench)
+    env = environment(common)
     print(f"device: {env['device']}; measuring ceilings", file=sys.stderr)
     ceilings = {
-        "matmul_n": bench.MATMUL_N,
-        "matmul_dtype": str(bench.MATMUL_DTYPE).removeprefix("torch."),
-        "matmul_tflops": bench.matmul_tflops(),
-        "copy_bytes": bench.COPY_BYTES,
-        "copy_gbps": bench.copy_gbps(),
+        "matmul_n": common.MATMUL_N,
+        "matmul_dtype": str(common.MATMUL_DTYPE).removeprefix("torch."),
+        "matmul_tflops": common.matmul_tflops(),
+        "copy_bytes": common.COPY_BYTES,
+        "copy_gbps": common.copy_gbps(),
     }
     rows = []
     for key in [args.only] if args.only else list(OPS):
-        cls = getattr(bench, OPS[key])
-        for impl, entropy, shape in itertools.product(*cls.params):
+        module, name = OPS[key]
+        cls = getattr(importlib.import_module(f"benchmarks.{module}"), name)
+        for impl, option, shape in itertools.product(*cls.params):
             if args.shape and shape != tuple(int(x) for x in args.shape.split(",")):
                 continue
-            row = measure_point(bench, cls.op, impl, entropy, shape)
+            row = measure_point(cls, impl, option, shape)
             print(
-                f"{cls.op} {impl} entropy={entropy} {shape}: {row['status']} {_fmt(row['ms'], '.3f', ' ms')}",
+                f"{cls.op} {impl} {cls.param_names[1]}={option} {shape}: {row['status']} "
+                f"{_fmt(row['ms'], '.3f', ' ms')}",
                 file=sys.stderr,
             )
             rows.append(row)

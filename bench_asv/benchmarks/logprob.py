@@ -36,9 +36,6 @@ Quick mode (``RLK_BENCH_QUICK=1``, or no GPU): tiny float32 shapes, so CI proves
 from __future__ import annotations
 
 import functools
-import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -46,12 +43,27 @@ from torch import Tensor
 
 import rlk
 
-QUICK = os.environ.get("RLK_BENCH_QUICK") == "1" or not torch.cuda.is_available()
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from .common import (  # noqa: F401  (re-exported for bench_asv/run.py)
+    COPY_BYTES,
+    DEVICE,
+    MATMUL_DTYPE,
+    MATMUL_N,
+    QUICK,
+    REPEATS,
+    SEED,
+    WARMUP,
+    CaseBase,
+    CaseSetup,
+    MachineCeilings,
+    MemorySetup,
+    copy_gbps,
+    matmul_tflops,
+    median_ms,
+    peak_extra_mib,
+)
+
 DTYPE = torch.float32 if QUICK else torch.bfloat16
 TEMPERATURE = 0.7
-SEED = 1234
-WARMUP, REPEATS = (1, 3) if QUICK else (3, 10)
 
 IMPLS = ["rlk", "torch_eager", "torch_compile"]
 ENTROPY = [False, True]
@@ -59,69 +71,6 @@ ENTROPY = [False, True]
 LINEAR_SHAPES = [(64, 64, 1000)] if QUICK else [(16384, 4096, 151936), (4096, 4096, 151936), (4096, 4096, 32000)]
 # (N, V): tokens, vocabulary.
 SELECTED_SHAPES = [(64, 1000)] if QUICK else [(4096, 151936), (16384, 151936)]
-
-# Machine ceilings: an n^3 matmul (2 n^3 FLOPs) and a copy of COPY_BYTES (read once, written once).
-MATMUL_N, MATMUL_DTYPE = (256, torch.float32) if QUICK else (8192, torch.bfloat16)
-COPY_BYTES = 2**24 if QUICK else 2**30
-
-
-# ---------------------------------------------------------------------------
-# measurement
-# ---------------------------------------------------------------------------
-
-
-def median_ms(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REPEATS) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
-
-    On a GPU each run is timed by CUDA events recorded around it on an idle device, so the
-    time includes any host-side work the GPU waits for; on the CPU by ``time.perf_counter``.
-    """
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if DEVICE.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(DEVICE)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
-
-
-def peak_extra_mib(fn: Callable[[], object]) -> float:
-    """Peak GPU memory allocated while ``fn()`` runs, above what was allocated before it, in MiB."""
-    torch.cuda.synchronize(DEVICE)
-    torch.cuda.reset_peak_memory_stats(DEVICE)
-    before = torch.cuda.memory_allocated(DEVICE)
-    fn()
-    torch.cuda.synchronize(DEVICE)
-    return (torch.cuda.max_memory_allocated(DEVICE) - before) / 2**20
-
-
-def matmul_tflops() -> float:
-    """TFLOP/s of a ``MATMUL_N``-cubed matmul in ``MATMUL_DTYPE`` on random data (2 n^3 FLOPs)."""
-    gen = torch.Generator(DEVICE).manual_seed(SEED)
-    a = torch.randn(MATMUL_N, MATMUL_N, generator=gen, device=DEVICE, dtype=MATMUL_DTYPE)
-    b = torch.randn(MATMUL_N, MATMUL_N, generator=gen, device=DEVICE, dtype=MATMUL_DTYPE)
-    out = torch.empty_like(a)
-    ms = median_ms(lambda: torch.matmul(a, b, out=out), warmup=5, repeats=50)
-    return 2 * MATMUL_N**3 / (ms * 1e-3) / 1e12
-
-
-def copy_gbps() -> float:
-    """GB/s of a device-to-device copy of ``COPY_BYTES`` random bytes (bytes read + bytes written)."""
-    gen = torch.Generator(DEVICE).manual_seed(SEED)
-    src = torch.randn(COPY_BYTES // 4, generator=gen, device=DEVICE)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), warmup=5, repeats=50)
-    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
 
 
 # ---------------------------------------------------------------------------
@@ -175,7 +124,7 @@ def forward_fn(op: str, impl: str, entropy: bool) -> Callable[..., tuple[Tensor,
 # ---------------------------------------------------------------------------
 
 
-class Case:
+class Case(CaseBase):
     """One benchmark point: inputs, the fwd+bwd step of one implementation, and the work it does.
 
     ``work`` is FLOPs per step when ``unit`` is "TFLOP/s" and bytes per step when it is "GB/s" (the
@@ -201,7 +150,6 @@ class Case:
         self.grad_outputs = tuple(torch.randn(n, generator=gen, device=DEVICE) for _ in range(1 + entropy))
         self.forward = forward_fn(op, impl, entropy)
         self.decision = rlk.explain(op, *self.inputs) if impl == "rlk" else None
-        self._ms: float | None = None
         self.step()
 
     def step(self) -> tuple[Tensor, ...]:
@@ -209,56 +157,19 @@ class Case:
         outputs = self.forward(*self.inputs, self.targets)
         return torch.autograd.grad(outputs, self.inputs, self.grad_outputs)
 
-    def ms(self) -> float:
-        """Median milliseconds per step (measured once, then remembered)."""
-        if self._ms is None:
-            self._ms = median_ms(self.step)
-        return self._ms
-
-    def rate(self) -> float:
-        """Achieved rate in ``self.unit``: the work per step over ``ms()``."""
-        scale = 1e12 if self.unit == "TFLOP/s" else 1e9
-        return self.work / (self.ms() * 1e-3) / scale
-
-    def peak_extra_mib(self) -> float:
-        """Peak extra GPU memory of one step, in MiB (see :func:`peak_extra_mib`)."""
-        return peak_extra_mib(self.step)
-
 
 # ---------------------------------------------------------------------------
 # asv benchmarks
 # ---------------------------------------------------------------------------
 
 
-class _CaseSetup:
-    """asv setup shared by the op benchmarks: ``self.case`` for one (impl, entropy, shape)."""
-
-    op = ""
-    param_names = ["impl", "entropy", "shape"]
-    timeout = 900  # first compiles at the headline shape take minutes
-
-    def setup(self, impl: str, entropy: bool, shape: tuple[int, ...]) -> None:
-        self.case = Case(self.op, impl, entropy, shape)
-
-
-class _MemorySetup(_CaseSetup):
-    """Peak extra memory of one step; CUDA only (asv marks the CPU points skipped)."""
-
-    def setup(self, impl: str, entropy: bool, shape: tuple[int, ...]) -> None:
-        if DEVICE.type != "cuda":
-            raise NotImplementedError("peak memory is measured on CUDA only")
-        super().setup(impl, entropy, shape)
-
-    def track_peak_extra_mib(self, impl: str, entropy: bool, shape: tuple[int, ...]) -> float:
-        return self.case.peak_extra_mib()
-
-    track_peak_extra_mib.unit = "MiB"
-
-
-class LinearLogprob(_CaseSetup):
+class LinearLogprob(CaseSetup):
     """``linear_logprob`` fwd+bwd: milliseconds and TFLOP/s (8NHV FLOPs per step)."""
 
     op = "linear_logprob"
+    case_type = Case
+    param_names = ["impl", "entropy", "shape"]
+    shape_names = "NHV"
     params = [IMPLS, ENTROPY, LINEAR_SHAPES]
 
     def track_ms(self, impl: str, entropy: bool, shape: tuple[int, ...]) -> float:
@@ -272,17 +183,19 @@ class LinearLogprob(_CaseSetup):
     track_tflops.unit = "TFLOP/s"
 
 
-class LinearLogprobMemory(_MemorySetup):
+class LinearLogprobMemory(MemorySetup):
     """``linear_logprob`` fwd+bwd: peak extra GPU memory in MiB."""
 
-    op = "linear_logprob"
-    params = LinearLogprob.params
+    op, case_type, param_names, params = "linear_logprob", Case, LinearLogprob.param_names, LinearLogprob.params
 
 
-class SelectedLogprob(_CaseSetup):
+class SelectedLogprob(CaseSetup):
     """``selected_logprob`` fwd+bwd: milliseconds and GB/s (3 N V itemsize bytes per step)."""
 
     op = "selected_logprob"
+    case_type = Case
+    param_names = ["impl", "entropy", "shape"]
+    shape_names = "NV"
     params = [IMPLS, ENTROPY, SELECTED_SHAPES]
 
     def track_ms(self, impl: str, entropy: bool, shape: tuple[int, ...]) -> float:
@@ -296,22 +209,8 @@ class SelectedLogprob(_CaseSetup):
     track_gbps.unit = "GB/s"
 
 
-class SelectedLogprobMemory(_MemorySetup):
+class SelectedLogprobMemory(MemorySetup):
     """``selected_logprob`` fwd+bwd: peak extra GPU memory in MiB."""
 
-    op = "selected_logprob"
+    op, case_type, param_names = "selected_logprob", Case, SelectedLogprob.param_names
     params = SelectedLogprob.params
-
-
-class MachineCeilings:
-    """The roofs: a square matmul's TFLOP/s and a device-to-device copy's GB/s."""
-
-    def track_matmul_tflops(self) -> float:
-        return matmul_tflops()
-
-    track_matmul_tflops.unit = "TFLOP/s"
-
-    def track_copy_gbps(self) -> float:
-        return copy_gbps()
-
-    track_copy_gbps.unit = "GB/s"

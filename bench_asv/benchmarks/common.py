@@ -1,0 +1,162 @@
+"""What every rlk benchmark module shares: the device, quick mode, timing and memory measurement,
+the machine ceilings, and the asv plumbing around a benchmark point (a ``Case``).
+
+A ``Case`` is built from ``(op, impl, option, shape)``, runs one step when built (so compiling is
+never timed), and offers ``ms()``, ``rate()`` (``work`` per step in ``unit``), ``peak_extra_mib()``
+and ``decision`` (``rlk.explain`` of the rlk implementation, or None).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+QUICK = os.environ.get("RLK_BENCH_QUICK") == "1" or not torch.cuda.is_available()
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SEED = 1234
+WARMUP, REPEATS = (1, 3) if QUICK else (3, 10)
+
+# Machine ceilings: an n^3 matmul (2 n^3 FLOPs) and a copy of COPY_BYTES (read once, written once).
+MATMUL_N, MATMUL_DTYPE = (256, torch.float32) if QUICK else (8192, torch.bfloat16)
+COPY_BYTES = 2**24 if QUICK else 2**30
+
+
+# ---------------------------------------------------------------------------
+# measurement
+# ---------------------------------------------------------------------------
+
+
+def median_ms(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REPEATS) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
+
+    On a GPU each run is timed by CUDA events recorded around it on an idle device, so the
+    time includes any host-side work the GPU waits for; on the CPU by ``time.perf_counter``.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if DEVICE.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(DEVICE)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def peak_extra_mib(fn: Callable[[], object]) -> float:
+    """Peak GPU memory allocated while ``fn()`` runs, above what was allocated before it, in MiB."""
+    torch.cuda.synchronize(DEVICE)
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    before = torch.cuda.memory_allocated(DEVICE)
+    fn()
+    torch.cuda.synchronize(DEVICE)
+    return (torch.cuda.max_memory_allocated(DEVICE) - before) / 2**20
+
+
+def matmul_tflops() -> float:
+    """TFLOP/s of a ``MATMUL_N``-cubed matmul in ``MATMUL_DTYPE`` on random data (2 n^3 FLOPs)."""
+    gen = torch.Generator(DEVICE).manual_seed(SEED)
+    a = torch.randn(MATMUL_N, MATMUL_N, generator=gen, device=DEVICE, dtype=MATMUL_DTYPE)
+    b = torch.randn(MATMUL_N, MATMUL_N, generator=gen, device=DEVICE, dtype=MATMUL_DTYPE)
+    out = torch.empty_like(a)
+    ms = median_ms(lambda: torch.matmul(a, b, out=out), warmup=5, repeats=50)
+    return 2 * MATMUL_N**3 / (ms * 1e-3) / 1e12
+
+
+def copy_gbps() -> float:
+    """GB/s of a device-to-device copy of ``COPY_BYTES`` random bytes (bytes read + bytes written)."""
+    gen = torch.Generator(DEVICE).manual_seed(SEED)
+    src = torch.randn(COPY_BYTES // 4, generator=gen, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), warmup=5, repeats=50)
+    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
+
+
+
+# ---------------------------------------------------------------------------
+# one benchmark point, and the asv plumbing around it
+# ---------------------------------------------------------------------------
+
+
+class CaseBase:
+    """Time, rate and peak memory of one point. Subclasses set ``work`` (FLOPs when ``unit`` is
+    "TFLOP/s", bytes when it is "GB/s"), ``unit``, ``decision`` and implement ``step()``."""
+
+    work: float = 0.0
+    unit: str = ""
+    decision = None
+    _ms: float | None = None
+
+    def step(self) -> object:
+        raise NotImplementedError
+
+    def ms(self) -> float:
+        """Median milliseconds per step (measured once, then remembered)."""
+        if self._ms is None:
+            self._ms = median_ms(self.step)
+        return self._ms
+
+    def rate(self) -> float:
+        """Achieved rate in ``self.unit``: the work per step over ``ms()``."""
+        scale = 1e12 if self.unit == "TFLOP/s" else 1e9
+        return self.work / (self.ms() * 1e-3) / scale
+
+    def peak_extra_mib(self) -> float:
+        """Peak extra GPU memory of one step, in MiB (see :func:`peak_extra_mib`)."""
+        return peak_extra_mib(self.step)
+
+
+class CaseSetup:
+    """asv setup shared by the op benchmarks: ``self.case`` for one (impl, option, shape).
+
+    Subclasses set ``op``, ``case_type`` (the module's Case class), ``params`` and ``param_names``
+    (the option's name, e.g. ``entropy`` or ``loss``) and ``shape_names`` (e.g. ``"NHV"``).
+    """
+
+    op = ""
+    case_type: type = object
+    shape_names = ""
+    timeout = 900  # first compiles at the headline shape take minutes
+
+    def setup(self, impl: str, option, shape: tuple[int, ...]) -> None:
+        self.case = self.case_type(self.op, impl, option, shape)
+
+
+class MemorySetup(CaseSetup):
+    """Peak extra memory of one step; CUDA only (asv marks the CPU points skipped)."""
+
+    def setup(self, impl: str, option, shape: tuple[int, ...]) -> None:
+        if DEVICE.type != "cuda":
+            raise NotImplementedError("peak memory is measured on CUDA only")
+        super().setup(impl, option, shape)
+
+    def track_peak_extra_mib(self, impl: str, option, shape: tuple[int, ...]) -> float:
+        return self.case.peak_extra_mib()
+
+    track_peak_extra_mib.unit = "MiB"
+
+
+class MachineCeilings:
+    """The roofs: a square matmul's TFLOP/s and a device-to-device copy's GB/s."""
+
+    def track_matmul_tflops(self) -> float:
+        return matmul_tflops()
+
+    track_matmul_tflops.unit = "TFLOP/s"
+
+    def track_copy_gbps(self) -> float:
+        return copy_gbps()
+
+    track_copy_gbps.unit = "GB/s"
