@@ -118,7 +118,8 @@ class CaseBase:
         return peak_extra_mib(self.step)
 
 
-class CaseSetup:
+# The leading underscore keeps asv from collecting the base classes as benchmarks.
+class _CaseSetup:
     """asv setup shared by the op benchmarks: ``self.case`` for one (impl, option, shape).
 
     Subclasses set ``op``, ``case_type`` (the module's Case class), ``params`` and ``param_names``
@@ -134,7 +135,7 @@ class CaseSetup:
         self.case = self.case_type(self.op, impl, option, shape)
 
 
-class MemorySetup(CaseSetup):
+class _MemorySetup(_CaseSetup):
     """Peak extra memory of one step; CUDA only (asv marks the CPU points skipped)."""
 
     def setup(self, impl: str, option, shape: tuple[int, ...]) -> None:

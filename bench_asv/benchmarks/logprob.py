@@ -53,9 +53,9 @@ from .common import (  # noqa: F401  (re-exported for bench_asv/run.py)
     SEED,
     WARMUP,
     CaseBase,
-    CaseSetup,
     MachineCeilings,
-    MemorySetup,
+    _CaseSetup,
+    _MemorySetup,
     copy_gbps,
     matmul_tflops,
     median_ms,
@@ -163,7 +163,7 @@ class Case(CaseBase):
 # ---------------------------------------------------------------------------
 
 
-class LinearLogprob(CaseSetup):
+class LinearLogprob(_CaseSetup):
     """``linear_logprob`` fwd+bwd: milliseconds and TFLOP/s (8NHV FLOPs per step)."""
 
     op = "linear_logprob"
@@ -183,13 +183,13 @@ class LinearLogprob(CaseSetup):
     track_tflops.unit = "TFLOP/s"
 
 
-class LinearLogprobMemory(MemorySetup):
+class LinearLogprobMemory(_MemorySetup):
     """``linear_logprob`` fwd+bwd: peak extra GPU memory in MiB."""
 
     op, case_type, param_names, params = "linear_logprob", Case, LinearLogprob.param_names, LinearLogprob.params
 
 
-class SelectedLogprob(CaseSetup):
+class SelectedLogprob(_CaseSetup):
     """``selected_logprob`` fwd+bwd: milliseconds and GB/s (3 N V itemsize bytes per step)."""
 
     op = "selected_logprob"
@@ -209,7 +209,7 @@ class SelectedLogprob(CaseSetup):
     track_gbps.unit = "GB/s"
 
 
-class SelectedLogprobMemory(MemorySetup):
+class SelectedLogprobMemory(_MemorySetup):
     """``selected_logprob`` fwd+bwd: peak extra GPU memory in MiB."""
 
     op, case_type, param_names = "selected_logprob", Case, SelectedLogprob.param_names
