@@ -39,6 +39,9 @@ HERE = Path(__file__).resolve().parent
 OPS = {
     "linear": ("logprob", "LinearLogprob"),
     "selected": ("logprob", "SelectedLogprob"),
+    "policy_loss": ("rl_objectives", "PolicyLoss"),
+    "gae": ("rl_objectives", "Gae"),
+    "fused_linear_policy_loss": ("rl_objectives", "FusedLinearPolicyLoss"),
 }
 
 

@@ -92,6 +92,94 @@ PRIMITIVES: dict[str, Primitive] = {
             "ignore_index: int, grad_hidden_out[N,H] hidden.dtype | None, "
             "grad_weight_out[V,H] weight.dtype | None) -> None",
         ),
+        # Value loss (spec: rlk.reference.losses): [B, T] fp32 tensors (fp64: reference only), bool mask,
+        # per-row aggregation weights from rlk.reference.aggregation; old_values is not read when clip is None.
+        Primitive(
+            "value_loss_fwd",
+            "value_loss",
+            "(values[B,T] fp32, old_values[B,T] fp32, returns[B,T] fp32, mask[B,T] bool, row_weight[B] fp32, "
+            "clip: float | None, loss_out[] fp32, metrics_out[2] fp32 (vf_clip_fraction, values_mean)) -> None",
+        ),
+        Primitive(
+            "value_loss_bwd",
+            "value_loss",
+            "(values[B,T], old_values[B,T], returns[B,T], mask[B,T], row_weight[B], clip: float | None, "
+            "grad_loss[] fp32, grad_values_out[B,T] fp32) -> None",
+        ),
+        # DPO family (spec: rlk.reference.losses): [P] fp32 sequence log-probs; lengths only for 'ipo'.
+        Primitive(
+            "dpo_loss_fwd",
+            "dpo_loss",
+            "(chosen[P] fp32, rejected[P] fp32, ref_chosen[P] fp32, ref_rejected[P] fp32, "
+            "len_chosen[P] fp32 | None, len_rejected[P] fp32 | None, beta: float, loss_type: str, "
+            "label_smoothing: float, mean: bool, losses_out[P] fp32, loss_out[] fp32, "
+            "metrics_out[4] fp32 (rewards_chosen, rewards_rejected, reward_margin, reward_accuracy)) -> None",
+        ),
+        Primitive(
+            "dpo_loss_bwd",
+            "dpo_loss",
+            "(chosen[P], rejected[P], ref_chosen[P], ref_rejected[P], len_chosen[P] | None, "
+            "len_rejected[P] | None, beta: float, loss_type: str, label_smoothing: float, mean: bool, "
+            "grad_losses[P] fp32 | None, grad_loss[] fp32 | None, grad_chosen_out[P] fp32, "
+            "grad_rejected_out[P] fp32) -> None",
+        ),
+        # Advantages and returns (spec: rlk.reference.advantages); not differentiable: no _bwd primitives.
+        # fp32 (fp64: reference only); masks are bool; modes are strings validated by the op layer.
+        Primitive(
+            "group_advantages_fwd",
+            "group_advantages",
+            "(scores[B] fp32, group_index[B] int64 | None, group_size: int (used when group_index is None; "
+            "divides B), lengths[B] fp32 | None (mode 'opo' only), mode: str, eps: float, out[B] fp32) -> None",
+        ),
+        Primitive(
+            "masked_whiten_fwd",
+            "masked_whiten",
+            "(x[N] fp32, mask[N] bool, unbiased: bool, eps: float, eps_mode: str ('add' | 'clamp'), "
+            "shift_mean: bool, out[N] fp32) -> None",
+        ),
+        Primitive(
+            "discounted_returns_fwd",
+            "discounted_returns",
+            "(rewards[B,T] fp32, mask[B,T] bool, gamma: float (rounded to fp32 by the op layer), "
+            "mask_mode: str ('carry' | 'reset' | 'zero'), out[B,T] fp32) -> None",
+        ),
+        Primitive(
+            "gae_fwd",
+            "gae",
+            "(rewards[B,T] fp32, values[B,T] fp32, mask[B,T] bool, gamma: float, gamma_lam: float (= gamma * lam; "
+            "both rounded to fp32 by the op layer), advantages_out[B,T] fp32, returns_out[B,T] fp32) -> None",
+        ),
+        # Policy losses and KL (spec: rlk.reference.policy_loss): fp32 (fp64: reference only), bool mask,
+        # per-row aggregation weights from rlk.reference.aggregation; scalar attributes keyword-only.
+        Primitive(
+            "policy_loss_fwd",
+            "policy_loss",
+            "(logprob[B,T] fp32, old_logprob[B,T] fp32, advantages[B,T] | [B,1] fp32, mask[B,T] bool, "
+            "row_weight[B] fp32, importance_weights[B,T] fp32 | None, ref_logprob[B,T] fp32 | None, "
+            "entropy[B,T] fp32 | None, loss_out[] fp32, coef_logprob_out[B,T] fp32, "
+            "coef_entropy_out[B,T] fp32 | None, row_stats_out[B,9] fp32, metrics_out[8] fp32, *, "
+            "loss: str, cispo_upper: bool, clip_low: float, clip_high: float, dual_clip: float (0: off), "
+            "clamp_low: float, clamp_high: float (+-inf: off), tau_pos: float, tau_neg: float, kl: str, "
+            "kl_coef: float, kl_k3_clamp: bool, kl_clamp: float (inf: off), kl_straight_through: bool, "
+            "kl_unbiased: bool, entropy_coef: float) -> None",
+        ),
+        Primitive(
+            "policy_loss_bwd",
+            "policy_loss",
+            "(grad_loss[] fp32, coef_logprob[B,T] fp32, coef_entropy[B,T] fp32 | None, "
+            "grad_logprob_out[B,T] fp32, grad_entropy_out[B,T] fp32 | None) -> None",
+        ),
+        Primitive(
+            "kl_penalty_fwd",
+            "kl_penalty",
+            "(logprob[N] fp32, ref_logprob[N] fp32, old_logprob[N] fp32 | None, kl_out[N] fp32, coef_out[N] fp32, "
+            "*, estimator: str, straight_through: bool, k3_clamp: bool, clamp: float (inf: off)) -> None",
+        ),
+        Primitive(
+            "kl_penalty_bwd",
+            "kl_penalty",
+            "(grad_kl[N] fp32, coef[N] fp32, grad_logprob_out[N] fp32) -> None",
+        ),
     )
 }
 
@@ -102,5 +190,14 @@ OPS: dict[str, Op] = {
     for op in (
         Op("selected_logprob", "selected_logprob_fwd", "selected_logprob_bwd", _FLOAT_DTYPES),
         Op("linear_logprob", "linear_logprob_fwd", "linear_logprob_bwd", _FLOAT_DTYPES),
+        # the op layer upcasts 16-bit inputs: the primitives see float32 only
+        Op("value_loss", "value_loss_fwd", "value_loss_bwd", ("float32",)),
+        Op("dpo_loss", "dpo_loss_fwd", "dpo_loss_bwd", ("float32",)),
+        Op("group_advantages", "group_advantages_fwd", None, ("float32",)),
+        Op("masked_whiten", "masked_whiten_fwd", None, ("float32",)),
+        Op("discounted_returns", "discounted_returns_fwd", None, ("float32",)),
+        Op("gae", "gae_fwd", None, ("float32",)),
+        Op("policy_loss", "policy_loss_fwd", "policy_loss_bwd", ("float32",)),
+        Op("kl_penalty", "kl_penalty_fwd", "kl_penalty_bwd", ("float32",)),
     )
 }

@@ -1,0 +1,245 @@
+"""Benchmarks of the RL objectives: ``rlk.policy_loss``, ``rlk.gae`` and ``rlk.fused_linear_policy_loss``.
+
+Implementations (the ``impl`` parameter):
+
+* ``policy_loss`` fwd+bwd on ``[B, T]`` fp32 tokens, the PPO loss with verl's defaults (clip 0.2, dual
+  clip 3.0, log-ratio clamped to +-20, token-mean) and its metrics (clip fraction, approx KL):
+  ``rlk``; ``torch_eager``, the composition RL code writes by hand; ``torch_compile``, the same through
+  ``torch.compile(dynamic=False)``. Bytes credited per step: ``B*T*(4+4+4+1)`` read (logprob,
+  old logprob, advantages, bool mask) and ``B*T*4`` written (the gradient).
+* ``gae`` on ``[B, T]`` fp32 (gamma 0.99, lambda 0.95), not differentiable: ``rlk``; ``python_loop``,
+  the reverse loop over time with vectorized ``[B]`` steps that frameworks use; ``compiled_step``,
+  the same loop whose body is ``torch.compile``'d (compiling the whole 8192-step loop would unroll it).
+  Bytes credited: rewards, values (4 each) and mask (1) read, advantages and returns (4 each) written.
+* ``fused_linear_policy_loss`` vs ``linear_logprob`` alone (then the PPO loss in PyTorch): fwd+bwd
+  from bf16 hidden states, the issue-5 target being the fused op within 5% of ``linear_logprob``'s
+  time and memory; FLOPs credited 8NHV as in ``logprob.py``.
+
+Quick mode (``RLK_BENCH_QUICK=1`` or no GPU): tiny shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import rlk
+
+from .common import DEVICE, QUICK, SEED, CaseBase, _CaseSetup, _MemorySetup
+
+CLIP, DUAL_CLIP, CLAMP = 0.2, 3.0, 20.0
+GAMMA, LAM = 0.99, 0.95
+TOKEN_SHAPES = [(8, 64)] if QUICK else [(512, 8192)]
+LINEAR_SHAPES = [(64, 64, 1000)] if QUICK else [(16384, 4096, 151936)]
+LINEAR_DTYPE = torch.float32 if QUICK else torch.bfloat16
+
+
+# ---------------------------------------------------------------------------
+# PyTorch baselines
+# ---------------------------------------------------------------------------
+
+
+def torch_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
+    """verl-style PPO loss, token-mean, with clip fraction and approx KL, as eager PyTorch."""
+    m = mask.float()
+    n = m.sum().clamp(min=1)
+    d = (logprob - old_logprob).clamp(-CLAMP, CLAMP)
+    ratio = torch.exp(d)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1 - CLIP, 1 + CLIP)
+    clipped = torch.maximum(loss1, loss2)
+    loss3 = -advantages * DUAL_CLIP
+    per_token = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
+    loss = (per_token * m).sum() / n
+    clip_fraction = ((loss2 > loss1).float() * m).sum() / n
+    approx_kl = (-d * m).sum() / n
+    return loss, clip_fraction.detach(), approx_kl.detach()
+
+
+def rlk_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
+    loss, metrics = rlk.policy_loss(logprob, old_logprob, advantages, mask, loss="ppo", clip_low=CLIP,
+                                    dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean")
+    return loss, metrics["clip_fraction"], metrics["approx_kl"]
+
+
+def torch_gae_step(rewards_t: Tensor, values_t: Tensor, mask_t: Tensor, next_value: Tensor,
+                   last_adv: Tensor) -> tuple[Tensor, Tensor]:
+    """One reverse step of GAE over ``[B]`` vectors, masked positions carrying ``V_next`` and ``a``."""
+    delta = rewards_t + GAMMA * next_value - values_t
+    adv = delta + GAMMA * LAM * last_adv
+    next_value = torch.where(mask_t, values_t, next_value)
+    last_adv = torch.where(mask_t, adv, last_adv)
+    return next_value, last_adv
+
+
+def torch_gae_loop(rewards: Tensor, values: Tensor, mask: Tensor, step=torch_gae_step) -> tuple[Tensor, Tensor]:
+    """GAE as a Python loop over time (the frameworks' form)."""
+    batch, length = rewards.shape
+    next_value = torch.zeros(batch, device=rewards.device)
+    last_adv = torch.zeros(batch, device=rewards.device)
+    advantages = torch.empty_like(rewards)
+    for t in reversed(range(length)):
+        next_value, last_adv = step(rewards[:, t], values[:, t], mask[:, t], next_value, last_adv)
+        advantages[:, t] = last_adv
+    return advantages, advantages + values
+
+
+# ---------------------------------------------------------------------------
+# benchmark points
+# ---------------------------------------------------------------------------
+
+
+def _token_inputs(batch: int, length: int, gen: torch.Generator) -> tuple[Tensor, ...]:
+    old = -torch.rand(batch, length, generator=gen, device=DEVICE) * 5
+    logprob = old + 0.1 * torch.randn(batch, length, generator=gen, device=DEVICE)
+    advantages = torch.randn(batch, length, generator=gen, device=DEVICE)
+    mask = torch.rand(batch, length, generator=gen, device=DEVICE) < 0.9
+    return logprob, old, advantages, mask
+
+
+class PolicyLossCase(CaseBase):
+    """``policy_loss`` fwd+bwd, PPO with verl's defaults, on ``[B, T]`` tokens."""
+
+    def __init__(self, op: str, impl: str, loss: str, shape: tuple[int, int]):
+        gen = torch.Generator(DEVICE).manual_seed(SEED)
+        logprob, self.old, self.advantages, self.mask = _token_inputs(*shape, gen)
+        self.logprob = logprob.requires_grad_()
+        self.work, self.unit = shape[0] * shape[1] * (4 + 4 + 4 + 1 + 4), "GB/s"
+        fn = rlk_ppo_loss if impl == "rlk" else torch_ppo_loss
+        if impl == "torch_compile":
+            torch.compiler.reset()
+            fn = torch.compile(fn, dynamic=False)
+        elif impl not in ("rlk", "torch_eager"):
+            raise ValueError(f"unknown impl {impl!r}")
+        self.fn = fn
+        self.decision = rlk.explain("policy_loss", self.logprob) if impl == "rlk" else None
+        self.step()
+
+    def step(self) -> object:
+        loss, *_ = self.fn(self.logprob, self.old, self.advantages, self.mask)
+        return torch.autograd.grad(loss, self.logprob)
+
+
+class GaeCase(CaseBase):
+    """``gae`` (not differentiable) on ``[B, T]`` rewards, values and mask."""
+
+    def __init__(self, op: str, impl: str, gamma_lam: str, shape: tuple[int, int]):
+        gen = torch.Generator(DEVICE).manual_seed(SEED)
+        batch, length = shape
+        self.rewards = torch.randn(batch, length, generator=gen, device=DEVICE)
+        self.values = torch.randn(batch, length, generator=gen, device=DEVICE)
+        self.mask = torch.rand(batch, length, generator=gen, device=DEVICE) < 0.9
+        self.work, self.unit = batch * length * (4 + 4 + 1 + 4 + 4), "GB/s"
+        if impl == "rlk":
+            self.fn = lambda: rlk.gae(self.rewards, self.values, self.mask, gamma=GAMMA, lam=LAM)
+            self.decision = rlk.explain("gae", self.rewards)
+        elif impl == "python_loop":
+            self.fn = lambda: torch_gae_loop(self.rewards, self.values, self.mask)
+        elif impl == "compiled_step":
+            torch.compiler.reset()
+            step = torch.compile(torch_gae_step, dynamic=False)
+            self.fn = lambda: torch_gae_loop(self.rewards, self.values, self.mask, step=step)
+        else:
+            raise ValueError(f"unknown impl {impl!r}")
+        self.step()
+
+    def step(self) -> object:
+        return self.fn()
+
+
+class FusedLinearPolicyLossCase(CaseBase):
+    """hidden -> log-prob -> PPO loss, fwd+bwd: the fused op vs ``linear_logprob`` + the loss in PyTorch."""
+
+    def __init__(self, op: str, impl: str, loss: str, shape: tuple[int, int, int]):
+        gen = torch.Generator(DEVICE).manual_seed(SEED)
+        n, h, v = shape
+        self.hidden = torch.randn(n, h, generator=gen, device=DEVICE, dtype=LINEAR_DTYPE).requires_grad_()
+        self.weight = (torch.randn(v, h, generator=gen, device=DEVICE, dtype=LINEAR_DTYPE) * h**-0.5)
+        self.weight.requires_grad_()
+        self.targets = torch.randint(0, v, (n,), generator=gen, device=DEVICE)
+        _, self.old, self.advantages, self.mask = _token_inputs(1, n, gen)
+        self.old, self.advantages, self.mask = self.old[0], self.advantages[0], self.mask[0]
+        self.work, self.unit = 8 * n * h * v, "TFLOP/s"
+        if impl not in ("fused", "linear_logprob"):
+            raise ValueError(f"unknown impl {impl!r}")
+        self.impl = impl
+        self.decision = rlk.explain("linear_logprob", self.hidden, self.weight, self.targets)
+        self.step()
+
+    def step(self) -> object:
+        if self.impl == "fused":
+            loss, _ = rlk.fused_linear_policy_loss(
+                self.hidden, self.weight, self.targets, self.old, self.advantages, self.mask, loss="ppo",
+                clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean")
+        else:
+            logprob = rlk.linear_logprob(self.hidden, self.weight, self.targets)
+            loss = torch_ppo_loss(logprob, self.old, self.advantages, self.mask)[0]
+        return torch.autograd.grad(loss, (self.hidden, self.weight))
+
+
+# ---------------------------------------------------------------------------
+# asv benchmarks
+# ---------------------------------------------------------------------------
+
+
+class PolicyLoss(_CaseSetup):
+    """``policy_loss`` fwd+bwd: ms and GB/s (17 bytes per token)."""
+
+    op, case_type, shape_names = "policy_loss", PolicyLossCase, "BT"
+    param_names = ["impl", "loss", "shape"]
+    params = [["rlk", "torch_eager", "torch_compile"], ["ppo"], TOKEN_SHAPES]
+
+    def track_ms(self, impl: str, loss: str, shape: tuple[int, int]) -> float:
+        return self.case.ms()
+
+    track_ms.unit = "ms"
+
+    def track_gbps(self, impl: str, loss: str, shape: tuple[int, int]) -> float:
+        return self.case.rate()
+
+    track_gbps.unit = "GB/s"
+
+
+class Gae(_CaseSetup):
+    """``gae``: ms and GB/s (17 bytes per token)."""
+
+    op, case_type, shape_names = "gae", GaeCase, "BT"
+    baselines = ("python_loop", "compiled_step")
+    param_names = ["impl", "gamma_lam", "shape"]
+    params = [["rlk", "python_loop", "compiled_step"], [f"{GAMMA}/{LAM}"], TOKEN_SHAPES]
+
+    def track_ms(self, impl: str, gamma_lam: str, shape: tuple[int, int]) -> float:
+        return self.case.ms()
+
+    track_ms.unit = "ms"
+
+    def track_gbps(self, impl: str, gamma_lam: str, shape: tuple[int, int]) -> float:
+        return self.case.rate()
+
+    track_gbps.unit = "GB/s"
+
+
+class FusedLinearPolicyLoss(_CaseSetup):
+    """``fused_linear_policy_loss`` vs ``linear_logprob`` + PyTorch loss, fwd+bwd: ms and TFLOP/s."""
+
+    op, case_type, shape_names = "fused_linear_policy_loss", FusedLinearPolicyLossCase, "NHV"
+    baselines = ("linear_logprob",)
+    param_names = ["impl", "loss", "shape"]
+    params = [["fused", "linear_logprob"], ["ppo"], LINEAR_SHAPES]
+
+    def track_ms(self, impl: str, loss: str, shape: tuple[int, int, int]) -> float:
+        return self.case.ms()
+
+    track_ms.unit = "ms"
+
+    def track_tflops(self, impl: str, loss: str, shape: tuple[int, int, int]) -> float:
+        return self.case.rate()
+
+    track_tflops.unit = "TFLOP/s"
+
+
+class FusedLinearPolicyLossMemory(_MemorySetup):
+    """Peak extra GPU memory of the fused op vs ``linear_logprob`` + PyTorch loss."""
+
+    op, case_type = "fused_linear_policy_loss", FusedLinearPolicyLossCase
+    param_names, params = FusedLinearPolicyLoss.param_names, FusedLinearPolicyLoss.params

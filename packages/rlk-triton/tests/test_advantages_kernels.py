@@ -1,0 +1,420 @@
+"""Triton advantage primitives against the reference (ground truth: the reference run in fp64).
+
+On a machine without CUDA the kernels run under the Triton CPU interpreter
+(``TRITON_INTERPRET=1``, set below before triton is imported), with small shapes and, where
+chunking matters, tiny tiles; with CUDA the same tests run on the GPU, plus the ``gpu``-marked
+ones (realistic shapes). Tolerances come from the numerical contract (``rlk.contract``); batch
+invariance and determinism are checked bit for bit (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+import rlk
+from rlk import contract
+from rlk.reference import advantages as ref
+from rlk_triton import advantages as tk
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# Tiny tiles so that CPU-sized problems cover several member chunks, partials and time chunks.
+SMALL_TILES = {
+    "group": {"BLOCK": 4, "num_warps": 1},
+    "whiten": {"BLOCK": 16, "COMBINE_BLOCK": 4, "num_warps": 1},
+    "scan": {"BLOCK_T": 8, "num_warps": 1},
+}
+
+
+@pytest.fixture(params=["default_tiles", "small_tiles"])
+def tiles(request, monkeypatch):
+    if request.param == "small_tiles":
+        for family, cfg in SMALL_TILES.items():
+            monkeypatch.setitem(tk.TILE_CONFIGS, family, dict(cfg))
+    return request.param
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    for family, cfg in SMALL_TILES.items():
+        monkeypatch.setitem(tk.TILE_CONFIGS, family, dict(cfg))
+
+
+def _use_tiles(monkeypatch, tiles: str) -> None:
+    if tiles == "small":
+        for family, cfg in SMALL_TILES.items():
+            monkeypatch.setitem(tk.TILE_CONFIGS, family, dict(cfg))
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _check(op: str, name: str, value: torch.Tensor, truth: torch.Tensor, scale: torch.Tensor) -> float:
+    assert value.dtype == torch.float32
+    dev = contract.compare_outputs(contract.entry(op, torch.float32), name, value.reshape(-1).cpu(),
+                                   truth.reshape(-1).cpu(), scale.reshape(-1).cpu())
+    assert dev.ok, dev
+    return dev.ratio
+
+
+# ----------------------------------------------------------------------------------------------
+# group_advantages
+# ----------------------------------------------------------------------------------------------
+
+
+def group_inputs(sizes: list[int], seed: int, offset: float = 0.0, equal_group: int | None = 0):
+    """Scores (``offset`` + 2 N(0, 1), or small integers on top of a large offset), shuffled
+    group ids with the given group sizes, and OPO lengths (one group with all-zero lengths)."""
+    g = _gen(seed)
+    ids = torch.repeat_interleave(torch.arange(len(sizes)) * 5 - 7, torch.tensor(sizes))
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    if offset:
+        scores = offset + torch.randint(0, 5, ids.shape, generator=g).float()
+    else:
+        scores = torch.randn(ids.shape, generator=g) * 2
+    if equal_group is not None:
+        scores[ids == ids[equal_group]] = 0.3
+    lengths = torch.randint(0, 200, ids.shape, generator=g).float()
+    lengths[ids == ids[-1]] = 0
+    return scores.to(DEVICE), ids.to(DEVICE), lengths.to(DEVICE)
+
+
+def run_group(impl, scores, ids, size, lengths, mode, eps=1e-6):
+    out = torch.empty_like(scores)
+    impl.group_advantages_fwd(scores, ids, size, lengths if mode == "opo" else None, mode, eps, out)
+    return out
+
+
+def check_group(scores, ids, size, lengths, mode, eps=1e-6):
+    got = run_group(tk, scores, ids, size, lengths, mode, eps)
+    truth = run_group(ref, scores.double(), ids, size, lengths.double(), mode, eps)
+    ratio = _check("group_advantages", mode, got, truth, ref.group_contract_scale(truth, ids, size))
+    return got, ratio
+
+
+@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+def test_group_index_matches_reference(tiles, mode):
+    sizes = [1, 2, 3, 4, 5, 8, 9, 13, 1, 16]
+    scores, ids, lengths = group_inputs(sizes, seed=1)
+    got, _ = check_group(scores, ids, 0, lengths, mode)
+    assert torch.all(got[ids == ids[0]] == 0)
+    for single in (ids == -7, ids == 33):  # the two singleton groups
+        expected = scores[single] / (1 + 1e-6) if mode == "grpo" else scores[single]
+        if mode != "gpg":
+            assert torch.equal(got[single], expected)
+
+
+@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+@pytest.mark.parametrize("size", [1, 5, 16])
+def test_group_size_matches_reference(tiles, mode, size):
+    g = _gen(2)
+    scores = (torch.randn(size * 7, generator=g) * 3).to(DEVICE)
+    scores[:size] = -1.25  # an equal group
+    lengths = torch.randint(0, 100, (size * 7,), generator=g).float().to(DEVICE)
+    got, _ = check_group(scores, None, size, lengths, mode)
+    if size > 1:
+        assert torch.all(got[:size] == 0)
+    elif mode != "gpg":  # singletons: mean 0, std 1
+        assert torch.equal(got, scores / (1 + 1e-6) if mode == "grpo" else scores)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "rloo", "dr_grpo"])
+def test_group_large_scores(small_tiles, mode):
+    scores, ids, lengths = group_inputs([8, 16, 5, 3], seed=3, offset=3e6, equal_group=None)
+    check_group(scores, ids, 0, lengths, mode)
+
+
+def test_group_eps_is_used(small_tiles):
+    scores, ids, lengths = group_inputs([2, 2, 3, 1], seed=4)
+    a = run_group(tk, scores, ids, 0, lengths, "grpo", eps=1e-4)
+    b = run_group(tk, scores, ids, 0, lengths, "grpo", eps=1e-6)
+    assert not torch.equal(a, b)
+    check_group(scores, ids, 0, lengths, "grpo", eps=1e-4)
+
+
+def test_group_segments():
+    ids = torch.tensor([4, -1, 4, 7, -1, 4, 9], device=DEVICE)
+    perm, seg_len = tk.group_segments(ids)
+    assert perm.tolist() == [1, 4, 0, 2, 5, 3, 6]
+    assert seg_len.tolist() == [2, 0, 3, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo"])
+def test_group_batch_invariance(small_tiles, mode):
+    """A group's advantages alone equal, bit for bit, its advantages among other groups, wherever its
+    members sit (keeping their relative order), for group_index and group_size batches."""
+    g = _gen(5)
+    probe = (torch.randn(9, generator=g) * 4 + 1).to(DEVICE)
+    probe_len = torch.randint(1, 50, (9,), generator=g).float().to(DEVICE)
+    alone = run_group(tk, probe, None, 9, probe_len, mode)
+    assert torch.equal(run_group(tk, probe, torch.zeros(9, dtype=torch.long, device=DEVICE), 0, probe_len, mode),
+                       alone)
+    for n_other in (1, 6, 20):
+        other = (torch.randn(n_other * 9, generator=g) * 10).to(DEVICE)
+        other_len = torch.randint(0, 50, (n_other * 9,), generator=g).float().to(DEVICE)
+        # group_size: the probe as group k of n_other + 1
+        for k in sorted({0, n_other // 2, n_other}):
+            scores = torch.cat([other[:k * 9], probe, other[k * 9:]])
+            lengths = torch.cat([other_len[:k * 9], probe_len, other_len[k * 9:]])
+            out = run_group(tk, scores, None, 9, lengths, mode)
+            assert torch.equal(out[k * 9:(k + 1) * 9], alone), (n_other, k)
+        # group_index: the probe's members scattered (in order) among other groups' members
+        total = (n_other + 1) * 9
+        where = torch.sort(torch.randperm(total, generator=g)[:9]).values.to(DEVICE)
+        ids = torch.randint(1, 2 + n_other, (total,), generator=g).to(DEVICE)
+        ids[where] = 0
+        scores = torch.empty(total, device=DEVICE)
+        lengths = torch.empty(total, device=DEVICE)
+        rest = torch.ones(total, dtype=torch.bool, device=DEVICE)
+        rest[where] = False
+        scores[where], lengths[where] = probe, probe_len
+        scores[rest], lengths[rest] = other, other_len
+        out = run_group(tk, scores, ids, 0, lengths, mode)
+        assert torch.equal(out[where], alone), n_other
+
+
+# ----------------------------------------------------------------------------------------------
+# masked_whiten
+# ----------------------------------------------------------------------------------------------
+
+
+def run_whiten(impl, x, mask, unbiased, eps_mode, shift_mean, eps=1e-8):
+    out = torch.empty_like(x)
+    impl.masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean, out)
+    return out
+
+
+def check_whiten(x, mask, unbiased, eps_mode, shift_mean):
+    got = run_whiten(tk, x, mask, unbiased, eps_mode, shift_mean)
+    truth = run_whiten(ref, x.double(), mask, unbiased, eps_mode, shift_mean)
+    scale = ref.whiten_contract_scale(x, mask, unbiased, 1e-8, eps_mode, truth)
+    _check("masked_whiten", "white", got, truth, scale)
+    assert torch.all(got[~mask] == 0)
+    return got
+
+
+# (tiles, N): the interpreter's cost grows with the number of programs, so tiny tiles get smaller N
+WHITEN_CASES = [("default", 1), ("default", 37), ("default", 9000), ("small", 37), ("small", 1000)]
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+@pytest.mark.parametrize("unbiased, eps_mode", [(True, "add"), (False, "clamp"), (False, "add")])
+@pytest.mark.parametrize("tiles, n", WHITEN_CASES)
+def test_whiten_matches_reference(monkeypatch, tiles, n, unbiased, eps_mode, shift_mean):
+    _use_tiles(monkeypatch, tiles)
+    g = _gen(n)
+    x = (torch.randn(n, generator=g) * 5 + 20).to(DEVICE)
+    mask = (torch.rand(n, generator=g) > 0.4).to(DEVICE)
+    if n > 1:
+        mask[0] = True
+    check_whiten(x, mask, unbiased, eps_mode, shift_mean)
+
+
+def test_whiten_edge_cases(small_tiles):
+    x = torch.randn(50, generator=_gen(6)).to(DEVICE)
+    none = torch.zeros(50, dtype=torch.bool, device=DEVICE)
+    assert torch.equal(run_whiten(tk, x, none, True, "add", True), torch.zeros(50, device=DEVICE))
+    one = none.clone()
+    one[17] = True
+    assert torch.equal(run_whiten(tk, x, one, True, "add", True), torch.zeros(50, device=DEVICE))
+    kept = run_whiten(tk, x, one, True, "add", False)
+    assert kept[17] == x[17] and int((kept != 0).sum()) == 1
+    const = torch.full((50,), -2.5, device=DEVICE)
+    assert torch.equal(run_whiten(tk, const, ~none, True, "add", True), torch.zeros(50, device=DEVICE))
+    x[3] = float("nan")  # a masked-out NaN does not leak
+    mask = ~none
+    mask[3] = False
+    assert torch.isfinite(run_whiten(tk, x, mask, True, "add", True)).all()
+
+
+def test_whiten_large_values_and_determinism(small_tiles):
+    g = _gen(7)
+    x = (1e6 + torch.randn(1500, generator=g)).to(DEVICE)
+    mask = (torch.rand(1500, generator=g) > 0.2).to(DEVICE)
+    first = check_whiten(x, mask, True, "add", True)
+    assert torch.equal(run_whiten(tk, x, mask, True, "add", True), first)
+
+
+# ----------------------------------------------------------------------------------------------
+# discounted_returns and gae
+# ----------------------------------------------------------------------------------------------
+
+
+def row_masks(b: int, t: int, seed: int) -> torch.Tensor:
+    """Random masks plus a full row, an empty row, right and left padding."""
+    g = _gen(seed)
+    mask = torch.rand(b, t, generator=g) > 0.3
+    patterns = [torch.ones(t, dtype=torch.bool), torch.zeros(t, dtype=torch.bool),
+                torch.arange(t) < (t * 2) // 3, torch.arange(t) >= t // 4]
+    for i, p in enumerate(patterns[:b]):
+        mask[i] = p
+    return mask.to(DEVICE)
+
+
+def run_returns(impl, rewards, mask, gamma, mode):
+    """Both backends get the op layer's constant: gamma rounded to float32 (the kernels' inputs)."""
+    out = torch.empty_like(rewards)
+    impl.discounted_returns_fwd(rewards, mask, ref.recurrence_constants(gamma, 1.0, torch.float32)[0], mode, out)
+    return out
+
+
+def run_gae(impl, rewards, values, mask, gamma, lam):
+    adv, ret = torch.empty_like(rewards), torch.empty_like(rewards)
+    impl.gae_fwd(rewards, values, mask, *ref.recurrence_constants(gamma, lam, torch.float32), adv, ret)
+    return adv, ret
+
+
+def check_returns(rewards, mask, gamma, mode):
+    got = run_returns(tk, rewards, mask, gamma, mode)
+    truth = run_returns(ref, rewards.double(), mask, gamma, mode)
+    return got, _check("discounted_returns", mode, got, truth, ref.returns_contract_scale(rewards, mask, gamma, mode))
+
+
+def check_gae(rewards, values, mask, gamma, lam):
+    adv, ret = run_gae(tk, rewards, values, mask, gamma, lam)
+    adv_truth, ret_truth = run_gae(ref, rewards.double(), values.double(), mask, gamma, lam)
+    scale_adv, scale_ret = ref.gae_contract_scale(rewards, values, mask, gamma, gamma * lam)
+    r1 = _check("gae", "advantages", adv, adv_truth, scale_adv)
+    r2 = _check("gae", "returns", ret, ret_truth, scale_ret)
+    return adv, ret, max(r1, r2)
+
+
+# (tiles, (B, T)): one chunk, several chunks with a ragged last one, T = 1
+SCAN_CASES = [("default", (1, 1)), ("default", (6, 37)), ("default", (2, 2500)),
+              ("small", (5, 7)), ("small", (6, 37)), ("small", (3, 150))]
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.99])
+@pytest.mark.parametrize("mode", ref.RETURN_MASK_MODES)
+@pytest.mark.parametrize("tiles, shape", SCAN_CASES)
+def test_returns_match_reference(monkeypatch, tiles, shape, mode, gamma):
+    _use_tiles(monkeypatch, tiles)
+    b, t = shape
+    rewards = torch.randn(b, t, generator=_gen(b * t)).to(DEVICE)
+    mask = row_masks(b, t, b * t)
+    got, _ = check_returns(rewards, mask, gamma, mode)
+    if b > 1 and mode == "carry":
+        assert torch.all(got[1] == 0)  # an empty row
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.99, 0.95), (0.0, 0.5), (1.0, 0.0)])
+@pytest.mark.parametrize("tiles, shape", SCAN_CASES)
+def test_gae_matches_reference(monkeypatch, tiles, shape, gamma, lam):
+    _use_tiles(monkeypatch, tiles)
+    b, t = shape
+    g = _gen(b + t)
+    rewards = torch.randn(b, t, generator=g).to(DEVICE)
+    values = (torch.randn(b, t, generator=g) * 3).to(DEVICE)
+    mask = row_masks(b, t, b + t)
+    adv, ret, _ = check_gae(rewards, values, mask, gamma, lam)
+    if b > 1:
+        assert torch.all(adv[1] == 0) and torch.equal(ret[1], values[1])
+
+
+def test_scans_large_values(small_tiles):
+    g = _gen(8)
+    rewards = (torch.randn(3, 300, generator=g) * 1e4).to(DEVICE)
+    values = (1e5 + torch.randn(3, 300, generator=g) * 10).to(DEVICE)
+    mask = row_masks(3, 300, 8)
+    for mode in ref.RETURN_MASK_MODES:
+        check_returns(rewards, mask, 0.99, mode)
+    check_gae(rewards, values, mask, 0.99, 0.95)
+
+
+def _scan_outputs(rewards, values, mask):
+    """Every scan output of the kernels for one batch: returns in each mode (two gammas) and GAE."""
+    outs = [run_returns(tk, rewards, mask, gamma, mode) for mode in ref.RETURN_MASK_MODES for gamma in (1.0, 0.99)]
+    return outs + list(run_gae(tk, rewards, values, mask, 0.99, 0.95))
+
+
+# The interpreter's scan costs about BLOCK_T per chunk: the default BLOCK_T runs on the GPU only.
+@pytest.mark.parametrize("block_t", [8, 32, pytest.param(None, marks=pytest.mark.gpu)])
+def test_scan_batch_invariance(monkeypatch, block_t):
+    """A row's returns and GAE outputs alone equal, bit for bit, the same row at any position in
+    batches of several sizes, and the same row with extra trailing padding (mask 0, reward 0)."""
+    if block_t is not None:
+        monkeypatch.setitem(tk.TILE_CONFIGS, "scan", {"BLOCK_T": block_t, "num_warps": 1})
+    t = 45
+    g = _gen(9)
+    p_r, p_v = torch.randn(1, t, generator=g).to(DEVICE), torch.randn(1, t, generator=g).to(DEVICE)
+    p_m = row_masks(1, t, 10)
+    p_m[0, 5:9] = False  # an interior gap
+    p_m[0, -3:] = False
+    p_r = p_r * p_m
+    alone = _scan_outputs(p_r, p_v, p_m)
+    for n in (2, 7):
+        rewards = torch.randn(n, t, generator=g).to(DEVICE) * 100
+        values = torch.randn(n, t, generator=g).to(DEVICE)
+        mask = row_masks(n, t, n)
+        for pos in sorted({0, n // 2, n - 1}):
+            r, v, m = rewards.clone(), values.clone(), mask.clone()
+            r[pos], v[pos], m[pos] = p_r[0], p_v[0], p_m[0]
+            for got, want in zip(_scan_outputs(r, v, m), alone):
+                assert torch.equal(got[pos:pos + 1], want), (n, pos)
+    pad = 70
+    padded = [torch.cat([x, torch.zeros(1, pad, dtype=x.dtype, device=DEVICE)], 1) for x in (p_r, p_v, p_m)]
+    for got, want in zip(_scan_outputs(*padded), alone):
+        assert torch.equal(got[:, :t], want)
+
+
+# ----------------------------------------------------------------------------------------------
+# the public ops on the triton backend
+# ----------------------------------------------------------------------------------------------
+
+
+def test_public_ops_run_the_triton_primitives(small_tiles):
+    g = _gen(11)
+    scores, ids, lengths = group_inputs([3, 1, 4, 6], seed=11)
+    rewards = torch.randn(4, 30, generator=g).to(DEVICE)
+    values = torch.randn(4, 30, generator=g).to(DEVICE)
+    mask = row_masks(4, 30, 11)
+    with rlk.use_backend("triton"):
+        for mode in ref.GROUP_MODES:
+            lens = lengths if mode == "opo" else None
+            assert torch.equal(rlk.group_advantages(scores, group_index=ids, mode=mode, lengths=lens),
+                               run_group(tk, scores, ids, 0, lengths, mode))
+        assert torch.equal(rlk.masked_whiten(rewards, mask.float(), unbiased=False),
+                           run_whiten(tk, rewards.reshape(-1), mask.reshape(-1), False, "add", True).view(4, 30))
+        assert torch.equal(rlk.discounted_returns(rewards, mask, 0.9, mask_mode="reset"),
+                           run_returns(tk, rewards, mask, 0.9, "reset"))
+        for a, b in zip(rlk.gae(rewards.bfloat16(), values, mask, gamma=0.99, lam=0.95),
+                        run_gae(tk, rewards.bfloat16().float(), values, mask, 0.99, 0.95)):
+            assert torch.equal(a, b)
+
+
+def test_tile_configs_are_powers_of_two():
+    for cfg in tk.TILE_CONFIGS.values():
+        for key, value in cfg.items():
+            if key.startswith(("BLOCK", "COMBINE")):
+                assert value & (value - 1) == 0, (key, value)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only: realistic shapes
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_realistic_shapes_gpu():
+    g = _gen(12)
+    b, t = 512, 8192
+    rewards = (torch.randn(b, t, generator=g) * 0.1).to(DEVICE)
+    values = torch.randn(b, t, generator=g).to(DEVICE)
+    mask = row_masks(b, t, 12)
+    for mode in ref.RETURN_MASK_MODES:
+        check_returns(rewards, mask, 0.99, mode)
+    check_gae(rewards, values, mask, 0.99, 0.95)
+    check_gae(rewards, values, mask, 1.0, 1.0)
+    check_whiten(rewards.reshape(-1), mask.reshape(-1), True, "add", True)
+    scores, ids, lengths = group_inputs([16] * 512 + [1, 2, 300], seed=12)
+    for mode in ref.GROUP_MODES:
+        check_group(scores, ids, 0, lengths, mode)
+        check_group(scores[:8192], None, 16, lengths[:8192], mode)

@@ -1,0 +1,424 @@
+"""Triton policy-loss and KL primitives against the reference (ground truth: the reference run in fp64).
+
+On a machine without CUDA the kernels run under the Triton CPU interpreter
+(``TRITON_INTERPRET=1``, set below before triton is imported), with small shapes. Tolerances
+come from the numerical contract (``rlk.contract``, entries ``policy_loss`` / ``kl_penalty``,
+scale ``1 + |ref|``); batch invariance and determinism are checked bit for bit (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+import rlk
+from rlk import contract
+from rlk.reference import policy_loss as ref
+from rlk_triton import policy_loss as tk
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ENTRY = contract.entry("policy_loss", torch.float32)
+KL_ENTRY = contract.entry("kl_penalty", torch.float32)
+LOSSES = list(ref.LOSSES)
+INF = math.inf
+
+# Worst deviation / allowed per output (printed with RLK_REPORT_RATIOS=1 and -s).
+_WORST: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_ratios():
+    yield
+    if os.environ.get("RLK_REPORT_RATIOS") == "1":
+        for name, ratio in sorted(_WORST.items(), key=lambda kv: -kv[1]):
+            print(f"contract ratio {ratio:.3g}  {name}")
+
+
+# The interpreter evaluates both branches of tl.where on masked lanes: harmless overflow warnings.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+]
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Rows of several BLOCK_T chunks (with a ragged last one) and a combine over several row chunks."""
+    monkeypatch.setattr(tk, "BLOCK_T", 16)
+    monkeypatch.setattr(tk, "COMBINE_BLOCK", 4)
+    monkeypatch.setattr(tk, "BLOCK_ELEMENTWISE", 32)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def make_inputs(b: int, t: int, seed: int = 0, per_seq_adv: bool = True) -> dict:
+    """fp32 [B, T] inputs: ragged masks (row 0 full, an empty row when b >= 4), ratios spread around 1 with some
+    far outside the clip ranges, mixed-sign advantages, per-row weights c."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(b, t, generator=g) * 4 - 0.05
+    old = lp + 0.3 * torch.randn(b, t, generator=g)
+    old[:, ::5] = lp[:, ::5] - 1.5
+    old[:, 1::7] = lp[:, 1::7] + 1.5
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    lengths[0] = t
+    if b >= 4:
+        lengths[3] = 0
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    adv = torch.randn(b, 1, generator=g) if per_seq_adv else torch.randn(b, t, generator=g)
+    out = {
+        "logprob": lp, "old_logprob": old, "advantages": adv, "mask": mask,
+        "row_weight": torch.rand(b, generator=g) + 0.1,
+        "importance_weights": torch.rand(b, t, generator=g) + 0.5,
+        "ref_logprob": lp + 0.7 * torch.randn(b, t, generator=g),
+        "entropy": torch.rand(b, t, generator=g) * 2,
+    }
+    return {k: v.to(DEVICE) for k, v in out.items()}
+
+
+BASE = {
+    "loss": "ppo", "cispo_upper": False, "clip_low": 0.2, "clip_high": 0.28, "dual_clip": 0.0, "clamp_low": -INF,
+    "clamp_high": INF, "tau_pos": 1.0, "tau_neg": 1.05, "kl": "k3", "kl_coef": 0.1, "kl_k3_clamp": True,
+    "kl_clamp": INF, "kl_straight_through": False, "kl_unbiased": False, "entropy_coef": 0.01,
+}
+TENSORS = ("logprob", "old_logprob", "advantages", "mask", "row_weight", "importance_weights", "ref_logprob",
+           "entropy")
+
+
+def run_fwd(impl, inputs: dict, dtype=torch.float32, with_entropy_grad=True, **attrs) -> dict:
+    """Call ``impl.policy_loss_fwd``; inputs set to None are absent. Returns its outputs."""
+    args = [None if inputs.get(k) is None else (inputs[k] if k == "mask" else inputs[k].to(dtype)) for k in TENSORS]
+    b, t = inputs["logprob"].shape
+    out = {
+        "loss": torch.empty((), dtype=dtype, device=DEVICE),
+        "coef_logprob": torch.empty(b, t, dtype=dtype, device=DEVICE),
+        "coef_entropy": torch.empty(b, t, dtype=dtype, device=DEVICE) if with_entropy_grad else None,
+        "row_stats": torch.empty(b, len(ref.ROW_STATS), dtype=dtype, device=DEVICE),
+        "metrics": torch.empty(len(ref.METRICS), dtype=dtype, device=DEVICE),
+    }
+    impl.policy_loss_fwd(*args, out["loss"], out["coef_logprob"], out["coef_entropy"], out["row_stats"],
+                         out["metrics"], **{**BASE, **attrs})
+    if not with_entropy_grad:
+        del out["coef_entropy"]
+    return out
+
+
+def scales(inputs: dict, **attrs) -> dict:
+    """The contract's scales (``1 + |ref| + rlk.reference.policy_loss.contract_scale``) from the fp64 inputs."""
+    args = [None if inputs.get(k) is None else (inputs[k] if k == "mask" else inputs[k].double()) for k in TENSORS]
+    return ref.contract_scale(*args, **{**BASE, **attrs})
+
+
+def check_outputs(got: dict, truth: dict, scale: dict, attrs=None) -> None:
+    for name in ("loss", "row_stats", "metrics"):
+        value, expected = got[name].reshape(-1), truth[name].reshape(-1)
+        dev = contract.compare_outputs(ENTRY, name, value, expected, 1.0 + expected.abs() + scale[name].reshape(-1))
+        _WORST[name] = max(_WORST.get(name, 0.0), dev.ratio)
+        assert dev.ok, (attrs, dev)
+
+
+def check_against_reference(inputs: dict, **attrs) -> dict:
+    got = run_fwd(tk, inputs, **attrs)
+    truth = run_fwd(ref, inputs, dtype=torch.float64, **attrs)
+    check_outputs(got, truth, scales(inputs, **attrs), attrs)
+    for name in ("coef_logprob", "coef_entropy"):
+        if name in got:
+            dev = contract.compare_grad(ENTRY, name, got[name], truth[name], 1.0)
+            _WORST[name] = max(_WORST.get(name, 0.0), dev.ratio)
+            assert dev.ok, (attrs, dev)
+            assert torch.all(got[name][~inputs["mask"]] == 0)
+    return got
+
+
+# ----------------------------------------------------------------------------------------------
+# policy_loss_fwd against the reference
+# ----------------------------------------------------------------------------------------------
+
+CASES = [
+    {"loss": "ppo"},
+    {"loss": "ppo", "dual_clip": 3.0, "clamp_low": -20.0, "clamp_high": 20.0},
+    {"loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4, "clamp_high": 10.0},
+    {"loss": "gspo", "clamp_low": -0.05, "clamp_high": 0.05},
+    {"loss": "cispo", "clamp_low": -20.0, "clamp_high": 20.0},
+    {"loss": "cispo", "cispo_upper": True, "clip_high": 2.0},
+    {"loss": "gpg"},
+    {"loss": "sapo"},
+    {"loss": "sapo", "clamp_low": -1.0, "clamp_high": 1.0},
+    {"loss": "geo_mean", "clip_low": 0.3, "clip_high": 0.5},
+]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (7, 37), (2, 1100)])
+@pytest.mark.parametrize("attrs", CASES, ids=lambda a: "-".join(f"{k}={v}" for k, v in a.items()))
+def test_matches_reference(attrs, shape):
+    inputs = make_inputs(*shape, seed=shape[0] + shape[1])
+    check_against_reference(inputs, **attrs)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_small_blocks_and_token_advantages(small_blocks, loss):
+    """Rows of 4 chunks of 16 tokens (the last ragged), 9 rows combined 4 at a time; per-token advantages."""
+    inputs = make_inputs(9, 50, seed=1, per_seq_adv=False)
+    check_against_reference(inputs, loss=loss, dual_clip=3.0 if loss == "ppo" else 0.0)
+
+
+@pytest.mark.parametrize("optional", ["none", "iw", "ref", "entropy_no_grad"])
+@pytest.mark.parametrize("loss", ["ppo", "geo_mean"])
+def test_optional_inputs(loss, optional):
+    inputs = make_inputs(5, 13, seed=2)
+    keep = {"none": (), "iw": ("importance_weights",), "ref": ("ref_logprob",), "entropy_no_grad": ("entropy",)}
+    for name in ("importance_weights", "ref_logprob", "entropy"):
+        if name not in keep[optional]:
+            inputs[name] = None
+    attrs = {"loss": loss, "kl_coef": 0.1 if optional == "ref" else 0.0, "entropy_coef": 0.0}
+    got = run_fwd(tk, inputs, with_entropy_grad=False, **attrs)
+    truth = run_fwd(ref, inputs, dtype=torch.float64, with_entropy_grad=False, **attrs)
+    check_outputs(got, truth, scales(inputs, **attrs), attrs)
+    assert contract.compare_grad(ENTRY, "coef", got["coef_logprob"], truth["coef_logprob"], 1.0).ok
+
+
+KL_OPTIONS = [
+    {"kl": "k1"}, {"kl": "abs"}, {"kl": "k2"}, {"kl": "k3"}, {"kl": "k3", "kl_k3_clamp": False},
+    {"kl": "k3", "kl_k3_clamp": False, "kl_clamp": 1.0}, {"kl": "k2", "kl_straight_through": True},
+    {"kl": "k3", "kl_unbiased": True},
+]
+
+
+@pytest.mark.parametrize("kl", KL_OPTIONS, ids=lambda a: "-".join(f"{k}={v}" for k, v in a.items()))
+def test_kl_term(kl):
+    inputs = make_inputs(4, 19, seed=3)
+    inputs["ref_logprob"][0, :4] = inputs["logprob"][0, :4] + torch.tensor([25.0, -25.0, -3.0, 3.0], device=DEVICE)
+    check_against_reference(inputs, **kl)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_extreme_log_ratios(loss):
+    """d = +-50 with and without a clamp: finite everywhere, within the contract."""
+    inputs = make_inputs(4, 12, seed=4)
+    inputs["old_logprob"][:, ::2] = inputs["logprob"][:, ::2] - 50.0
+    inputs["old_logprob"][:, 1::2] = inputs["logprob"][:, 1::2] + 50.0
+    for clamp in (INF, 20.0):
+        got = check_against_reference(inputs, loss=loss, clamp_low=-clamp, clamp_high=clamp)
+        assert all(bool(torch.isfinite(v).all()) for v in got.values())
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_minus_inf_at_masked_positions(loss):
+    """-inf / NaN where the mask is off: the same bits as with clean values there."""
+    inputs = make_inputs(5, 21, seed=5, per_seq_adv=False)
+    clean = run_fwd(tk, inputs, loss=loss)
+    off = ~inputs["mask"]
+    for name in ("logprob", "old_logprob", "ref_logprob"):
+        inputs[name][off] = -INF
+    inputs["entropy"][off] = math.nan
+    inputs["advantages"][off] = math.nan
+    inputs["importance_weights"][off] = INF
+    dirty = run_fwd(tk, inputs, loss=loss)
+    for name in clean:
+        assert torch.equal(clean[name], dirty[name]), name
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_empty_mask(loss):
+    inputs = make_inputs(3, 7, seed=6)
+    inputs["mask"][:] = False
+    got = run_fwd(tk, inputs, loss=loss)
+    assert all(bool(torch.all(v == 0)) for v in got.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# batch invariance and determinism
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("blocks", ["default", "small"])
+@pytest.mark.parametrize("loss", LOSSES)
+def test_batch_invariance(request, loss, blocks):
+    """A row's coefficients and row statistics are the same bits alone and at the first, middle and last
+    position of batches of 2, 5 and 9 rows (its weight c_i is its own: token-sum gives 1)."""
+    if blocks == "small":
+        request.getfixturevalue("small_blocks")
+    attrs = {"loss": loss, "dual_clip": 3.0 if loss == "ppo" else 0.0}
+    probe = make_inputs(1, 40, seed=7, per_seq_adv=False)
+    probe["row_weight"][:] = 1.0
+    alone = run_fwd(tk, probe, **attrs)
+    for b in (2, 5, 9):
+        for pos in sorted({0, b // 2, b - 1}):
+            batch = make_inputs(b, 40, seed=10 + b, per_seq_adv=False)
+            for name in TENSORS:
+                batch[name][pos] = probe[name][0]
+            out = run_fwd(tk, batch, **attrs)
+            for name in ("coef_logprob", "coef_entropy", "row_stats"):
+                assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, b, pos)
+
+
+def test_deterministic():
+    inputs = make_inputs(9, 33, seed=8)
+    first = run_fwd(tk, inputs, loss="gspo")
+    second = run_fwd(tk, inputs, loss="gspo")
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward products and kl_penalty
+# ----------------------------------------------------------------------------------------------
+
+
+def test_policy_loss_bwd_is_the_reference_product(small_blocks):
+    """One fp32 multiply per element, correctly rounded in both backends: the same bits."""
+    g = torch.Generator().manual_seed(9)
+    coef, coef_ent = torch.randn(2, 7, 50, generator=g).to(DEVICE)
+    grad_loss = torch.tensor(0.37, device=DEVICE)
+    outs = []
+    for impl in (tk, ref):
+        gl, ge = torch.empty_like(coef), torch.empty_like(coef)
+        impl.policy_loss_bwd(grad_loss, coef, coef_ent, gl, ge)
+        gl2 = torch.empty_like(coef)
+        impl.policy_loss_bwd(grad_loss, coef, None, gl2, None)
+        outs.append((gl, ge, gl2))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+KL_CASES = [
+    ("k1", {}), ("abs", {}), ("k2", {}), ("k3", {}), ("k3", {"k3_clamp": False}), ("k1", {"clamp": 2.0}),
+    ("k3", {"clamp": 10.0, "k3_clamp": False}), ("k3", {"straight_through": True}), ("abs", {"old": True}),
+    ("k3", {"old": True}),
+]
+
+
+@pytest.mark.parametrize("estimator, kwargs", KL_CASES)
+def test_kl_penalty_matches_reference(small_blocks, estimator, kwargs):
+    g = torch.Generator().manual_seed(10)
+    n = 101
+    lp = (-torch.rand(n, generator=g) * 5).to(DEVICE)
+    delta = torch.randn(n, generator=g) * 3
+    delta[:5] = torch.tensor([25.0, -25.0, -12.0, 15.0, 0.0])
+    ref_lp = lp - delta.to(DEVICE)
+    old = lp + 0.3 * torch.randn(n, generator=g).to(DEVICE)
+    kwargs = dict(kwargs)
+    use_old = kwargs.pop("old", False)
+    attrs = {"estimator": estimator, "straight_through": False, "k3_clamp": True, "clamp": INF, **kwargs}
+    outs = {}
+    for impl, dtype in ((tk, torch.float32), (ref, torch.float64)):
+        kl, coef = torch.empty(n, dtype=dtype, device=DEVICE), torch.empty(n, dtype=dtype, device=DEVICE)
+        impl.kl_penalty_fwd(lp.to(dtype), ref_lp.to(dtype), old.to(dtype) if use_old else None, kl, coef, **attrs)
+        upstream = torch.linspace(-1, 1, n, dtype=dtype, device=DEVICE)
+        grad = torch.empty_like(kl)
+        impl.kl_penalty_bwd(upstream, coef, grad)
+        outs[impl] = (kl, coef, grad)
+    kl, coef, grad = outs[tk]
+    kl64, coef64, grad64 = outs[ref]
+    assert contract.compare_outputs(KL_ENTRY, "kl", kl, kl64, 1 + kl64.abs()).ok
+    assert contract.compare_grad(KL_ENTRY, "coef", coef, coef64, 1.0).ok
+    assert contract.compare_grad(KL_ENTRY, "grad_logprob", grad, grad64, 1.0).ok
+
+
+# ----------------------------------------------------------------------------------------------
+# the public ops on the Triton backend
+# ----------------------------------------------------------------------------------------------
+
+
+def test_public_ops_on_triton_match_the_fp64_reference():
+    inputs = make_inputs(6, 17, seed=11)
+    kwargs = {"loss": "ppo", "dual_clip": 3.0, "agg": "seq-mean-token-mean", "importance_weights":
+              inputs["importance_weights"], "kl": "low_var_kl", "kl_coef": 0.1, "entropy_coef": 0.01}
+    results = {}
+    for backend, dtype in (("triton", torch.float32), ("reference", torch.float64)):
+        lp = inputs["logprob"].detach().to(dtype).clone().requires_grad_(True)
+        ent = inputs["entropy"].detach().to(dtype).clone().requires_grad_(True)
+        with rlk.use_backend(backend):
+            value, metrics = rlk.policy_loss(lp, inputs["old_logprob"].to(dtype), inputs["advantages"].to(dtype),
+                                             inputs["mask"], ref_logprob=inputs["ref_logprob"].to(dtype),
+                                             entropy=ent, **kwargs)
+            kl = rlk.kl_penalty(lp, inputs["ref_logprob"].to(dtype), "k3+")
+        (value + kl.sum()).backward()
+        results[backend] = (value, metrics, lp.grad, ent.grad, kl)
+    value, metrics, grad, grad_ent, kl = results["triton"]
+    value64, metrics64, grad64, grad_ent64, kl64 = results["reference"]
+    # the tighter scale 1 + |ref| (no per-token magnitudes: ordinary inputs)
+    value64 = value64.detach().reshape(1)
+    assert contract.compare_outputs(ENTRY, "loss", value.reshape(1), value64, 1 + value64.abs()).ok
+    for name, m in metrics.items():
+        expected = metrics64[name].reshape(1)
+        assert contract.compare_outputs(ENTRY, name, m.reshape(1), expected, 1 + expected.abs()).ok
+    assert contract.compare_grad(ENTRY, "grad_logprob", grad, grad64, 1.0).ok
+    assert contract.compare_grad(ENTRY, "grad_entropy", grad_ent, grad_ent64, 1.0).ok
+    kl64 = kl64.detach().reshape(-1)
+    assert contract.compare_outputs(KL_ENTRY, "kl", kl.reshape(-1), kl64, 1 + kl64.abs()).ok
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "geo_mean"])
+def test_micro_batches_on_triton(loss):
+    """With global normalizers each row's weight is its own: the micro-batch gradients are the full batch's,
+    bit for bit, and the micro losses add up to the full loss."""
+    inputs = make_inputs(9, 23, seed=14)
+    tokens, seqs = int(inputs["mask"].sum()), int(inputs["mask"].any(dim=1).sum())
+
+    def run(rows):
+        lp = inputs["logprob"][rows].clone().requires_grad_(True)
+        with rlk.use_backend("triton"):
+            value, _ = rlk.policy_loss(lp, inputs["old_logprob"][rows], inputs["advantages"][rows],
+                                       inputs["mask"][rows], loss=loss, agg="seq-mean-token-mean",
+                                       global_tokens=tokens, global_seqs=seqs)
+        value.backward()
+        return value.detach(), lp.grad
+
+    full, full_grad = run(slice(0, 9))
+    parts = [run(rows) for rows in (slice(0, 4), slice(4, 5), slice(5, 9))]
+    total, full = sum(p[0] for p in parts).reshape(1), full.double().reshape(1)
+    assert contract.compare_outputs(ENTRY, "loss", total, full, 1 + full.abs()).ok
+    assert torch.equal(torch.cat([p[1] for p in parts]), full_grad)
+
+
+def test_compile_with_triton_matches_eager():
+    inputs = make_inputs(4, 9, seed=12)
+
+    def objective(lp):
+        value, metrics = rlk.policy_loss(lp, inputs["old_logprob"], inputs["advantages"], inputs["mask"],
+                                         loss="gspo", agg="token-sum")
+        return value + rlk.kl_penalty(lp, inputs["ref_logprob"], "k3").sum(), metrics["clip_fraction"]
+
+    results = []
+    with rlk.use_backend("triton"):
+        for fn in (objective, torch.compile(objective, fullgraph=True, backend="aot_eager")):
+            lp = inputs["logprob"].clone().requires_grad_(True)
+            value, clip_fraction = fn(lp)
+            value.backward()
+            results.append((value.detach(), clip_fraction, lp.grad))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only: realistic shapes
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss", LOSSES)
+def test_realistic_shape_gpu(loss):
+    """B = 512 sequences of up to 8192 tokens (several BLOCK_T chunks, several combine chunks): the contract
+    against the fp64 reference, and a probe row alone vs first / middle / last (bitwise)."""
+    attrs = {"loss": loss, "dual_clip": 3.0 if loss == "ppo" else 0.0, "clamp_low": -20.0, "clamp_high": 20.0}
+    inputs = make_inputs(512, 8192, seed=13, per_seq_adv=loss != "geo_mean")
+    inputs["row_weight"][:] = 1.0
+    check_against_reference(inputs, **attrs)
+    probe = {k: v[5:6].clone() for k, v in inputs.items()}
+    alone = run_fwd(tk, probe, **attrs)
+    for pos in (0, 256, 511):
+        batch = {k: v.clone() for k, v in inputs.items()}
+        for name in TENSORS:
+            batch[name][pos] = probe[name][0]
+        out = run_fwd(tk, batch, **attrs)
+        for name in ("coef_logprob", "coef_entropy", "row_stats"):
+            assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, pos)

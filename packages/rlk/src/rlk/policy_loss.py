@@ -1,0 +1,516 @@
+"""Public policy-loss ops: ``policy_loss`` (PPO / GRPO / DAPO, GSPO, CISPO, GPG, SAPO, GMPO) and ``kl_penalty``.
+
+Each op is two ``torch.library.custom_op`` primitives (``rlk::<op>_fwd``, ``rlk::<op>_bwd``)
+with fake implementations, so they trace under ``torch.compile(fullgraph=True)``, and one
+``register_autograd``. The forward primitive does all the work in one pass: the loss, the
+per-token gradient coefficients (aggregation weights included) and the metrics; the
+backward only multiplies the saved coefficients by the upstream gradient. Backends are
+chosen at run time by ``rlk.dispatch``; the backward runs on the backend that served the
+forward. The math is specified in :mod:`rlk.reference.policy_loss`; the aggregation modes
+in :mod:`rlk.reference.aggregation`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from rlk import dispatch
+from rlk.reference import aggregation
+from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
+
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+_CISPO_FORMS = ("clip", "upper")
+_INF = math.inf
+
+
+# ---------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs (reference-only ground-truth runs)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _check_tensor(name: str, x, shapes: tuple[tuple[int, ...], ...], device: torch.device,
+                  floating: bool = True) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if floating and x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16 (float64 for reference runs), "
+                        f"got {x.dtype}")
+    if tuple(x.shape) not in shapes:
+        wanted = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name}: expected shape {wanted}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of logprob), got {x.device}")
+
+
+def _number(name: str, value, *, minimum: float | None = None, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        raise ValueError(f"{name}: must be {'>' if strict else '>='} {minimum:g}, got {value:g}")
+    return value
+
+
+def _kl_spec(name: str, estimator) -> tuple[str, bool]:
+    """Canonical estimator name and the straight-through flag (a trailing ``+``, verl's ``"k3+"``)."""
+    if not isinstance(estimator, str):
+        raise TypeError(f"{name}: expected a string, got {type(estimator).__name__}")
+    straight = estimator.endswith("+")
+    base = estimator[:-1] if straight else estimator
+    base = _KL_ALIASES.get(base, base)
+    if base not in KL_ESTIMATORS:
+        known = ", ".join(repr(k) for k in (*KL_ESTIMATORS, *_KL_ALIASES))
+        raise ValueError(f"{name}: expected one of {known} (optionally with a trailing '+' for the straight-through "
+                         f"form), got {estimator!r}")
+    return base, straight
+
+
+def _clamp_bounds(clamp_log_ratio) -> tuple[float, float]:
+    if clamp_log_ratio is None:
+        return -_INF, _INF
+    if isinstance(clamp_log_ratio, (tuple, list)):
+        if len(clamp_log_ratio) != 2:
+            raise ValueError(f"clamp_log_ratio: expected a number c or a pair (low, high), got {clamp_log_ratio!r}")
+        low, high = clamp_log_ratio
+        low = -_INF if low is None else _number("clamp_log_ratio", low)
+        high = _INF if high is None else _number("clamp_log_ratio", high)
+        if not low < high:
+            raise ValueError(f"clamp_log_ratio: expected low < high, got ({low:g}, {high:g})")
+        return low, high
+    c = _number("clamp_log_ratio", clamp_log_ratio, minimum=0.0, strict=True)
+    return -c, c
+
+
+def _no_grad_placeholder(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+# ---------------------------------------------------------------------------
+# policy_loss
+# ---------------------------------------------------------------------------
+
+
+def _fwd_outputs(logprob: Tensor, with_entropy_grad: bool) -> tuple[Tensor, ...]:
+    b, t = logprob.shape
+    loss = logprob.new_empty(())
+    coef_lp = torch.empty_like(logprob)
+    coef_ent = torch.empty_like(logprob) if with_entropy_grad else _no_grad_placeholder(logprob)
+    stats = logprob.new_empty((b, len(ROW_STATS)))
+    metrics = logprob.new_empty((len(METRICS),))
+    return loss, coef_lp, coef_ent, stats, metrics
+
+
+@torch.library.custom_op("rlk::policy_loss_fwd", mutates_args=())
+def _policy_loss_fwd(
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    row_weight: Tensor,
+    importance_weights: Tensor | None,
+    ref_logprob: Tensor | None,
+    entropy: Tensor | None,
+    loss: str,
+    cispo_upper: bool,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float,
+    clamp_low: float,
+    clamp_high: float,
+    tau_pos: float,
+    tau_neg: float,
+    kl: str,
+    kl_coef: float,
+    kl_k3_clamp: bool,
+    kl_clamp: float,
+    kl_straight_through: bool,
+    kl_unbiased: bool,
+    entropy_coef: float,
+    with_entropy_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out = _fwd_outputs(logprob, with_entropy_grad)
+    loss_out, coef_lp, coef_ent, stats, metrics = out
+    backend = dispatch.select("policy_loss", logprob.device, logprob.dtype)
+    backend.primitives["policy_loss_fwd"](
+        logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy,
+        loss_out, coef_lp, coef_ent if with_entropy_grad else None, stats, metrics,
+        loss=loss, cispo_upper=cispo_upper, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+        clamp_low=clamp_low, clamp_high=clamp_high, tau_pos=tau_pos, tau_neg=tau_neg, kl=kl, kl_coef=kl_coef,
+        kl_k3_clamp=kl_k3_clamp, kl_clamp=kl_clamp, kl_straight_through=kl_straight_through,
+        kl_unbiased=kl_unbiased, entropy_coef=entropy_coef,
+    )
+    return out
+
+
+@_policy_loss_fwd.register_fake
+def _(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, loss,
+      cispo_upper, clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl, kl_coef,
+      kl_k3_clamp, kl_clamp, kl_straight_through, kl_unbiased, entropy_coef, with_entropy_grad):
+    return _fwd_outputs(logprob, with_entropy_grad)
+
+
+@torch.library.custom_op("rlk::policy_loss_bwd", mutates_args=())
+def _policy_loss_bwd(
+    grad_loss: Tensor, coef_logprob: Tensor, coef_entropy: Tensor | None, backend: str
+) -> tuple[Tensor, Tensor]:
+    grad_lp = torch.empty_like(coef_logprob)
+    grad_ent = torch.empty_like(coef_logprob) if coef_entropy is not None else _no_grad_placeholder(coef_logprob)
+    dispatch.backend_named(backend).primitives["policy_loss_bwd"](
+        grad_loss, coef_logprob, coef_entropy, grad_lp, grad_ent if coef_entropy is not None else None
+    )
+    return grad_lp, grad_ent
+
+
+@_policy_loss_bwd.register_fake
+def _(grad_loss, coef_logprob, coef_entropy, backend):
+    grad_ent = torch.empty_like(coef_logprob) if coef_entropy is not None else _no_grad_placeholder(coef_logprob)
+    return torch.empty_like(coef_logprob), grad_ent
+
+
+_N_POLICY_INPUTS = 25
+
+
+def _setup_policy(ctx, inputs, output):
+    logprob, with_entropy_grad = inputs[0], inputs[-1]
+    _, coef_lp, coef_ent, stats, metrics = output
+    ctx.save_for_backward(coef_lp, coef_ent)
+    ctx.with_entropy_grad = with_entropy_grad
+    ctx.mark_non_differentiable(coef_lp, coef_ent, stats, metrics)
+    ctx.backend = dispatch.decide("policy_loss", logprob.device, logprob.dtype).backend or ""
+
+
+def _backward_policy(ctx, grad_loss, grad_coef_lp, grad_coef_ent, grad_stats, grad_metrics):
+    coef_lp, coef_ent = ctx.saved_tensors
+    grads = [None] * _N_POLICY_INPUTS
+    if grad_loss is None:
+        return tuple(grads)
+    grad_lp, grad_ent = torch.ops.rlk.policy_loss_bwd(
+        grad_loss.to(coef_lp.dtype).contiguous(), coef_lp, coef_ent if ctx.with_entropy_grad else None, ctx.backend
+    )
+    grads[0] = grad_lp
+    if ctx.with_entropy_grad:
+        grads[7] = grad_ent
+    return tuple(grads)
+
+
+_policy_loss_fwd.register_autograd(_backward_policy, setup_context=_setup_policy)
+
+
+def policy_loss(
+    logprob: Tensor,
+    old_logprob: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    clamp_log_ratio: float | tuple[float | None, float | None] | None = None,
+    cispo_form: str = "clip",
+    sapo_tau: tuple[float, float] = (1.0, 1.05),
+    importance_weights: Tensor | None = None,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    loss_scale: float | Tensor | None = None,
+    ref_logprob: Tensor | None = None,
+    kl: str = "k3",
+    kl_coef: float = 0.0,
+    kl_k3_clamp: bool = True,
+    kl_clamp: float | None = None,
+    kl_unbiased: bool = False,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy-gradient loss of one (micro-)batch, with its metrics, in one fused pass.
+
+    ``loss = agg(I * L) + kl_coef * agg(k(logprob, ref_logprob)) - entropy_coef * agg(entropy)``
+    with the per-token policy loss ``L`` of the variant ``loss`` (math:
+    :mod:`rlk.reference.policy_loss`; ``r = exp(logprob - old_logprob)``, ``A`` the advantage):
+
+    * ``"ppo"`` (also GRPO / DAPO): ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; with
+      ``dual_clip=c`` (> 1; verl uses 3.0), ``min(that, -A c)`` where ``A < 0``. TRL's two-sided
+      ``delta`` (INTELLECT-2) is ``dual_clip=delta`` (equal in value and gradient when
+      ``delta > 1 + clip_high``).
+    * ``"gspo"``: the sequence ratio ``s_i = exp(mean_t (logprob - old))`` per token in the
+      GSPO-token form ``lp - sg(lp) + sg(log s_i)`` (value ``s_i``, gradient to the token
+      itself), then the ppo clip; no dual clip. For verl's form pass
+      ``clamp_log_ratio=(None, 10.0)`` (verl clamps ``log s`` at 10 from above) and
+      ``agg="seq-mean-token-mean"`` (verl forces it for GSPO; rlk accepts any mode). With one
+      advantage per sequence this equals TRL's ``importance_sampling_level="sequence"``.
+    * ``"cispo"``: ``-sg(w) A logprob`` with ``w = clip(r, 1 - clip_low, 1 + clip_high)``
+      (``cispo_form="clip"``: verl, slime) or ``w = min(r, clip_high)``
+      (``cispo_form="upper"``: TRL; ``clip_high`` is the cap itself, e.g. 5.0, and must be
+      given). Clipped tokens keep their gradient.
+    * ``"gpg"``: ``-A logprob``.
+    * ``"sapo"``: ``-A sigmoid(tau (r - 1)) 4 / tau`` with ``tau = sapo_tau[0]`` where ``A > 0``,
+      else ``sapo_tau[1]`` (defaults 1.0, 1.05).
+    * ``"geo_mean"`` (GMPO): the per-token log-ratio clipped sign-aware to
+      ``[-clip_low, clip_high]`` (upper bound for ``A > 0``, lower for ``A < 0``),
+      ``R_i = exp(mean_t of it)``, sequence loss ``-mean_t(A) R_i`` carried by each token of the
+      row. With ``agg="seq-mean-token-mean"`` the loss is the mean of the sequence losses
+      (verl's GMPO).
+
+    Args:
+        logprob: ``[B, T]`` log-probs of the sampled tokens under the current policy (rows are
+            sequences); float32 (bf16 / fp16 are upcast). The gradient flows to it.
+        old_logprob: ``[B, T]`` behaviour log-probs (detached), or None for on-policy
+            (``old = logprob.detach()``, ``r = 1``).
+        advantages: ``[B, T]``, or ``[B]`` / ``[B, 1]`` for one advantage per sequence (detached).
+        mask: ``[B, T]`` bool, or numbers (nonzero = a loss token). Masked-out positions
+            never touch the result, even when they hold ``-inf`` or NaN.
+        loss: ``"ppo"``, ``"gspo"``, ``"cispo"``, ``"gpg"``, ``"sapo"`` or ``"geo_mean"``.
+        clip_low, clip_high: ``eps_low`` and ``eps_high`` (>= 0; ``clip_high=None`` means
+            ``clip_low``). DAPO: 0.2 / 0.28; GSPO: 3e-4 / 4e-4.
+        dual_clip: the dual-clip constant ``c > 1`` (``"ppo"`` only), or None.
+        clamp_log_ratio: clamp the log-ratio to ``[-c, c]`` (or ``(low, high)``, either None)
+            before ``exp``; a clamped token gets no gradient through the ratio. verl and
+            OpenRLHF use 20. For ``"gspo"`` it clamps the sequence log-ratio ``log s_i``; for
+            ``"gpg"`` it only affects the ratio metrics. None: no clamp (TRL, slime).
+        cispo_form: ``"clip"`` or ``"upper"`` (see ``"cispo"``).
+        sapo_tau: ``(tau for A > 0, tau for A <= 0)``.
+        importance_weights: ``[B, T]`` per-token weights (detached, e.g. a rollout-vs-training
+            correction) multiplying the policy loss ``L`` (not the KL or entropy terms).
+        agg, global_tokens, global_seqs, loss_scale: the aggregation
+            (:mod:`rlk.reference.aggregation`): ``"token-mean"``, ``"token-sum"``,
+            ``"seq-mean-token-sum"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"``
+            (Dr.GRPO; needs ``loss_scale``). With the global normalizers of the optimizer step
+            (numbers or one-element tensors, e.g. all-reduced), the micro-batch losses add up to
+            the full-batch loss and so do their gradients. Without them the micro-batch is the
+            whole batch (its masked tokens / its sequences with at least one token).
+        ref_logprob: ``[B, T]`` reference-model log-probs (detached); enables the KL term and
+            the ``kl_mean`` metric.
+        kl: the KL estimator: ``"k1"`` (alias ``"kl"``), ``"abs"``, ``"k2"`` (``"mse"``), ``"k3"``
+            (``"low_var_kl"``); a trailing ``"+"`` is the straight-through form (value of the
+            estimator, gradient of k2). See :func:`kl_penalty`.
+        kl_coef: the KL coefficient ``beta``; nonzero needs ``ref_logprob``.
+        kl_k3_clamp, kl_clamp: as ``k3_clamp`` and ``clamp`` of :func:`kl_penalty` (TRL's k3:
+            ``kl_k3_clamp=False``; OpenRLHF: ``kl_clamp=10``).
+        kl_unbiased: weight the KL term by ``sg(exp(logprob - old_logprob))`` (slime's unbiased KL).
+        entropy: ``[B, T]`` per-token entropy; enables ``entropy_mean``. With ``entropy_coef != 0``
+            the loss subtracts ``entropy_coef * agg(entropy)`` and the gradient flows to it.
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` a 0-d float32 tensor (float64 for float64 inputs),
+        differentiable w.r.t. ``logprob`` (and ``entropy``); ``metrics`` a dict of detached 0-d
+        tensors over the masked tokens of this call (0 when there are none): ``clip_fraction``,
+        ``lower_clip_fraction`` (dual clip active), ``approx_kl`` (mean of ``old - logprob``),
+        ``ratio_mean``, ``ratio_max``, and ``entropy_mean`` / ``kl_mean`` when ``entropy`` /
+        ``ref_logprob`` are given. No host synchronization.
+
+    An empty mask (or an empty batch) gives loss 0 and zero gradients, never NaN.
+
+    Batch invariance: on backends that promise it (``rlk info``), a row's per-token gradient
+    coefficients and its per-row partial sums are bitwise independent of the other rows
+    whenever its aggregation weight is (``token-sum``, or global normalizers).
+    """
+    # --- tensors -------------------------------------------------------------------------
+    if not isinstance(logprob, Tensor):
+        raise TypeError(f"logprob: expected a torch.Tensor, got {type(logprob).__name__}")
+    if logprob.dim() != 2:
+        raise ValueError(f"logprob: expected shape [B, T] (rows are sequences), got {tuple(logprob.shape)}")
+    device, shape = logprob.device, tuple(logprob.shape)
+    _check_tensor("logprob", logprob, (shape,), device)
+    b = shape[0]
+    if old_logprob is not None:
+        _check_tensor("old_logprob", old_logprob, (shape,), device)
+    _check_tensor("advantages", advantages, (shape, (b,), (b, 1)), device)
+    _check_tensor("mask", mask, (shape,), device, floating=False)
+    for name, x in (("importance_weights", importance_weights), ("ref_logprob", ref_logprob), ("entropy", entropy)):
+        if x is not None:
+            _check_tensor(name, x, (shape,), device)
+
+    # --- attributes ----------------------------------------------------------------------
+    if loss not in LOSSES:
+        raise ValueError(f"loss: expected one of {', '.join(repr(x) for x in LOSSES)}, got {loss!r}")
+    if cispo_form not in _CISPO_FORMS:
+        raise ValueError(f"cispo_form: expected 'clip' or 'upper', got {cispo_form!r}")
+    clip_low = _number("clip_low", clip_low, minimum=0.0)
+    if clip_high is None:
+        if loss == "cispo" and cispo_form == "upper":
+            raise ValueError("clip_high: cispo_form='upper' caps the ratio at clip_high itself (TRL's epsilon_high, "
+                             "e.g. 5.0); pass it explicitly")
+        clip_high = clip_low
+    clip_high = _number("clip_high", clip_high, minimum=0.0)
+    if dual_clip is not None:
+        if loss != "ppo":
+            raise ValueError(f"dual_clip: only loss='ppo' has a dual clip (loss is {loss!r})")
+        dual_clip = _number("dual_clip", dual_clip, minimum=1.0, strict=True)
+    clamp_low, clamp_high = _clamp_bounds(clamp_log_ratio)
+    if not isinstance(sapo_tau, (tuple, list)) or len(sapo_tau) != 2:
+        raise ValueError(f"sapo_tau: expected a pair (tau_pos, tau_neg), got {sapo_tau!r}")
+    tau_pos = _number("sapo_tau", sapo_tau[0], minimum=0.0, strict=True)
+    tau_neg = _number("sapo_tau", sapo_tau[1], minimum=0.0, strict=True)
+    kl, kl_straight = _kl_spec("kl", kl)
+    kl_coef = _number("kl_coef", kl_coef)
+    if kl_coef != 0 and ref_logprob is None:
+        raise ValueError("ref_logprob: required when kl_coef != 0 (the KL term needs the reference log-probs)")
+    kl_clamp_value = _INF if kl_clamp is None else _number("kl_clamp", kl_clamp, minimum=0.0, strict=True)
+    entropy_coef = _number("entropy_coef", entropy_coef)
+    if entropy_coef != 0 and entropy is None:
+        raise ValueError("entropy: required when entropy_coef != 0")
+    mask_bool = mask if mask.dtype == torch.bool else mask != 0
+    cdt = _compute_dtype(logprob)
+    row_weight = aggregation.row_weights(mask_bool, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                                         loss_scale=loss_scale, dtype=cdt)
+
+    # --- canonical inputs ----------------------------------------------------------------
+    lp = logprob.to(cdt).contiguous()
+    old = lp.detach() if old_logprob is None else old_logprob.detach().to(cdt).contiguous()
+    adv = advantages.detach().to(cdt).reshape(b, 1 if advantages.dim() == 1 else advantages.shape[1]).contiguous()
+
+    def detached(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x.detach().to(cdt).contiguous()
+
+    with_entropy_grad = entropy is not None and entropy_coef != 0
+    ent = None
+    if entropy is not None:
+        ent = entropy.to(cdt).contiguous() if with_entropy_grad else detached(entropy)
+    if lp.numel() == 0:
+        zero = lp.sum() * 0.0
+        if with_entropy_grad:
+            zero = zero + ent.sum() * 0.0
+        out_loss, metrics = zero, torch.zeros(len(METRICS), dtype=cdt, device=device)
+    else:
+        out_loss, _, _, _, metrics = torch.ops.rlk.policy_loss_fwd(
+            lp, old, adv, mask_bool.contiguous(), row_weight, detached(importance_weights), detached(ref_logprob),
+            ent, loss, cispo_form == "upper", clip_low, clip_high, 0.0 if dual_clip is None else dual_clip,
+            clamp_low, clamp_high, tau_pos, tau_neg, kl, kl_coef, bool(kl_k3_clamp), kl_clamp_value, kl_straight,
+            bool(kl_unbiased), entropy_coef, with_entropy_grad,
+        )
+    metrics = metrics.detach()
+    names = ["clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
+    if entropy is not None:
+        names.append("entropy_mean")
+    if ref_logprob is not None:
+        names.append("kl_mean")
+    return out_loss, {name: metrics[METRICS.index(name)] for name in names}
+
+
+# ---------------------------------------------------------------------------
+# kl_penalty
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("rlk::kl_penalty_fwd", mutates_args=())
+def _kl_penalty_fwd(
+    logprob: Tensor, ref_logprob: Tensor, old_logprob: Tensor | None, estimator: str, straight_through: bool,
+    k3_clamp: bool, clamp: float,
+) -> tuple[Tensor, Tensor]:
+    kl, coef = torch.empty_like(logprob), torch.empty_like(logprob)
+    if logprob.numel() == 0:
+        return kl, coef
+    backend = dispatch.select("kl_penalty", logprob.device, logprob.dtype)
+    backend.primitives["kl_penalty_fwd"](
+        logprob, ref_logprob, old_logprob, kl, coef,
+        estimator=estimator, straight_through=straight_through, k3_clamp=k3_clamp, clamp=clamp,
+    )
+    return kl, coef
+
+
+@_kl_penalty_fwd.register_fake
+def _(logprob, ref_logprob, old_logprob, estimator, straight_through, k3_clamp, clamp):
+    return torch.empty_like(logprob), torch.empty_like(logprob)
+
+
+@torch.library.custom_op("rlk::kl_penalty_bwd", mutates_args=())
+def _kl_penalty_bwd(grad_kl: Tensor, coef: Tensor, backend: str) -> Tensor:
+    grad = torch.empty_like(coef)
+    if coef.numel() == 0:
+        return grad
+    dispatch.backend_named(backend).primitives["kl_penalty_bwd"](grad_kl, coef, grad)
+    return grad
+
+
+@_kl_penalty_bwd.register_fake
+def _(grad_kl, coef, backend):
+    return torch.empty_like(coef)
+
+
+def _setup_kl(ctx, inputs, output):
+    logprob = inputs[0]
+    _, coef = output
+    ctx.save_for_backward(coef)
+    ctx.mark_non_differentiable(coef)
+    ctx.backend = dispatch.decide("kl_penalty", logprob.device, logprob.dtype).backend or ""
+
+
+def _backward_kl(ctx, grad_kl, grad_coef):
+    (coef,) = ctx.saved_tensors
+    if grad_kl is None:
+        return None, None, None, None, None, None, None
+    grad = torch.ops.rlk.kl_penalty_bwd(grad_kl.to(coef.dtype).contiguous(), coef, ctx.backend)
+    return grad, None, None, None, None, None, None
+
+
+_kl_penalty_fwd.register_autograd(_backward_kl, setup_context=_setup_kl)
+
+
+def kl_penalty(
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    estimator: str,
+    *,
+    straight_through: bool = False,
+    clamp: float | None = None,
+    k3_clamp: bool = True,
+    old_logprob: Tensor | None = None,
+) -> Tensor:
+    """Per-token KL estimate between the policy and a reference, differentiable w.r.t. ``logprob``.
+
+    With ``delta = logprob - ref_logprob`` (math: :mod:`rlk.reference.policy_loss`):
+
+    * ``"k1"`` (alias ``"kl"``): ``delta``;
+    * ``"abs"``: ``|delta|``;
+    * ``"k2"`` (alias ``"mse"``): ``delta^2 / 2``;
+    * ``"k3"`` (alias ``"low_var_kl"``): ``exp(-delta) - 1 + delta``. With ``k3_clamp`` (the
+      default, verl's form) ``x = clamp(-delta, -20, 20)`` and the value is
+      ``clamp(exp(x) - x - 1, -10, 10)``; ``k3_clamp=False`` is the plain estimator (TRL).
+
+    Args:
+        logprob: ``[...]`` float32 (bf16 / fp16 upcast); the gradient flows to it.
+        ref_logprob: same shape, detached.
+        estimator: one of the names above; a trailing ``"+"`` (verl's ``"k3+"``) is the same as
+            ``straight_through=True``.
+        straight_through: the value of the estimator with the gradient of k2
+            (``k2 - sg(k2) + sg(k)``: ``d/d logprob = delta``).
+        clamp: clamp the estimator value to ``[-clamp, clamp]`` (OpenRLHF uses 10), zero
+            gradient outside; None: no clamp. Applied after ``k3_clamp``, before the
+            straight-through gradient and the importance weight.
+        k3_clamp: verl's clamps of k3 (ignored by the other estimators).
+        old_logprob: when given, the importance-weighted (unbiased, slime's
+            ``--use-unbiased-kl``) estimate ``sg(exp(logprob - old_logprob)) * k``: the weight is
+            detached, so the gradient is ``weight * dk/d logprob``.
+
+    Returns:
+        fp32 tensor of ``logprob``'s shape (fp64 for fp64 inputs). No masking: multiply or
+        ``where`` by your mask afterwards.
+    """
+    if not isinstance(logprob, Tensor):
+        raise TypeError(f"logprob: expected a torch.Tensor, got {type(logprob).__name__}")
+    shape, device = tuple(logprob.shape), logprob.device
+    _check_tensor("logprob", logprob, (shape,), device)
+    _check_tensor("ref_logprob", ref_logprob, (shape,), device)
+    if old_logprob is not None:
+        _check_tensor("old_logprob", old_logprob, (shape,), device)
+    name, straight = _kl_spec("estimator", estimator)
+    clamp_value = _INF if clamp is None else _number("clamp", clamp, minimum=0.0, strict=True)
+    cdt = _compute_dtype(logprob)
+    lp = logprob.to(cdt).reshape(-1).contiguous()
+    ref = ref_logprob.detach().to(cdt).reshape(-1).contiguous()
+    old = None if old_logprob is None else old_logprob.detach().to(cdt).reshape(-1).contiguous()
+    kl, _ = torch.ops.rlk.kl_penalty_fwd(lp, ref, old, name, bool(straight or straight_through), bool(k3_clamp),
+                                         clamp_value)
+    return kl.view(shape)

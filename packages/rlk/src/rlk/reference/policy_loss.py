@@ -1,0 +1,371 @@
+"""Reference policy-loss and KL primitives: the readable specification and ground truth.
+
+Notation (per token ``t`` of row ``i``; rows are sequences)
+----------------------------------------------------------
+``lp`` the log-prob under the current policy (it carries the gradient), ``old`` the
+behaviour log-prob, ``ref`` the reference-model log-prob, ``A`` the advantage, ``m`` the
+loss mask, ``n_i = sum_t m`` (``n1_i = max(n_i, 1)``), ``I`` the optional per-token
+importance weight (1 when absent), ``H`` the optional entropy, ``c_i`` the aggregation
+weight of row ``i`` (:func:`rlk.reference.aggregation.row_weights`), ``sg`` stop-gradient.
+Every input is first masked with ``where(m, x, 0)``, so masked-out positions may hold
+``-inf`` or NaN without touching any result.
+
+``d = lp - old``; ``dc = clamp(d, clamp_low, clamp_high)`` (no clamp at +-inf); ``r = exp(dc)``.
+A clamped token (``d`` outside ``[clamp_low, clamp_high]``) gets no gradient through ``r``,
+as with ``torch.clamp``. ``eps_l, eps_h = clip_low, clip_high``.
+
+Per-token losses ``L`` (minimized) and their derivatives ``g = dL / d lp``
+--------------------------------------------------------------------------
+``ppo``::
+
+    L1 = -A r,  L2 = -A clip(r, 1 - eps_l, 1 + eps_h),  L = max(L1, L2)
+    g  = -A r where L1 >= L2 (the unclipped branch is active), else 0
+    dual clip c > 0 (``dual_clip``): where A < 0 and L > -A c:  L = -A c, g = 0
+
+(At exact ties, ``L1 == L2`` means ``r`` inside the clip range and both branches agree; at
+``L == -A c`` exactly, ``torch.minimum`` would split the gradient in half, rlk keeps it whole.)
+
+``gspo`` (sequence ratio, GSPO-token form)::
+
+    log s_i = sum_t m d / n1_i;   log s~_t = clamp(lp_t - sg(lp_t) + sg(log s_i), clamp_low, clamp_high)
+    value s~_t = exp(clamp(log s_i)); d s~_t / d lp_t = s~_t (0 where log s_i is clamped)
+    then the ppo clip with s~ in place of r (no dual clip)
+
+``cispo``::
+
+    w = sg(clip(r, 1 - eps_l, 1 + eps_h))        (cispo_upper=False: verl / slime)
+    w = sg(min(r, eps_h))                        (cispo_upper=True: TRL, eps_h is the cap itself)
+    L = -w A lp,  g = -w A
+
+``gpg``: ``L = -A lp``, ``g = -A``.
+
+``sapo``: ``tau = tau_pos if A > 0 else tau_neg``, ``f = sigmoid(tau (r - 1))``,
+``L = -A f 4 / tau``, ``g = -4 A f (1 - f) r``.
+
+``geo_mean`` (GMPO), one loss per sequence::
+
+    dt = min(dc, eps_h) if A > 0;  max(dc, -eps_l) if A < 0;  0 if A == 0   (sign-aware clip)
+    R_i = exp(sum_t m dt / n1_i),   Abar_i = sum_t m A / n1_i,   l_i = -Abar_i R_i
+    L_t = l_i (every token of the row carries the sequence loss)
+    d l_i / d lp_t = -Abar_i R_i p_t / n1_i,   p_t = 1 where dt follows dc (A > 0 and dc <= eps_h,
+                                               or A < 0 and dc >= -eps_l) and d is not clamped
+
+Importance weights multiply ``L`` and ``g`` (for ``geo_mean``: ``sum_t m c I l_i``, so the row's
+gradient carries ``SI_i = sum_t m I``).
+
+The objective
+-------------
+With the KL estimate ``K = k(lp, ref)`` (:func:`kl_estimate`, optionally importance-weighted
+by ``w = sg(exp(d))``) and coefficients ``beta = kl_coef`` and ``eta = entropy_coef``::
+
+    loss = sum_i c_i sum_t m (I L + beta K - eta H)
+
+The forward stores the per-token gradient coefficients, weights included::
+
+    coef_logprob = m c_i (I g + beta dK/dlp),    coef_entropy = -m c_i eta
+
+so the backward of an upstream gradient ``G`` is ``G * coef`` (``G`` a scalar).
+
+Metrics over the masked tokens of the call (``n = sum m``; every metric is 0 when ``n = 0``)
+-------------------------------------------------------------------------------------------
+``clip_fraction``: tokens whose ratio is clipped (ppo / gspo: ``L2 > L1``; cispo: ``w != r``;
+geo_mean: the sign-aware clip is active; gpg / sapo: 0). ``lower_clip_fraction``: ppo tokens
+where the dual clip is active. ``approx_kl``: mean of ``-dc`` (of ``-d`` for gspo).
+``ratio_mean`` / ``ratio_max``: of the ratio in the loss (``r``; ``s~`` for gspo; ``R_i`` for
+geo_mean; ``r`` for gpg, which does not use it). ``entropy_mean``: of ``H``. ``kl_mean``: of
+``K`` (importance-weighted when requested). ``tokens``: ``n``.
+
+The per-row partial sums behind them are an output too (``row_stats``, columns
+:data:`ROW_STATS`): ``loss`` is the row's ``c_i sum_t m (I L + beta K - eta H)``.
+
+KL estimators (``delta = lp - ref``) and their derivatives
+----------------------------------------------------------
+``k1``: ``delta`` (1). ``abs``: ``|delta|`` (``sign(delta)``). ``k2``: ``delta^2 / 2`` (``delta``).
+``k3``: ``exp(-delta) - 1 + delta`` (``1 - exp(-delta)``); with ``k3_clamp`` (verl's
+``low_var_kl``): ``x = clamp(-delta, -20, 20)``, ``clamp(exp(x) - x - 1, -10, 10)``, the
+derivative 0 wherever a clamp is active. ``clamp`` (OpenRLHF): the estimator value is clamped
+to ``[-clamp, clamp]`` (derivative 0 outside). ``straight_through`` (verl's ``"k3+"``): the
+value as above, the derivative of ``k2`` (``delta``). With ``old`` (slime's unbiased KL):
+value and derivative multiplied by ``sg(exp(lp - old))``.
+
+Math runs in fp32 (fp64 when the inputs are fp64: ground truth). Vectorized over the whole
+``[B, T]`` batch; deterministic; no batch-invariance promise (the Triton kernels make it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: Policy-loss variants (the ``loss`` attribute of ``policy_loss_fwd``).
+LOSSES = ("ppo", "gspo", "cispo", "gpg", "sapo", "geo_mean")
+#: KL estimators (canonical names; the op layer resolves aliases such as ``low_var_kl``).
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
+#: Columns of ``row_stats_out`` (per-row partials, combined in row order into the metrics).
+ROW_STATS = ("loss", "tokens", "clipped", "lower_clipped", "neg_log_ratio", "ratio", "ratio_max", "entropy", "kl")
+#: Entries of ``metrics_out``.
+METRICS = ("clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max", "entropy_mean", "kl_mean",
+           "tokens")
+
+#: verl's k3 ("low_var_kl") clamps: the log-ratio, then the value.
+K3_LOG_RATIO_CLAMP = 20.0
+K3_VALUE_CLAMP = 10.0
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _clamp_with_pass(x: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """``clamp(x, low, high)`` and where its derivative is 1 (``low <= x <= high``, as ``torch.clamp``)."""
+    return x.clamp(low, high), (x >= low) & (x <= high)
+
+
+def kl_estimate(
+    delta: Tensor, estimator: str, *, k3_clamp: bool, clamp: float, straight_through: bool
+) -> tuple[Tensor, Tensor]:
+    """Value of the KL estimator at ``delta = lp - ref`` and its derivative with respect to ``lp``.
+
+    The single definition of the estimators, used by ``kl_penalty_fwd`` and ``policy_loss_fwd``
+    (module docstring). ``clamp`` is ``inf`` for no clamp.
+    """
+    if estimator == "k1":
+        value, grad = delta, torch.ones_like(delta)
+    elif estimator == "abs":
+        value, grad = delta.abs(), torch.sign(delta)
+    elif estimator == "k2":
+        value, grad = 0.5 * delta * delta, delta
+    elif estimator == "k3":
+        x = -delta
+        inside = torch.ones_like(delta, dtype=torch.bool)
+        if k3_clamp:
+            x, inside = _clamp_with_pass(x, -K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+        e = torch.exp(x)
+        value = e - x - 1.0
+        grad = 1.0 - e
+        if k3_clamp:
+            value, kept = _clamp_with_pass(value, -K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+            inside = inside & kept
+        grad = torch.where(inside, grad, 0.0)
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}")
+    if clamp != float("inf"):
+        value, kept = _clamp_with_pass(value, -clamp, clamp)
+        grad = torch.where(kept, grad, 0.0)
+    if straight_through:
+        grad = delta
+    return value, grad
+
+
+def kl_penalty_fwd(logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estimator, straight_through, k3_clamp,
+                   clamp):
+    """Per-element KL estimate ``kl_out`` and its derivative ``coef_out = d kl / d logprob`` (all ``[N]``).
+
+    With ``old_logprob`` both are multiplied by the detached weight ``exp(logprob - old_logprob)``.
+    """
+    cdt = _compute_dtype(logprob.dtype)
+    lp = logprob.to(cdt)
+    value, grad = kl_estimate(lp - ref_logprob.to(cdt), estimator, k3_clamp=k3_clamp, clamp=clamp,
+                              straight_through=straight_through)
+    if old_logprob is not None:
+        w = torch.exp(lp - old_logprob.to(cdt))
+        value, grad = w * value, w * grad
+    kl_out.copy_(value)
+    coef_out.copy_(grad)
+
+
+def kl_penalty_bwd(grad_kl, coef, grad_logprob_out):
+    """``grad_logprob = grad_kl * coef`` (elementwise)."""
+    torch.mul(grad_kl, coef, out=grad_logprob_out)
+
+
+def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high, dual_clip, clamp_low, clamp_high,
+                  tau_pos, tau_neg):
+    """Per-token ``L``, ``g``, ratio, clipped / lower-clipped flags and the log-ratio of the metrics.
+
+    All inputs are already masked (0 off the mask). For ``geo_mean`` ``L`` and ``g`` are the
+    sequence quantities ``l_i`` and ``d l_i / d lp_t`` (module docstring).
+    """
+    d = lp - old
+    no = torch.zeros_like(m)
+    if loss == "gspo":
+        log_s = torch.where(m, d, 0.0).sum(dim=1) / n1
+        log_s, passes = _clamp_with_pass(log_s, clamp_low, clamp_high)
+        ratio = torch.exp(log_s)[:, None].expand_as(d)
+        passes = passes[:, None].expand_as(d)
+        log_ratio = d
+    else:
+        log_ratio, passes = _clamp_with_pass(d, clamp_low, clamp_high)
+        ratio = torch.exp(log_ratio)
+    if loss in ("ppo", "gspo"):
+        l1 = -adv * ratio
+        l2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        value = torch.maximum(l1, l2)
+        grad = torch.where((l1 >= l2) & passes, -adv * ratio, 0.0)
+        clipped, lower = l2 > l1, no
+        if dual_clip > 0:
+            dual = -adv * dual_clip
+            lower = (adv < 0) & (value > dual)
+            value = torch.where(lower, dual, value)
+            grad = torch.where(lower, 0.0, grad)
+        return value, grad, ratio, clipped, lower, log_ratio
+    if loss == "cispo":
+        w = torch.minimum(ratio, torch.full_like(ratio, clip_high)) if cispo_upper else \
+            ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        return -w * adv * lp, -w * adv, ratio, w != ratio, no, log_ratio
+    if loss == "gpg":
+        return -adv * lp, -adv, ratio, no, no, log_ratio
+    if loss == "sapo":
+        tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+        f = torch.sigmoid(tau * (ratio - 1.0))
+        value = -adv * f * (4.0 / tau)
+        grad = torch.where(passes, -4.0 * adv * f * (1.0 - f) * ratio, 0.0)
+        return value, grad, ratio, no, no, log_ratio
+    if loss == "geo_mean":
+        pos, neg = adv > 0, adv < 0
+        dt = torch.where(pos, log_ratio.clamp(max=clip_high), torch.where(neg, log_ratio.clamp(min=-clip_low), 0.0))
+        follows = (pos & (log_ratio <= clip_high)) | (neg & (log_ratio >= -clip_low))
+        seq_ratio = torch.exp(torch.where(m, dt, 0.0).sum(dim=1) / n1)
+        adv_bar = torch.where(m, adv, 0.0).sum(dim=1) / n1
+        seq_loss = -adv_bar * seq_ratio
+        grad = torch.where(follows & passes, (seq_loss / n1)[:, None], 0.0)
+        clipped = (pos & (log_ratio > clip_high)) | (neg & (log_ratio < -clip_low))
+        ratio = seq_ratio[:, None].expand_as(d)
+        return seq_loss[:, None].expand_as(d), grad, ratio, clipped, no, log_ratio
+    raise ValueError(f"unknown policy loss {loss!r}")
+
+
+def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, *, loss,
+           cispo_upper, clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl, kl_coef,
+           kl_k3_clamp, kl_clamp, kl_straight_through, kl_unbiased, entropy_coef) -> dict[str, Tensor]:
+    """Every per-token quantity of the objective (``[B, T]``, 0 off the mask) and the row weights ``c``."""
+    cdt = _compute_dtype(logprob.dtype)
+    m = mask
+    zero = torch.zeros((), dtype=cdt, device=logprob.device)
+
+    def masked(x: Tensor) -> Tensor:
+        return torch.where(m, x.to(cdt).expand(m.shape), zero)
+
+    lp, old, adv = masked(logprob), masked(old_logprob), masked(advantages)
+    n = m.sum(dim=1).to(cdt)
+    value, grad, ratio, clipped, lower, log_ratio = _token_losses(
+        lp, old, adv, m, n.clamp(min=1.0), loss=loss, cispo_upper=cispo_upper, clip_low=clip_low,
+        clip_high=clip_high, dual_clip=dual_clip, clamp_low=clamp_low, clamp_high=clamp_high, tau_pos=tau_pos,
+        tau_neg=tau_neg)
+    if importance_weights is not None:
+        iw = masked(importance_weights)
+        value = value * iw
+        grad = grad * iw if loss != "geo_mean" else grad * iw.sum(dim=1, keepdim=True)
+    elif loss == "geo_mean":
+        grad = grad * n[:, None]
+    t = {"m": m, "c": row_weight.to(cdt), "n": n, "policy": value, "objective": value, "coef": grad,
+         "clipped": clipped.to(cdt), "lower": lower.to(cdt), "neg_log_ratio": -log_ratio, "ratio": ratio,
+         "log_ratio": lp - old, "kl": torch.zeros_like(lp), "kl_log_ratio": torch.zeros_like(lp),
+         "entropy": torch.zeros_like(lp)}
+    if ref_logprob is not None:
+        delta = lp - masked(ref_logprob)
+        k, dk = kl_estimate(delta, kl, k3_clamp=kl_k3_clamp, clamp=kl_clamp, straight_through=kl_straight_through)
+        if kl_unbiased:
+            w = torch.exp(lp - old)
+            k, dk = w * k, w * dk
+        t["kl"], t["kl_log_ratio"] = k, delta
+        if kl_coef != 0:
+            t["objective"] = t["objective"] + kl_coef * k
+            t["coef"] = t["coef"] + kl_coef * dk
+    if entropy is not None:
+        t["entropy"] = masked(entropy)
+        if entropy_coef != 0:
+            t["objective"] = t["objective"] - entropy_coef * t["entropy"]
+    for name, x in t.items():
+        if name not in ("m", "c", "n"):
+            t[name] = torch.where(m, x, zero)
+    return t
+
+
+def _row_stats(t: dict[str, Tensor]) -> Tensor:
+    """``[B, len(ROW_STATS)]``: the row sums (and the ratio max) of the per-token quantities."""
+    return torch.stack([
+        t["c"] * t["objective"].sum(dim=1), t["n"], t["clipped"].sum(dim=1), t["lower"].sum(dim=1),
+        t["neg_log_ratio"].sum(dim=1), t["ratio"].sum(dim=1), t["ratio"].amax(dim=1), t["entropy"].sum(dim=1),
+        t["kl"].sum(dim=1),
+    ], dim=1)
+
+
+def _metrics(stats: Tensor) -> Tensor:
+    total = stats.sum(dim=0)
+    tokens = total[1]
+    inv = torch.where(tokens > 0, 1.0 / tokens.clamp(min=1.0), 0.0)
+    return torch.stack([
+        total[2] * inv, total[3] * inv, total[4] * inv, total[5] * inv, stats[:, 6].amax(), total[7] * inv,
+        total[8] * inv, tokens,
+    ])
+
+
+def policy_loss_fwd(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy,
+                    loss_out, coef_logprob_out, coef_entropy_out, row_stats_out, metrics_out, **attrs):
+    """The fused policy loss: loss, per-token gradient coefficients, per-row partials and metrics.
+
+    Args (module docstring for the math):
+        logprob, old_logprob: ``[B, T]``. advantages: ``[B, T]`` or ``[B, 1]`` (one per row).
+        mask: ``[B, T]`` bool. row_weight: ``[B]`` the aggregation weights ``c``.
+        importance_weights, ref_logprob, entropy: ``[B, T]`` or None.
+        loss_out: ``[]``. coef_logprob_out: ``[B, T]``. coef_entropy_out: ``[B, T]`` or None.
+        row_stats_out: ``[B, len(ROW_STATS)]``. metrics_out: ``[len(METRICS)]``.
+        attrs (keyword-only): loss, cispo_upper, clip_low, clip_high, dual_clip (0: off),
+            clamp_low, clamp_high (+-inf: off), tau_pos, tau_neg: the policy loss; kl, kl_coef,
+            kl_k3_clamp, kl_clamp (inf: off), kl_straight_through, kl_unbiased: the KL term (used
+            when ``ref_logprob`` is given; it enters the loss when ``kl_coef != 0``);
+            entropy_coef: the entropy bonus.
+    """
+    t = _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, **attrs)
+    c = t["c"][:, None]
+    coef_logprob_out.copy_(torch.where(t["m"], c * t["coef"], 0.0))
+    if coef_entropy_out is not None:
+        coef_entropy_out.copy_(torch.where(t["m"], -attrs["entropy_coef"] * c, 0.0))
+    stats = _row_stats(t)
+    row_stats_out.copy_(stats)
+    loss_out.copy_(stats[:, 0].sum())
+    metrics_out.copy_(_metrics(stats))
+
+
+def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy,
+                   **attrs) -> dict[str, Tensor]:
+    """The numerical contract's scales of ``loss`` ``[]``, ``row_stats`` ``[B, 9]`` and ``metrics`` ``[8]``.
+
+    Every output is a sum over tokens (a mean: a sum over ``n``). fp32 gets each summand ``x``
+    to about ``2^-24 (1 + |x|) (1 + |d| + |delta|)`` (``d = lp - old``, ``delta = lp - ref``:
+    ``exp`` turns the rounding of a log-ratio ``y`` into a relative error ``|y| 2^-24``), and
+    the sum to ``2^-24`` times the sum of the summands' magnitudes. So the scale of a sum is
+    ``sum_t m (1 + |x_t|) (1 + |d_t| + |delta_t|)`` (times ``|c_i|`` for the loss, whose summand
+    is ``|I L| + |beta K| + |eta H|``); a mean divides it by ``n``; ``ratio_max`` takes
+    ``max_t ratio_t (1 + |d_t| + |delta_t|)``. Call it with the fp64 inputs of the ground truth.
+    """
+    t = _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, **attrs)
+    m = t["m"]
+    amp = torch.where(m, 1.0 + t["log_ratio"].abs() + t["kl_log_ratio"].abs(), 0.0)
+    loss_terms = t["policy"].abs() + abs(attrs["kl_coef"]) * t["kl"].abs() + abs(attrs["entropy_coef"]) * t[
+        "entropy"].abs()
+
+    def row_scale(x: Tensor) -> Tensor:
+        return ((1.0 + x.abs()) * amp).sum(dim=1)
+
+    stats = torch.stack([
+        t["c"].abs() * row_scale(loss_terms), row_scale(t["n"][:, None] * 0.0), row_scale(t["clipped"]),
+        row_scale(t["lower"]), row_scale(t["neg_log_ratio"]), row_scale(t["ratio"]),
+        (t["ratio"] * amp).amax(dim=1), row_scale(t["entropy"]), row_scale(t["kl"]),
+    ], dim=1)
+    total = stats.sum(dim=0)
+    tokens = t["n"].sum()
+    inv = torch.where(tokens > 0, 1.0 / tokens.clamp(min=1.0), 0.0)
+    metrics = torch.stack([
+        total[2] * inv, total[3] * inv, total[4] * inv, total[5] * inv, stats[:, 6].amax(), total[7] * inv,
+        total[8] * inv, torch.ones_like(tokens),
+    ])
+    return {"loss": total[0], "row_stats": stats, "metrics": metrics}
+
+
+def policy_loss_bwd(grad_loss, coef_logprob, coef_entropy, grad_logprob_out, grad_entropy_out):
+    """``grad_logprob = grad_loss * coef_logprob`` (and the same for the entropy); ``grad_loss`` is ``[]``."""
+    torch.mul(coef_logprob, grad_loss, out=grad_logprob_out)
+    if grad_entropy_out is not None:
+        torch.mul(coef_entropy, grad_loss, out=grad_entropy_out)
