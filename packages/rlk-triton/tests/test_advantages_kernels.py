@@ -107,7 +107,8 @@ def test_group_index_matches_reference(tiles, mode):
     got, _ = check_group(scores, ids, 0, lengths, mode)
     assert torch.all(got[ids == ids[0]] == 0)
     for single in (ids == -7, ids == 33):  # the two singleton groups
-        expected = scores[single] / (1 + 1e-6) if mode == "grpo" else scores[single]
+        # tensor / tensor: torch divides by a Python scalar through its reciprocal on CUDA (not IEEE)
+        expected = scores[single] / torch.full_like(scores[single], 1 + 1e-6) if mode == "grpo" else scores[single]
         if mode != "gpg":
             assert torch.equal(got[single], expected)
 
@@ -123,7 +124,7 @@ def test_group_size_matches_reference(tiles, mode, size):
     if size > 1:
         assert torch.all(got[:size] == 0)
     elif mode != "gpg":  # singletons: mean 0, std 1
-        assert torch.equal(got, scores / (1 + 1e-6) if mode == "grpo" else scores)
+        assert torch.equal(got, scores / torch.full_like(scores, 1 + 1e-6) if mode == "grpo" else scores)
 
 
 @pytest.mark.parametrize("mode", ["grpo", "rloo", "dr_grpo"])

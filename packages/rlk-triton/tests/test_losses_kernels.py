@@ -145,7 +145,8 @@ def test_value_clipping_branches():
     returns = torch.tensor([[0.0, 2.2, 3.0, 0.3]], device=DEVICE)
     mask = torch.ones_like(values, dtype=torch.bool)
     weights = torch.ones(1, device=DEVICE)
-    loss, metrics, grad = run_value(tk, values, old_values, returns, mask, weights, 0.5, torch.tensor(1.0))
+    loss, metrics, grad = run_value(tk, values, old_values, returns, mask, weights, 0.5,
+                                    torch.tensor(1.0, device=DEVICE))
     # token 0: in range, L = 1; token 1: clipped to 0.5, L2 = 2.89 > L1 = 0.04; token 2: clipped to -0.5,
     # L2 = 12.25 < L1 = 16; token 3: L = 0
     assert float(loss) == pytest.approx(0.5 * (1.0 + 2.89 + 16.0), rel=1e-6)
