@@ -543,7 +543,9 @@ def test_outputs_are_not_differentiable():
     assert not any(o.requires_grad for o in outs)
     for name in ("group_advantages", "masked_whiten", "discounted_returns", "gae"):
         assert abi.OPS[name].backward is None and abi.OPS[name].primitives == (f"{name}_fwd",)
-        assert contract.entry(name, torch.float32).batch_invariance == "bitwise"
+        e = contract.entry(name, torch.float32)
+        assert e.grad_rel_l2 is None
+        assert e.batch_invariance == ("deterministic" if name == "masked_whiten" else "bitwise")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ class Entry:
     dtype: str
     atol: float
     rtol: float
-    grad_rel_l2: float
+    grad_rel_l2: float | None  # None: the op is not differentiable
     batch_invariance: str
 
 
@@ -72,7 +72,8 @@ def entry(op: str, dtype: torch.dtype | str) -> Entry:
     if op not in ops or name not in ops[op]:
         raise KeyError(f"the contract has no entry for op {op!r} with dtype {name}")
     e = ops[op][name]
-    return Entry(op, name, float(e["atol"]), float(e["rtol"]), float(e["grad_rel_l2"]), e["batch_invariance"])
+    grad = None if e["grad_rel_l2"] is None else float(e["grad_rel_l2"])
+    return Entry(op, name, float(e["atol"]), float(e["rtol"]), grad, e["batch_invariance"])
 
 
 def row_scale(ref_logprob: torch.Tensor, ref_lse: torch.Tensor) -> torch.Tensor:
@@ -108,9 +109,13 @@ def compare_outputs(
 def compare_grad(e: Entry, name: str, grad: torch.Tensor, ref_grad: torch.Tensor, max_scale: float) -> Deviation:
     """``||g - g_ref||_2 / ||g_ref||_2 <= grad_rel_l2 + rtol * max_scale``.
 
+    Raises ``ValueError`` for an op the contract marks not differentiable.
+
     Where the true gradient is exactly zero (``V = 1``, every row ignored) a relative
     error means nothing; then the RMS of ``g`` must be ``<= atol``.
     """
+    if e.grad_rel_l2 is None:
+        raise ValueError(f"the contract marks {e.op} as not differentiable (grad_rel_l2 is null)")
     grad, ref_grad = grad.detach().to(ref_grad.device, torch.float64), ref_grad.detach().double()
     allowed = e.grad_rel_l2 + e.rtol * max_scale
     if not bool(torch.isfinite(grad).all()):
