@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from parity import report
-from parity.cases import OPS
+from parity.rl import RL_OPS
+from parity.run import ALL_OPS as OPS
 from parity.run import FAIL, Config, run_matrix, runnable_backends
 
 DTYPE_ALIASES = {
@@ -35,7 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", default=default_device, help=f"torch device (default: {default_device})")
     parser.add_argument("--backends", help="comma-separated backends (default: every one that serves the device)")
-    parser.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated dtypes (default: bf16,fp16,fp32)")
+    parser.add_argument("--dtypes", default="bf16,fp16,fp32",
+                        help="comma-separated dtypes (default: bf16,fp16,fp32; the RL-objective ops run fp32 only)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
     parser.add_argument("--quick", action="store_true", help="a small subset of the cases (CI smoke)")
     parser.add_argument("--out", type=Path, help="write parity.md and parity.json into this folder")
@@ -49,6 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [op for op in args.ops if op not in OPS]
     if unknown:
         parser.error(f"unknown op(s) {', '.join(unknown)}; ops: {', '.join(OPS)}")
+    if "float32" not in args.dtypes and all(op in RL_OPS for op in args.ops):
+        parser.error(f"{', '.join(args.ops)}: float32 only; add fp32 to --dtypes")
     args.device = torch.device(args.device)
     runnable, not_run = runnable_backends(args.device)
     if args.backends:

@@ -16,6 +16,7 @@ import torch
 
 import rlk
 from parity import cases as cs
+from parity import rl
 from parity.run import FAIL, NA, Cell, Config
 from rlk import dispatch
 
@@ -59,7 +60,11 @@ def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
-def _case_json(case: cs.Case) -> dict:
+def _case_json(case: cs.Case | rl.RLCase) -> dict:
+    if isinstance(case, rl.RLCase):
+        params = {k: v for k, v in case.params if not isinstance(v, torch.Tensor)}
+        return {"label": case.label(), "rows": case.rows, "cols": case.cols, "variant": case.variant,
+                "params": {k: _finite(v) if isinstance(v, float) else v for k, v in params.items()}}
     f = case.features
     return {
         "label": case.label(), "vocab": case.vocab, "rows": case.rows, "hidden": case.hidden,
@@ -99,8 +104,8 @@ def _cell_json(cell: Cell) -> dict:
             "bitwise": inv.bitwise,
             "verdict": inv.verdict,
             "details": inv.details,
-            "vocab": inv.plan.vocab,
-            "hidden": inv.plan.hidden,
+            **({"vocab": inv.plan.vocab, "hidden": inv.plan.hidden} if isinstance(inv.plan, cs.InvariancePlan)
+               else {"cols": inv.plan.cols, "variants": [label for label, _ in inv.plan.variants]}),
             "error": inv.error,
             "checks": [{"batch": c.batch, "position": c.position, "differs": c.differs} for c in inv.checks],
         }
@@ -163,7 +168,7 @@ def to_markdown(config: Config, cells: list[Cell], not_run: dict[str, str], env:
         "",
     ]
     rows = [[op, dtype] + [_cell_text(by_key[op, dtype, b]) for b in config.backends]
-            for op in config.ops for dtype in config.dtypes]
+            for op in config.ops for dtype in config.dtypes if all((op, dtype, b) in by_key for b in config.backends)]
     lines += _table(["op", "dtype"] + config.backends, rows)
     lines += [
         "",
@@ -206,6 +211,14 @@ def to_markdown(config: Config, cells: list[Cell], not_run: dict[str, str], env:
     lines += ["", "## Skipped", ""] + (notes + skips or ["none"])
     lines += ["", "## Cases", ""]
     for op in config.ops:
+        if op in rl.RL_OPS:
+            labels = [case.label() for case in rl.value_cases(op, config.device.type, config.quick)]
+            lines.append(f"- {op} (float32): " + "; ".join(labels))
+            rl_plan = rl.invariance_plan(op, config.device.type, config.quick)
+            if rl_plan is not None:
+                lines.append(f"- {op} invariance: probe row alone vs in batches of "
+                             f"{', '.join(map(str, rl_plan.batches))} rows (first/middle/last), {rl_plan.describe()}")
+            continue
         plan = cs.invariance_plan(op, config.device.type, config.quick)
         labels = [case.label() for case in cs.value_cases(op, config.device.type, config.quick)]
         lines.append(f"- {op}: " + "; ".join(labels))

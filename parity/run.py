@@ -9,6 +9,9 @@ with :mod:`rlk.contract`; no tolerance is defined here.
 Backends that declare ``batch_invariant`` must give a probe row the same bits
 alone and inside batches (``torch.equal``); for the others the same check is
 run and reported as information only.
+
+The RL-objective ops (``parity.rl``) follow the same scheme with their own cases,
+calls and contract scales; they declare float32 only, so their rows are float32.
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ import torch
 
 import rlk
 from parity import cases as cs
+from parity import rl
 from rlk import abi, contract, dispatch
 
 PASS, FAIL, NA = "PASS", "FAIL", "n/a"
+
+#: Every op of the matrix: the log-prob ops (bf16/fp16/fp32) and the RL-objective ops (fp32 rows only).
+ALL_OPS = cs.OPS + rl.RL_OPS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -43,7 +50,7 @@ class Outputs:
 class CaseResult:
     """One value case on one backend: every deviation, or the error it raised."""
 
-    case: cs.Case
+    case: cs.Case | rl.RLCase
     deviations: list[contract.Deviation] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
@@ -71,7 +78,7 @@ class InvarianceResult:
     """Batch invariance of one (op, dtype, backend)."""
 
     claimed: bool
-    plan: cs.InvariancePlan
+    plan: cs.InvariancePlan | rl.RLInvariancePlan
     checks: list[InvarianceCheck] = field(default_factory=list)
     error: str | None = None
 
@@ -296,6 +303,8 @@ def run_matrix(config: Config, progress: Callable[[str], None] = _say) -> list[C
     cells: dict[tuple[str, str, str], Cell] = {}
     for op in config.ops:
         for dtype in config.dtypes:
+            if op in rl.RL_OPS and dtype != "float32":
+                continue  # the RL ops declare float32 only (16-bit inputs are upcast by the op layer)
             for backend in config.backends:
                 reason = dispatch.why_not(backend, abi.OPS[op], device, DTYPES[dtype])
                 cells[op, dtype, backend] = Cell(op, dtype, backend, na_reason=reason)
@@ -303,14 +312,28 @@ def run_matrix(config: Config, progress: Callable[[str], None] = _say) -> list[C
     total = len(live) + sum(
         1
         for cell in live
-        for case in cs.value_cases(cell.op, device.type, config.quick)
-        if cs.skip_reason(cell.backend, device, case) is None
+        for case in value_cases(cell.op, device.type, config.quick)
+        if cell.op in rl.RL_OPS or cs.skip_reason(cell.backend, device, case) is None
     )
     counter = _Counter(total, progress)
     for op in config.ops:
-        for case in cs.value_cases(op, device.type, config.quick):
-            _run_case(config, case, [c for c in live if c.op == op], counter)
-    for op in config.ops:
+        op_cells = [c for c in live if c.op == op]
+        for case in value_cases(op, device.type, config.quick):
+            if op in rl.RL_OPS:
+                _run_rl_case(config, case, op_cells, counter)
+            else:
+                _run_case(config, case, op_cells, counter)
+    for op in (op for op in config.ops if op in rl.RL_OPS):
+        rl_plan = rl.invariance_plan(op, device.type, config.quick)
+        if rl_plan is None:
+            continue
+        for cell in (c for c in live if c.op == op):
+            start = time.perf_counter()
+            cell.invariance = check_rl_invariance(rl_plan, config.seed, cell.backend, device)
+            counter(f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {rl_plan.batches}, "
+                    f"{rl_plan.describe()}): {cell.invariance.verdict} [{cell.invariance.details}] "
+                    f"({time.perf_counter() - start:.1f}s)")
+    for op in (op for op in config.ops if op not in rl.RL_OPS):
         plan = cs.invariance_plan(op, device.type, config.quick)
         probe, others = cs.make_invariance_inputs(plan, config.seed)
         for cell in (c for c in live if c.op == op):
@@ -330,6 +353,59 @@ class _Counter:
     def __call__(self, message: str) -> None:
         self.done += 1
         self.sink(f"[{self.done}/{self.total}] {message}")
+
+
+def value_cases(op: str, device_type: str, quick: bool) -> list[cs.Case | rl.RLCase]:
+    """The value cases of any op of the matrix."""
+    return rl.value_cases(op, device_type, quick) if op in rl.RL_OPS else cs.value_cases(op, device_type, quick)
+
+
+def check_rl_invariance(plan: rl.RLInvariancePlan, seed: int, backend: str, device: torch.device) -> InvarianceResult:
+    """Batch invariance of an RL op (:func:`parity.rl.invariance_checks`) on ``backend``."""
+    result = InvarianceResult(claims_invariance(backend), plan)
+    try:
+        rl.invariance_checks(plan, seed, backend, device,
+                             lambda batch, position, differs: result.checks.append(
+                                 InvarianceCheck(batch, position, differs)))
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc(file=sys.stderr)
+    return result
+
+
+def _run_rl_case(config: Config, case: rl.RLCase, cells: list[Cell], progress: Callable[[str], None]) -> None:
+    """One value case of an RL op (float32) on every backend of ``cells`` (ground truth computed once)."""
+    device = config.device
+    todo = [c for c in cells if c.dtype == "float32"]
+    if not todo:
+        return
+    base = rl.make_inputs(case, config.seed)
+    truth, truth_error = None, None
+    try:
+        truth = rl.ground_truth(case, base, device)
+    except Exception as exc:
+        truth_error = f"ground truth: {type(exc).__name__}: {exc}"
+        traceback.print_exc(file=sys.stderr)
+    low = rl.cast(base, torch.float32, device)
+    for cell in todo:
+        result = CaseResult(case)
+        start = time.perf_counter()
+        if truth_error is not None:
+            result.error = truth_error
+        else:
+            try:
+                with rlk.use_backend(cell.backend):
+                    got = rl.forward_backward(case.op, case.kwargs, low)
+                result.deviations = rl.compare(case, got, truth)
+            except Exception as exc:
+                result.error = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc(file=sys.stderr)
+        result.seconds = time.perf_counter() - start
+        cell.results.append(result)
+        progress(_case_line(cell, result))
+    del low, truth
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _run_case(config: Config, case: cs.Case, cells: list[Cell], progress: Callable[[str], None]) -> None:

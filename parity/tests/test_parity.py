@@ -19,7 +19,7 @@ import pytest
 
 import rlk
 from parity import cases as cs
-from parity import report
+from parity import report, rl
 from parity.__main__ import main
 from parity.run import FAIL, NA, PASS, Config, run_matrix, runnable_backends
 from rlk import dispatch
@@ -154,6 +154,98 @@ def test_an_unclaimed_batch_dependence_is_information_only(monkeypatch):
     cell = _run(_config(["batchy"], ops=["selected_logprob"]))["selected_logprob", "float32", "batchy"]
     assert cell.invariance.verdict.startswith("not claimed (measured: differs")
     assert cell.status == PASS
+
+
+# ---------------------------------------------------------------------------
+# the RL-objective ops
+# ---------------------------------------------------------------------------
+
+#: What each RL op's cells must check (outputs, and gradients of the differentiable ops).
+RL_CHECKS = {
+    "policy_loss": {"loss", "clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max",
+                    "entropy_mean", "kl_mean", "grad_logprob", "grad_entropy"},
+    "kl_penalty": {"kl", "grad_logprob"},
+    "value_loss": {"loss", "vf_clip_fraction", "values_mean", "grad_values"},
+    "dpo_loss": {"losses", "loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy",
+                 "grad_chosen", "grad_rejected"},
+    "group_advantages": {"advantages"},
+    "masked_whiten": {"whitened"},
+    "discounted_returns": {"returns"},
+    "gae": {"advantages", "returns"},
+}
+
+
+@pytest.mark.triton_interpreter
+def test_rl_ops_are_reported_and_pass_on_reference_and_triton():
+    config = _config(["reference", "triton"], dtypes=("float32", "bfloat16"), ops=rl.RL_OPS)
+    cells = _run(config)
+    assert set(cells) == {(op, "float32", b) for op in rl.RL_OPS for b in ("reference", "triton")}  # fp32 rows only
+    for (op, _, backend), cell in cells.items():
+        assert cell.status == PASS, (op, backend, [(r.case.label(), r.error, r.worst) for r in cell.results])
+        cases = rl.value_cases(op, "cpu", quick=True)
+        assert [r.case for r in cell.results] == cases and any(c.rows == 1 for c in cases)
+        assert {d.name for r in cell.results for d in r.deviations} == RL_CHECKS[op]
+        assert all(0 <= d.ratio <= 1 for r in cell.results for d in r.deviations)
+        if op in rl.INVARIANT_OPS:
+            assert cell.invariance is not None and cell.invariance.checks
+            assert cell.invariance.claimed == (backend == "triton")
+            assert cell.invariance.bitwise, cell.invariance.details
+        else:
+            assert cell.invariance is None
+
+    record = _json_roundtrip(config, list(cells.values()))
+    assert record["failed"] is False
+    assert {(c["op"], c["dtype"]) for c in record["cells"]} == {(op, "float32") for op in rl.RL_OPS}
+    markdown = report.to_markdown(config, list(cells.values()), {}, record["environment"], 1.0)
+    for op in rl.RL_OPS:
+        assert f"| {op} | float32 | PASS · worst " in markdown
+        assert f"| {op} | bfloat16 |" not in markdown
+        assert f"- {op} (float32): " in markdown
+    assert "| gae | float32 | PASS · worst " in markdown and "invariance: bitwise" in markdown
+    assert "## Failures\n\nnone" in markdown
+
+
+def _gae_only(name: str, batch_invariant: bool, after) -> rlk.Backend:
+    """The reference's gae primitive, with ``after(rewards, advantages_out)`` applied."""
+    ref = dispatch.discover()["reference"].backend.primitives
+
+    def gae_fwd(rewards, values, mask, gamma, gamma_lam, advantages_out, returns_out):
+        ref["gae_fwd"](rewards, values, mask, gamma, gamma_lam, advantages_out, returns_out)
+        after(rewards, advantages_out)
+
+    return rlk.Backend(name=name, version="0", abi_version=rlk.ABI_VERSION, primitives={"gae_fwd": gae_fwd},
+                       probe=lambda: None, device_types=lambda: ("cpu",), batch_invariant=batch_invariant)
+
+
+def test_an_rl_backend_off_by_1e_3_fails(monkeypatch):
+    _register(monkeypatch, _gae_only("broken", False, lambda rewards, adv: adv.add_(1e-3)))
+    cells = _run(_config(["broken"], ops=["gae", "policy_loss"]))
+    gae = cells["gae", "float32", "broken"]
+    assert gae.status == FAIL
+    _, worst = gae.worst
+    assert worst.name == "advantages" and worst.ratio > 1
+    assert cells["policy_loss", "float32", "broken"].status == NA
+
+
+def test_a_batch_dependent_rl_backend_breaks_its_invariance_claim(monkeypatch):
+    # a relative change of B * 2^-20: new bits, but well within the contract's rtol
+    _register(monkeypatch, _gae_only("batchy", True, lambda rewards, adv: adv.mul_(1 + rewards.shape[0] * 2**-20)))
+    cell = _run(_config(["batchy"], ops=["gae"]))["gae", "float32", "batchy"]
+    assert all(r.ok for r in cell.results)
+    assert cell.invariance.verdict.startswith("BROKEN") and "advantages" in cell.invariance.details
+    assert cell.status == FAIL
+
+
+def test_rl_inputs_are_deterministic_with_ragged_masks():
+    for op in rl.RL_OPS:
+        for case in rl.value_cases(op, "cpu", quick=False):
+            a, b = rl.make_inputs(case, seed=0), rl.make_inputs(case, seed=0)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            if "mask" in a and case.rows >= 4:
+                lengths = a["mask"].sum(1)
+                assert int(lengths.min()) == 0 and int(lengths.max()) == case.cols  # an empty and a full row
+    assert {c.rows for c in rl.value_cases("gae", "cuda", quick=False)} <= set(range(1, 513))
+    assert max(c.cols for op in rl.RL_OPS for c in rl.value_cases(op, "cuda", quick=False)) <= 8192
 
 
 def test_inputs_are_deterministic_and_never_zero():
