@@ -215,3 +215,11 @@ def test_explain_is_readable_and_checks_its_arguments():
 def test_backend_status_available_property():
     assert BackendStatus("x", None, None, "test").available
     assert not BackendStatus("x", None, "why", "test").available
+
+
+def test_collect_primitives_maps_abi_names_and_refuses_duplicates():
+    first = types.SimpleNamespace(selected_logprob_fwd=len, helper=max)
+    second = types.SimpleNamespace(selected_logprob_bwd=min)
+    assert abi.collect_primitives(first, second) == {"selected_logprob_fwd": len, "selected_logprob_bwd": min}
+    with pytest.raises(ValueError, match="selected_logprob_fwd is defined in two modules"):
+        abi.collect_primitives(first, first)

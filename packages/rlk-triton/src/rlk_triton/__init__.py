@@ -47,7 +47,7 @@ def _supports(primitive: str, device: torch.device, dtype: torch.dtype) -> str |
 
 def backend():
     """The ``rlk.Backend`` of this package (entry-point factory)."""
-    from rlk.abi import ABI_VERSION
+    from rlk.abi import ABI_VERSION, collect_primitives
     from rlk.backend import Backend
     from rlk_triton import advantages, logprob, losses, policy_loss
 
@@ -55,24 +55,7 @@ def backend():
         name="triton",
         version=__version__,
         abi_version=ABI_VERSION,
-        primitives={
-            "selected_logprob_fwd": logprob.selected_logprob_fwd,
-            "selected_logprob_bwd": logprob.selected_logprob_bwd,
-            "linear_logprob_fwd": logprob.linear_logprob_fwd,
-            "linear_logprob_bwd": logprob.linear_logprob_bwd,
-            "value_loss_fwd": losses.value_loss_fwd,
-            "value_loss_bwd": losses.value_loss_bwd,
-            "dpo_loss_fwd": losses.dpo_loss_fwd,
-            "dpo_loss_bwd": losses.dpo_loss_bwd,
-            "group_advantages_fwd": advantages.group_advantages_fwd,
-            "masked_whiten_fwd": advantages.masked_whiten_fwd,
-            "discounted_returns_fwd": advantages.discounted_returns_fwd,
-            "gae_fwd": advantages.gae_fwd,
-            "policy_loss_fwd": policy_loss.policy_loss_fwd,
-            "policy_loss_bwd": policy_loss.policy_loss_bwd,
-            "kl_penalty_fwd": policy_loss.kl_penalty_fwd,
-            "kl_penalty_bwd": policy_loss.kl_penalty_bwd,
-        },
+        primitives=collect_primitives(advantages, logprob, losses, policy_loss),
         probe=_probe,
         device_types=_device_types,
         supports=_supports,

@@ -201,3 +201,20 @@ OPS: dict[str, Op] = {
         Op("kl_penalty", "kl_penalty_fwd", "kl_penalty_bwd", ("float32",)),
     )
 }
+
+
+def collect_primitives(*modules) -> dict[str, object]:
+    """A backend's primitive table: every ABI primitive a module defines under its ABI name.
+
+    Backends keep one module per op family with the same file name everywhere
+    (``logprob``, ``policy_loss``...) and name each primitive function after its ABI entry,
+    so the table needs no hand-written mapping. A name defined twice is an error.
+    """
+    table: dict[str, object] = {}
+    for module in modules:
+        for name in PRIMITIVES:
+            if hasattr(module, name):
+                if name in table:
+                    raise ValueError(f"primitive {name} is defined in two modules")
+                table[name] = getattr(module, name)
+    return table

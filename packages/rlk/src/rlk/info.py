@@ -61,10 +61,11 @@ def info() -> str:
             state = f"unavailable: {status.reason}"
         lines.append(f"  {name:<10} {version:<8} [{status.source}] {state}")
     lines.append(f"ops on {device} (chain {' -> '.join(dispatch.chain_for(device))}):")
+    width = max(len(name) for name in abi.OPS) + 1
     for op in abi.OPS.values():
         served = []
         for dtype_name in op.dtypes:
             decision = dispatch.decide(op.name, device, getattr(torch, dtype_name))
             served.append(f"{dtype_name}: {decision.backend or 'NONE'}")
-        lines.append(f"  {op.name:<17} " + ", ".join(served))
+        lines.append(f"  {op.name:<{width}} " + ", ".join(served))
     return "\n".join(lines)
