@@ -16,6 +16,7 @@ calls and contract scales; they declare float32 only, so their rows are float32.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import traceback
@@ -373,6 +374,30 @@ def check_rl_invariance(plan: rl.RLInvariancePlan, seed: int, backend: str, devi
     return result
 
 
+def _check_case(cell: Cell, case, check: Callable[[], list[contract.Deviation]],
+                progress: Callable[[str], None]) -> None:
+    """Run ``check()`` (forward, backward, comparison) pinned to the cell's backend; record and report it."""
+    result = CaseResult(case)
+    start = time.perf_counter()
+    try:
+        with rlk.use_backend(cell.backend):
+            result.deviations = check()
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc(file=sys.stderr)
+    result.seconds = time.perf_counter() - start
+    cell.results.append(result)
+    progress(_case_line(cell, result))
+
+
+def _rl_check(case: rl.RLCase, low, truth) -> list[contract.Deviation]:
+    return rl.compare(case, rl.forward_backward(case.op, case.kwargs, low), truth)
+
+
+def _logprob_check(op: str, dtype: torch.dtype, low, entropy: bool, truth) -> list[contract.Deviation]:
+    return compare(op, dtype, forward_backward(op, low, entropy), truth)
+
+
 def _run_rl_case(config: Config, case: rl.RLCase, cells: list[Cell], progress: Callable[[str], None]) -> None:
     """One value case of an RL op (float32) on every backend of ``cells`` (ground truth computed once)."""
     device = config.device
@@ -388,21 +413,12 @@ def _run_rl_case(config: Config, case: rl.RLCase, cells: list[Cell], progress: C
         traceback.print_exc(file=sys.stderr)
     low = rl.cast(base, torch.float32, device)
     for cell in todo:
-        result = CaseResult(case)
-        start = time.perf_counter()
         if truth_error is not None:
-            result.error = truth_error
-        else:
-            try:
-                with rlk.use_backend(cell.backend):
-                    got = rl.forward_backward(case.op, case.kwargs, low)
-                result.deviations = rl.compare(case, got, truth)
-            except Exception as exc:
-                result.error = f"{type(exc).__name__}: {exc}"
-                traceback.print_exc(file=sys.stderr)
-        result.seconds = time.perf_counter() - start
-        cell.results.append(result)
-        progress(_case_line(cell, result))
+            result = CaseResult(case, error=truth_error)
+            cell.results.append(result)
+            progress(_case_line(cell, result))
+            continue
+        _check_case(cell, case, functools.partial(_rl_check, case, low, truth), progress)
     del low, truth
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -425,18 +441,8 @@ def _run_case(config: Config, case: cs.Case, cells: list[Cell], progress: Callab
         low = base.cast(DTYPES[dtype], device)
         truth = ground_truth(case.op, low, case.features.entropy)
         for cell in todo:
-            result = CaseResult(case)
-            start = time.perf_counter()
-            try:
-                with rlk.use_backend(cell.backend):
-                    got = forward_backward(case.op, low, case.features.entropy)
-                result.deviations = compare(case.op, DTYPES[dtype], got, truth)
-            except Exception as exc:
-                result.error = f"{type(exc).__name__}: {exc}"
-                traceback.print_exc(file=sys.stderr)
-            result.seconds = time.perf_counter() - start
-            cell.results.append(result)
-            progress(_case_line(cell, result))
+            check = functools.partial(_logprob_check, case.op, DTYPES[dtype], low, case.features.entropy, truth)
+            _check_case(cell, case, check, progress)
         del low, truth
         if device.type == "cuda":
             torch.cuda.empty_cache()
