@@ -53,6 +53,7 @@ def small_blocks(monkeypatch):
     """Rows of several BLOCK_T chunks (with a ragged last one) and a combine over several row chunks."""
     monkeypatch.setattr(tk, "BLOCK_T", 16)
     monkeypatch.setattr(tk, "COMBINE_BLOCK", 4)
+    monkeypatch.setattr(tk, "PARTS_BLOCK", 2)
     monkeypatch.setattr(tk, "BLOCK_ELEMENTWISE", 32)
 
 

@@ -833,8 +833,8 @@ def _fwd_args(batch, loss="ppo", iw=True, ref=True, ent=True, with_entropy_grad=
     entropy = batch["entropy"].clone().requires_grad_(with_entropy_grad) if ent else None
     return (lp, batch["old"], batch["adv"][:, None], batch["mask"], torch.full((b,), 0.1),
             batch["iw"] if iw else None, batch["ref"] if ref else None, entropy,
-            loss, False, 0.2, 0.28, 3.0 if loss == "ppo" else 0.0, -20.0, 20.0, 1.0, 1.05, "k3", 0.1, True,
-            math.inf, False, False, 0.01, ent and with_entropy_grad)
+            loss, "k3", [False, True, False, False, ent and with_entropy_grad],
+            [0.2, 0.28, 3.0 if loss == "ppo" else 0.0, -20.0, 20.0, 1.0, 1.05, 0.1, math.inf, 0.01])
 
 
 def test_opcheck_all_custom_ops():

@@ -3,15 +3,17 @@
 The math is the spec in :mod:`rlk.reference.policy_loss` (per-token losses, their
 derivatives, the KL estimators, the metrics). Layout of the work:
 
-* ``policy_loss_fwd`` runs two kernels. The row kernel has one program per row (sequence)
-  walking the row in fixed ``BLOCK_T`` chunks. For ``gspo`` and ``geo_mean`` it first makes a
-  pass over the row for the per-sequence sums (``log s_i``; ``R_i``, ``Abar_i``, ``sum I``);
-  then one pass computes, per token, the loss terms and the gradient coefficient (already
-  multiplied by the row's aggregation weight ``c_i``), stores the coefficients, and
-  accumulates the row's partial sums (loss, tokens, clipped, ratio, ...) lane-wise in
-  ``BLOCK_T``-wide fp32 accumulators, reduced by one ``tl.sum`` / ``tl.max`` tree at the end.
-  The combine kernel (one program) then adds the ``[B]`` row partials in row order, in
-  ``COMBINE_BLOCK``-wide lanes and one final tree, and writes the loss and the metrics.
+* ``policy_loss_fwd`` runs one program per (row, chunk of ``BLOCK_T`` tokens), so a batch of a
+  few long rows still fills the GPU. For ``gspo`` and ``geo_mean`` a first kernel writes each
+  chunk's partial sums of the per-sequence quantities (tokens, log-ratios, advantages,
+  weights); the main kernel's programs each add their row's partials in chunk order (the
+  same small sum in every program of the row) to get ``log s_i`` or ``R_i``, ``Abar_i``. The
+  main kernel computes per token the loss terms and the gradient coefficient (already
+  multiplied by the row's aggregation weight ``c_i``), stores the coefficients, and writes the
+  chunk's sums (loss, tokens, clipped, ratio, ...). A row kernel adds a row's chunk sums in
+  chunk order into ``row_stats``; one combine program adds the ``[B]`` row statistics in row
+  order, in ``COMBINE_BLOCK``-wide lanes and one final tree, and writes the loss and the
+  metrics.
 * ``policy_loss_bwd`` and ``kl_penalty_bwd`` are elementwise products
   ``grad = upstream * coef`` (a scalar upstream for the loss, per element for the KL).
 * ``kl_penalty_fwd`` is elementwise: value and derivative of the estimator, written by the
@@ -34,11 +36,13 @@ import triton.language as tl
 
 from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
 
-#: Tokens per chunk of the row kernel; elements per program of the elementwise kernels;
-#: rows per chunk (lanes) of the combine kernel. Fixed: results never depend on the batch.
+#: Tokens per program of the policy-loss kernels (one chunk of one row); chunk partials per
+#: step of the in-row sums; elements per program of the elementwise kernels; rows per step
+#: (lanes) of the combine kernel. Fixed: results never depend on the batch.
 BLOCK_T = 1024
+PARTS_BLOCK = 32
 BLOCK_ELEMENTWISE = 1024
-COMBINE_BLOCK = 256
+COMBINE_BLOCK = 128
 NUM_WARPS = 4
 
 _PPO = tl.constexpr(LOSSES.index("ppo"))
@@ -51,6 +55,7 @@ _K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
 _ABS = tl.constexpr(KL_ESTIMATORS.index("abs"))
 _K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
 _NUM_STATS = tl.constexpr(len(ROW_STATS))
+_STATS_COLS = 16  # ROW_STATS padded to a power of two
 _NUM_METRICS = len(METRICS)
 
 
@@ -117,52 +122,84 @@ def _load_row(ptr, base, offs, inb, m):
 
 
 @triton.jit
-def _policy_loss_row_kernel(
-    lp_ptr, old_ptr, adv_ptr, mask_ptr, c_ptr, iw_ptr, ref_ptr, ent_ptr,
-    coef_lp_ptr, coef_ent_ptr, stats_ptr,
-    T, adv_stride_b, adv_stride_t,
+def _seq_partials_kernel(
+    lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, parts_ptr,
+    T, n_chunks, adv_stride_b, adv_stride_t, clip_low, clip_high, clamp_low, clamp_high,
+    LOSS: tl.constexpr, HAS_IW: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Per-chunk partial sums of the per-sequence quantities (``gspo``, ``geo_mean``).
+
+    Program ``(row, chunk)`` writes ``parts[row, chunk, :] = (tokens, x, adv, iw)`` over its
+    ``BLOCK`` tokens: gspo ``x = lp - old``; geo_mean ``x`` = the sign-aware clipped log-ratio.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1).to(tl.int64)
+    base = row * T
+    offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < T
+    m = tl.load(mask_ptr + base + offs, mask=inb, other=0) != 0
+    d = _load_row(lp_ptr, base, offs, inb, m) - _load_row(old_ptr, base, offs, inb, m)
+    n = tl.where(m, 1.0, 0.0)
+    a = tl.zeros((BLOCK,), tl.float32)
+    i = tl.zeros((BLOCK,), tl.float32)
+    if LOSS == _GSPO:
+        x = d
+    else:
+        a = tl.where(m, tl.load(adv_ptr + row * adv_stride_b + offs * adv_stride_t, mask=inb, other=0.0), 0.0)
+        dc = _clamp(d, clamp_low, clamp_high)
+        x = tl.where(m, tl.where(a > 0, tl.minimum(dc, clip_high), tl.where(a < 0, tl.maximum(dc, -clip_low), 0.0)),
+                     0.0)
+        if HAS_IW:
+            i = _load_row(iw_ptr, base, offs, inb, m)
+    out = parts_ptr + (row * n_chunks + chunk) * 4
+    tl.store(out + 0, tl.sum(n, axis=0))
+    tl.store(out + 1, tl.sum(x, axis=0))
+    tl.store(out + 2, tl.sum(a, axis=0))
+    tl.store(out + 3, tl.sum(i, axis=0))
+
+
+@triton.jit
+def _policy_loss_chunk_kernel(
+    lp_ptr, old_ptr, adv_ptr, mask_ptr, c_ptr, iw_ptr, ref_ptr, ent_ptr, parts_ptr,
+    coef_lp_ptr, coef_ent_ptr, chunk_stats_ptr,
+    T, n_chunks, adv_stride_b, adv_stride_t,
     clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl_coef, kl_clamp, entropy_coef,
     LOSS: tl.constexpr, CISPO_UPPER: tl.constexpr, HAS_DUAL: tl.constexpr,
     HAS_IW: tl.constexpr, HAS_REF: tl.constexpr, KL_TERM: tl.constexpr, KL_EST: tl.constexpr,
     KL_K3_CLAMP: tl.constexpr, KL_HAS_CLAMP: tl.constexpr, KL_STRAIGHT: tl.constexpr, KL_UNBIASED: tl.constexpr,
     HAS_ENT: tl.constexpr, ENT_TERM: tl.constexpr, ENT_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PARTS_BLOCK: tl.constexpr,
 ):
+    """Program ``(row, chunk)``: per-token terms and coefficients of ``BLOCK`` tokens, and their sums."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1).to(tl.int64)
     base = row * T
     adv_base = row * adv_stride_b
     c = tl.load(c_ptr + row).to(tl.float32)
-    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < T
     zeros = tl.zeros((BLOCK,), tl.float32)
 
-    # ---- pass 1: per-sequence sums (gspo: log s_i; geo_mean: R_i, Abar_i, sum I) ----------
+    # ---- per-sequence quantities: the row's chunk partials, summed in chunk order ----------
+    # (every chunk program of the row redoes this small sum: same inputs, same order, same bits)
     seq_a = 0.0  # gspo: log s_i (clamped);  geo_mean: the sequence loss l_i
     seq_b = 0.0  # gspo: 1 if log s_i is inside the clamp;  geo_mean: R_i
     seq_w = 0.0  # geo_mean: SI_i / n1_i (the weight of d l_i / d lp_t, without p_t)
     if LOSS == _GSPO or LOSS == _GEO:
-        acc_n = zeros
-        acc_x = zeros
-        acc_a = zeros
-        acc_i = zeros
-        for t0 in range(0, T, BLOCK):
-            offs = t0 + lanes
-            inb = offs < T
-            m = tl.load(mask_ptr + base + offs, mask=inb, other=0) != 0
-            lp = _load_row(lp_ptr, base, offs, inb, m)
-            old = _load_row(old_ptr, base, offs, inb, m)
-            d = lp - old
-            acc_n += tl.where(m, 1.0, 0.0)
-            if LOSS == _GSPO:
-                acc_x += d
-            else:
-                adv = tl.where(m, tl.load(adv_ptr + adv_base + offs * adv_stride_t, mask=inb, other=0.0), 0.0)
-                dc = _clamp(d, clamp_low, clamp_high)
-                dt = tl.where(adv > 0, tl.minimum(dc, clip_high), tl.where(adv < 0, tl.maximum(dc, -clip_low), 0.0))
-                acc_x += tl.where(m, dt, 0.0)
-                acc_a += adv
-                if HAS_IW:
-                    acc_i += _load_row(iw_ptr, base, offs, inb, m)
-        n1 = tl.maximum(tl.sum(acc_n, axis=0), 1.0)
+        acc_n = tl.zeros((PARTS_BLOCK,), tl.float32)
+        acc_x = tl.zeros((PARTS_BLOCK,), tl.float32)
+        acc_a = tl.zeros((PARTS_BLOCK,), tl.float32)
+        acc_i = tl.zeros((PARTS_BLOCK,), tl.float32)
+        for c0 in range(0, n_chunks, PARTS_BLOCK):
+            ks = c0 + tl.arange(0, PARTS_BLOCK).to(tl.int64)
+            kin = ks < n_chunks
+            src = parts_ptr + (row * n_chunks + ks) * 4
+            acc_n += tl.load(src + 0, mask=kin, other=0.0)
+            acc_x += tl.load(src + 1, mask=kin, other=0.0)
+            acc_a += tl.load(src + 2, mask=kin, other=0.0)
+            acc_i += tl.load(src + 3, mask=kin, other=0.0)
+        n_row = tl.sum(acc_n, axis=0)
+        n1 = tl.maximum(n_row, 1.0)
         if LOSS == _GSPO:
             log_s = tl.sum(acc_x, axis=0) / n1
             seq_b = tl.where((log_s >= clamp_low) & (log_s <= clamp_high), 1.0, 0.0)
@@ -173,156 +210,152 @@ def _policy_loss_row_kernel(
             if HAS_IW:
                 seq_w = (seq_a / n1) * tl.sum(acc_i, axis=0)
             else:
-                seq_w = (seq_a / n1) * tl.sum(acc_n, axis=0)
+                seq_w = (seq_a / n1) * n_row
 
-    # ---- pass 2: per-token terms, coefficients and the row's partial sums ------------------
-    acc_loss = zeros
-    acc_tok = zeros
-    acc_clip = zeros
-    acc_low = zeros
-    acc_nlr = zeros
-    acc_ratio = zeros
-    acc_rmax = zeros
-    acc_ent = zeros
-    acc_kl = zeros
-    for t0 in range(0, T, BLOCK):
-        offs = t0 + lanes
-        inb = offs < T
-        m = tl.load(mask_ptr + base + offs, mask=inb, other=0) != 0
-        lp = _load_row(lp_ptr, base, offs, inb, m)
-        old = _load_row(old_ptr, base, offs, inb, m)
-        adv = tl.where(m, tl.load(adv_ptr + adv_base + offs * adv_stride_t, mask=inb, other=0.0), 0.0)
-        d = lp - old
-        clipped = zeros
-        lower = zeros
-        if LOSS == _GSPO:
-            log_ratio = d
-            ratio = zeros + tl.exp(seq_a)
-            passes = (zeros + seq_b) > 0
+    # ---- per-token terms ------------------------------------------------------------------
+    m = tl.load(mask_ptr + base + offs, mask=inb, other=0) != 0
+    lp = _load_row(lp_ptr, base, offs, inb, m)
+    old = _load_row(old_ptr, base, offs, inb, m)
+    adv = tl.where(m, tl.load(adv_ptr + adv_base + offs * adv_stride_t, mask=inb, other=0.0), 0.0)
+    d = lp - old
+    clipped = zeros
+    lower = zeros
+    if LOSS == _GSPO:
+        log_ratio = d
+        ratio = zeros + tl.exp(seq_a)
+        passes = (zeros + seq_b) > 0
+    else:
+        log_ratio = _clamp(d, clamp_low, clamp_high)
+        passes = (d >= clamp_low) & (d <= clamp_high)
+        ratio = tl.exp(log_ratio)
+    if LOSS == _PPO or LOSS == _GSPO:
+        l1 = -adv * ratio
+        l2 = -adv * _clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        value = tl.maximum(l1, l2)
+        grad = tl.where((l1 >= l2) & passes, -adv * ratio, 0.0)
+        clipped = tl.where(l2 > l1, 1.0, 0.0)
+        if HAS_DUAL:
+            dual = -adv * dual_clip
+            is_lower = (adv < 0) & (value > dual)
+            value = tl.where(is_lower, dual, value)
+            grad = tl.where(is_lower, 0.0, grad)
+            lower = tl.where(is_lower, 1.0, 0.0)
+    elif LOSS == _CISPO:
+        if CISPO_UPPER:
+            w = tl.minimum(ratio, clip_high)
         else:
-            log_ratio = _clamp(d, clamp_low, clamp_high)
-            passes = (d >= clamp_low) & (d <= clamp_high)
-            ratio = tl.exp(log_ratio)
-        if LOSS == _PPO or LOSS == _GSPO:
-            l1 = -adv * ratio
-            l2 = -adv * _clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-            value = tl.maximum(l1, l2)
-            grad = tl.where((l1 >= l2) & passes, -adv * ratio, 0.0)
-            clipped = tl.where(l2 > l1, 1.0, 0.0)
-            if HAS_DUAL:
-                dual = -adv * dual_clip
-                is_lower = (adv < 0) & (value > dual)
-                value = tl.where(is_lower, dual, value)
-                grad = tl.where(is_lower, 0.0, grad)
-                lower = tl.where(is_lower, 1.0, 0.0)
-        elif LOSS == _CISPO:
-            if CISPO_UPPER:
-                w = tl.minimum(ratio, clip_high)
-            else:
-                w = _clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-            value = -w * adv * lp
-            grad = -w * adv
-            clipped = tl.where(w != ratio, 1.0, 0.0)
-        elif LOSS == _GPG:
-            value = -adv * lp
-            grad = -adv
-        elif LOSS == _SAPO:
-            tau = tl.where(adv > 0, tau_pos, tau_neg)
-            f = tl.sigmoid(tau * (ratio - 1.0))
-            value = -adv * f * (4.0 / tau)
-            grad = tl.where(passes, -4.0 * adv * f * (1.0 - f) * ratio, 0.0)
-        else:  # geo_mean
-            pos = adv > 0
-            neg = adv < 0
-            follows = (pos & (log_ratio <= clip_high)) | (neg & (log_ratio >= -clip_low))
-            value = zeros + seq_a
-            grad = tl.where(follows & passes, seq_w, 0.0)
-            clipped = tl.where((pos & (log_ratio > clip_high)) | (neg & (log_ratio < -clip_low)), 1.0, 0.0)
-            ratio = zeros + seq_b
-        if HAS_IW:
-            iw = _load_row(iw_ptr, base, offs, inb, m)
-            value = value * iw
-            if LOSS != _GEO:
-                grad = grad * iw
-        objective = value
-        coef = grad
-        if HAS_REF:
-            ref = _load_row(ref_ptr, base, offs, inb, m)
-            k, dk = kl_terms(lp - ref, kl_clamp, KL_EST, KL_K3_CLAMP, KL_HAS_CLAMP, KL_STRAIGHT)
-            if KL_UNBIASED:
-                wk = tl.exp(lp - old)
-                k = wk * k
-                dk = wk * dk
-            k = tl.where(m, k, 0.0)
-            acc_kl += k
-            if KL_TERM:
-                objective = objective + kl_coef * k
-                coef = coef + kl_coef * dk
-        if HAS_ENT:
-            h = _load_row(ent_ptr, base, offs, inb, m)
-            acc_ent += h
-            if ENT_TERM:
-                objective = objective - entropy_coef * h
-        tl.store(coef_lp_ptr + base + offs, tl.where(m, c * coef, 0.0), mask=inb)
-        if ENT_GRAD:
-            tl.store(coef_ent_ptr + base + offs, tl.where(m, -entropy_coef * c, 0.0), mask=inb)
-        acc_loss += tl.where(m, objective, 0.0)
-        acc_tok += tl.where(m, 1.0, 0.0)
-        acc_clip += tl.where(m, clipped, 0.0)
-        acc_low += tl.where(m, lower, 0.0)
-        acc_nlr += tl.where(m, -log_ratio, 0.0)
-        ratio = tl.where(m, ratio, 0.0)
-        acc_ratio += ratio
-        acc_rmax = tl.maximum(acc_rmax, ratio)
+            w = _clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        value = -w * adv * lp
+        grad = -w * adv
+        clipped = tl.where(w != ratio, 1.0, 0.0)
+    elif LOSS == _GPG:
+        value = -adv * lp
+        grad = -adv
+    elif LOSS == _SAPO:
+        tau = tl.where(adv > 0, tau_pos, tau_neg)
+        f = tl.sigmoid(tau * (ratio - 1.0))
+        value = -adv * f * (4.0 / tau)
+        grad = tl.where(passes, -4.0 * adv * f * (1.0 - f) * ratio, 0.0)
+    else:  # geo_mean
+        pos = adv > 0
+        neg = adv < 0
+        follows = (pos & (log_ratio <= clip_high)) | (neg & (log_ratio >= -clip_low))
+        value = zeros + seq_a
+        grad = tl.where(follows & passes, seq_w, 0.0)
+        clipped = tl.where((pos & (log_ratio > clip_high)) | (neg & (log_ratio < -clip_low)), 1.0, 0.0)
+        ratio = zeros + seq_b
+    if HAS_IW:
+        iw = _load_row(iw_ptr, base, offs, inb, m)
+        value = value * iw
+        if LOSS != _GEO:
+            grad = grad * iw
+    objective = value
+    coef = grad
+    kl_value = zeros
+    entropy = zeros
+    if HAS_REF:
+        ref = _load_row(ref_ptr, base, offs, inb, m)
+        k, dk = kl_terms(lp - ref, kl_clamp, KL_EST, KL_K3_CLAMP, KL_HAS_CLAMP, KL_STRAIGHT)
+        if KL_UNBIASED:
+            wk = tl.exp(lp - old)
+            k = wk * k
+            dk = wk * dk
+        kl_value = tl.where(m, k, 0.0)
+        if KL_TERM:
+            objective = objective + kl_coef * k
+            coef = coef + kl_coef * dk
+    if HAS_ENT:
+        entropy = _load_row(ent_ptr, base, offs, inb, m)
+        if ENT_TERM:
+            objective = objective - entropy_coef * entropy
+    tl.store(coef_lp_ptr + base + offs, tl.where(m, c * coef, 0.0), mask=inb)
+    if ENT_GRAD:
+        tl.store(coef_ent_ptr + base + offs, tl.where(m, -entropy_coef * c, 0.0), mask=inb)
+    ratio = tl.where(m, ratio, 0.0)
 
-    out = stats_ptr + row * _NUM_STATS
-    tl.store(out + 0, c * tl.sum(acc_loss, axis=0))
-    tl.store(out + 1, tl.sum(acc_tok, axis=0))
-    tl.store(out + 2, tl.sum(acc_clip, axis=0))
-    tl.store(out + 3, tl.sum(acc_low, axis=0))
-    tl.store(out + 4, tl.sum(acc_nlr, axis=0))
-    tl.store(out + 5, tl.sum(acc_ratio, axis=0))
-    tl.store(out + 6, tl.max(acc_rmax, axis=0))
-    tl.store(out + 7, tl.sum(acc_ent, axis=0))
-    tl.store(out + 8, tl.sum(acc_kl, axis=0))
+    # ---- this chunk's sums (columns of ROW_STATS) -------------------------------------------
+    out = chunk_stats_ptr + (row * n_chunks + chunk) * _NUM_STATS
+    tl.store(out + 0, c * tl.sum(tl.where(m, objective, 0.0), axis=0))
+    tl.store(out + 1, tl.sum(tl.where(m, 1.0, 0.0), axis=0))
+    tl.store(out + 2, tl.sum(tl.where(m, clipped, 0.0), axis=0))
+    tl.store(out + 3, tl.sum(tl.where(m, lower, 0.0), axis=0))
+    tl.store(out + 4, tl.sum(tl.where(m, -log_ratio, 0.0), axis=0))
+    tl.store(out + 5, tl.sum(ratio, axis=0))
+    tl.store(out + 6, tl.max(ratio, axis=0))
+    tl.store(out + 7, tl.sum(entropy, axis=0))
+    tl.store(out + 8, tl.sum(kl_value, axis=0))
 
 
 @triton.jit
-def _policy_loss_combine_kernel(stats_ptr, loss_ptr, metrics_ptr, B, BLOCK: tl.constexpr):
-    """Fixed-order sum of the ``[B]`` row partials (lane ``j`` takes rows ``j, j + BLOCK, ...``)."""
-    zeros = tl.zeros((BLOCK,), tl.float32)
-    acc_loss = zeros
-    acc_tok = zeros
-    acc_clip = zeros
-    acc_low = zeros
-    acc_nlr = zeros
-    acc_ratio = zeros
-    acc_rmax = zeros
-    acc_ent = zeros
-    acc_kl = zeros
+def _add_stats(acc, tile, cols):
+    """Lane-wise running sums of ``ROW_STATS`` tiles ``[lanes, COLS]`` (the max for ``ratio_max``)."""
+    return tl.where((cols == 6)[None, :], tl.maximum(acc, tile), acc + tile)
+
+
+@triton.jit
+def _total_stats(acc, cols):
+    """The lanes of :func:`_add_stats` reduced to ``[COLS]`` (one tree, fixed for a lane count)."""
+    return tl.where(cols == 6, tl.max(acc, axis=0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _row_stats_kernel(chunk_stats_ptr, stats_ptr, n_chunks, PARTS_BLOCK: tl.constexpr, COLS: tl.constexpr):
+    """Program ``row``: ``row_stats[row] = `` its chunks' sums in chunk order (the max for ``ratio_max``)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, COLS)
+    col_in = cols < _NUM_STATS
+    acc = tl.zeros((PARTS_BLOCK, COLS), tl.float32)
+    for c0 in range(0, n_chunks, PARTS_BLOCK):
+        ks = c0 + tl.arange(0, PARTS_BLOCK).to(tl.int64)
+        tile = tl.load(chunk_stats_ptr + (row * n_chunks + ks)[:, None] * _NUM_STATS + cols[None, :],
+                       mask=(ks < n_chunks)[:, None] & col_in[None, :], other=0.0)
+        acc = _add_stats(acc, tile, cols)
+    total = _total_stats(acc, cols)
+    tl.store(stats_ptr + row * _NUM_STATS + cols, total, mask=col_in)
+
+
+@triton.jit
+def _policy_loss_combine_kernel(stats_ptr, loss_ptr, metrics_ptr, B, BLOCK: tl.constexpr, COLS: tl.constexpr):
+    """Fixed-order sum of the ``[B]`` row statistics (lane ``j`` takes rows ``j, j + BLOCK, ...``)."""
+    cols = tl.arange(0, COLS)
+    col_in = cols < _NUM_STATS
+    acc = tl.zeros((BLOCK, COLS), tl.float32)
     for b0 in range(0, B, BLOCK):
         rows = b0 + tl.arange(0, BLOCK).to(tl.int64)
-        inb = rows < B
-        ptr = stats_ptr + rows * _NUM_STATS
-        acc_loss += tl.load(ptr + 0, mask=inb, other=0.0)
-        acc_tok += tl.load(ptr + 1, mask=inb, other=0.0)
-        acc_clip += tl.load(ptr + 2, mask=inb, other=0.0)
-        acc_low += tl.load(ptr + 3, mask=inb, other=0.0)
-        acc_nlr += tl.load(ptr + 4, mask=inb, other=0.0)
-        acc_ratio += tl.load(ptr + 5, mask=inb, other=0.0)
-        acc_rmax = tl.maximum(acc_rmax, tl.load(ptr + 6, mask=inb, other=0.0))
-        acc_ent += tl.load(ptr + 7, mask=inb, other=0.0)
-        acc_kl += tl.load(ptr + 8, mask=inb, other=0.0)
-    tokens = tl.sum(acc_tok, axis=0)
+        tile = tl.load(stats_ptr + rows[:, None] * _NUM_STATS + cols[None, :],
+                       mask=(rows < B)[:, None] & col_in[None, :], other=0.0)
+        acc = _add_stats(acc, tile, cols)
+    total = _total_stats(acc, cols)
+    loss = tl.sum(tl.where(cols == 0, total, 0.0), axis=0)
+    tokens = tl.sum(tl.where(cols == 1, total, 0.0), axis=0)
     inv = tl.where(tokens > 0, 1.0 / tl.maximum(tokens, 1.0), 0.0)
-    tl.store(loss_ptr, tl.sum(acc_loss, axis=0))
-    tl.store(metrics_ptr + 0, tl.sum(acc_clip, axis=0) * inv)
-    tl.store(metrics_ptr + 1, tl.sum(acc_low, axis=0) * inv)
-    tl.store(metrics_ptr + 2, tl.sum(acc_nlr, axis=0) * inv)
-    tl.store(metrics_ptr + 3, tl.sum(acc_ratio, axis=0) * inv)
-    tl.store(metrics_ptr + 4, tl.max(acc_rmax, axis=0))
-    tl.store(metrics_ptr + 5, tl.sum(acc_ent, axis=0) * inv)
-    tl.store(metrics_ptr + 6, tl.sum(acc_kl, axis=0) * inv)
+    tl.store(loss_ptr, loss)
+    # metrics_out: clip, lower clip, approx KL, ratio mean <- stats 2..5 (means); ratio max <- 6;
+    # entropy, kl <- 7, 8 (means); tokens <- 1
+    mean = total * inv
+    tl.store(metrics_ptr + cols - 2, mean, mask=(cols >= 2) & (cols <= 5))
+    tl.store(metrics_ptr + cols - 2, total, mask=cols == 6)
+    tl.store(metrics_ptr + cols - 2, mean, mask=(cols >= 7) & col_in)
     tl.store(metrics_ptr + 7, tokens)
 
 
@@ -334,33 +367,50 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, row_weight, importan
 
     Shapes: ``[B, T]`` fp32 inputs (``advantages`` ``[B, T]`` or ``[B, 1]``), bool ``mask``,
     ``row_weight`` ``[B]``; outputs ``loss_out[]``, ``coef_logprob_out[B, T]``,
-    ``coef_entropy_out[B, T] | None``, ``row_stats_out[B, 9]``, ``metrics_out[8]``. One row
-    program per sequence, then one combine program.
+    ``coef_entropy_out[B, T] | None``, ``row_stats_out[B, 9]``, ``metrics_out[8]``. Programs
+    ``(row, chunk of BLOCK_T tokens)`` (after a partial-sum pass for the sequence-level losses),
+    then one program per row for its statistics, then one combine program.
     """
     n_rows, t = logprob.shape
+    n_chunks = triton.cdiv(t, BLOCK_T)
     has_ref = ref_logprob is not None
     has_ent = entropy is not None
     has_iw = importance_weights is not None
     ent_grad = coef_entropy_out is not None
+    code = LOSSES.index(loss)
+    sequence_level = loss in ("gspo", "geo_mean")
+    adv_stride_b, adv_stride_t = advantages.shape[1], 0 if advantages.shape[1] == 1 else 1
+    chunk_stats = torch.empty((n_rows, n_chunks, len(ROW_STATS)), dtype=torch.float32, device=logprob.device)
+    parts = torch.empty((n_rows, n_chunks, 4), dtype=torch.float32, device=logprob.device) if sequence_level else None
     dummy = logprob
+    grid = (n_rows, n_chunks)
     with _on_device(logprob.device):
-        _policy_loss_row_kernel[(n_rows,)](
+        if sequence_level:
+            _seq_partials_kernel[grid](
+                logprob, old_logprob, advantages, mask.view(torch.uint8), importance_weights if has_iw else dummy,
+                parts, t, n_chunks, adv_stride_b, adv_stride_t, float(clip_low), float(clip_high), float(clamp_low),
+                float(clamp_high), LOSS=code, HAS_IW=has_iw, BLOCK=BLOCK_T, num_warps=NUM_WARPS,
+            )
+        _policy_loss_chunk_kernel[grid](
             logprob, old_logprob, advantages, mask.view(torch.uint8), row_weight,
             importance_weights if has_iw else dummy, ref_logprob if has_ref else dummy, entropy if has_ent else dummy,
-            coef_logprob_out, coef_entropy_out if ent_grad else coef_logprob_out, row_stats_out,
-            t, advantages.shape[1], 0 if advantages.shape[1] == 1 else 1,
+            parts if sequence_level else dummy,
+            coef_logprob_out, coef_entropy_out if ent_grad else coef_logprob_out, chunk_stats,
+            t, n_chunks, adv_stride_b, adv_stride_t,
             float(clip_low), float(clip_high), float(dual_clip), float(clamp_low), float(clamp_high), float(tau_pos),
             float(tau_neg), float(kl_coef), float(kl_clamp) if kl_clamp != float("inf") else 0.0,
             float(entropy_coef),
-            LOSS=LOSSES.index(loss), CISPO_UPPER=bool(cispo_upper), HAS_DUAL=dual_clip > 0,
+            LOSS=code, CISPO_UPPER=bool(cispo_upper), HAS_DUAL=dual_clip > 0,
             HAS_IW=has_iw, HAS_REF=has_ref, KL_TERM=has_ref and kl_coef != 0, KL_EST=KL_ESTIMATORS.index(kl),
             KL_K3_CLAMP=bool(kl_k3_clamp), KL_HAS_CLAMP=kl_clamp != float("inf"),
             KL_STRAIGHT=bool(kl_straight_through), KL_UNBIASED=bool(kl_unbiased),
             HAS_ENT=has_ent, ENT_TERM=has_ent and entropy_coef != 0, ENT_GRAD=ent_grad,
-            BLOCK=BLOCK_T, num_warps=NUM_WARPS,
+            BLOCK=BLOCK_T, PARTS_BLOCK=PARTS_BLOCK, num_warps=NUM_WARPS,
         )
+        _row_stats_kernel[(n_rows,)](chunk_stats, row_stats_out, n_chunks, PARTS_BLOCK=PARTS_BLOCK, COLS=_STATS_COLS,
+                                     num_warps=1)
         _policy_loss_combine_kernel[(1,)](row_stats_out, loss_out, metrics_out, n_rows, BLOCK=COMBINE_BLOCK,
-                                          num_warps=NUM_WARPS)
+                                          COLS=_STATS_COLS, num_warps=NUM_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -111,6 +111,13 @@ def _fwd_outputs(logprob: Tensor, with_entropy_grad: bool) -> tuple[Tensor, ...]
     return loss, coef_lp, coef_ent, stats, metrics
 
 
+#: The scalar attributes of the forward primitive, passed to the custom op as two lists (the op's
+#: schema stays short: torch's custom-op call path costs time per schema argument and call).
+_FLOAT_ATTRS = ("clip_low", "clip_high", "dual_clip", "clamp_low", "clamp_high", "tau_pos", "tau_neg", "kl_coef",
+                "kl_clamp", "entropy_coef")
+_BOOL_ATTRS = ("cispo_upper", "kl_k3_clamp", "kl_straight_through", "kl_unbiased", "with_entropy_grad")
+
+
 @torch.library.custom_op("rlk::policy_loss_fwd", mutates_args=())
 def _policy_loss_fwd(
     logprob: Tensor,
@@ -122,42 +129,26 @@ def _policy_loss_fwd(
     ref_logprob: Tensor | None,
     entropy: Tensor | None,
     loss: str,
-    cispo_upper: bool,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float,
-    clamp_low: float,
-    clamp_high: float,
-    tau_pos: float,
-    tau_neg: float,
     kl: str,
-    kl_coef: float,
-    kl_k3_clamp: bool,
-    kl_clamp: float,
-    kl_straight_through: bool,
-    kl_unbiased: bool,
-    entropy_coef: float,
-    with_entropy_grad: bool,
+    flags: list[bool],
+    params: list[float],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    attrs = dict(zip(_BOOL_ATTRS, flags)) | dict(zip(_FLOAT_ATTRS, params))
+    with_entropy_grad = attrs.pop("with_entropy_grad")
     out = _fwd_outputs(logprob, with_entropy_grad)
     loss_out, coef_lp, coef_ent, stats, metrics = out
     backend = dispatch.select("policy_loss", logprob.device, logprob.dtype)
     backend.primitives["policy_loss_fwd"](
         logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy,
-        loss_out, coef_lp, coef_ent if with_entropy_grad else None, stats, metrics,
-        loss=loss, cispo_upper=cispo_upper, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-        clamp_low=clamp_low, clamp_high=clamp_high, tau_pos=tau_pos, tau_neg=tau_neg, kl=kl, kl_coef=kl_coef,
-        kl_k3_clamp=kl_k3_clamp, kl_clamp=kl_clamp, kl_straight_through=kl_straight_through,
-        kl_unbiased=kl_unbiased, entropy_coef=entropy_coef,
+        loss_out, coef_lp, coef_ent if with_entropy_grad else None, stats, metrics, loss=loss, kl=kl, **attrs,
     )
     return out
 
 
 @_policy_loss_fwd.register_fake
-def _(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, loss,
-      cispo_upper, clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl, kl_coef,
-      kl_k3_clamp, kl_clamp, kl_straight_through, kl_unbiased, entropy_coef, with_entropy_grad):
-    return _fwd_outputs(logprob, with_entropy_grad)
+def _(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, loss, kl, flags,
+      params):
+    return _fwd_outputs(logprob, flags[_BOOL_ATTRS.index("with_entropy_grad")])
 
 
 @torch.library.custom_op("rlk::policy_loss_bwd", mutates_args=())
@@ -178,11 +169,11 @@ def _(grad_loss, coef_logprob, coef_entropy, backend):
     return torch.empty_like(coef_logprob), grad_ent
 
 
-_N_POLICY_INPUTS = 25
+_N_POLICY_INPUTS = 12
 
 
 def _setup_policy(ctx, inputs, output):
-    logprob, with_entropy_grad = inputs[0], inputs[-1]
+    logprob, with_entropy_grad = inputs[0], inputs[10][_BOOL_ATTRS.index("with_entropy_grad")]
     _, coef_lp, coef_ent, stats, metrics = output
     ctx.save_for_backward(coef_lp, coef_ent)
     ctx.with_entropy_grad = with_entropy_grad
@@ -384,19 +375,20 @@ def policy_loss(
             zero = zero + ent.sum() * 0.0
         out_loss, metrics = zero, torch.zeros(len(METRICS), dtype=cdt, device=device)
     else:
+        flags = [cispo_form == "upper", bool(kl_k3_clamp), kl_straight, bool(kl_unbiased), with_entropy_grad]
+        params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos,
+                  tau_neg, kl_coef, kl_clamp_value, entropy_coef]
         out_loss, _, _, _, metrics = torch.ops.rlk.policy_loss_fwd(
             lp, old, adv, mask_bool.contiguous(), row_weight, detached(importance_weights), detached(ref_logprob),
-            ent, loss, cispo_form == "upper", clip_low, clip_high, 0.0 if dual_clip is None else dual_clip,
-            clamp_low, clamp_high, tau_pos, tau_neg, kl, kl_coef, bool(kl_k3_clamp), kl_clamp_value, kl_straight,
-            bool(kl_unbiased), entropy_coef, with_entropy_grad,
+            ent, loss, kl, flags, params,
         )
-    metrics = metrics.detach()
+    values = dict(zip(METRICS, metrics.detach().unbind()))
     names = ["clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
     if entropy is not None:
         names.append("entropy_mean")
     if ref_logprob is not None:
         names.append("kl_mean")
-    return out_loss, {name: metrics[METRICS.index(name)] for name in names}
+    return out_loss, {name: values[name] for name in names}
 
 
 # ---------------------------------------------------------------------------
