@@ -335,13 +335,13 @@ def trl_loss(lp, old, adv, m, *, loss_type, eps_low=0.2, eps_high=0.2, delta=Non
         per_token = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
     if beta != 0.0:
         per_token = per_token + beta * (torch.exp(ref - lp) - (ref - lp) - 1)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):  # TRL 1.16 aggregates sapo like grpo
         return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":
         return (per_token * m).sum() / m.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token * m).sum() / (per_token.size(0) * max_completion_length)
-    if loss_type in ("dapo", "cispo", "sapo"):
+    if loss_type in ("dapo", "cispo"):
         return (per_token * m).sum() / num_items_in_batch
     raise ValueError(loss_type)
 
@@ -353,7 +353,7 @@ def rlk_for_trl(loss_type, b, t, n_items):
         "dr_grpo": {"agg": "seq-mean-token-sum-norm", "loss_scale": t, "global_seqs": b},
         "dapo": {"agg": "token-mean", "global_tokens": n_items},
         "cispo": {"agg": "token-mean", "global_tokens": n_items},
-        "sapo": {"agg": "token-mean", "global_tokens": n_items},
+        "sapo": {"agg": "seq-mean-token-mean", "global_seqs": b},
     }[loss_type]
 
 
