@@ -1,11 +1,11 @@
-"""Run the rlk log-prob benchmarks without asv: a Markdown table on stdout, JSON with ``--out``.
+"""Run the rlk benchmarks without asv: a Markdown table on stdout, JSON with ``--out``.
 
-Every point of ``benchmarks/logprob.py`` (the asv suite; its docstring defines what is measured) runs
-through the same ``Case`` class asv uses, in one process, after measuring the machine's ceilings (a
-square matmul's TFLOP/s and a device-to-device copy's GB/s). Each row reports the achieved rate as a
-fraction of its ceiling (TFLOP/s of the matmul for ``linear_logprob``, GB/s of the copy for
-``selected_logprob``) and the speedup over ``torch_compile`` and ``torch_eager`` at the same point
-(their time over this row's time).
+Every point of the asv suite's classes listed in ``OPS`` (each module's docstring defines what is
+measured and the work credited) runs through the same ``Case`` class asv uses, in one process, after
+measuring the machine's ceilings (a square matmul's TFLOP/s and a device-to-device copy's GB/s). Each
+row reports the achieved rate as a fraction of its ceiling (TFLOP/s of the matmul for compute-bound
+ops, GB/s of the copy for memory-bound ones) and the speedup over each of the class's baselines at
+the same point (their time over this row's time).
 
 Usage::
 
@@ -42,6 +42,9 @@ OPS = {
     "policy_loss": ("rl_objectives", "PolicyLoss"),
     "gae": ("rl_objectives", "Gae"),
     "fused_linear_policy_loss": ("rl_objectives", "FusedLinearPolicyLoss"),
+    "rms_norm": ("norm", "RmsNorm"),
+    "matmul": ("matmul", "Matmul"),
+    "attention": ("attention", "Attention"),
 }
 
 
@@ -49,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny float32 shapes (sets RLK_BENCH_QUICK=1)")
     parser.add_argument("--only", choices=sorted(OPS), help="run one op's benchmarks")
-    parser.add_argument("--out", type=Path, help="directory for logprob.json and logprob.md")
+    parser.add_argument("--out", type=Path, help="directory for bench.json and bench.md")
     parser.add_argument("--shape", help="run only this shape, e.g. 16384,4096,151936 (linear) or 16384,151936")
     return parser.parse_args()
 
@@ -106,6 +109,7 @@ def measure_point(cls, impl: str, option, shape: tuple[int, ...]) -> dict:
         "backend": None,
         "status": "ok",
         "ms": None,
+        "kernel_ms": None,
         "rate": None,
         "unit": None,
         "peak_extra_mib": None,
@@ -117,6 +121,7 @@ def measure_point(cls, impl: str, option, shape: tuple[int, ...]) -> dict:
         if case.decision is not None:
             row["backend"], row["rlk_explain"] = case.decision.backend, str(case.decision)
         if torch.cuda.is_available():
+            row["kernel_ms"] = case.kernel_ms()
             row["peak_extra_mib"] = case.peak_extra_mib()
     except torch.OutOfMemoryError:
         row["status"] = "OOM"
@@ -134,7 +139,9 @@ def add_ratios(rows: list[dict], ceilings: dict) -> None:
     """Fraction of the ceiling, and time and memory against each baseline at the same point.
 
     ``speedup_vs_<base>`` is the baseline's ms over this row's ms; ``memory_vs_<base>`` this row's
-    peak extra MiB over the baseline's.
+    peak extra MiB over the baseline's. With GPU kernel times, ``kernel_of_ceiling`` is the rate over
+    the kernel time as a fraction of the ceiling and ``kernel_speedup_vs_<base>`` the ratio of kernel
+    times (what the kernels do, without host overhead).
     """
     by_point = {(r["op"], tuple(r["shape"]), r["option"], r["impl"]): r for r in rows}
     for row in rows:
@@ -142,10 +149,14 @@ def add_ratios(rows: list[dict], ceilings: dict) -> None:
             continue
         ceiling = ceilings["matmul_tflops"] if row["unit"] == "TFLOP/s" else ceilings["copy_gbps"]
         row["of_ceiling"] = row["rate"] / ceiling
+        kernel = row.get("kernel_ms")
+        row["kernel_of_ceiling"] = row["of_ceiling"] * row["ms"] / kernel if kernel else None
         for base in row["baselines"]:
             other = by_point.get((row["op"], tuple(row["shape"]), row["option"], base))
             ok = other is not None and other["status"] == "ok"
             row[f"speedup_vs_{base}"] = other["ms"] / row["ms"] if ok else None
+            both = ok and kernel and other.get("kernel_ms")
+            row[f"kernel_speedup_vs_{base}"] = other["kernel_ms"] / kernel if both else None
             mib = row["peak_extra_mib"]
             row[f"memory_vs_{base}"] = mib / other["peak_extra_mib"] if ok and mib is not None else None
 
@@ -166,34 +177,39 @@ def markdown(rows: list[dict], ceilings: dict, env: dict) -> str:
         f"{ceilings['copy_gbps']:.3g} GB/s (read + write)",
         "rates credit every impl of a point with the same nominal work (each benchmark module's docstring "
         "gives it: linear_logprob 8NHV FLOPs although the torch baselines do 6NHV; selected_logprob 3NV*itemsize "
-        "bytes); time x = baseline ms / row ms (above 1: faster); memory x = row MiB / baseline MiB",
+        "bytes); time x = baseline ms / row ms (above 1: faster); memory x = row MiB / baseline MiB. "
+        "ms: one step timed by CUDA events on an idle device (includes the host time the GPU waits for); "
+        "kernel ms: the GPU time of the step's kernels (torch.profiler), which the kernel columns use",
         "",
-        "| op | impl | shape | option | ms | rate | of ceiling | peak extra MiB | time x vs baselines "
-        "| memory x vs baselines |",
-        "|---|---|---|---|---:|---:|---:|---:|---|---|",
+        "| op | impl | shape | option | ms | rate | of ceiling | kernel ms | kernel of ceiling | peak extra MiB "
+        "| time x vs baselines | kernel time x vs baselines | memory x vs baselines |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in rows:
         impl = f"rlk ({r['backend']})" if r["impl"] == "rlk" else r["impl"]
         shape = " ".join(f"{k}={v}" for k, v in zip(r["shape_names"], r["shape"]))
         head = f"| {r['op']} | {impl} | {shape} | {r['option_name']}={r['option']} |"
         if r["status"] != "ok":
-            lines.append(f"{head} {r['status']} | | | | | |")
+            lines.append(f"{head} {r['status']} | | | | | | | | |")
             continue
         speedups = ", ".join(f"{b} {_fmt(r[f'speedup_vs_{b}'], '.2f', 'x')}" for b in r["baselines"] if b != r["impl"])
+        kernel_speedups = ", ".join(f"{b} {_fmt(r.get(f'kernel_speedup_vs_{b}'), '.2f', 'x')}"
+                                    for b in r["baselines"] if b != r["impl"])
         memory = ", ".join(f"{b} {_fmt(r[f'memory_vs_{b}'], '.2f', 'x')}" for b in r["baselines"] if b != r["impl"])
         lines.append(
             f"{head} {r['ms']:.3f} | {r['rate']:.3g} {r['unit']} | {_fmt(r['of_ceiling'], '.1%')} "
-            f"| {_fmt(r['peak_extra_mib'], '.0f')} | {speedups} | {memory} |"
+            f"| {_fmt(r.get('kernel_ms'), '.3f')} | {_fmt(r.get('kernel_of_ceiling'), '.1%')} "
+            f"| {_fmt(r['peak_extra_mib'], '.0f')} | {speedups} | {kernel_speedups} | {memory} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def save(out: Path, env: dict, ceilings: dict, rows: list[dict]) -> None:
-    """Write ``logprob.json`` (everything) and ``logprob.md`` (the report) under ``out``."""
+    """Write ``bench.json`` (everything) and ``bench.md`` (the report) under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     document = {"env": env, "ceilings": ceilings, "results": rows}
-    (out / "logprob.json").write_text(json.dumps(document, indent=2) + "\n")
-    (out / "logprob.md").write_text(markdown(rows, ceilings, env))
+    (out / "bench.json").write_text(json.dumps(document, indent=2) + "\n")
+    (out / "bench.md").write_text(markdown(rows, ceilings, env))
 
 
 def main() -> None:
@@ -233,7 +249,7 @@ def main() -> None:
                 save(args.out, env, ceilings, rows)
     print(markdown(rows, ceilings, env))
     if args.out:
-        print(f"wrote {args.out / 'logprob.json'} and {args.out / 'logprob.md'}", file=sys.stderr)
+        print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.md'}", file=sys.stderr)
     if any(r["status"].startswith("error") for r in rows):
         sys.exit("some points failed (status 'error' above)")
 

@@ -11,6 +11,8 @@ out=${RLK_CI_OUT:-out/ci}
 mkdir -p "$out"
 
 echo "== ruff"; ruff check .
+echo "== rlk-cuda native build (nvcc, sm_90a)"; bash ci/build_cuda.sh
+export RLK_REQUIRE_INSTALLED=cuda   # built and installed above; unavailable without a GPU, with its reason
 echo "== rlk info"; python3 -m rlk info
 echo "== pytest"; python3 -m pytest -n 2 --durations=15
 echo "== parity (CPU matrix)"; python3 -m parity --device cpu --out "$out/parity"

@@ -16,7 +16,7 @@ import torch
 
 import rlk
 from parity import cases as cs
-from parity import rl
+from parity import chain, rl
 from parity.run import FAIL, NA, Cell, Config
 from rlk import dispatch
 
@@ -60,7 +60,10 @@ def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
-def _case_json(case: cs.Case | rl.RLCase) -> dict:
+def _case_json(case: cs.Case | rl.RLCase | chain.ChainCase) -> dict:
+    if isinstance(case, chain.ChainCase):
+        return {"label": case.label(), "size": list(map(str, case.size)), "variant": case.variant,
+                "params": dict(case.params)}
     if isinstance(case, rl.RLCase):
         params = {k: v for k, v in case.params if not isinstance(v, torch.Tensor)}
         return {"label": case.label(), "rows": case.rows, "cols": case.cols, "variant": case.variant,
@@ -71,6 +74,14 @@ def _case_json(case: cs.Case | rl.RLCase) -> dict:
         "features": {"ignore": f.ignore, "extreme": f.extreme, "neg_inf": f.neg_inf,
                      "temperature": f.temperature, "entropy": f.entropy},
     }
+
+
+def _plan_json(plan) -> dict:
+    if isinstance(plan, cs.InvariancePlan):
+        return {"vocab": plan.vocab, "hidden": plan.hidden}
+    if isinstance(plan, chain.ChainInvariancePlan):
+        return {"probe": plan.case.label(), "batches": list(plan.batches)}
+    return {"cols": plan.cols, "variants": [label for label, _ in plan.variants]}
 
 
 def _cell_json(cell: Cell) -> dict:
@@ -104,8 +115,7 @@ def _cell_json(cell: Cell) -> dict:
             "bitwise": inv.bitwise,
             "verdict": inv.verdict,
             "details": inv.details,
-            **({"vocab": inv.plan.vocab, "hidden": inv.plan.hidden} if isinstance(inv.plan, cs.InvariancePlan)
-               else {"cols": inv.plan.cols, "variants": [label for label, _ in inv.plan.variants]}),
+            **_plan_json(inv.plan),
             "error": inv.error,
             "checks": [{"batch": c.batch, "position": c.position, "differs": c.differs} for c in inv.checks],
         }
@@ -218,6 +228,13 @@ def to_markdown(config: Config, cells: list[Cell], not_run: dict[str, str], env:
             if rl_plan is not None:
                 lines.append(f"- {op} invariance: probe row alone vs in batches of "
                              f"{', '.join(map(str, rl_plan.batches))} rows (first/middle/last), {rl_plan.describe()}")
+            continue
+        if op in chain.CHAIN_OPS:
+            labels = [case.label() for case in chain.value_cases(op, config.device.type, config.quick)]
+            lines.append(f"- {op}: " + "; ".join(labels))
+            chain_plan = chain.invariance_plan(op, config.device.type, config.quick)
+            lines.append(f"- {op} invariance: probe alone vs in batches of {', '.join(map(str, chain_plan.batches))} "
+                         f"(first/middle/last), {chain_plan.describe()}")
             continue
         plan = cs.invariance_plan(op, config.device.type, config.quick)
         labels = [case.label() for case in cs.value_cases(op, config.device.type, config.quick)]

@@ -27,13 +27,14 @@ import torch
 
 import rlk
 from parity import cases as cs
-from parity import rl
+from parity import chain, rl
 from rlk import abi, contract, dispatch
 
 PASS, FAIL, NA = "PASS", "FAIL", "n/a"
 
-#: Every op of the matrix: the log-prob ops (bf16/fp16/fp32) and the RL-objective ops (fp32 rows only).
-ALL_OPS = cs.OPS + rl.RL_OPS
+#: Every op of the matrix: the log-prob ops (bf16/fp16/fp32), the RL-objective ops (fp32 rows only) and the
+#: batch-invariant forward chain (bf16/fp16/fp32).
+ALL_OPS = cs.OPS + rl.RL_OPS + chain.CHAIN_OPS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -51,7 +52,7 @@ class Outputs:
 class CaseResult:
     """One value case on one backend: every deviation, or the error it raised."""
 
-    case: cs.Case | rl.RLCase
+    case: cs.Case | rl.RLCase | chain.ChainCase
     deviations: list[contract.Deviation] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
@@ -79,7 +80,7 @@ class InvarianceResult:
     """Batch invariance of one (op, dtype, backend)."""
 
     claimed: bool
-    plan: cs.InvariancePlan | rl.RLInvariancePlan
+    plan: cs.InvariancePlan | rl.RLInvariancePlan | chain.ChainInvariancePlan
     checks: list[InvarianceCheck] = field(default_factory=list)
     error: str | None = None
 
@@ -314,7 +315,7 @@ def run_matrix(config: Config, progress: Callable[[str], None] = _say) -> list[C
         1
         for cell in live
         for case in value_cases(cell.op, device.type, config.quick)
-        if cell.op in rl.RL_OPS or cs.skip_reason(cell.backend, device, case) is None
+        if cell.op in rl.RL_OPS or cell.op in chain.CHAIN_OPS or cs.skip_reason(cell.backend, device, case) is None
     )
     counter = _Counter(total, progress)
     for op in config.ops:
@@ -322,6 +323,8 @@ def run_matrix(config: Config, progress: Callable[[str], None] = _say) -> list[C
         for case in value_cases(op, device.type, config.quick):
             if op in rl.RL_OPS:
                 _run_rl_case(config, case, op_cells, counter)
+            elif op in chain.CHAIN_OPS:
+                _run_chain_case(config, case, op_cells, counter)
             else:
                 _run_case(config, case, op_cells, counter)
     for op in (op for op in config.ops if op in rl.RL_OPS):
@@ -334,7 +337,15 @@ def run_matrix(config: Config, progress: Callable[[str], None] = _say) -> list[C
             counter(f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {rl_plan.batches}, "
                     f"{rl_plan.describe()}): {cell.invariance.verdict} [{cell.invariance.details}] "
                     f"({time.perf_counter() - start:.1f}s)")
-    for op in (op for op in config.ops if op not in rl.RL_OPS):
+    for op in (op for op in config.ops if op in chain.CHAIN_OPS):
+        chain_plan = chain.invariance_plan(op, device.type, config.quick)
+        for cell in (c for c in live if c.op == op):
+            start = time.perf_counter()
+            cell.invariance = check_chain_invariance(chain_plan, config.seed, cell.backend, device, DTYPES[cell.dtype])
+            counter(f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {chain_plan.batches}, "
+                    f"{chain_plan.describe()}): {cell.invariance.verdict} [{cell.invariance.details}] "
+                    f"({time.perf_counter() - start:.1f}s)")
+    for op in (op for op in config.ops if op in cs.OPS):
         plan = cs.invariance_plan(op, device.type, config.quick)
         probe, others = cs.make_invariance_inputs(plan, config.seed)
         for cell in (c for c in live if c.op == op):
@@ -356,9 +367,13 @@ class _Counter:
         self.sink(f"[{self.done}/{self.total}] {message}")
 
 
-def value_cases(op: str, device_type: str, quick: bool) -> list[cs.Case | rl.RLCase]:
+def value_cases(op: str, device_type: str, quick: bool) -> list[cs.Case | rl.RLCase | chain.ChainCase]:
     """The value cases of any op of the matrix."""
-    return rl.value_cases(op, device_type, quick) if op in rl.RL_OPS else cs.value_cases(op, device_type, quick)
+    if op in rl.RL_OPS:
+        return rl.value_cases(op, device_type, quick)
+    if op in chain.CHAIN_OPS:
+        return chain.value_cases(op, device_type, quick)
+    return cs.value_cases(op, device_type, quick)
 
 
 def check_rl_invariance(plan: rl.RLInvariancePlan, seed: int, backend: str, device: torch.device) -> InvarianceResult:
@@ -368,6 +383,20 @@ def check_rl_invariance(plan: rl.RLInvariancePlan, seed: int, backend: str, devi
         rl.invariance_checks(plan, seed, backend, device,
                              lambda batch, position, differs: result.checks.append(
                                  InvarianceCheck(batch, position, differs)))
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc(file=sys.stderr)
+    return result
+
+
+def check_chain_invariance(plan: chain.ChainInvariancePlan, seed: int, backend: str, device: torch.device,
+                           dtype: torch.dtype) -> InvarianceResult:
+    """Batch invariance of a chain op (:func:`parity.chain.invariance_checks`) on ``backend`` in ``dtype``."""
+    result = InvarianceResult(claims_invariance(backend), plan)
+    try:
+        chain.invariance_checks(plan, seed, backend, device, dtype,
+                                lambda batch, position, differs: result.checks.append(
+                                    InvarianceCheck(batch, position, differs)))
     except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         traceback.print_exc(file=sys.stderr)
@@ -422,6 +451,39 @@ def _run_rl_case(config: Config, case: rl.RLCase, cells: list[Cell], progress: C
     del low, truth
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _chain_check(case: chain.ChainCase, dtype: torch.dtype, low, truth) -> list[contract.Deviation]:
+    return chain.compare(case, dtype, chain.forward_backward(case.op, case.kwargs, low), truth)
+
+
+def _run_chain_case(config: Config, case: chain.ChainCase, cells: list[Cell],
+                    progress: Callable[[str], None]) -> None:
+    """One value case of a chain op in every dtype on every backend of ``cells`` (ground truth per dtype, from
+    the inputs as cast to it)."""
+    device = config.device
+    base = chain.make_inputs(case, config.seed)
+    for dtype in config.dtypes:
+        todo = [c for c in cells if c.dtype == dtype]
+        if not todo:
+            continue
+        low = chain.cast(base, DTYPES[dtype], device)
+        truth, truth_error = None, None
+        try:
+            truth = chain.ground_truth(case, low)
+        except Exception as exc:
+            truth_error = f"ground truth: {type(exc).__name__}: {exc}"
+            traceback.print_exc(file=sys.stderr)
+        for cell in todo:
+            if truth_error is not None:
+                result = CaseResult(case, error=truth_error)
+                cell.results.append(result)
+                progress(_case_line(cell, result))
+                continue
+            _check_case(cell, case, functools.partial(_chain_check, case, DTYPES[dtype], low, truth), progress)
+        del low, truth
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _run_case(config: Config, case: cs.Case, cells: list[Cell], progress: Callable[[str], None]) -> None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One full GPU session on the H200 (or any CUDA machine without internet): set up rlk from this
 # checkout, then run the requested steps, each logged under $OUT (default out/gpu).
-#   bash tools/h200_run.sh [setup] [info] [tests] [parity] [bench] [sweep]
+#   bash tools/h200_run.sh [setup] [info] [tests] [gputests] [parity] [bench] [sweep] [sweep_matmul]
+#                          [sweep_attention] [profile_policy_loss]
+# PARITY_OPS / BENCH_ONLY narrow the parity and bench steps (comma-separated ops; one --only key).
 # Pure-Python wheels the machine lacks (pytest, setuptools) may be put in .whl/ beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,9 +39,15 @@ for step in "${steps[@]}"; do
     info)   run_step info bash -c 'nvidia-smi; python3 -m rlk info; python3 -c "import triton, torch; print(triton.__version__, torch.__version__)"' ;;
     tests)  run_step tests env RLK_REQUIRE_GPU=1 RLK_REQUIRE_BACKENDS=reference,triton \
               python3 -m pytest -q -p no:xdist --durations=20 ;;
-    parity) run_step parity python3 -m parity --device cuda --out "$OUT/parity" ;;
-    bench)  run_step bench python3 bench_asv/run.py --out "$OUT/bench" ;;
+    gputests) run_step gputests env RLK_REQUIRE_GPU=1 RLK_REQUIRE_BACKENDS=reference,triton \
+              python3 -m pytest -q -p no:xdist -m gpu --durations=20 ;;
+    parity) run_step parity python3 -m parity --device cuda --out "$OUT/parity" ${PARITY_OPS:+--ops $PARITY_OPS} ;;
+    bench)  run_step "bench${BENCH_ONLY:+_$BENCH_ONLY}" python3 bench_asv/run.py \
+              --out "$OUT/bench${BENCH_ONLY:+_$BENCH_ONLY}" ${BENCH_ONLY:+--only $BENCH_ONLY} ;;
     sweep)  run_step sweep python3 tools/sweep_linear.py ;;
+    sweep_matmul) run_step sweep_matmul python3 tools/sweep_matmul.py ;;
+    sweep_attention) run_step sweep_attention python3 tools/sweep_attention.py ;;
+    profile_policy_loss) run_step profile_policy_loss python3 tools/profile_policy_loss.py ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -55,6 +55,28 @@ def median_ms(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REP
     return statistics.median(times)
 
 
+def kernel_ms(fn: Callable[[], object], repeats: int = REPEATS) -> float | None:
+    """GPU time of the kernels ``fn()`` launches, per run, from ``torch.profiler`` (CUDA only, else None).
+
+    The sum of the device durations of every kernel and memory operation of ``repeats`` runs,
+    divided by ``repeats``. Unlike :func:`median_ms` it excludes the host-side time (Python, launch
+    overhead) the GPU spends waiting, so it is the time that bandwidth and FLOP rates of a kernel
+    should be judged by; :func:`median_ms` is what a caller waits.
+    """
+    if DEVICE.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(DEVICE)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize(DEVICE)
+    device_us = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return device_us / 1e3 / repeats
+
+
 def peak_extra_mib(fn: Callable[[], object]) -> float:
     """Peak GPU memory allocated while ``fn()`` runs, above what was allocated before it, in MiB."""
     torch.cuda.synchronize(DEVICE)
@@ -112,6 +134,10 @@ class CaseBase:
         """Achieved rate in ``self.unit``: the work per step over ``ms()``."""
         scale = 1e12 if self.unit == "TFLOP/s" else 1e9
         return self.work / (self.ms() * 1e-3) / scale
+
+    def kernel_ms(self) -> float | None:
+        """GPU kernel milliseconds per step (see :func:`kernel_ms`; None off CUDA)."""
+        return kernel_ms(self.step)
 
     def peak_extra_mib(self) -> float:
         """Peak extra GPU memory of one step, in MiB (see :func:`peak_extra_mib`)."""

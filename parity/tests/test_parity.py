@@ -19,7 +19,7 @@ import pytest
 
 import rlk
 from parity import cases as cs
-from parity import report, rl
+from parity import chain, report, rl
 from parity.__main__ import main
 from parity.run import FAIL, NA, PASS, Config, run_matrix, runnable_backends
 from rlk import dispatch
@@ -263,3 +263,68 @@ def test_inputs_are_deterministic_and_never_zero():
 def test_cli_refuses_a_backend_that_cannot_run():
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--backends", "no-such-backend"])
+
+
+# ---------------------------------------------------------------------------
+# the batch-invariant forward chain
+# ---------------------------------------------------------------------------
+
+CHAIN_GRADS = {"rms_norm": {"grad_x", "grad_weight", "grad_residual"}, "matmul": {"grad_x", "grad_weight", "grad_bias"},
+               "attention": {"grad_q", "grad_k", "grad_v"}, "softmax": {"grad_x"}, "rope": {"grad_q", "grad_k"},
+               "embedding": {"grad_weight"}}
+
+
+@pytest.fixture
+def small_chain(monkeypatch):
+    """One small size per chain op (the CPU matrix's smallest), probe batches of 7."""
+    for op in chain.CHAIN_OPS:
+        monkeypatch.setitem(chain.SIZES[op], "cpu", chain.SIZES[op]["cpu"][-1:])
+
+
+def test_chain_ops_are_reported_and_pass_on_reference_and_triton(small_chain):
+    config = _config(["reference", "triton"], dtypes=("float32", "float16"), ops=chain.CHAIN_OPS)
+    cells = _run(config)
+    assert set(cells) == {(op, d, b) for op in chain.CHAIN_OPS for d in ("float32", "float16")
+                          for b in ("reference", "triton")}
+    for (op, _, backend), cell in cells.items():
+        assert cell.status == PASS, (op, backend, [(r.case.label(), r.error, r.worst) for r in cell.results])
+        assert [r.case for r in cell.results] == chain.value_cases(op, "cpu", quick=True)
+        grads = {d.name for r in cell.results for d in r.deviations if d.name.startswith("grad_")}
+        assert grads <= CHAIN_GRADS[op] and grads >= CHAIN_GRADS[op] - {"grad_residual"}
+        assert cell.invariance is not None and cell.invariance.checks and cell.invariance.bitwise
+        assert cell.invariance.claimed == (backend == "triton")
+    record = _json_roundtrip(config, list(cells.values()))
+    assert record["failed"] is False
+    markdown = report.to_markdown(config, list(cells.values()), {}, record["environment"], 1.0)
+    assert "| attention | float16 | PASS · worst " in markdown and "- rope invariance: probe alone" in markdown
+
+
+def _softmax_only(name: str, batch_invariant: bool, after) -> rlk.Backend:
+    """The reference's softmax primitives, with ``after(x, out)`` applied to the forward's output."""
+    ref = dispatch.discover()["reference"].backend.primitives
+
+    def softmax_fwd(x, log, out):
+        ref["softmax_fwd"](x, log, out)
+        after(x, out)
+
+    return rlk.Backend(name=name, version="0", abi_version=rlk.ABI_VERSION,
+                       primitives={"softmax_fwd": softmax_fwd, "softmax_bwd": ref["softmax_bwd"]},
+                       probe=lambda: None, device_types=lambda: ("cpu",), batch_invariant=batch_invariant)
+
+
+def test_a_chain_backend_off_by_1e_2_fails(monkeypatch, small_chain):
+    _register(monkeypatch, _softmax_only("broken", False, lambda x, out: out.add_(1e-2)))
+    cells = _run(_config(["broken"], ops=["softmax", "rms_norm"]))
+    cell = cells["softmax", "float32", "broken"]
+    assert cell.status == FAIL and cell.worst[1].ratio > 1
+    assert any(d.name == "y" and not d.ok for r in cell.results for d in r.deviations)
+    assert cells["rms_norm", "float32", "broken"].status == NA
+
+
+def test_a_batch_dependent_chain_backend_breaks_its_invariance_claim(monkeypatch, small_chain):
+    # a relative change of N * 2^-26: new bits for N = 7, well within the contract (gradients included)
+    _register(monkeypatch, _softmax_only("batchy", True, lambda x, out: out.mul_(1 + x.shape[0] * 2**-26)))
+    cell = _run(_config(["batchy"], ops=["softmax"]))["softmax", "float32", "batchy"]
+    assert all(r.ok for r in cell.results)
+    assert cell.invariance.verdict.startswith("BROKEN") and "y" in cell.invariance.details
+    assert cell.status == FAIL

@@ -15,6 +15,9 @@ import torch
 __version__ = "0.1.0"
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Primitives declined for bfloat16 under the CPU interpreter: kernels that use tl.dot (wrong results there), and
+#: the forward-chain ops whose bf16 outputs the interpreter truncates instead of rounding (verified on the GPU).
+_NO_BF16_ON_CPU = ("linear_", "matmul_", "attention_", "rms_norm_", "softmax_", "rope_", "embedding_")
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -40,8 +43,9 @@ def _device_types() -> tuple[str, ...]:
 def _supports(primitive: str, device: torch.device, dtype: torch.dtype) -> str | None:
     if dtype not in _DTYPES:
         return f"dtype {dtype} not supported (bfloat16, float16, float32)"
-    if device.type == "cpu" and dtype == torch.bfloat16 and primitive.startswith("linear_"):
-        return "bfloat16 tl.dot gives wrong results under the Triton CPU interpreter"
+    if device.type == "cpu" and dtype == torch.bfloat16 and primitive.startswith(_NO_BF16_ON_CPU):
+        return ("bfloat16 under the Triton CPU interpreter: wrong tl.dot results, fp32->bf16 casts truncated "
+                "(verified on the GPU)")
     return None
 
 
@@ -49,13 +53,15 @@ def backend():
     """The ``rlk.Backend`` of this package (entry-point factory)."""
     from rlk.abi import ABI_VERSION, collect_primitives
     from rlk.backend import Backend
-    from rlk_triton import advantages, logprob, losses, policy_loss
+    from rlk_triton import advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rope, softmax
 
     return Backend(
         name="triton",
         version=__version__,
         abi_version=ABI_VERSION,
-        primitives=collect_primitives(advantages, logprob, losses, policy_loss),
+        primitives=collect_primitives(
+            advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rope, softmax
+        ),
         probe=_probe,
         device_types=_device_types,
         supports=_supports,

@@ -36,11 +36,11 @@ singleton group's ``s / (1 + eps)`` is the same bits on every device.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from rlk_triton.common import on_device
 
 #: Fixed tile configuration (fp32 only; the op layer upcasts 16-bit inputs). The launchers read
 #: it at every call, so a sweep or a test may overwrite entries. Nothing depends on the batch.
@@ -57,10 +57,6 @@ TILE_CONFIGS: dict[str, dict[str, int]] = {
 _GROUP_MODE_IDS = {"grpo": 0, "dr_grpo": 1, "reinforce_pp_baseline": 1, "gpg": 1, "rloo": 2, "opo": 3}
 _RETURN_MASK_MODE_IDS = {"carry": 0, "reset": 1, "zero": 2}
 
-
-def _on_device(device: torch.device):
-    """Launch context: Triton launches on the current CUDA device, so make it the tensors' one."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +183,7 @@ def group_advantages_fwd(scores, group_index, group_size, lengths, mode, eps, ou
         grid = n_rows
     gpg = mode == "gpg"
     nonzero = torch.empty(grid if gpg else 1, dtype=torch.int32, device=scores.device)
-    with _on_device(scores.device):
+    with on_device(scores.device):
         _group_advantages_kernel[(grid,)](
             scores, perm, seg_len, lengths if lengths is not None else scores, out, nonzero,
             group_size, eps,
@@ -284,7 +280,7 @@ def masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean, out):
     total = torch.empty(1, dtype=torch.int64, device=x.device)
     block, combine, warps = cfg["BLOCK"], cfg["COMBINE_BLOCK"], cfg["num_warps"]
     clamp = eps_mode == "clamp"
-    with _on_device(x.device):
+    with on_device(x.device):
         for stage in (0, 1):
             _whiten_partial_kernel[(n_parts,)](x, mask, stats, part, count, n, CENTERED=stage == 1, BLOCK=block,
                                                num_warps=warps)
@@ -382,7 +378,7 @@ def discounted_returns_fwd(rewards, mask, gamma, mask_mode, out):
     """
     n_rows, length = rewards.shape
     cfg = TILE_CONFIGS["scan"]
-    with _on_device(rewards.device):
+    with on_device(rewards.device):
         _returns_kernel[(n_rows,)](
             rewards, mask, out, length, gamma,
             MASK_MODE=_RETURN_MASK_MODE_IDS[mask_mode], BLOCK_T=cfg["BLOCK_T"], num_warps=cfg["num_warps"],
@@ -397,7 +393,7 @@ def gae_fwd(rewards, values, mask, gamma, gamma_lam, advantages_out, returns_out
     """
     n_rows, length = rewards.shape
     cfg = TILE_CONFIGS["scan"]
-    with _on_device(rewards.device):
+    with on_device(rewards.device):
         _gae_kernel[(n_rows,)](
             rewards, values, mask, advantages_out, returns_out, length, gamma, gamma_lam,
             BLOCK_T=cfg["BLOCK_T"], num_warps=cfg["num_warps"],

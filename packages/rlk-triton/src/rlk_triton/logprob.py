@@ -33,11 +33,11 @@ zero gradients.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from rlk_triton.common import dot, grouped_tile, on_device
 
 #: Fixed tile configuration per kernel family and input dtype; the launchers read it
 #: at every call, so a sweep may overwrite entries (kernels recompile per config).
@@ -101,38 +101,10 @@ TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
 _COMBINE_ROWS = 128
 
 
-def _on_device(device: torch.device):
-    """Launch context: Triton launches on the current CUDA device, so make it the tensors' one."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
 
 # ----------------------------------------------------------------------------------------------
 # Shared device helpers
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _grouped_tile(pid, n_row_tiles, n_col_tiles, GROUP: tl.constexpr):
-    """Map a linear program id to (row tile, column tile), ``GROUP`` row tiles varying fastest.
-
-    Programs launched together then cover a ``GROUP x k`` block of tiles and share the
-    operand tiles in L2. Pure scheduling: no effect on any value.
-    """
-    per_group = GROUP * n_col_tiles
-    first_row_tile = (pid // per_group) * GROUP
-    group_rows = tl.minimum(n_row_tiles - first_row_tile, GROUP)
-    local = pid % per_group
-    return first_row_tile + local % group_rows, local // group_rows
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    """``acc + a @ b`` with fp32 accumulation; IEEE fp32 products for fp32 inputs (no TF32)."""
-    if IEEE:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
 
 
 @triton.jit
@@ -192,7 +164,7 @@ def _linear_logits_tile(
         k_mask = ks < H
         h = tl.load(h_ptrs + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = _dot(h, w, acc, IEEE)
+        acc = dot(h, w, acc, IEEE)
     return acc
 
 
@@ -275,7 +247,7 @@ def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob
     n_rows, vocab = logits.shape
     cfg = TILE_CONFIGS["selected"][logits.dtype]
     has_entropy = entropy_out is not None
-    with _on_device(logits.device):
+    with on_device(logits.device):
         _selected_fwd_kernel[(n_rows,)](
             logits, targets, inv_temperature, logprob_out, entropy_out if has_entropy else logprob_out, lse_out,
             vocab, ignore_index,
@@ -304,7 +276,7 @@ def selected_logprob_bwd(
     has_ent = grad_entropy is not None
     if has_ent and entropy is None:
         raise ValueError("selected_logprob_bwd: grad_entropy needs the forward's entropy")
-    with _on_device(logits.device):
+    with on_device(logits.device):
         _selected_bwd_kernel[(n_rows,)](
             logits, targets, inv_temperature, lse, entropy if has_ent else lse, grad_logprob,
             grad_entropy if has_ent else grad_logprob, grad_logits_out,
@@ -331,7 +303,7 @@ def _linear_fwd_partial_kernel(
     the row's target (exactly one program), so no two programs write the same element.
     """
     n_splits = tl.cdiv(V, VOCAB_SPLIT)
-    row_tile, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
+    row_tile, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
     rows = row_tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     tgt = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
@@ -408,7 +380,7 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
     part = torch.empty((3, n_splits, n_rows), dtype=torch.float32, device=hidden.device)
     z_tgt = torch.empty((n_rows,), dtype=torch.float32, device=hidden.device)
     has_entropy = entropy_out is not None
-    with _on_device(hidden.device):
+    with on_device(hidden.device):
         _linear_fwd_partial_kernel[(triton.cdiv(n_rows, cfg["BLOCK_N"]) * n_splits,)](
             hidden, weight, targets, inv_temperature, part[0], part[1], part[2], z_tgt,
             n_rows, vocab, hidden_size,
@@ -441,7 +413,7 @@ def _linear_grad_logits_kernel(
     ``x`` is recomputed tile by tile (same K loop as the forward); G is stored in ``g_out``'s
     dtype with row stride ``g_stride``; ignored rows get 0.
     """
-    row_tile, col_tile = _grouped_tile(
+    row_tile, col_tile = grouped_tile(
         tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(chunk_cols, BLOCK_V), GROUP_N
     )
     rows = row_tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -480,7 +452,7 @@ def _gemm_kernel(
     Arbitrary strides (pass a transposed view's strides for ``A.T``). With ``ACCUMULATE`` the
     fp32 tile ``A @ B`` is added to ``C_in`` (which may alias ``C``) before the store.
     """
-    tile_m, tile_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    tile_m, tile_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -493,7 +465,7 @@ def _gemm_kernel(
         k_mask = offs_k < K
         a = tl.load(a_ptrs + offs_k[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = _dot(a, b, acc, IEEE)
+        acc = dot(a, b, acc, IEEE)
     mask = m_mask[:, None] & n_mask[None, :]
     if ACCUMULATE:
         c_in = tl.load(c_in_ptr + offs_m[:, None] * stride_cim + offs_n[None, :] * stride_cin, mask=mask, other=0.0)
@@ -560,7 +532,7 @@ def linear_logprob_bwd(
         acc = grad_hidden_out
         if grad_hidden_out.dtype != torch.float32:
             acc = torch.empty((n_rows, hidden_size), dtype=torch.float32, device=hidden.device)
-    with _on_device(hidden.device):
+    with on_device(hidden.device):
         for chunk in range(n_chunks):
             v_start = chunk * split
             cols = min(split, vocab - v_start)

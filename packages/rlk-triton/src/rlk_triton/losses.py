@@ -24,13 +24,12 @@ Masked-out tokens are never loaded, so inf/NaN padding cannot leak into the resu
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from rlk_triton.aggregation import COMBINE_BLOCK, fixed_order_sum
+from rlk_triton.common import on_device
 
 #: Tokens per chunk of the value-loss kernels (a row is walked in chunks of this size).
 VALUE_BLOCK_T = 1024
@@ -40,10 +39,6 @@ DPO_BLOCK_P = 1024
 #: DPO variant -> code used by the kernels (order of ``rlk.reference.losses.DPO_LOSSES``).
 _DPO_CODES = {"sigmoid": 0, "hinge": 1, "ipo": 2, "robust": 3}
 
-
-def _on_device(device: torch.device):
-    """Launch context: Triton launches on the current CUDA device, so make it the tensors' one."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,7 +153,7 @@ def value_loss_fwd(values, old_values, returns, mask, row_weight, clip, loss_out
     part_f = torch.empty((2, n_rows), dtype=torch.float32, device=values.device)
     part_i = torch.empty((2, n_rows), dtype=torch.int32, device=values.device)
     has_clip = clip is not None
-    with _on_device(values.device):
+    with on_device(values.device):
         _value_fwd_row_kernel[(n_rows,)](
             values, old_values, returns, mask, row_weight, part_f[0], part_f[1], part_i[0], part_i[1],
             n_rows, n_cols, float(clip) if has_clip else 0.0,
@@ -182,7 +177,7 @@ def value_loss_bwd(values, old_values, returns, mask, row_weight, clip, grad_los
     n_rows, n_cols = values.shape
     mask = mask.view(torch.uint8)
     has_clip = clip is not None
-    with _on_device(values.device):
+    with on_device(values.device):
         _value_bwd_kernel[(n_rows, triton.cdiv(n_cols, VALUE_BLOCK_T))](
             values, old_values, returns, mask, row_weight, grad_loss, grad_values_out,
             n_cols, float(clip) if has_clip else 0.0,
@@ -328,7 +323,7 @@ def dpo_loss_fwd(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rej
     code = _DPO_CODES[loss_type]
     n_c = len_chosen if len_chosen is not None else chosen
     n_r = len_rejected if len_rejected is not None else chosen
-    with _on_device(chosen.device):
+    with on_device(chosen.device):
         _dpo_fwd_kernel[(n_blocks,)](
             chosen, rejected, ref_chosen, ref_rejected, n_c, n_r, losses_out, part,
             n_pairs, n_blocks, float(beta), float(label_smoothing),
@@ -354,7 +349,7 @@ def dpo_loss_bwd(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rej
     code = _DPO_CODES[loss_type]
     n_c = len_chosen if len_chosen is not None else chosen
     n_r = len_rejected if len_rejected is not None else chosen
-    with _on_device(chosen.device):
+    with on_device(chosen.device):
         _dpo_bwd_kernel[(triton.cdiv(n_pairs, DPO_BLOCK_P),)](
             chosen, rejected, ref_chosen, ref_rejected, n_c, n_r,
             grad_losses if grad_losses is not None else chosen, grad_loss if grad_loss is not None else chosen,

@@ -28,13 +28,12 @@ combine). Offsets are int64. Everything is fp32 (the op layer upcasts 16-bit inp
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
+from rlk_triton.common import on_device
 
 #: Tokens per program of the policy-loss kernels (one chunk of one row); chunk partials per
 #: step of the in-row sums; elements per program of the elementwise kernels; rows per step
@@ -58,9 +57,6 @@ _NUM_STATS = tl.constexpr(len(ROW_STATS))
 _STATS_COLS = 16  # ROW_STATS padded to a power of two
 _NUM_METRICS = len(METRICS)
 
-
-def _on_device(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,7 +380,7 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, row_weight, importan
     parts = torch.empty((n_rows, n_chunks, 4), dtype=torch.float32, device=logprob.device) if sequence_level else None
     dummy = logprob
     grid = (n_rows, n_chunks)
-    with _on_device(logprob.device):
+    with on_device(logprob.device):
         if sequence_level:
             _seq_partials_kernel[grid](
                 logprob, old_logprob, advantages, mask.view(torch.uint8), importance_weights if has_iw else dummy,
@@ -433,7 +429,7 @@ def _scale_kernel(x_ptr, s_ptr, out_ptr, N, PER_ELEMENT: tl.constexpr, BLOCK: tl
 
 def _scale(x: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
     n = x.numel()
-    with _on_device(x.device):
+    with on_device(x.device):
         _scale_kernel[(triton.cdiv(n, BLOCK_ELEMENTWISE),)](
             x, s, out, n, PER_ELEMENT=s.numel() == n and s.dim() > 0, BLOCK=BLOCK_ELEMENTWISE, num_warps=NUM_WARPS
         )
@@ -473,7 +469,7 @@ def kl_penalty_fwd(logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estim
     """
     n = logprob.numel()
     has_clamp = clamp != float("inf")
-    with _on_device(logprob.device):
+    with on_device(logprob.device):
         _kl_penalty_kernel[(triton.cdiv(n, BLOCK_ELEMENTWISE),)](
             logprob, ref_logprob, old_logprob if old_logprob is not None else logprob, kl_out, coef_out, n,
             float(clamp) if has_clamp else 0.0,

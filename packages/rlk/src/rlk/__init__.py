@@ -5,6 +5,13 @@ Public API:
 * ops: :func:`selected_logprob`, :func:`linear_logprob`, :func:`value_loss`, :func:`dpo_loss`,
   :func:`group_advantages`, :func:`masked_whiten`, :func:`discounted_returns`, :func:`gae`,
   :func:`policy_loss`, :func:`kl_penalty`, :func:`fused_linear_policy_loss`;
+* the batch-invariant forward chain: :func:`rms_norm`, :func:`matmul`, :func:`linear`,
+  :func:`attention`, :func:`softmax`, :func:`log_softmax`, :func:`apply_rope`, :func:`embedding`;
+  :func:`batch_invariant` (with :func:`enable_batch_invariant`, :func:`disable_batch_invariant`,
+  :func:`is_batch_invariant_enabled`) routes an unmodified model's aten ops to them, and
+  :func:`patch_model` / :func:`unpatch_model` what the overrides cannot reach in a Hugging Face model.
+  (Each function lives in the module of its op family, e.g. ``rlk.matmul``; ``from rlk.matmul import
+  linear`` works as well.)
 * backends: :func:`explain`, :func:`use_backend`, :func:`info`, :class:`BackendError`,
   and :class:`Backend` for backend authors (entry-point group ``rlk.backends``);
 * the numerical contract: :mod:`rlk.contract`.
@@ -16,31 +23,58 @@ __version__ = "0.1.0"
 
 from rlk.abi import ABI_VERSION
 from rlk.advantages import discounted_returns, gae, group_advantages, masked_whiten
+from rlk.attention import attention
 from rlk.backend import Backend
+from rlk.batch_invariant import (
+    batch_invariant,
+    disable_batch_invariant,
+    enable_batch_invariant,
+    is_batch_invariant_enabled,
+)
 from rlk.dispatch import BackendError, explain, use_backend
+from rlk.embedding import embedding
+from rlk.hf import patch_model, unpatch_model
 from rlk.info import info
 from rlk.linear_policy_loss import fused_linear_policy_loss
 from rlk.logprob import linear_logprob, selected_logprob
 from rlk.losses import dpo_loss, value_loss
+from rlk.matmul import linear, matmul
+from rlk.norm import rms_norm
 from rlk.policy_loss import kl_penalty, policy_loss
+from rlk.rope import apply_rope
+from rlk.softmax import log_softmax, softmax
 
 __all__ = [
     "ABI_VERSION",
     "Backend",
     "BackendError",
     "__version__",
+    "apply_rope",
+    "attention",
+    "batch_invariant",
+    "disable_batch_invariant",
     "discounted_returns",
     "dpo_loss",
+    "embedding",
+    "enable_batch_invariant",
     "explain",
     "fused_linear_policy_loss",
     "gae",
     "group_advantages",
     "info",
+    "is_batch_invariant_enabled",
     "kl_penalty",
+    "linear",
     "linear_logprob",
+    "log_softmax",
     "masked_whiten",
+    "matmul",
+    "patch_model",
     "policy_loss",
+    "rms_norm",
     "selected_logprob",
+    "softmax",
+    "unpatch_model",
     "use_backend",
     "value_loss",
 ]

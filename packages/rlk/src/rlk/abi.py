@@ -180,6 +180,90 @@ PRIMITIVES: dict[str, Primitive] = {
             "kl_penalty",
             "(grad_kl[N] fp32, coef[N] fp32, grad_logprob_out[N] fp32) -> None",
         ),
+        # ---- the batch-invariant forward chain (specs: rlk.reference.norm, .matmul, .attention, .rope,
+        # .embedding). Float dtypes float32 / float16 / bfloat16 (float64: reference only); accumulation
+        # fp32; outputs in the input dtype unless stated. Batch invariance: a row's (token's) outputs are
+        # bitwise independent of the other rows; sums over rows (weight gradients) use a fixed row
+        # partition reduced in a fixed order (deterministic run to run, no atomics).
+        Primitive(
+            "rms_norm_fwd",
+            "rms_norm",
+            "(x[N,H] float, weight[H] x.dtype | fp32, residual[N,H] x.dtype | None, eps: float, gemma: bool, "
+            "out[N,H] (x.dtype; fp32 for an fp32 weight in the Llama form, as torch promotes weight * n), "
+            "residual_out[N,H] x.dtype | None (s = x + residual, rounded to x.dtype), rstd_out[N] fp32) -> None",
+        ),
+        Primitive(
+            "rms_norm_bwd",
+            "rms_norm",
+            "(grad_out[N,H] out.dtype, s[N,H] x.dtype (the normalized input: x, or x + residual), weight[H], "
+            "rstd[N] fp32, gemma: bool, grad_residual[N,H] x.dtype | None (upstream gradient of residual_out), "
+            "grad_input_out[N,H] x.dtype (gradient of s: of x, and of residual when fused), "
+            "grad_weight_out[H] weight.dtype | None) -> None",
+        ),
+        # matmul: the one exception to 'contiguous': a and b may be row-major or column-major views (one unit
+        # stride each), so linear's weight and the transposed operands of the backward need no copy.
+        Primitive(
+            "matmul_fwd",
+            "matmul",
+            "(a[M,K] float, b[K,N] a.dtype, bias[N] a.dtype | None, out[M,N] a.dtype contiguous) -> None",
+        ),
+        Primitive(
+            "matmul_bwd",
+            "matmul",
+            "(grad_out[M,N] a.dtype, a[M,K], b[K,N], grad_a_out[M,K] | None, grad_b_out[K,N] | None, "
+            "grad_bias_out[N] | None; the gradient outputs may be row- or column-major, written through their "
+            "strides) -> None",
+        ),
+        Primitive(
+            "attention_fwd",
+            "attention",
+            "(q[Tq,Hq,D] float, k[Tk,Hkv,D] q.dtype, v[Tk,Hkv,D] q.dtype, cu_seqlens_q[B+1] int32, "
+            "cu_seqlens_k[B+1] int32, max_seqlen_q: int, max_seqlen_k: int, causal: bool (bottom-right aligned), "
+            "softmax_scale: float, out[Tq,Hq,D] q.dtype, lse_out[Hq,Tq] fp32) -> None",
+        ),
+        Primitive(
+            "attention_bwd",
+            "attention",
+            "(grad_out[Tq,Hq,D], q, k, v, out[Tq,Hq,D], lse[Hq,Tq] fp32, grad_lse[Hq,Tq] fp32 | None, "
+            "cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float, "
+            "grad_q_out[Tq,Hq,D] q.dtype, grad_k_out[Tk,Hkv,D] q.dtype, grad_v_out[Tk,Hkv,D] q.dtype) -> None",
+        ),
+        # softmax / log_softmax over the last dim of [N, V] rows: fp32 math, one rounding to x.dtype.
+        Primitive(
+            "softmax_fwd",
+            "softmax",
+            "(x[N,V] float, log: bool, out[N,V] x.dtype) -> None",
+        ),
+        Primitive(
+            "softmax_bwd",
+            "softmax",
+            "(grad_out[N,V] x.dtype, out[N,V] x.dtype (the forward's output), log: bool, grad_x_out[N,V] x.dtype) "
+            "-> None",
+        ),
+        # rope: one tensor at a time; the backward is the inverse rotation (sin negated).
+        Primitive(
+            "rope_fwd",
+            "rope",
+            "(x[T,H,D] float, cos[T,R] fp32 | x.dtype (R even, R <= D: partial rotary, features past R copied), "
+            "sin[T,R] like cos, interleaved: bool, out[T,H,D] x.dtype) -> None",
+        ),
+        Primitive(
+            "rope_bwd",
+            "rope",
+            "(grad_out[T,H,D], cos[T,R], sin[T,R], interleaved: bool, grad_x_out[T,H,D] grad_out.dtype) -> None",
+        ),
+        Primitive(
+            "embedding_fwd",
+            "embedding",
+            "(weight[V,H] float, ids[N] int64 (in [0, V)), out[N,H] weight.dtype) -> None",
+        ),
+        Primitive(
+            "embedding_bwd",
+            "embedding",
+            "(grad_out[N,H] weight.dtype, ids[N] int64, padding_idx: int (-1: none), "
+            "grad_weight_out[V,H] weight.dtype (row v: fp32 sum of the grad_out rows with id v in position "
+            "order, 0 for padding_idx and unused ids)) -> None",
+        ),
     )
 }
 
@@ -199,6 +283,12 @@ OPS: dict[str, Op] = {
         Op("gae", "gae_fwd", None, ("float32",)),
         Op("policy_loss", "policy_loss_fwd", "policy_loss_bwd", ("float32",)),
         Op("kl_penalty", "kl_penalty_fwd", "kl_penalty_bwd", ("float32",)),
+        Op("rms_norm", "rms_norm_fwd", "rms_norm_bwd", _FLOAT_DTYPES),
+        Op("matmul", "matmul_fwd", "matmul_bwd", _FLOAT_DTYPES),
+        Op("attention", "attention_fwd", "attention_bwd", _FLOAT_DTYPES),
+        Op("softmax", "softmax_fwd", "softmax_bwd", _FLOAT_DTYPES),
+        Op("rope", "rope_fwd", "rope_bwd", _FLOAT_DTYPES),
+        Op("embedding", "embedding_fwd", "embedding_bwd", _FLOAT_DTYPES),
     )
 }
 

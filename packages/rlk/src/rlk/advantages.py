@@ -17,12 +17,12 @@ Masks may be bool or int/float 0/1; a non-bool mask's values are checked inside 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
 from rlk import dispatch
+from rlk.checks import values_checked
 from rlk.reference.advantages import EPS_MODES, GROUP_MODES, RETURN_MASK_MODES, recurrence_constants
 
 _UPCAST = (torch.float16, torch.bfloat16)
@@ -88,7 +88,7 @@ def _choice(name: str, value, choices: tuple[str, ...]) -> str:
 
 
 def _checks_on() -> bool:
-    return os.environ.get("RLK_CHECK_VALUES", "1") != "0"
+    return values_checked()
 
 
 def _bool_mask(mask: Tensor) -> Tensor:

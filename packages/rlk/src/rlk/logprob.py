@@ -10,14 +10,12 @@ forward. The math is specified in ``rlk.reference.logprob``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from rlk import dispatch
+from rlk.checks import check_float, values_checked
 
-_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _TARGET_DTYPES = (torch.int32, torch.int64)
 
 
@@ -25,13 +23,6 @@ _TARGET_DTYPES = (torch.int32, torch.int64)
 # argument checks (shape and dtype at call time; values inside the custom op)
 # ---------------------------------------------------------------------------
 
-
-def _check_float(name: str, x: Tensor) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"{name}: expected dtype bfloat16, float16 or float32 (float64 for reference runs), "
-                        f"got {x.dtype}")
 
 
 def _check_targets(targets: Tensor, lead: torch.Size, lead_name: str, device: torch.device) -> None:
@@ -76,7 +67,7 @@ def _check_values(targets: Tensor, inv_temperature: Tensor, vocab: int, ignore_i
     CUDA graph capture, or once a pipeline is known to be clean): a target outside
     ``[0, V)`` then reads out of bounds in the kernels instead of raising.
     """
-    if os.environ.get("RLK_CHECK_VALUES", "1") == "0":
+    if not values_checked():
         return
     bad_target = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
     bad_temperature = ~(inv_temperature > 0) | torch.isinf(inv_temperature)
@@ -223,7 +214,7 @@ def selected_logprob(
     besides the gradient. Batch invariance: bitwise on backends that promise it
     (``rlk info``).
     """
-    _check_float("logits", logits)
+    check_float("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits: expected shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     lead = logits.shape[:-1]
@@ -361,8 +352,8 @@ def linear_logprob(
         fp32 ``logprob`` (and ``entropy``) of shape ``targets.shape``,
         differentiable w.r.t. ``hidden`` and ``weight``.
     """
-    _check_float("hidden", hidden)
-    _check_float("weight", weight)
+    check_float("hidden", hidden)
+    check_float("weight", weight)
     if hidden.dim() < 1:
         raise ValueError(f"hidden: expected shape [..., H], got {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] != hidden.shape[-1]:

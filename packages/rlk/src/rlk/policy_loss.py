@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 
 from rlk import dispatch
+from rlk.checks import INPUT_DTYPES
 from rlk.reference import aggregation
 from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
 
-_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 _CISPO_FORMS = ("clip", "upper")
 _INF = math.inf
@@ -41,7 +41,7 @@ def _check_tensor(name: str, x, shapes: tuple[tuple[int, ...], ...], device: tor
                   floating: bool = True) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if floating and x.dtype not in _INPUT_DTYPES:
+    if floating and x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16 (float64 for reference runs), "
                         f"got {x.dtype}")
     if tuple(x.shape) not in shapes:

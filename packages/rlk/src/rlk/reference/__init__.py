@@ -11,7 +11,7 @@ import torch
 
 from rlk import abi
 from rlk.backend import Backend
-from rlk.reference import advantages, logprob, losses, policy_loss
+from rlk.reference import advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rope, softmax
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -29,7 +29,9 @@ def backend() -> Backend:
         name="reference",
         version=rlk.__version__,
         abi_version=abi.ABI_VERSION,
-        primitives=abi.collect_primitives(advantages, logprob, losses, policy_loss),
+        primitives=abi.collect_primitives(
+            advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rope, softmax
+        ),
         probe=lambda: None,
         device_types=lambda: ("*",),
         supports=_supports,

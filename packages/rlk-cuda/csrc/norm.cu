@@ -1,0 +1,102 @@
+// Launchers of the rms_norm kernels (norm.cuh): dtype dispatch, launch shapes and checks.
+#include <type_traits>
+
+#include "launch.cuh"
+#include "norm.cuh"
+
+namespace rlk_cuda {
+namespace {
+
+// Calls f(T{}, W{}, Y{}) for the (x, weight, y) dtype triples rms_norm produces: (T, T, T) for every
+// T, and for 16-bit T a fp32 weight with y in fp32 (Llama form, torch's promotion) or in T (Gemma).
+template <typename F>
+void dispatch_norm(DType x, DType w, DType y, F&& f) {
+  dispatch_float(x, [&](auto tag) {
+    using T = decltype(tag);
+    if (w == x && y == x) {
+      f(T{}, T{}, T{});
+      return;
+    }
+    if constexpr (!std::is_same_v<T, float>) {
+      if (w == DType::kFloat32 && y == DType::kFloat32) {
+        f(T{}, float{}, float{});
+        return;
+      }
+      if (w == DType::kFloat32 && y == x) {
+        f(T{}, float{}, T{});
+        return;
+      }
+    }
+    throw std::invalid_argument(std::string("rlk_cuda: rms_norm: unsupported dtypes x=") + dtype_name(x) +
+                                ", weight=" + dtype_name(w) + ", y=" + dtype_name(y) +
+                                " (weight: x's dtype or float32; y: x's dtype, or float32 for a float32 weight)");
+  });
+}
+
+void check_sizes(const char* what, int64_t n_rows, int64_t hidden) {
+  require(n_rows >= 1, std::string(what) + ": n_rows must be >= 1");
+  require(hidden >= 1 && hidden <= (int64_t{1} << 31), std::string(what) + ": hidden must lie in [1, 2^31]");
+}
+
+}  // namespace
+
+void rms_norm_fwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* x, const void* weight, const void* residual,
+                  int64_t n_rows, int64_t hidden, float eps, bool gemma, void* out, void* residual_out,
+                  float* rstd_out, int device, std::uintptr_t stream) {
+  check_sizes("rms_norm_fwd", n_rows, hidden);
+  require(n_rows <= max_grid_x(), "rms_norm_fwd: n_rows must be < 2^31");
+  require((residual == nullptr) == (residual_out == nullptr),
+          "rms_norm_fwd: residual and residual_out must be both given or both None");
+  DeviceGuard guard(device);
+  dispatch_norm(x_dtype, w_dtype, y_dtype, [&](auto t, auto w, auto y) {
+    using T = decltype(t);
+    using W = decltype(w);
+    using Y = decltype(y);
+    const int threads = norm_threads(hidden, kPack<T>, kNormFwdPacks);
+    const int chunks = norm_chunks(hidden, kPack<T>, kNormFwdPacks, threads);
+    rms_norm_fwd_kernel<T, W, Y><<<static_cast<unsigned>(n_rows), threads, 0, as_stream(stream)>>>(
+        static_cast<const T*>(x), static_cast<const W*>(weight), static_cast<const T*>(residual), static_cast<Y*>(out),
+        static_cast<T*>(residual_out), rstd_out, hidden, eps, gemma, chunks);
+  });
+  check_launch("rms_norm_fwd_kernel launch");
+}
+
+int64_t rms_norm_bwd_partial_rows(int64_t n_rows, int rows_per_block) {
+  require(rows_per_block >= 1 && rows_per_block <= kNormMaxRowsPerBlock,
+          "rms_norm_bwd: rows_per_block must lie in [1, " + std::to_string(kNormMaxRowsPerBlock) + "]");
+  return ceil_div(n_rows, rows_per_block);
+}
+
+void rms_norm_bwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* grad_out, const void* s, const void* weight,
+                  const float* rstd, const void* grad_residual, int64_t n_rows, int64_t hidden, bool gemma,
+                  int rows_per_block, void* grad_input_out, float* partials, void* grad_weight_out, int device,
+                  std::uintptr_t stream) {
+  check_sizes("rms_norm_bwd", n_rows, hidden);
+  const int64_t blocks = rms_norm_bwd_partial_rows(n_rows, rows_per_block);
+  require(blocks <= max_grid_x(), "rms_norm_bwd: too many rows for rows_per_block");
+  require(grad_weight_out == nullptr || partials != nullptr,
+          "rms_norm_bwd: grad_weight_out needs the partials scratch buffer");
+  DeviceGuard guard(device);
+  dispatch_norm(x_dtype, w_dtype, y_dtype, [&](auto t, auto w, auto y) {
+    using T = decltype(t);
+    using W = decltype(w);
+    using G = decltype(y);  // grad_out has y's dtype
+    const int threads = norm_threads(hidden, kPack<T>, kNormBwdPacks);
+    const int chunks = norm_chunks(hidden, kPack<T>, kNormBwdPacks, threads);
+    float* part = grad_weight_out != nullptr ? partials : nullptr;
+    rms_norm_bwd_kernel<T, W, G><<<static_cast<unsigned>(blocks), threads, 0, as_stream(stream)>>>(
+        static_cast<const G*>(grad_out), static_cast<const T*>(s), static_cast<const W*>(weight), rstd,
+        static_cast<const T*>(grad_residual), static_cast<T*>(grad_input_out), part, n_rows, hidden, gemma,
+        rows_per_block, chunks);
+    check_launch("rms_norm_bwd_kernel launch");
+    if (grad_weight_out != nullptr) {
+      const dim3 sum_grid(static_cast<unsigned>(ceil_div(hidden, kSumColumns)));
+      const dim3 sum_block(kSumColumns, kSumGroups);
+      rms_norm_sum_partials_kernel<W><<<sum_grid, sum_block, 0, as_stream(stream)>>>(
+          partials, static_cast<W*>(grad_weight_out), blocks, hidden);
+      check_launch("rms_norm_sum_partials_kernel launch");
+    }
+  });
+}
+
+}  // namespace rlk_cuda

@@ -1,0 +1,51 @@
+"""CUDA primitives of ``selected_logprob`` (kernels: ``csrc/logprob.cuh``).
+
+The math is the spec in :mod:`rlk.reference.logprob`. Per row, ``z = logits * inv_temperature``
+(one fp32 multiply)::
+
+    lse = logsumexp(z),   logprob = z_target - lse,   entropy = lse - sum_v softmax(z)_v z_v
+    grad_logits = inv_t * (g_lp * (onehot - p) + g_ent * p * (lse - entropy - z)),   p = exp(z - lse)
+
+One block of 256 threads per row; the forward reads the logits once (online max / sum-exp over 16-byte
+packs), the backward reads them once more and writes the gradient once. Rows whose target equals
+``ignore_index`` are not read: their outputs (and their lse, which the ABI leaves unspecified) are 0.
+``linear_logprob`` is not implemented here (the dispatcher falls through to the next backend).
+"""
+
+from __future__ import annotations
+
+from rlk_cuda._native import C, array, stream_of
+
+
+def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
+    """Fill ``logprob_out``, ``entropy_out`` (when not None) and ``lse_out``.
+
+    Args:
+        logits: ``[N, V]`` fp32 / fp16 / bf16, contiguous, on a CUDA device.
+        targets: ``[N]`` int64, in ``[0, V)`` or ``ignore_index``.
+        inv_temperature: ``[N]`` fp32, ``1 / T`` per row.
+        ignore_index: rows with this target give 0.
+        logprob_out, entropy_out (or None), lse_out: ``[N]`` fp32.
+    """
+    C.selected_logprob_fwd(
+        array(logits), array(targets), array(inv_temperature), int(ignore_index), array(logprob_out),
+        array(entropy_out), array(lse_out), stream_of(logits),
+    )
+
+
+def selected_logprob_bwd(
+    logits, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, grad_logits_out
+):
+    """Fill ``grad_logits_out`` (``[N, V]``, logits' dtype) with the gradient of the logits.
+
+    ``entropy`` and ``grad_entropy`` (``[N]`` fp32) are used together: the entropy term is present when
+    ``grad_entropy`` is given, and then needs ``entropy``; ``lse`` and ``grad_logprob`` are ``[N]`` fp32.
+    """
+    if grad_entropy is None:
+        entropy = None
+    elif entropy is None:
+        raise ValueError("entropy: required when grad_entropy is given (the forward's entropy output)")
+    C.selected_logprob_bwd(
+        array(logits), array(targets), array(inv_temperature), array(lse), array(entropy), array(grad_logprob),
+        array(grad_entropy), int(ignore_index), array(grad_logits_out), stream_of(logits),
+    )

@@ -1,0 +1,185 @@
+"""CUDA selected_logprob primitives against the reference run in fp64 (contract tolerances), bitwise
+batch invariance, and the public op running on the cuda backend. Needs a GPU (marker ``gpu``).
+
+Each contract check prints ``RATIO <test> <output> <dtype> <worst/allowed>`` (``pytest -s``), the
+numbers behind the proposed contract values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
+
+import rlk
+from rlk import contract, dispatch
+from rlk.reference import logprob as ref
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IGNORE = -100
+
+
+def _cuda():
+    from rlk_cuda import logprob as ck
+
+    return ck
+
+
+def make_inputs(n: int, v: int, dtype: torch.dtype, seed: int = 0, scale: float = 3.0, extreme: bool = False,
+                on_gpu: bool = False):
+    """logits ~ scale * N(0, 1) (row 0 with -inf entries when V >= 3, row 2 at +-1e4 with ``extreme``),
+    targets with row 1 ignored (N >= 3), inv_temperature in [0.5, 2], upstream gradients ~ N(0, 1).
+    ``on_gpu``: drawn by a CUDA generator (large batches)."""
+    g = torch.Generator(device="cuda" if on_gpu else "cpu").manual_seed(seed)
+    x = torch.randn(n, v, generator=g, device=g.device) * scale
+    targets = torch.randint(0, v, (n,), generator=g, device=g.device)
+    if n >= 3:
+        targets[1] = IGNORE
+    if v >= 3:
+        x[0, 0::3] = -torch.inf
+        targets[0] = 1
+    if extreme and n >= 3 and v >= 2:
+        x[2, 0::2] = 1e4
+        x[2, 1::2] = -1e4
+    inv_t = torch.rand(n, generator=g, device=g.device) * 1.5 + 0.5
+    grad_lp, grad_ent = torch.randn(2, n, generator=g, device=g.device)
+    dev = {"device": "cuda"}
+    return x.to(dtype).to(**dev), targets.to(**dev), inv_t.to(**dev), grad_lp.to(**dev), grad_ent.to(**dev)
+
+
+def run(impl, x, targets, inv_t, grad_lp, grad_ent, entropy: bool = True):
+    """Forward and backward of ``impl`` (a module with the two primitives); fp64 outputs for fp64 x."""
+    n = x.shape[0]
+    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    lp, ent, lse = (torch.empty(n, dtype=sdt, device=x.device) for _ in range(3))
+    impl.selected_logprob_fwd(x, targets, inv_t.to(sdt), IGNORE, lp, ent if entropy else None, lse)
+    grad = torch.empty_like(x)
+    impl.selected_logprob_bwd(x, targets, inv_t.to(sdt), lse, ent if entropy else None, grad_lp.to(sdt),
+                              grad_ent.to(sdt) if entropy else None, IGNORE, grad)
+    out = {"logprob": lp, "lse": lse, "grad": grad}
+    if entropy:
+        out["entropy"] = ent
+    return out
+
+
+def check_against_reference(name: str, x, targets, inv_t, grad_lp, grad_ent, entropy: bool = True) -> None:
+    got = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent, entropy)
+    truth = run(ref, x.double(), targets, inv_t, grad_lp, grad_ent, entropy)
+    e = contract.entry("selected_logprob", x.dtype)
+    valid = targets != IGNORE
+    scale = contract.row_scale(truth["logprob"], truth["lse"])
+    for key in ("logprob", "entropy", "lse"):
+        if key not in got:
+            continue
+        keep = valid if key == "lse" else torch.ones_like(valid)
+        dev = contract.compare_outputs(e, key, got[key][keep], truth[key][keep], scale[keep])
+        print(f"RATIO {name} {key} {e.dtype} {dev.ratio:.3g}")
+        assert dev.ok, dev
+    assert bool((got["logprob"][~valid] == 0).all())
+    if entropy:
+        assert bool((got["entropy"][~valid] == 0).all())
+    max_scale = float(scale[valid].max()) if bool(valid.any()) else 1.0
+    dev = contract.compare_grad(e, "grad_logits", got["grad"], truth["grad"], max_scale)
+    print(f"RATIO {name} grad_logits {e.dtype} {dev.ratio:.3g}")
+    assert dev.ok, dev
+    assert got["grad"].dtype == x.dtype
+    assert bool((got["grad"][~valid] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "v"), [(1, 1), (5, 7), (37, 1000), (19, 4099), (8, 32000), (4, 151936), (3, 128256)])
+def test_matches_reference(dtype, n, v):
+    check_against_reference(f"shape{n}x{v}", *make_inputs(n, v, dtype, seed=n + v))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_without_entropy_and_extreme_logits(dtype):
+    check_against_reference("no_entropy", *make_inputs(33, 2053, dtype, seed=3), entropy=False)
+    check_against_reference("extreme", *make_inputs(9, 3000, dtype, seed=4, extreme=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unaligned_rows_take_the_same_path_bitwise(dtype):
+    """A batch whose rows start at odd offsets (element-wise loads) gives the bits of aligned rows."""
+    x, targets, inv_t, grad_lp, grad_ent = make_inputs(6, 1031, dtype, seed=5)
+    storage = torch.empty(6 * 1031 + 1, dtype=dtype, device="cuda")
+    shifted = storage[1:].view(6, 1031)
+    shifted.copy_(x)
+    a = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
+    b = run(_cuda(), shifted, targets, inv_t, grad_lp, grad_ent)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariance(dtype):
+    """A probe row's outputs and gradient are bitwise the same alone and inside batches of 7, 133 and 4096
+    rows, at any position."""
+    v = 151936
+    x, targets, inv_t, grad_lp, grad_ent = make_inputs(4096, v, dtype, seed=6, on_gpu=True)
+    probe = 5
+    alone = run(_cuda(), x[probe:probe + 1].clone(), targets[probe:probe + 1].clone(), inv_t[probe:probe + 1].clone(),
+                grad_lp[probe:probe + 1].clone(), grad_ent[probe:probe + 1].clone())
+    for batch, position in ((7, 3), (133, 100), (4096, 4000)):
+        rows = torch.arange(batch, device="cuda")
+        rows[position], rows[probe] = probe, rows[position]
+        inside = run(_cuda(), x[rows].contiguous(), targets[rows], inv_t[rows], grad_lp[rows], grad_ent[rows])
+        for key in alone:
+            assert torch.equal(alone[key][0], inside[key][position]), (key, batch)
+    again = run(_cuda(), x[:133], targets[:133], inv_t[:133], grad_lp[:133], grad_ent[:133])
+    first = run(_cuda(), x[:133], targets[:133], inv_t[:133], grad_lp[:133], grad_ent[:133])
+    for key in again:
+        assert torch.equal(again[key], first[key]), key  # deterministic run to run
+
+
+def test_runs_on_the_callers_stream():
+    x, targets, inv_t, grad_lp, grad_ent = make_inputs(64, 50000, torch.bfloat16, seed=7)
+    expected = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_runs_on_the_tensors_device():
+    args = make_inputs(16, 3000, torch.float32, seed=8)
+    expected = run(_cuda(), *args)
+    got = run(_cuda(), *(a.to("cuda:1") for a in args))
+    for key in expected:
+        assert torch.equal(expected[key], got[key].to("cuda:0")), key
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_public_op_on_cuda_backend(dtype):
+    x, targets, inv_t, _, _ = make_inputs(2 * 9, 5000, dtype, seed=9)
+    x = x.view(2, 9, 5000)
+    targets = targets.view(2, 9)
+    temperature = (1.0 / inv_t).view(2, 9)
+    c = torch.randn(2, 2, 9, device="cuda")
+
+    def loss(backend: str, logits):
+        with rlk.use_backend(backend):
+            lp, ent = rlk.selected_logprob(logits, targets, temperature=temperature, return_entropy=True)
+        return lp, ent, (c[0] * lp + c[1] * ent).sum()
+
+    xc = x.clone().requires_grad_(True)
+    lp, ent, total = loss("cuda", xc)
+    total.backward()
+    x64 = x.double().requires_grad_(True)
+    ref_lp, ref_ent, ref_total = loss("reference", x64)
+    ref_total.backward()
+    e = contract.entry("selected_logprob", dtype)
+    lse = torch.logsumexp(x.double() / temperature.double()[..., None], -1)
+    scale = contract.row_scale(ref_lp.detach(), lse).reshape(-1)
+    assert contract.compare_outputs(e, "logprob", lp.reshape(-1), ref_lp.detach().reshape(-1), scale).ok
+    assert contract.compare_outputs(e, "entropy", ent.reshape(-1), ref_ent.detach().reshape(-1), scale).ok
+    assert contract.compare_grad(e, "grad_logits", xc.grad, x64.grad, float(scale.max())).ok
+    assert dispatch.decide("selected_logprob", x.device, dtype).backend == "cuda"

@@ -1,0 +1,206 @@
+"""CUDA rms_norm primitives against the reference run in fp64 (contract tolerances), bitwise batch
+invariance, determinism of the weight gradient, and the public op on the cuda backend. Needs a GPU.
+
+Each contract check prints ``RATIO <test> <output> <dtype> <worst/allowed>`` (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
+
+import rlk
+from rlk import contract, dispatch
+from rlk.norm import output_dtype, rms_norm
+from rlk.reference import norm as ref
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = 1e-6
+
+
+def _cuda():
+    from rlk_cuda import norm as cn
+
+    return cn
+
+
+def make_inputs(n: int, h: int, dtype: torch.dtype, weight_dtype: torch.dtype | None, gemma: bool, residual: bool,
+                seed: int = 0, on_gpu: bool = False):
+    """x, residual ~ N(0, 1) (row 0 scaled by 100, row 1 by 1e-3 when N >= 2), weight ~ 1 + 0.1 N(0, 1)
+    (0.1 N(0, 1) for Gemma), grad_y ~ N(0, 1) in y's dtype, grad_residual ~ N(0, 1) (when fused)."""
+    weight_dtype = weight_dtype or dtype
+    g = torch.Generator(device="cuda" if on_gpu else "cpu").manual_seed(seed)
+    x = torch.randn(n, h, generator=g, device=g.device)
+    if n >= 2:
+        x[0] *= 100
+        x[1] *= 1e-3
+    w = torch.randn(h, generator=g, device=g.device) * 0.1 + (0.0 if gemma else 1.0)
+    r = torch.randn(n, h, generator=g, device=g.device) if residual else None
+    gy = torch.randn(n, h, generator=g, device=g.device)
+    gres = torch.randn(n, h, generator=g, device=g.device) if residual else None
+    ydt = output_dtype(dtype, weight_dtype, gemma)
+
+    def to(t, dt):
+        return None if t is None else t.to(dt).to("cuda")
+
+    return to(x, dtype), to(w, weight_dtype), to(r, dtype), to(gy, ydt), to(gres, dtype)
+
+
+def run(impl, x, w, r, gy, gres, gemma: bool, want_dw: bool = True, eps: float = EPS):
+    """Forward and backward of ``impl``; the backward takes the forward's s and rstd."""
+    n, h = x.shape
+    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = torch.empty(n, h, dtype=gy.dtype, device=x.device)
+    s = torch.empty_like(x) if r is not None else None
+    rstd = torch.empty(n, dtype=sdt, device=x.device)
+    impl.rms_norm_fwd(x, w, r, eps, gemma, y, s, rstd)
+    s_in = s if r is not None else x
+    gin = torch.empty_like(x)
+    gw = torch.empty_like(w) if want_dw else None
+    impl.rms_norm_bwd(gy, s_in, w, rstd, gemma, gres, gin, gw)
+    out = {"y": y, "rstd": rstd, "grad_input": gin}
+    if s is not None:
+        out["s"] = s
+    if gw is not None:
+        out["grad_weight"] = gw
+    return out
+
+
+def check_against_reference(name, x, w, r, gy, gres, gemma: bool) -> None:
+    got = run(_cuda(), x, w, r, gy, gres, gemma)
+    # Ground truth: the fp64 reference on the same values. The backward's input s is the kernel's s
+    # (rounded to x.dtype), which is what the backward receives.
+    s = got.get("s", x)
+    truth_fwd = run(ref, x.double(), w.double(), None if r is None else r.double(), gy.double(), None, gemma)
+    truth_bwd = run(ref, s.double(), w.double(), None, gy.double(), None if gres is None else gres.double(), gemma)
+    e = contract.entry("rms_norm", x.dtype)
+    checks = [("y", got["y"], truth_fwd["y"]), ("rstd", got["rstd"], truth_fwd["rstd"])]
+    if r is not None:
+        checks.append(("s", got["s"], truth_fwd["s"]))
+    for key, value, truth in checks:
+        dev = contract.compare_outputs(e, key, value.reshape(-1), truth.reshape(-1), 1.0 + truth.abs().reshape(-1))
+        print(f"RATIO {name} {key} {e.dtype} {dev.ratio:.3g}")
+        assert dev.ok, dev
+    for key in ("grad_input", "grad_weight"):
+        dev = contract.compare_grad(e, key, got[key], truth_bwd[key], 1.0)
+        print(f"RATIO {name} {key} {e.dtype} {dev.ratio:.3g}")
+        assert dev.ok, dev
+    assert got["y"].dtype == gy.dtype and got["grad_weight"].dtype == w.dtype and got["grad_input"].dtype == x.dtype
+
+
+CASES = [  # (x dtype, weight dtype or None for x's, gemma, residual)
+    (dt, wdt, gemma, res)
+    for dt in DTYPES
+    for wdt in ((None,) if dt == torch.float32 else (None, torch.float32))
+    for gemma in (False, True)
+    for res in (False, True)
+]
+
+
+def _case_id(case) -> str:
+    dt, wdt, gemma, res = case
+    w = "" if wdt is None else "-w32"
+    return f"{str(dt).removeprefix('torch.')}{w}{'-gemma' if gemma else ''}{'-res' if res else ''}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize(("n", "h"), [(1, 1), (37, 7), (33, 64), (300, 4096), (17, 5120), (5, 20000)])
+def test_matches_reference(case, n, h):
+    dt, wdt, gemma, res = case
+    check_against_reference(f"{_case_id(case)}-{n}x{h}", *make_inputs(n, h, dt, wdt, gemma, res, seed=n + h),
+                            gemma=gemma)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unaligned_rows_give_the_same_bits(dtype):
+    x, w, r, gy, gres = make_inputs(6, 1031, dtype, None, False, True, seed=3)
+
+    def shifted(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")
+        view = buf[1:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    a = run(_cuda(), x, w, r, gy, gres, False)
+    b = run(_cuda(), shifted(x), w, shifted(r), shifted(gy), shifted(gres), False)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [4096, 20000])
+def test_batch_invariance(dtype, h):
+    """A probe row's y, s, rstd and grad_input are bitwise the same alone and inside batches of 7, 133 and
+    4096 rows, at any position; grad_weight is deterministic run to run."""
+    x, w, r, gy, gres = make_inputs(4096, h, dtype, None, False, True, seed=4, on_gpu=True)
+    probe = 5
+    one = slice(probe, probe + 1)
+    alone = run(_cuda(), x[one].clone(), w, r[one].clone(), gy[one].clone(), gres[one].clone(), False)
+    for batch, position in ((7, 3), (133, 100), (4096, 4000)):
+        rows = torch.arange(batch, device="cuda")
+        rows[position], rows[probe] = probe, rows[position]
+        inside = run(_cuda(), x[rows].contiguous(), w, r[rows].contiguous(), gy[rows].contiguous(),
+                     gres[rows].contiguous(), False)
+        for key in ("y", "s", "rstd", "grad_input"):
+            assert torch.equal(alone[key][0], inside[key][position]), (key, batch)
+    first = run(_cuda(), x, w, r, gy, gres, False)
+    again = run(_cuda(), x, w, r, gy, gres, False)
+    for key in first:
+        assert torch.equal(first[key], again[key]), key
+
+
+def test_without_grad_weight():
+    x, w, r, gy, gres = make_inputs(50, 2048, torch.bfloat16, None, True, True, seed=5)
+    full = run(_cuda(), x, w, r, gy, gres, True)
+    part = run(_cuda(), x, w, r, gy, gres, True, want_dw=False)
+    assert "grad_weight" not in part
+    assert torch.equal(full["grad_input"], part["grad_input"])
+
+
+def test_runs_on_the_callers_stream():
+    args = make_inputs(2048, 4096, torch.bfloat16, None, False, True, seed=6)
+    expected = run(_cuda(), *args, False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = run(_cuda(), *args, False)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_public_op_on_cuda_backend(case):
+    dt, wdt, gemma, res = case
+    x, w, r, gy, gres = make_inputs(2 * 11, 768, dt, wdt, gemma, res, seed=7)
+    x, gy = x.view(2, 11, 768), gy.view(2, 11, 768)
+    r = None if r is None else r.view(2, 11, 768)
+
+    def forward(backend: str, tensors):
+        with rlk.use_backend(backend):
+            out = rms_norm(tensors[0], tensors[1], EPS, residual=tensors[2], gemma=gemma)
+        y, s = out if res else (out, None)
+        loss = (y.double() * gy.double()).sum()
+        if s is not None:
+            loss = loss + (s.double() * gres.view(2, 11, 768).double()).sum()
+        return y, loss
+
+    leaves = [t.clone().requires_grad_(True) if t is not None else None for t in (x, w, r)]
+    y, loss = forward("cuda", leaves)
+    loss.backward()
+    leaves64 = [t.double().requires_grad_(True) if t is not None else None for t in (x, w, r)]
+    y64, loss64 = forward("reference", leaves64)
+    loss64.backward()
+    e = contract.entry("rms_norm", dt)
+    assert contract.compare_outputs(e, "y", y.reshape(-1), y64.detach().reshape(-1),
+                                    1.0 + y64.detach().abs().reshape(-1)).ok
+    for got, truth, name in zip(leaves, leaves64, ("x", "weight", "residual")):
+        if got is not None:
+            dev = contract.compare_grad(e, f"grad_{name}", got.grad, truth.grad, 1.0)
+            assert dev.ok, dev
+    assert dispatch.decide("rms_norm", x.device, dt).backend == "cuda"

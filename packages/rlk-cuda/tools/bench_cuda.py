@@ -1,0 +1,133 @@
+"""Bandwidth of the rlk-cuda kernels against the device's copy bandwidth, and whether CUDA and Triton agree
+bit for bit (a report, not a requirement).
+
+    python packages/rlk-cuda/tools/bench_cuda.py [--quick]
+
+Targets (issue 4, H200): selected_logprob fwd+bwd from bf16 logits [16384, 151936] >= 85% of copy
+bandwidth; rms_norm fwd+bwd [16384, 4096] bf16 >= 80%. Bytes counted: what each kernel must move at
+least (selected_logprob: the forward reads the logits, the backward reads them and writes the gradient;
+rms_norm: the forward reads x and writes y, the backward reads grad_y and s and writes grad_x; per-row
+vectors, the weight and the grad-weight partials are not counted). Copy bandwidth: a device-to-device copy
+of a tensor as large as the logits (bytes read + written). Times: median of CUDA-event timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from rlk_cuda import logprob as ck
+from rlk_cuda import norm as cn
+
+
+def timed(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src))
+
+
+def logprob_case(n: int, v: int, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(n, v, generator=g, device="cuda") * 3).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g, device="cuda")
+    inv_t = torch.ones(n, device="cuda")
+    lp, ent, lse = (torch.empty(n, device="cuda") for _ in range(3))
+    g_lp, g_ent = torch.randn(2, n, generator=g, device="cuda")
+    grad = torch.empty_like(x)
+
+    def fwd(impl):
+        impl.selected_logprob_fwd(x, targets, inv_t, -100, lp, ent, lse)
+
+    def bwd(impl):
+        impl.selected_logprob_bwd(x, targets, inv_t, lse, ent, g_lp, g_ent, -100, grad)
+
+    return x, fwd, bwd, (lp, ent, lse, grad)
+
+
+def norm_case(n: int, h: int, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, generator=g, device="cuda").to(dtype)
+    w = (torch.randn(h, generator=g, device="cuda") * 0.1 + 1).to(dtype)
+    y = torch.empty_like(x)
+    rstd = torch.empty(n, device="cuda")
+    gy = torch.randn(n, h, generator=g, device="cuda").to(dtype)
+    gx = torch.empty_like(x)
+    gw = torch.empty_like(w)
+
+    def fwd(impl):
+        impl.rms_norm_fwd(x, w, None, 1e-6, False, y, None, rstd)
+
+    def bwd(impl):
+        impl.rms_norm_bwd(gy, x, w, rstd, False, None, gx, gw)
+
+    return x, fwd, bwd, (y, rstd, gx, gw)
+
+
+def report(name: str, tensor_bytes: int, n_passes: int, fwd, bwd, copy_bw: float) -> None:
+    impl = ck if name.startswith("selected") else cn
+    t_fwd = timed(lambda: fwd(impl))
+    t_bwd = timed(lambda: bwd(impl))
+    total = n_passes * tensor_bytes
+    bw = total / (t_fwd + t_bwd)
+    print(f"{name}: fwd {t_fwd * 1e3:.3f} ms, bwd {t_bwd * 1e3:.3f} ms, fwd+bwd {bw / 1e12:.2f} TB/s = "
+          f"{100 * bw / copy_bw:.1f}% of copy bandwidth")
+
+
+def compare_with_triton(name: str, fwd, bwd, outputs) -> None:
+    """Run the same case on rlk_triton and report bitwise agreement per output."""
+    try:
+        import rlk_triton.logprob as tl_logprob
+        import rlk_triton.norm as tl_norm
+    except Exception as exc:
+        print(f"{name}: triton comparison skipped ({type(exc).__name__}: {exc})")
+        return
+    impl_cuda, impl_triton = (ck, tl_logprob) if name.startswith("selected") else (cn, tl_norm)
+    fwd(impl_cuda)
+    bwd(impl_cuda)
+    ours = [t.clone() for t in outputs]
+    fwd(impl_triton)
+    bwd(impl_triton)
+    for i, (a, b) in enumerate(zip(ours, outputs)):
+        same = torch.equal(a, b)
+        diff = (a.double() - b.double()).abs().max().item()
+        print(f"{name}: output {i} cuda vs triton bitwise {'equal' if same else 'DIFFERENT'} (max |diff| {diff:.3g})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
+    args = parser.parse_args()
+    n_lp, v = (1024, 151936) if args.quick else (16384, 151936)
+    n_norm, h = (2048, 4096) if args.quick else (16384, 4096)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    x, fwd, bwd, outs = logprob_case(n_lp, v)
+    copy_bw = copy_bandwidth(x.numel() * x.element_size())
+    print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s (bytes read + written)")
+    report(f"selected_logprob bf16 [{n_lp}, {v}]", x.numel() * x.element_size(), 3, fwd, bwd, copy_bw)
+    compare_with_triton("selected_logprob", fwd, bwd, outs)
+    del x, fwd, bwd, outs
+    torch.cuda.empty_cache()
+    x, fwd, bwd, outs = norm_case(n_norm, h)
+    report(f"rms_norm bf16 [{n_norm}, {h}]", x.numel() * x.element_size(), 5, fwd, bwd, copy_bw)
+    compare_with_triton("rms_norm", fwd, bwd, outs)
+
+
+if __name__ == "__main__":
+    main()

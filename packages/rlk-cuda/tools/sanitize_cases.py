@@ -1,0 +1,91 @@
+"""Run every rlk-cuda kernel once at small shapes, for compute-sanitizer (tools/cuda_sanitize.sh).
+
+Covers: selected_logprob fwd / bwd for fp32, fp16, bf16, with and without entropy, ignored rows,
+vocab sizes that are not pack multiples, unaligned row starts; rms_norm fwd / bwd for every
+(x, weight, y) dtype triple, fused and unfused, Gemma, with and without grad_weight, one-chunk and
+chunked rows, unaligned rows. Run with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so every tensor is its own
+allocation and an out-of-bounds access lands outside it. Exits non-zero if a result is not finite
+where it must be (a cheap sanity check; the sanitizer does the real checking).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from rlk_cuda import logprob, norm
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def unaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose data starts one element past an allocation's start."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def logprob_cases() -> int:
+    bad = 0
+    for dtype in DTYPES:
+        for n, v in ((1, 1), (3, 7), (5, 300), (4, 2053)):
+            for shift in (False, True):
+                x = (torch.randn(n, v, device="cuda") * 3).to(dtype)
+                x = unaligned(x) if shift else x
+                targets = torch.randint(0, v, (n,), device="cuda")
+                if n >= 3:
+                    targets[1] = -100
+                inv_t = torch.rand(n, device="cuda") + 0.5
+                for entropy in (False, True):
+                    lp, ent, lse = (torch.empty(n, device="cuda") for _ in range(3))
+                    logprob.selected_logprob_fwd(x, targets, inv_t, -100, lp, ent if entropy else None, lse)
+                    grad = unaligned(torch.empty_like(x)) if shift else torch.empty_like(x)
+                    g_lp, g_ent = torch.randn(2, n, device="cuda")
+                    logprob.selected_logprob_bwd(x, targets, inv_t, lse, ent if entropy else None, g_lp,
+                                                 g_ent if entropy else None, -100, grad)
+                    torch.cuda.synchronize()
+                    bad += int(not torch.isfinite(lp).all()) + int(not torch.isfinite(grad.float()).all())
+    return bad
+
+
+def norm_cases() -> int:
+    bad = 0
+    for dtype in DTYPES:
+        for w_dtype in (dtype, torch.float32):
+            for gemma in (False, True):
+                y_dtype = dtype if gemma else torch.promote_types(dtype, w_dtype)
+                # 9000 / 20000 columns: more than one chunk (backward / forward) for 16-bit and fp32 rows
+                for n, h in ((1, 1), (3, 7), (17, 1000), (5, 9000), (3, 20000)):
+                    for fused in (False, True):
+                        x = torch.randn(n, h, device="cuda").to(dtype)
+                        x = unaligned(x) if h == 1000 else x
+                        w = (torch.randn(h, device="cuda") * 0.1 + 1).to(w_dtype)
+                        r = torch.randn(n, h, device="cuda").to(dtype) if fused else None
+                        y = torch.empty(n, h, dtype=y_dtype, device="cuda")
+                        s = torch.empty_like(x) if fused else None
+                        rstd = torch.empty(n, device="cuda")
+                        norm.rms_norm_fwd(x, w, r, 1e-6, gemma, y, s, rstd)
+                        gy = torch.randn(n, h, device="cuda").to(y_dtype)
+                        gres = torch.randn(n, h, device="cuda").to(dtype) if fused else None
+                        gin = torch.empty_like(x)
+                        for want_dw in (False, True):
+                            gw = torch.empty_like(w) if want_dw else None
+                            norm.rms_norm_bwd(gy, s if fused else x, w, rstd, gemma, gres, gin, gw)
+                            torch.cuda.synchronize()
+                            bad += int(not torch.isfinite(gin.float()).all())
+                            bad += int(want_dw and not torch.isfinite(gw.float()).all())
+                        bad += int(not torch.isfinite(y.float()).all())
+    return bad
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    bad = logprob_cases() + norm_cases()
+    print(f"sanitize_cases: done, {bad} non-finite results")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

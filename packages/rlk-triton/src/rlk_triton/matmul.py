@@ -1,0 +1,183 @@
+"""Triton kernels of ``matmul`` / ``linear``: a batch-invariant GEMM, forward and backward.
+
+The math is the spec in :mod:`rlk.reference.matmul`::
+
+    out       = a @ b + bias          a [M, K], b [K, N], bias [N] (optional)
+    grad_a    = grad_out @ b.T        [M, K]
+    grad_b    = a.T @ grad_out        [K, N]
+    grad_bias = sum_i grad_out[i, :]  [N]
+
+All three products run through one kernel, :func:`_matmul_kernel`: ``C = A @ B (+ bias)`` over
+``BLOCK_M x BLOCK_N`` output tiles, the ``K`` loop in ``BLOCK_K`` steps in increasing ``k``,
+an fp32 accumulator, the bias added in fp32 to the accumulator, one rounding to C's dtype at
+the store. Operands are read through their strides, so ``A`` and ``B`` may be row-major or
+column-major views: ``linear`` passes ``weight.t()`` and the backward passes ``b.T`` and ``a.T``
+without copies. fp32 inputs use IEEE fp32 products (no TF32); 16-bit inputs use tensor-core
+dots with fp32 accumulation.
+
+Batch invariance by construction: the tile configuration is one constant per dtype in
+:data:`TILE_CONFIGS` (no autotuning, nothing derived from ``M``), there is no split-K (one
+program owns an output tile and walks all of ``K`` itself, in the same order for every row),
+rows past ``M`` are masked to zeros and never stored, and no program reads another's output.
+So a row of ``out`` (and of ``grad_a``) is bitwise the same whatever ``M`` is and wherever the
+row sits. ``grad_b`` and ``grad_bias`` are sums over the ``M`` rows: ``grad_b`` is the same
+kernel with ``M`` as its reduction dimension (fixed ``BLOCK_K`` steps in increasing row
+order), ``grad_bias`` a column sum over fixed row blocks in increasing order; no atomics, so
+both are deterministic run to run. ``GROUP_M`` only orders the programs (row tiles of a group
+are scheduled together so that they share ``B`` tiles in L2); it changes no value.
+
+int64 offsets throughout (``M * K`` may exceed 2^31).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlk_triton.common import dot, grouped_tile, on_device
+
+#: The one tile configuration per input dtype, used for the forward and for both backward
+#: products (so ``grad_a`` rows are invariant too). The launchers read it at every call, so a
+#: sweep (``tools/sweep_matmul.py``) may overwrite entries. Nothing here depends on ``M``.
+#:
+#: 16-bit: the choice balances two regimes. Large ``M`` is compute-bound and wants big tiles
+#: (operand reuse); ``M <= 64`` is bound by reading ``b`` (``K * N`` elements) with only
+#: ``N / BLOCK_N`` programs to do it, each computing a full ``BLOCK_M``-row tile of which ``M``
+#: rows are real. ``64 x 128 x 128`` (one warpgroup, 4 stages) was the most balanced candidate
+#: of ``tools/sweep_matmul.py`` on an H200 (bf16, linear layout, N = K = 4096 and the Qwen3-8B
+#: MLP shapes; two runs): 0.59-0.76x cuBLAS at M >= 1024 and 0.61-1.04x at M <= 64, where the
+#: large-M favourites (128 x 256 x 64 w8: 0.65-0.78x; 128 x 128 x 64 w4: 0.72-0.86x) fall to
+#: 0.18-0.53x. No single pointer-load config reached 0.85x at large M (see the sweep's notes).
+TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
+    torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+    torch.float16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+    torch.bfloat16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+}
+
+#: The grad_bias column sum: one program per ``BLOCK_COLS`` columns, rows in ``BLOCK_ROWS`` steps.
+COLUMN_SUM_CONFIG = {"BLOCK_ROWS": 32, "BLOCK_COLS": 128, "num_warps": 4}
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``C[tile] = A[rows] @ B[:, cols] (+ bias[cols])``: fp32 accumulation over ``K`` in fixed steps.
+
+    ``EVEN_K`` (``K % BLOCK_K == 0``, a property of ``K`` alone) drops the ``k`` mask; masked
+    lanes load zeros, whose products add exact zeros, so both variants give the same values.
+    """
+    tile_m, tile_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    # One K step of each operand, as an int64 pointer increment.
+    a_step = tl.full((), BLOCK_K, tl.int64) * stride_ak
+    b_step = tl.full((), BLOCK_K, tl.int64) * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = dot(a, b, acc, IEEE)
+        a_ptrs += a_step
+        b_ptrs += b_step
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _column_sum_kernel(
+    g_ptr, out_ptr, M, N, stride_gm, stride_gn,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    """``out[cols] = sum_i g[i, cols]``: fp32 partial sums per row lane over row blocks in increasing
+    order, then one fixed tree over the ``BLOCK_ROWS`` lanes; rounded once to ``out``'s dtype."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < N
+    lanes = tl.arange(0, BLOCK_ROWS).to(tl.int64)
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    for r0 in range(0, M, BLOCK_ROWS):
+        rows = r0 + lanes
+        x = tl.load(g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn,
+                    mask=(rows < M)[:, None] & col_mask[None, :], other=0.0)
+        acc += x.to(tl.float32)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out = a @ b (+ bias)`` through :func:`_matmul_kernel` with ``TILE_CONFIGS[a.dtype]``.
+
+    ``a`` ``[M, K]`` and ``b`` ``[K, N]`` are any strided views of one dtype; ``out`` ``[M, N]``
+    is written through its strides. ``M, N >= 1``; ``K = 0`` gives ``bias`` (or zeros).
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    cfg = TILE_CONFIGS[a.dtype]
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    with on_device(a.device):
+        _matmul_kernel[grid](
+            a, b, out if bias is None else bias, out, m, n, k,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+
+def matmul_fwd(a, b, bias, out):
+    """``out = a @ b + bias`` (bias optional): fp32 accumulation, one rounding to ``out.dtype``.
+
+    Args:
+        a: ``[M, K]`` fp32 / fp16 / bf16, row-major or column-major (one unit stride).
+        b: ``[K, N]``, ``a.dtype``, row-major or column-major (``linear``: ``weight.t()``).
+        bias: ``[N]``, ``a.dtype``, contiguous, or None.
+        out: ``[M, N]``, ``a.dtype``, contiguous; written.
+
+    Spec: :func:`rlk.reference.matmul.matmul_fwd`. One program per ``BLOCK_M x BLOCK_N`` output
+    tile (``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)`` programs), each walking all of ``K``.
+    """
+    _gemm(a, b, bias, out)
+
+
+def matmul_bwd(grad_out, a, b, grad_a_out, grad_b_out, grad_bias_out):
+    """Gradients of ``sum(grad_out * (a @ b + bias))``; a None output is not computed.
+
+    Args:
+        grad_out: ``[M, N]``, ``a.dtype``, contiguous.
+        a, b: the forward's inputs (row- or column-major views).
+        grad_a_out: ``[M, K]`` or None: ``grad_out @ b.T`` (rows batch-invariant, like the forward).
+        grad_b_out: ``[K, N]`` or None: ``a.T @ grad_out``, the ``M`` rows summed in fixed
+            ``BLOCK_K`` steps (deterministic).
+        grad_bias_out: ``[N]`` or None: ``grad_out.sum(0)`` in fp32, fixed order (deterministic).
+        Gradient outputs may be row-major or column-major; they are written through their strides.
+
+    Spec: :func:`rlk.reference.matmul.matmul_bwd`. Two launches of the forward's kernel on
+    transposed views, and one column-sum launch for the bias.
+    """
+    if grad_a_out is not None:
+        _gemm(grad_out, b.T, None, grad_a_out)
+    if grad_b_out is not None:
+        _gemm(a.T, grad_out, None, grad_b_out)
+    if grad_bias_out is not None:
+        m, n = grad_out.shape
+        cfg = COLUMN_SUM_CONFIG
+        with on_device(grad_out.device):
+            _column_sum_kernel[(triton.cdiv(n, cfg["BLOCK_COLS"]),)](
+                grad_out, grad_bias_out, m, n, grad_out.stride(0), grad_out.stride(1),
+                BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_COLS=cfg["BLOCK_COLS"], num_warps=cfg["num_warps"],
+            )

@@ -1,0 +1,246 @@
+"""Hugging Face transformers integration: :func:`patch_model` / :func:`unpatch_model`.
+
+The aten overrides of :mod:`rlk.batch_invariant` cannot reach two things in a transformers causal LM:
+
+* RMSNorm written as ``pow / mean / rsqrt`` in fp32 (Llama, Qwen2/3, Mistral...): ``patch_model``
+  replaces the ``forward`` of every module with a 1-D ``weight`` and a float ``variance_epsilon``
+  (``LlamaRMSNorm``, ``Qwen3RMSNorm``, ...) by rlk's ``rms_norm`` primitives (same formula:
+  ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, fp32 statistics), one program per row;
+* attention with padding masks: ``patch_model`` registers the attention function ``"rlk"`` with
+  ``transformers.AttentionInterface`` and switches the model to it. It drops the padding (the 2-D
+  ``attention_mask``, left or right padding or holes) or splits packed rows (``position_ids`` restarting
+  at 0, when there is no mask), and runs rlk's varlen attention on the packed valid tokens with
+  ``cu_seqlens``; pad positions get zeros. A token's attention output is then bitwise the same alone
+  or batched, whatever the padding.
+
+Together with ``with rlk.batch_invariant():`` (matmuls, softmax, the remaining reductions) a sequence's
+logits and per-token gradients do not depend on the micro-batch it is in. Left padding needs
+``position_ids`` (``attention_mask.cumsum(-1) - 1``), as always with transformers.
+
+Both replacements use the first batch-invariant backend serving the tensors (see
+:func:`rlk.batch_invariant._invariant_backend`). When none serves them (CPU without
+``TRITON_INTERPRET=1``, float64, ...), or for a case the rlk path does not cover (attention dropout,
+sliding windows, 4-D masks, weights of another dtype than the activations), the stock code runs,
+with a one-time warning.
+
+transformers is imported only when :func:`patch_model` is called (optional dependency).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import warnings
+
+import torch
+from torch import Tensor
+
+from rlk import dispatch
+from rlk.batch_invariant import _invariant_backend
+
+ATTENTION_NAME = "rlk"
+
+_warned: set[str] = set()
+
+
+def _warn_once(what: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(f"rlk.patch_model: {what}; running the stock transformers code (not batch-invariant)",
+                      RuntimeWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------
+# RMSNorm
+# ---------------------------------------------------------------------------
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``y = weight * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)`` on ``[N, H]`` rows."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, backend: str) -> Tensor:
+        out = torch.empty_like(x)
+        rstd = x.new_empty((x.shape[0],), dtype=torch.float32)
+        dispatch.backend_named(backend).primitives["rms_norm_fwd"](x, weight, None, eps, False, out, None, rstd)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.backend = backend
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        grad_x = torch.empty_like(x)
+        grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        dispatch.backend_named(ctx.backend).primitives["rms_norm_bwd"](
+            grad_out.to(x.dtype).contiguous(), x, weight, rstd, False, None, grad_x, grad_w
+        )
+        return grad_x, grad_w, None, None
+
+
+def _is_rms_norm(module: torch.nn.Module) -> bool:
+    """The Llama / Qwen pattern: a 1-D ``weight`` parameter and a float ``variance_epsilon``."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    return (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1 and isinstance(eps, (int, float))
+            and not isinstance(eps, bool) and "gemma" not in type(module).__name__.lower())
+
+
+def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    """Replacement ``forward`` of an RMSNorm module (see the module docstring)."""
+    x, weight = hidden_states, self.weight
+    hidden = weight.shape[0]
+    backend = None
+    if x.dtype == weight.dtype and x.device == weight.device and x.shape[-1:] == (hidden,) and x.numel() > 0:
+        backend = _invariant_backend("rms_norm", x.device, x.dtype)
+    if backend is None:
+        _warn_once(f"no batch-invariant rms_norm for {x.dtype} activations and {weight.dtype} weight on "
+                   f"{x.device.type}")
+        return type(self).forward(self, hidden_states)
+    rows = x.reshape(-1, hidden).contiguous()
+    return _RMSNorm.apply(rows, weight.contiguous(), float(self.variance_epsilon), backend.name).view(x.shape)
+
+
+# ---------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------
+
+
+def _varlen_index(attention_mask: Tensor | None, position_ids: Tensor | None, batch: int, seq_q: int, seq_k: int,
+                  device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor, int, int] | None:
+    """Rows of the flattened ``[B * S]`` tokens to keep (None: all) for queries and keys, ``cu_seqlens_q``,
+    ``cu_seqlens_k`` and the max lengths; None when the layout is not one this path handles."""
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_k:
+            return None
+        mask = attention_mask[:, -seq_k:].to(device=device, dtype=torch.bool)
+        q_mask = mask[:, -seq_q:]
+        q_len, k_len = q_mask.sum(1), mask.sum(1)
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        cu_q = torch.cat([zero, q_len.cumsum(0).to(torch.int32)])
+        cu_k = torch.cat([zero, k_len.cumsum(0).to(torch.int32)])
+        lengths = torch.stack([q_len.max(), k_len.max()]).tolist()
+        return (q_mask.reshape(-1).nonzero().squeeze(1), mask.reshape(-1).nonzero().squeeze(1), cu_q, cu_k,
+                int(lengths[0]), int(lengths[1]))
+    if position_ids is not None and seq_q == seq_k and position_ids.shape[-1] == seq_q:
+        pos = position_ids.to(device).expand(batch, seq_q).reshape(-1)
+        starts = pos == 0
+        starts[::seq_q] = True  # every row starts a sequence
+        bounds = torch.cat([starts.nonzero().squeeze(1),
+                            torch.tensor([batch * seq_q], device=device)]).to(torch.int32)
+        longest = int((bounds[1:] - bounds[:-1]).max())
+        return None, None, bounds, bounds, longest, longest
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_q
+    cu_k = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_k
+    return None, None, cu_q, cu_k, seq_q, seq_k
+
+
+def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                          scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """The ``"rlk"`` entry of ``transformers.AttentionInterface``.
+
+    ``query [B, Hq, Sq, D]``, ``key``/``value`` ``[B, Hkv, Sk, D]``, ``attention_mask`` the 2-D padding mask
+    ``[B, >= Sk]`` (1: token) or None; returns ``(attn_output [B, Sq, Hq, D], None)``.
+    """
+    batch, heads, seq_q, head_dim = query.shape
+    seq_k = key.shape[2]
+    why = None
+    if dropout and module.training:
+        why = "attention dropout"
+    elif kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        why = "sliding-window or soft-capped attention"
+    elif query.dtype != key.dtype or query.dtype != value.dtype or heads % key.shape[1] != 0:
+        why = "mixed dtypes or head counts"
+    layout = None
+    backend = None
+    if why is None:
+        layout = _varlen_index(attention_mask, kwargs.get("position_ids"), batch, seq_q, seq_k, query.device)
+        if layout is None:
+            why = f"an attention mask of shape {tuple(attention_mask.shape)}"
+        else:
+            backend = _invariant_backend("attention", query.device, query.dtype)
+            if backend is None:
+                why = f"no batch-invariant attention for {query.dtype} on {query.device.type}"
+    if why is not None:
+        _warn_once(why)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    q_rows, k_rows, cu_q, cu_k, max_q, max_k = layout
+    q = query.transpose(1, 2).reshape(batch * seq_q, heads, head_dim)
+    k = key.transpose(1, 2).reshape(batch * seq_k, key.shape[1], head_dim)
+    v = value.transpose(1, 2).reshape(batch * seq_k, key.shape[1], head_dim)
+    if q_rows is not None:
+        q, k, v = q.index_select(0, q_rows), k.index_select(0, k_rows), v.index_select(0, k_rows)
+    from rlk.attention import attention
+
+    causal = bool(getattr(module, "is_causal", True))
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
+    with dispatch.use_backend(backend.name):
+        out = attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                        causal=causal, softmax_scale=scale)
+    if q_rows is not None:
+        out = out.new_zeros((batch * seq_q, heads, head_dim)).index_copy(0, q_rows, out)
+    return out.view(batch, seq_q, heads, head_dim), None
+
+
+# ---------------------------------------------------------------------------
+# patch / unpatch
+# ---------------------------------------------------------------------------
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, rlk_attention_forward)
+
+
+def _set_attention(model, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        try:
+            setter(name)
+            return
+        except (ValueError, TypeError, KeyError):
+            pass
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    for config in configs.values():
+        config._attn_implementation = name
+
+
+def patch_model(model):
+    """Make a transformers causal LM batch-invariant where the aten overrides cannot reach; returns ``model``.
+
+    Replaces the RMSNorm modules' ``forward`` and switches attention to rlk's varlen kernels (the
+    ``"rlk"`` attention function; see the module docstring). Idempotent: patching a patched model does
+    nothing. :func:`unpatch_model` restores the stock behaviour exactly. Use together with
+    ``rlk.batch_invariant()`` for the matmuls and softmaxes.
+    """
+    if getattr(model, "_rlk_patch", None) is not None:
+        return model
+    _register_attention()
+    config = getattr(model, "config", None)
+    previous = getattr(config, "_attn_implementation", None)
+    norms = []
+    for module in model.modules():
+        if _is_rms_norm(module) and "forward" not in module.__dict__:
+            module.forward = types.MethodType(_rms_norm_forward, module)
+            norms.append(module)
+    if config is not None:
+        _set_attention(model, ATTENTION_NAME)
+    model._rlk_patch = {"norms": norms, "attention": previous}
+    return model
+
+
+def unpatch_model(model):
+    """Undo :func:`patch_model` (a no-op on a model that is not patched); returns ``model``."""
+    state = getattr(model, "_rlk_patch", None)
+    if state is None:
+        return model
+    for module in state["norms"]:
+        module.__dict__.pop("forward", None)
+    if state["attention"] is not None:
+        _set_attention(model, state["attention"])
+    del model._rlk_patch
+    return model

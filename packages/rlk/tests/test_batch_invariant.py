@@ -1,0 +1,312 @@
+"""The batch-invariant mode (aten overrides) and ``rlk.patch_model`` for transformers models.
+
+Mode bookkeeping runs anywhere a batch-invariant backend serves a device; the routed-op checks
+(``triton_interpreter``) run the triton backend's kernels on the CPU under ``TRITON_INTERPRET=1``
+with small fp32 / fp16 shapes. The same tests run on a GPU. Batch invariance is checked with
+``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlk import dispatch
+from rlk.batch_invariant import (
+    batch_invariant,
+    disable_batch_invariant,
+    enable_batch_invariant,
+    is_batch_invariant_enabled,
+    served_calls,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+# Routed ops need the triton backend: on the CPU only under the interpreter.
+routed = pytest.mark.triton_interpreter if not ON_GPU else pytest.mark.gpu
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
+]
+
+
+def _transformers():
+    if os.environ.get("RLK_REQUIRE_TRANSFORMERS") == "1":
+        import transformers
+
+        return transformers
+    return pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _mode_off_after_each_test():
+    yield
+    disable_batch_invariant()
+    assert not is_batch_invariant_enabled()
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------
+# mode bookkeeping
+# ---------------------------------------------------------------------------
+
+
+@routed
+def test_overrides_live_only_inside_the_context_and_nest():
+    assert not is_batch_invariant_enabled()
+    with batch_invariant():
+        assert is_batch_invariant_enabled()
+        with batch_invariant():
+            assert is_batch_invariant_enabled()
+        assert is_batch_invariant_enabled()  # the inner exit keeps the outer block's overrides
+    assert not is_batch_invariant_enabled()
+    enable_batch_invariant()
+    enable_batch_invariant()  # twice: a no-op
+    with batch_invariant():
+        pass
+    assert is_batch_invariant_enabled()  # a block inside the explicit mode does not end it
+    disable_batch_invariant()
+    assert not is_batch_invariant_enabled()
+    with batch_invariant():
+        disable_batch_invariant()  # undoes only enable_batch_invariant(): the block keeps the mode
+        assert is_batch_invariant_enabled()
+    assert not is_batch_invariant_enabled()
+
+
+@routed
+def test_an_exception_inside_the_context_restores_the_stock_kernels():
+    a, b = torch.randn(3, 4, device=DEVICE), torch.randn(4, 5, device=DEVICE)
+    before = served_calls["mm"]
+    with pytest.raises(ZeroDivisionError):
+        with batch_invariant():
+            torch.mm(a, b)
+            raise ZeroDivisionError("inside the block")
+    assert not is_batch_invariant_enabled()
+    assert served_calls["mm"] == before + 1
+    torch.mm(a, b)
+    assert served_calls["mm"] == before + 1  # stock kernel again
+
+
+def test_enabling_without_a_batch_invariant_backend_raises(monkeypatch):
+    statuses = {name: status for name, status in dispatch.discover().items() if name == "reference"}
+    monkeypatch.setattr(dispatch, "discover", lambda: statuses)
+    expected = "(?s)no batch-invariant backend serves.*reference: does not promise"
+    with pytest.raises(dispatch.BackendError, match=expected):
+        enable_batch_invariant()
+    assert not is_batch_invariant_enabled()
+    with pytest.raises(dispatch.BackendError):
+        with batch_invariant():
+            pass
+    assert not is_batch_invariant_enabled()
+
+
+# ---------------------------------------------------------------------------
+# routed ops: invariant, equal to the rlk primitives, fallbacks untouched
+# ---------------------------------------------------------------------------
+
+
+def _triton():
+    return dispatch.backend_named("triton").primitives
+
+
+def _invariant_rows(fn, pool: torch.Tensor, probe: int = 3, counts=(1, 2, 7, 16)):
+    """``fn(rows)[i]`` for the probe row is bitwise the same in batches of several sizes."""
+    alone = fn(pool[probe:probe + 1])[0]
+    for n in counts:
+        rows = torch.cat([pool[probe + 1:probe + n], pool[probe:probe + 1]])  # probe last
+        assert torch.equal(fn(rows)[-1], alone), f"row differs with {n} rows"
+    return alone
+
+
+@routed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matmuls_under_the_mode_are_invariant_and_are_rlk(dtype):
+    g = _gen(0)
+    pool = torch.randn(20, 40, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(24, 40, generator=g) / 6).to(DEVICE, dtype)
+    bias = torch.randn(24, generator=g).to(DEVICE, dtype)
+    expect = torch.empty(1, 24, device=DEVICE, dtype=dtype)
+    _triton()["matmul_fwd"](pool[3:4], w.t(), bias, expect)
+    with batch_invariant():
+        start = dict(served_calls)
+        got = _invariant_rows(lambda x: F.linear(x, w, bias), pool)
+        assert torch.equal(got, expect[0])
+        _invariant_rows(lambda x: torch.mm(x, w.t()), pool)
+        _invariant_rows(lambda x: torch.addmm(bias, x, w.t(), beta=0.5, alpha=2.0), pool)
+        batched = pool[:16].reshape(2, 8, 40)
+        out = torch.bmm(batched, w.t().expand(2, 40, 24))
+        assert torch.equal(out[1, 2], torch.bmm(batched[1:2, 2:3], w.t()[None])[0, 0])
+        for name in ("mm", "addmm", "bmm"):
+            assert served_calls[name] > start.get(name, 0), f"{name} was not served by rlk"
+
+
+@routed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_softmax_and_mean_under_the_mode(dtype):
+    pool = (torch.randn(20, 33, generator=_gen(1)) * 3).to(DEVICE, dtype)
+    expect = torch.empty(1, 33, device=DEVICE, dtype=dtype)
+    _triton()["softmax_fwd"](pool[3:4], True, expect)
+    with batch_invariant():
+        start = dict(served_calls)
+        assert torch.equal(_invariant_rows(lambda x: torch.log_softmax(x, -1), pool), expect[0])
+        _invariant_rows(lambda x: torch.softmax(x, -1), pool)
+        _invariant_rows(lambda x: torch.softmax(x.T, 0).T, pool)  # another dim
+        mean = _invariant_rows(lambda x: x.mean(-1, keepdim=True), pool)
+        torch.testing.assert_close(mean.double(), pool[3:4].double().mean(-1), rtol=1e-3 if dtype != torch.float32
+                                   else 1e-6, atol=1e-6)
+        x = pool.clone().requires_grad_(True)
+        torch.log_softmax(x, -1).pow(2).sum().backward()
+        torch.softmax(x, -1).pow(2).sum().backward()
+        for name in ("_log_softmax", "_softmax", "mean.dim", "_log_softmax_backward_data", "_softmax_backward_data"):
+            assert served_calls[name] > start.get(name, 0), f"{name} was not served by rlk"
+
+
+@routed
+def test_ints_and_float64_fall_back_to_the_stock_kernels():
+    xd = torch.randn(3, 4, dtype=torch.float64, device=DEVICE)
+    xi = torch.arange(12).reshape(3, 4)  # integer matmuls: the CPU only (CUDA has no kernel)
+
+    def calls():
+        ints = (torch.mm(xi, xi.T),) if not ON_GPU else ()
+        return (*ints, torch.mm(xd, xd.T), torch.softmax(xd, -1), xd.mean(-1), torch.bmm(xd[None], xd.T[None]))
+
+    stock = calls()
+    with batch_invariant():
+        start = dict(served_calls)
+        moded = calls()
+        assert dict(served_calls) == start  # nothing was served by rlk
+    for a, b in zip(stock, moded):
+        assert torch.equal(a, b)
+
+
+@routed
+def test_embedding_backward_and_fused_rms_norm_are_routed():
+    g = _gen(2)
+    weight = torch.randn(10, 8, generator=g).to(DEVICE).requires_grad_(True)
+    ids = torch.tensor([[1, 2, 1], [3, 1, 0]], device=DEVICE)
+    x = torch.randn(5, 8, generator=g).to(DEVICE).requires_grad_(True)
+    w = torch.randn(8, generator=g).to(DEVICE)
+    with batch_invariant():
+        start = dict(served_calls)
+        F.embedding(ids, weight).pow(2).sum().backward()
+        y = F.rms_norm(x, [8], w, 1e-6)
+        y.sum().backward()
+    expected = torch.zeros(10, 8, device=DEVICE)
+    for i in ids.reshape(-1).tolist():
+        expected[i] += 2 * weight.detach()[i]
+    torch.testing.assert_close(weight.grad, expected)
+    torch.testing.assert_close(y, F.rms_norm(x.detach(), [8], w, 1e-6), rtol=1e-5, atol=1e-6)
+    assert served_calls["embedding_dense_backward"] > start.get("embedding_dense_backward", 0)
+    if ON_GPU and hasattr(torch.ops.aten, "_fused_rms_norm"):  # the CPU rms_norm decomposes when grads are needed
+        assert served_calls["_fused_rms_norm"] > start.get("_fused_rms_norm", 0)
+        assert served_calls["_fused_rms_norm_backward"] > start.get("_fused_rms_norm_backward", 0)
+
+
+# ---------------------------------------------------------------------------
+# tiny transformers models with rlk.patch_model
+# ---------------------------------------------------------------------------
+
+
+def tiny_model(kind: str, dtype=torch.float32, device=DEVICE, hidden=64, layers=2, heads=4, kv_heads=2, vocab=128):
+    transformers = _transformers()
+    torch.manual_seed(0)
+    common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                  max_position_embeddings=4096, attn_implementation="sdpa")
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(head_dim=hidden // heads, **common)
+        model = transformers.Qwen3ForCausalLM(config)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def padded_batch(seq: torch.Tensor, others: list[torch.Tensor], side: str, pad_id: int = 5):
+    """``seq`` (row 0) and ``others`` padded to one length on ``side``, with garbage ids in the pads; returns
+    ``(ids, attention_mask, position_ids, slice of row 0's real tokens)``."""
+    length = max(len(s) for s in [seq, *others]) + 2
+    rows = [seq, *others]
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long, device=seq.device)
+    mask = torch.zeros(len(rows), length, dtype=torch.long, device=seq.device)
+    for i, s in enumerate(rows):
+        ids[i] = (torch.arange(length, device=seq.device) * 7 + i) % 100  # garbage in the pads
+        part = slice(0, len(s)) if side == "right" else slice(length - len(s), length)
+        ids[i, part] = s
+        mask[i, part] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    real = slice(0, len(seq)) if side == "right" else slice(length - len(seq), length)
+    return ids, mask, position_ids, real
+
+
+def check_model_invariance(kind, dtype, device, lengths, others_lengths, **model_kw):
+    from rlk.hf import patch_model, unpatch_model
+
+    model = tiny_model(kind, dtype, device, **model_kw)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(0, vocab, (lengths,), generator=g).to(device)
+    others = [torch.randint(0, vocab, (n,), generator=g).to(device) for n in others_lengths]
+    stock = model(seq[None]).logits
+    assert patch_model(model) is model and patch_model(model) is model  # idempotent
+    served_before = served_calls["mm"]
+    with batch_invariant(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="rlk")  # any fallback to stock code fails the test
+        alone = model(seq[None]).logits[0]
+        for side in ("right", "left"):
+            ids, mask, pos, real = padded_batch(seq, others, side)
+            batched = model(ids, attention_mask=mask, position_ids=pos).logits
+            assert torch.equal(batched[0, real], alone), f"{kind}: logits differ alone vs {side}-padded batch"
+        # gradient of the logits: a per-row loss on the real tokens; the grad rows of row 0 match
+        emb = model.get_input_embeddings()
+        x_alone = emb(seq[None]).detach().requires_grad_(True)
+        loss_alone = model(inputs_embeds=x_alone).logits.float().log_softmax(-1)[..., 0].sum()
+        loss_alone.backward()
+        ids, mask, pos, real = padded_batch(seq, others, "right")
+        x_batch = emb(ids).detach().requires_grad_(True)
+        logp = model(inputs_embeds=x_batch, attention_mask=mask, position_ids=pos).logits.float().log_softmax(-1)
+        (logp[..., 0] * mask).sum().backward()
+        assert torch.equal(x_batch.grad[0, real], x_alone.grad[0]), f"{kind}: input gradient rows differ"
+    assert served_calls["mm"] > served_before, "the matmuls did not run on rlk"
+    unpatch_model(model)
+    assert not hasattr(model, "_rlk_patch")
+    assert torch.equal(model(seq[None]).logits, stock), "unpatch_model did not restore the stock model"
+    return model
+
+
+@routed
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tiny_model_logits_and_gradients_are_batch_invariant(kind):
+    check_model_invariance(kind, torch.float32, DEVICE, 9, [13, 6])
+
+
+def test_patch_model_without_transformers_models_is_harmless():
+    """patch_model on a plain module: no RMSNorm found, nothing to switch; unpatch restores nothing."""
+    _transformers()
+    from rlk.hf import patch_model, unpatch_model
+
+    class Norm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return x * 2
+
+    net = torch.nn.Sequential(Norm(), torch.nn.Linear(4, 4))
+    patch_model(net)
+    assert "forward" in net[0].__dict__
+    unpatch_model(net)
+    assert "forward" not in net[0].__dict__ and not hasattr(net, "_rlk_patch")
+    x = torch.randn(2, 4)
+    assert torch.equal(net[0](x), x * 2)
