@@ -59,15 +59,38 @@ def test_stock_pytorch_is_not_batch_invariant_negative_control():
                           "the negative control failed to show batch variance")
 
 
-@pytest.mark.parametrize("kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+SDPA_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_cudnn_attention")
+
+
+@pytest.mark.parametrize("kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "default"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_sdpa_overrides_are_invariant_and_close_to_stock(causal, kernel):
-    """The flash and efficient SDPA kernels (forced: on Hopper torch prefers cuDNN attention, which rlk does
-    not override yet) run on rlk under the mode."""
+    """Each SDPA kernel torch may pick (forced, and torch's own choice: cuDNN on Hopper) runs on rlk under the
+    mode, forward and backward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if kernel == "default":
+        _check_sdpa(causal)
+        return
     with sdpa_kernel(getattr(SDPBackend, kernel)):
         _check_sdpa(causal)
+
+
+def test_sdpa_backward_of_a_stock_forward_stays_stock():
+    """A forward run before the mode was switched on keeps the stock backward (rlk's backward overrides only
+    serve the saved state of an rlk forward)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 4, 300, 64, generator=g).to(DEVICE, torch.bfloat16).requires_grad_(True)
+               for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = torch.autograd.grad(out.float().square().sum(), (q, k, v), retain_graph=True)
+    with batch_invariant():
+        before = sum(served_calls[f"{name}_backward"] for name in SDPA_KERNELS)
+        got = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        assert sum(served_calls[f"{name}_backward"] for name in SDPA_KERNELS) == before
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
 
 
 def _check_sdpa(causal):
@@ -77,17 +100,15 @@ def _check_sdpa(causal):
     v = torch.randn(4, 8, 700, 64, generator=g).to(DEVICE, torch.bfloat16)
     stock = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     with batch_invariant():
-        before = served_calls["_scaled_dot_product_flash_attention"] + served_calls[
-            "_scaled_dot_product_efficient_attention"]
+        before = sum(served_calls[name] + served_calls[f"{name}_backward"] for name in SDPA_KERNELS)
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
         out.float().square().sum().backward()
         one = [t[2:3].clone().requires_grad_(True) for t in (q, k, v)]
         out1 = F.scaled_dot_product_attention(*one, is_causal=causal)
         out1.float().square().sum().backward()
-        after = served_calls["_scaled_dot_product_flash_attention"] + served_calls[
-            "_scaled_dot_product_efficient_attention"]
-    assert after > before, "SDPA did not run on rlk"
+        after = sum(served_calls[name] + served_calls[f"{name}_backward"] for name in SDPA_KERNELS)
+    assert after >= before + 4, "SDPA forward and backward did not both run on rlk (twice)"
     assert torch.equal(out[2], out1[0])
     for full, single in zip(leaves, one):
         assert torch.equal(full.grad[2], single.grad[0])

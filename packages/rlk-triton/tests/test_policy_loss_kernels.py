@@ -20,6 +20,7 @@ import pytest
 
 import rlk
 from rlk import contract
+from rlk.reference import aggregation
 from rlk.reference import policy_loss as ref
 from rlk_triton import policy_loss as tk
 
@@ -64,7 +65,7 @@ def small_blocks(monkeypatch):
 
 def make_inputs(b: int, t: int, seed: int = 0, per_seq_adv: bool = True) -> dict:
     """fp32 [B, T] inputs: ragged masks (row 0 full, an empty row when b >= 4), ratios spread around 1 with some
-    far outside the clip ranges, mixed-sign advantages, per-row weights c."""
+    far outside the clip ranges, mixed-sign advantages."""
     g = torch.Generator().manual_seed(seed)
     lp = -torch.rand(b, t, generator=g) * 4 - 0.05
     old = lp + 0.3 * torch.randn(b, t, generator=g)
@@ -78,7 +79,6 @@ def make_inputs(b: int, t: int, seed: int = 0, per_seq_adv: bool = True) -> dict
     adv = torch.randn(b, 1, generator=g) if per_seq_adv else torch.randn(b, t, generator=g)
     out = {
         "logprob": lp, "old_logprob": old, "advantages": adv, "mask": mask,
-        "row_weight": torch.rand(b, generator=g) + 0.1,
         "importance_weights": torch.rand(b, t, generator=g) + 0.5,
         "ref_logprob": lp + 0.7 * torch.randn(b, t, generator=g),
         "entropy": torch.rand(b, t, generator=g) * 2,
@@ -91,23 +91,28 @@ BASE = {
     "clamp_high": INF, "tau_pos": 1.0, "tau_neg": 1.05, "kl": "k3", "kl_coef": 0.1, "kl_k3_clamp": True,
     "kl_clamp": INF, "kl_straight_through": False, "kl_unbiased": False, "entropy_coef": 0.01,
 }
-TENSORS = ("logprob", "old_logprob", "advantages", "mask", "row_weight", "importance_weights", "ref_logprob",
-           "entropy")
+TENSORS = ("logprob", "old_logprob", "advantages", "mask", "importance_weights", "ref_logprob", "entropy")
+#: The aggregation of the kernel tests unless a test says otherwise: per-row weights c_i = 1 / (n_i N_seq).
+AGG = {"agg": "seq-mean-token-mean", "global_tokens": None, "global_seqs": None, "loss_scale": None}
 
 
 def run_fwd(impl, inputs: dict, dtype=torch.float32, with_entropy_grad=True, **attrs) -> dict:
-    """Call ``impl.policy_loss_fwd``; inputs set to None are absent. Returns its outputs."""
+    """Call ``impl.policy_loss_fwd``; inputs set to None are absent; ``attrs`` may set the aggregation
+    (``agg``, ``global_tokens``, ``global_seqs``, ``loss_scale``). Returns its outputs."""
     args = [None if inputs.get(k) is None else (inputs[k] if k == "mask" else inputs[k].to(dtype)) for k in TENSORS]
+    attrs = {**BASE, **AGG, **attrs}
+    norms = [attrs.pop(k) for k in ("global_tokens", "global_seqs", "loss_scale")]
     b, t = inputs["logprob"].shape
     out = {
         "loss": torch.empty((), dtype=dtype, device=DEVICE),
         "coef_logprob": torch.empty(b, t, dtype=dtype, device=DEVICE),
         "coef_entropy": torch.empty(b, t, dtype=dtype, device=DEVICE) if with_entropy_grad else None,
+        "row_weight": torch.empty(b, dtype=dtype, device=DEVICE),
         "row_stats": torch.empty(b, len(ref.ROW_STATS), dtype=dtype, device=DEVICE),
         "metrics": torch.empty(len(ref.METRICS), dtype=dtype, device=DEVICE),
     }
-    impl.policy_loss_fwd(*args, out["loss"], out["coef_logprob"], out["coef_entropy"], out["row_stats"],
-                         out["metrics"], **{**BASE, **attrs})
+    impl.policy_loss_fwd(*args, *norms, out["loss"], out["coef_logprob"], out["coef_entropy"], out["row_weight"],
+                         out["row_stats"], out["metrics"], **attrs)
     if not with_entropy_grad:
         del out["coef_entropy"]
     return out
@@ -116,10 +121,16 @@ def run_fwd(impl, inputs: dict, dtype=torch.float32, with_entropy_grad=True, **a
 def scales(inputs: dict, **attrs) -> dict:
     """The contract's scales (``1 + |ref| + rlk.reference.policy_loss.contract_scale``) from the fp64 inputs."""
     args = [None if inputs.get(k) is None else (inputs[k] if k == "mask" else inputs[k].double()) for k in TENSORS]
-    return ref.contract_scale(*args, **{**BASE, **attrs})
+    attrs = {**BASE, **AGG, **attrs}
+    agg_args = {k: attrs.pop(k) for k in ("global_tokens", "global_seqs", "loss_scale")}
+    row_weight = aggregation.row_weights(inputs["mask"], attrs.pop("agg"), dtype=torch.float64, **agg_args)
+    return ref.contract_scale(*args[:4], row_weight, *args[4:], **attrs)
 
 
 def check_outputs(got: dict, truth: dict, scale: dict, attrs=None) -> None:
+    dev = contract.compare_outputs(ENTRY, "row_weight", got["row_weight"], truth["row_weight"],
+                                   1.0 + truth["row_weight"].abs())
+    assert dev.ok, (attrs, dev)
     for name in ("loss", "row_stats", "metrics"):
         value, expected = got[name].reshape(-1), truth[name].reshape(-1)
         dev = contract.compare_outputs(ENTRY, name, value, expected, 1.0 + expected.abs() + scale[name].reshape(-1))
@@ -233,7 +244,8 @@ def test_empty_mask(loss):
     inputs = make_inputs(3, 7, seed=6)
     inputs["mask"][:] = False
     got = run_fwd(tk, inputs, loss=loss)
-    assert all(bool(torch.all(v == 0)) for v in got.values())
+    assert all(bool(torch.all(v == 0)) for name, v in got.items() if name != "row_weight")
+    assert torch.equal(got["row_weight"], torch.ones_like(got["row_weight"]))  # 1 / (max(n_i, 1) max(N_seq, 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,12 +257,12 @@ def test_empty_mask(loss):
 @pytest.mark.parametrize("loss", LOSSES)
 def test_batch_invariance(request, loss, blocks):
     """A row's coefficients and row statistics are the same bits alone and at the first, middle and last
-    position of batches of 2, 5 and 9 rows (its weight c_i is its own: token-sum gives 1)."""
+    position of batches of 2, 5 and 9 rows (the coefficients whatever the aggregation; the statistics, whose
+    loss column carries c_i, because c_i = 1 / (n_i N_seq) is the row's own with a global N_seq)."""
     if blocks == "small":
         request.getfixturevalue("small_blocks")
-    attrs = {"loss": loss, "dual_clip": 3.0 if loss == "ppo" else 0.0}
+    attrs = {"loss": loss, "dual_clip": 3.0 if loss == "ppo" else 0.0, "global_seqs": 64.0}
     probe = make_inputs(1, 40, seed=7, per_seq_adv=False)
-    probe["row_weight"][:] = 1.0
     alone = run_fwd(tk, probe, **attrs)
     for b in (2, 5, 9):
         for pos in sorted({0, b // 2, b - 1}):
@@ -275,16 +287,18 @@ def test_deterministic():
 
 
 def test_policy_loss_bwd_is_the_reference_product(small_blocks):
-    """One fp32 multiply per element, correctly rounded in both backends: the same bits."""
+    """(coef * c_i) * grad_loss: two fp32 multiplies per element in the same order, correctly rounded in both
+    backends: the same bits (rows of several BLOCK_ELEMENTWISE chunks)."""
     g = torch.Generator().manual_seed(9)
     coef, coef_ent = torch.randn(2, 7, 50, generator=g).to(DEVICE)
+    row_weight = (torch.rand(7, generator=g) + 0.1).to(DEVICE)
     grad_loss = torch.tensor(0.37, device=DEVICE)
     outs = []
     for impl in (tk, ref):
         gl, ge = torch.empty_like(coef), torch.empty_like(coef)
-        impl.policy_loss_bwd(grad_loss, coef, coef_ent, gl, ge)
+        impl.policy_loss_bwd(grad_loss, coef, coef_ent, row_weight, gl, ge)
         gl2 = torch.empty_like(coef)
-        impl.policy_loss_bwd(grad_loss, coef, None, gl2, None)
+        impl.policy_loss_bwd(grad_loss, coef, None, row_weight, gl2, None)
         outs.append((gl, ge, gl2))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
@@ -412,7 +426,7 @@ def test_realistic_shape_gpu(loss):
     against the fp64 reference, and a probe row alone vs first / middle / last (bitwise)."""
     attrs = {"loss": loss, "dual_clip": 3.0 if loss == "ppo" else 0.0, "clamp_low": -20.0, "clamp_high": 20.0}
     inputs = make_inputs(512, 8192, seed=13, per_seq_adv=loss != "geo_mean")
-    inputs["row_weight"][:] = 1.0
+    attrs["agg"] = "token-sum"
     check_against_reference(inputs, **attrs)
     probe = {k: v[5:6].clone() for k, v in inputs.items()}
     alone = run_fwd(tk, probe, **attrs)

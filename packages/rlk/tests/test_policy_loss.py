@@ -827,14 +827,14 @@ def test_device_mismatch_is_named():
 # ----------------------------------------------------------------------------------------------
 
 
-def _fwd_args(batch, loss="ppo", iw=True, ref=True, ent=True, with_entropy_grad=True):
-    b = batch["lp"].shape[0]
+def _fwd_args(batch, loss="ppo", iw=True, ref=True, ent=True, with_entropy_grad=True, global_seqs=None):
     lp = batch["lp"].clone().requires_grad_(True)
     entropy = batch["entropy"].clone().requires_grad_(with_entropy_grad) if ent else None
-    return (lp, batch["old"], batch["adv"][:, None], batch["mask"], torch.full((b,), 0.1),
-            batch["iw"] if iw else None, batch["ref"] if ref else None, entropy,
-            loss, "k3", [False, True, False, False, ent and with_entropy_grad],
-            [0.2, 0.28, 3.0 if loss == "ppo" else 0.0, -20.0, 20.0, 1.0, 1.05, 0.1, math.inf, 0.01])
+    return (lp, batch["old"], batch["adv"][:, None], batch["mask"], batch["iw"] if iw else None,
+            batch["ref"] if ref else None, entropy, None, global_seqs, None, "seq-mean-token-mean", loss, "k3",
+            [False, True, False, False, ent and with_entropy_grad],
+            [0.2, 0.28, 3.0 if loss == "ppo" else 0.0, -20.0, 20.0, 1.0, 1.05, 0.1, math.inf, 0.01, math.nan,
+             math.nan, math.nan])
 
 
 def test_opcheck_all_custom_ops():
@@ -843,9 +843,10 @@ def test_opcheck_all_custom_ops():
         torch.library.opcheck(torch.ops.rlk.policy_loss_fwd.default, _fwd_args(batch, loss))
     torch.library.opcheck(torch.ops.rlk.policy_loss_fwd.default, _fwd_args(batch, iw=False, ref=False, ent=False))
     torch.library.opcheck(torch.ops.rlk.policy_loss_fwd.default, _fwd_args(batch, with_entropy_grad=False))
-    coef = torch.randn(3, 5)
-    torch.library.opcheck(torch.ops.rlk.policy_loss_bwd.default, (torch.tensor(0.5), coef, coef, "reference"))
-    torch.library.opcheck(torch.ops.rlk.policy_loss_bwd.default, (torch.tensor(0.5), coef, None, "reference"))
+    torch.library.opcheck(torch.ops.rlk.policy_loss_fwd.default, _fwd_args(batch, global_seqs=torch.tensor(4.0)))
+    coef, c = torch.randn(3, 5), torch.rand(3)
+    torch.library.opcheck(torch.ops.rlk.policy_loss_bwd.default, (torch.tensor(0.5), coef, coef, c, "reference"))
+    torch.library.opcheck(torch.ops.rlk.policy_loss_bwd.default, (torch.tensor(0.5), coef, None, c, "reference"))
     lp = batch["lp"].reshape(-1).clone().requires_grad_(True)
     ref, old = batch["ref"].reshape(-1), batch["old"].reshape(-1)
     torch.library.opcheck(torch.ops.rlk.kl_penalty_fwd.default, (lp, ref, None, "k3", False, True, math.inf))

@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 #: The rlk op ABI this backend implements (rlk.abi.ABI_VERSION it was written for); rlk refuses a
 #: backend whose ABI differs from its own.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
 

@@ -8,22 +8,25 @@ derivatives, the KL estimators, the metrics). Layout of the work:
   chunk's partial sums of the per-sequence quantities (tokens, log-ratios, advantages,
   weights); the main kernel's programs each add their row's partials in chunk order (the
   same small sum in every program of the row) to get ``log s_i`` or ``R_i``, ``Abar_i``. The
-  main kernel computes per token the loss terms and the gradient coefficient (already
-  multiplied by the row's aggregation weight ``c_i``), stores the coefficients, and writes the
-  chunk's sums (loss, tokens, clipped, ratio, ...). A row kernel adds a row's chunk sums in
-  chunk order into ``row_stats``; one combine program adds the ``[B]`` row statistics in row
-  order, in ``COMBINE_BLOCK``-wide lanes and one final tree, and writes the loss and the
-  metrics.
-* ``policy_loss_bwd`` and ``kl_penalty_bwd`` are elementwise products
-  ``grad = upstream * coef`` (a scalar upstream for the loss, per element for the KL).
+  main kernel computes per token the loss terms and the gradient coefficient of the row's
+  sum (no aggregation weight: a row's coefficients never depend on the other rows), stores
+  the coefficients, and writes the chunk's sums (loss, tokens, clipped, ratio, ...). A row
+  kernel adds a row's chunk sums in chunk order into ``row_stats``; one finalize program
+  counts the call's tokens and non-empty rows, computes the aggregation weights ``c_i``
+  (the formulas of :mod:`rlk.reference.aggregation`), weights the row losses, and adds the
+  ``[B]`` rows in row order (``COMBINE_BLOCK``-wide lanes, one final tree) into the loss and
+  the metrics.
+* ``policy_loss_bwd`` is ``grad = (coef * c_i) * upstream`` per (row, chunk);
+  ``kl_penalty_bwd`` the elementwise product ``upstream * coef``.
 * ``kl_penalty_fwd`` is elementwise: value and derivative of the estimator, written by the
   same device function (:func:`kl_terms`) the policy-loss kernel uses.
 
 Batch invariance and determinism by construction: the tile sizes are fixed constants (no
 autotuning, nothing derived from ``B``), a row's coefficients and partials depend only on
-that row's data and its weight ``c_i`` (computed by the caller), there are no atomics, and
-every reduction runs in an order that depends only on ``T`` (within a row) or ``B`` (the
-combine). Offsets are int64. Everything is fp32 (the op layer upcasts 16-bit inputs).
+that row's data (its weighted loss and its gradient on its weight ``c_i`` too), there are no
+atomics, and every reduction runs in an order that depends only on ``T`` (within a row) or
+``B`` (the finalize program). Offsets are int64. Everything is fp32 (the op layer upcasts
+16-bit inputs).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlk.reference.aggregation import AGG_MODES
 from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
 from rlk_triton.common import on_device
 
@@ -55,6 +59,10 @@ _ABS = tl.constexpr(KL_ESTIMATORS.index("abs"))
 _K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
 _NUM_STATS = tl.constexpr(len(ROW_STATS))
 _STATS_COLS = 16  # ROW_STATS padded to a power of two
+_TOKEN_MEAN = tl.constexpr(AGG_MODES.index("token-mean"))
+_TOKEN_SUM = tl.constexpr(AGG_MODES.index("token-sum"))
+_SEQ_MEAN_TOKEN_SUM = tl.constexpr(AGG_MODES.index("seq-mean-token-sum"))
+_SEQ_MEAN_TOKEN_MEAN = tl.constexpr(AGG_MODES.index("seq-mean-token-mean"))
 _NUM_METRICS = len(METRICS)
 
 
@@ -156,7 +164,7 @@ def _seq_partials_kernel(
 
 @triton.jit
 def _policy_loss_chunk_kernel(
-    lp_ptr, old_ptr, adv_ptr, mask_ptr, c_ptr, iw_ptr, ref_ptr, ent_ptr, parts_ptr,
+    lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, ref_ptr, ent_ptr, parts_ptr,
     coef_lp_ptr, coef_ent_ptr, chunk_stats_ptr,
     T, n_chunks, adv_stride_b, adv_stride_t,
     clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl_coef, kl_clamp, entropy_coef,
@@ -171,7 +179,6 @@ def _policy_loss_chunk_kernel(
     chunk = tl.program_id(1).to(tl.int64)
     base = row * T
     adv_base = row * adv_stride_b
-    c = tl.load(c_ptr + row).to(tl.float32)
     offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < T
     zeros = tl.zeros((BLOCK,), tl.float32)
@@ -284,14 +291,14 @@ def _policy_loss_chunk_kernel(
         entropy = _load_row(ent_ptr, base, offs, inb, m)
         if ENT_TERM:
             objective = objective - entropy_coef * entropy
-    tl.store(coef_lp_ptr + base + offs, tl.where(m, c * coef, 0.0), mask=inb)
+    tl.store(coef_lp_ptr + base + offs, tl.where(m, coef, 0.0), mask=inb)
     if ENT_GRAD:
-        tl.store(coef_ent_ptr + base + offs, tl.where(m, -entropy_coef * c, 0.0), mask=inb)
+        tl.store(coef_ent_ptr + base + offs, tl.where(m, -entropy_coef, 0.0), mask=inb)
     ratio = tl.where(m, ratio, 0.0)
 
     # ---- this chunk's sums (columns of ROW_STATS) -------------------------------------------
     out = chunk_stats_ptr + (row * n_chunks + chunk) * _NUM_STATS
-    tl.store(out + 0, c * tl.sum(tl.where(m, objective, 0.0), axis=0))
+    tl.store(out + 0, tl.sum(tl.where(m, objective, 0.0), axis=0))
     tl.store(out + 1, tl.sum(tl.where(m, 1.0, 0.0), axis=0))
     tl.store(out + 2, tl.sum(tl.where(m, clipped, 0.0), axis=0))
     tl.store(out + 3, tl.sum(tl.where(m, lower, 0.0), axis=0))
@@ -331,15 +338,64 @@ def _row_stats_kernel(chunk_stats_ptr, stats_ptr, n_chunks, PARTS_BLOCK: tl.cons
 
 
 @triton.jit
-def _policy_loss_combine_kernel(stats_ptr, loss_ptr, metrics_ptr, B, BLOCK: tl.constexpr, COLS: tl.constexpr):
-    """Fixed-order sum of the ``[B]`` row statistics (lane ``j`` takes rows ``j, j + BLOCK, ...``)."""
+def _normalizer(ptr, value, FROM_PTR: tl.constexpr):
+    """A normalizer given as a one-element fp32 tensor (``FROM_PTR``) or as a number."""
+    if FROM_PTR:
+        value = tl.load(ptr).to(tl.float32)
+    return value
+
+
+@triton.jit
+def _policy_loss_finalize_kernel(
+    stats_ptr, weight_ptr, loss_ptr, metrics_ptr, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale, B,
+    AGG: tl.constexpr, HAS_GTOK: tl.constexpr, GTOK_PTR: tl.constexpr, HAS_GSEQ: tl.constexpr,
+    GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
+):
+    """One program: the aggregation weights ``c_i`` (rlk.reference.aggregation), the weighted row losses, the
+    loss and the metrics, from the ``[B]`` row statistics (unweighted loss column on entry).
+
+    Pass 1 counts the call's tokens and non-empty rows (for the normalizers not given); pass 2 writes
+    ``c_i``, replaces ``row_stats[:, 0]`` by ``c_i`` times it, and sums the rows in fixed order (lane ``j``
+    takes rows ``j, j + BLOCK, ...``; one tree at the end). Counts are fp32: exact up to 2^24 tokens.
+    """
     cols = tl.arange(0, COLS)
     col_in = cols < _NUM_STATS
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    tok_acc = tl.zeros((BLOCK,), tl.float32)
+    seq_acc = tl.zeros((BLOCK,), tl.float32)
+    for b0 in range(0, B, BLOCK):
+        rows = b0 + lanes
+        n = tl.load(stats_ptr + rows * _NUM_STATS + 1, mask=rows < B, other=0.0)
+        tok_acc += n
+        seq_acc += tl.where(n > 0, 1.0, 0.0)
+    if HAS_GTOK:
+        n_tok = _normalizer(gtok_ptr, gtok, GTOK_PTR)
+    else:
+        n_tok = tl.maximum(tl.sum(tok_acc, axis=0), 1.0)
+    if HAS_GSEQ:
+        n_seq = _normalizer(gseq_ptr, gseq, GSEQ_PTR)
+    else:
+        n_seq = tl.maximum(tl.sum(seq_acc, axis=0), 1.0)
     acc = tl.zeros((BLOCK, COLS), tl.float32)
     for b0 in range(0, B, BLOCK):
-        rows = b0 + tl.arange(0, BLOCK).to(tl.int64)
-        tile = tl.load(stats_ptr + rows[:, None] * _NUM_STATS + cols[None, :],
-                       mask=(rows < B)[:, None] & col_in[None, :], other=0.0)
+        rows = b0 + lanes
+        inb = rows < B
+        tile = tl.load(stats_ptr + rows[:, None] * _NUM_STATS + cols[None, :], mask=inb[:, None] & col_in[None, :],
+                       other=0.0)
+        n = tl.sum(tl.where(cols[None, :] == 1, tile, 0.0), axis=1)
+        if AGG == _TOKEN_MEAN:
+            c = tl.zeros((BLOCK,), tl.float32) + 1.0 / n_tok
+        elif AGG == _TOKEN_SUM:
+            c = tl.zeros((BLOCK,), tl.float32) + 1.0
+        elif AGG == _SEQ_MEAN_TOKEN_SUM:
+            c = tl.zeros((BLOCK,), tl.float32) + 1.0 / n_seq
+        elif AGG == _SEQ_MEAN_TOKEN_MEAN:
+            c = 1.0 / (tl.maximum(n, 1.0) * n_seq)
+        else:  # seq-mean-token-sum-norm
+            c = tl.zeros((BLOCK,), tl.float32) + 1.0 / (n_seq * _normalizer(scale_ptr, loss_scale, SCALE_PTR))
+        tl.store(weight_ptr + rows, c, mask=inb)
+        tile = tl.where(cols[None, :] == 0, c[:, None] * tile, tile)
+        tl.store(stats_ptr + rows * _NUM_STATS, tl.sum(tl.where(cols[None, :] == 0, tile, 0.0), axis=1), mask=inb)
         acc = _add_stats(acc, tile, cols)
     total = _total_stats(acc, cols)
     loss = tl.sum(tl.where(cols == 0, total, 0.0), axis=0)
@@ -355,17 +411,27 @@ def _policy_loss_combine_kernel(stats_ptr, loss_ptr, metrics_ptr, B, BLOCK: tl.c
     tl.store(metrics_ptr + 7, tokens)
 
 
-def policy_loss_fwd(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy,
-                    loss_out, coef_logprob_out, coef_entropy_out, row_stats_out, metrics_out, *, loss, cispo_upper,
-                    clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl, kl_coef, kl_k3_clamp,
-                    kl_clamp, kl_straight_through, kl_unbiased, entropy_coef):
+def _normalizer_args(value) -> tuple[object, float, bool, bool]:
+    """(pointer argument, number argument, given, given as a tensor) of one aggregation normalizer."""
+    if value is None:
+        return None, 0.0, False, False
+    if isinstance(value, torch.Tensor):
+        return value.reshape(1).to(torch.float32), 0.0, True, True
+    return None, float(value), True, False
+
+
+def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, global_tokens,
+                    global_seqs, loss_scale, loss_out, coef_logprob_out, coef_entropy_out, row_weight_out,
+                    row_stats_out, metrics_out, *, agg, loss, cispo_upper, clip_low, clip_high, dual_clip, clamp_low,
+                    clamp_high, tau_pos, tau_neg, kl, kl_coef, kl_k3_clamp, kl_clamp, kl_straight_through,
+                    kl_unbiased, entropy_coef):
     """The fused policy loss (spec and arguments: :func:`rlk.reference.policy_loss.policy_loss_fwd`).
 
-    Shapes: ``[B, T]`` fp32 inputs (``advantages`` ``[B, T]`` or ``[B, 1]``), bool ``mask``,
-    ``row_weight`` ``[B]``; outputs ``loss_out[]``, ``coef_logprob_out[B, T]``,
-    ``coef_entropy_out[B, T] | None``, ``row_stats_out[B, 9]``, ``metrics_out[8]``. Programs
-    ``(row, chunk of BLOCK_T tokens)`` (after a partial-sum pass for the sequence-level losses),
-    then one program per row for its statistics, then one combine program.
+    Shapes: ``[B, T]`` fp32 inputs (``advantages`` ``[B, T]`` or ``[B, 1]``), bool ``mask``, the
+    normalizers numbers, one-element tensors or None; outputs ``loss_out[]``, ``coef_logprob_out[B, T]``,
+    ``coef_entropy_out[B, T] | None``, ``row_weight_out[B]``, ``row_stats_out[B, 9]``, ``metrics_out[8]``.
+    Programs ``(row, chunk of BLOCK_T tokens)`` (after a partial-sum pass for the sequence-level
+    losses), then one program per row for its statistics, then one program for the weights and sums.
     """
     n_rows, t = logprob.shape
     n_chunks = triton.cdiv(t, BLOCK_T)
@@ -388,7 +454,7 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, row_weight, importan
                 float(clamp_high), LOSS=code, HAS_IW=has_iw, BLOCK=BLOCK_T, num_warps=NUM_WARPS,
             )
         _policy_loss_chunk_kernel[grid](
-            logprob, old_logprob, advantages, mask.view(torch.uint8), row_weight,
+            logprob, old_logprob, advantages, mask.view(torch.uint8),
             importance_weights if has_iw else dummy, ref_logprob if has_ref else dummy, entropy if has_ent else dummy,
             parts if sequence_level else dummy,
             coef_logprob_out, coef_entropy_out if ent_grad else coef_logprob_out, chunk_stats,
@@ -405,8 +471,15 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, row_weight, importan
         )
         _row_stats_kernel[(n_rows,)](chunk_stats, row_stats_out, n_chunks, PARTS_BLOCK=PARTS_BLOCK, COLS=_STATS_COLS,
                                      num_warps=1)
-        _policy_loss_combine_kernel[(1,)](row_stats_out, loss_out, metrics_out, n_rows, BLOCK=COMBINE_BLOCK,
-                                          COLS=_STATS_COLS, num_warps=NUM_WARPS)
+        gtok_ptr, gtok, has_gtok, gtok_is_ptr = _normalizer_args(global_tokens)
+        gseq_ptr, gseq, has_gseq, gseq_is_ptr = _normalizer_args(global_seqs)
+        scale_ptr, scale, _, scale_is_ptr = _normalizer_args(loss_scale)
+        _policy_loss_finalize_kernel[(1,)](
+            row_stats_out, row_weight_out, loss_out, metrics_out, gtok_ptr if gtok_is_ptr else dummy,
+            gseq_ptr if gseq_is_ptr else dummy, scale_ptr if scale_is_ptr else dummy, gtok, gseq, scale, n_rows,
+            AGG=AGG_MODES.index(agg), HAS_GTOK=has_gtok, GTOK_PTR=gtok_is_ptr, HAS_GSEQ=has_gseq,
+            GSEQ_PTR=gseq_is_ptr, SCALE_PTR=scale_is_ptr, BLOCK=COMBINE_BLOCK, COLS=_STATS_COLS, num_warps=NUM_WARPS,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,31 +488,34 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, row_weight, importan
 
 
 @triton.jit
-def _scale_kernel(x_ptr, s_ptr, out_ptr, N, PER_ELEMENT: tl.constexpr, BLOCK: tl.constexpr):
-    """``out = x * s`` with ``s`` a scalar (``s_ptr[0]``) or per element."""
+def _product_kernel(x_ptr, y_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    """``out = x * y`` elementwise."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < N
     x = tl.load(x_ptr + offs, mask=inb, other=0.0)
-    if PER_ELEMENT:
-        s = tl.load(s_ptr + offs, mask=inb, other=0.0)
-    else:
-        s = tl.load(s_ptr)
-    tl.store(out_ptr + offs, x * s, mask=inb)
+    tl.store(out_ptr + offs, x * tl.load(y_ptr + offs, mask=inb, other=0.0), mask=inb)
 
 
-def _scale(x: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
-    n = x.numel()
-    with on_device(x.device):
-        _scale_kernel[(triton.cdiv(n, BLOCK_ELEMENTWISE),)](
-            x, s, out, n, PER_ELEMENT=s.numel() == n and s.dim() > 0, BLOCK=BLOCK_ELEMENTWISE, num_warps=NUM_WARPS
-        )
+@triton.jit
+def _row_scale_kernel(x_ptr, c_ptr, g_ptr, out_ptr, T, BLOCK: tl.constexpr):
+    """Program ``(row, chunk)``: ``out = (x * c[row]) * g`` over ``BLOCK`` tokens of a ``[B, T]`` tensor."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < T
+    x = tl.load(x_ptr + row * T + offs, mask=inb, other=0.0)
+    tl.store(out_ptr + row * T + offs, (x * tl.load(c_ptr + row)) * tl.load(g_ptr), mask=inb)
 
 
-def policy_loss_bwd(grad_loss, coef_logprob, coef_entropy, grad_logprob_out, grad_entropy_out):
-    """``grad_logprob = coef_logprob * grad_loss`` (``grad_loss`` ``[]``), same for the entropy."""
-    _scale(coef_logprob, grad_loss, grad_logprob_out)
-    if grad_entropy_out is not None:
-        _scale(coef_entropy, grad_loss, grad_entropy_out)
+def policy_loss_bwd(grad_loss, coef_logprob, coef_entropy, row_weight, grad_logprob_out, grad_entropy_out):
+    """``grad_logprob = (coef_logprob * c_i) * grad_loss`` (``grad_loss`` ``[]``, ``row_weight`` ``[B]``), the
+    same for the entropy."""
+    b, t = coef_logprob.shape
+    grid = (b, triton.cdiv(t, BLOCK_ELEMENTWISE))
+    with on_device(coef_logprob.device):
+        for x, out in ((coef_logprob, grad_logprob_out), (coef_entropy, grad_entropy_out)):
+            if out is not None:
+                _row_scale_kernel[grid](x, row_weight, grad_loss, out, t, BLOCK=BLOCK_ELEMENTWISE,
+                                        num_warps=NUM_WARPS)
 
 
 @triton.jit
@@ -481,4 +557,7 @@ def kl_penalty_fwd(logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estim
 
 def kl_penalty_bwd(grad_kl, coef, grad_logprob_out):
     """``grad_logprob = grad_kl * coef`` (elementwise, ``[N]`` fp32)."""
-    _scale(grad_kl, coef, grad_logprob_out)
+    n = coef.numel()
+    with on_device(coef.device):
+        _product_kernel[(triton.cdiv(n, BLOCK_ELEMENTWISE),)](grad_kl, coef, grad_logprob_out, n,
+                                                             BLOCK=BLOCK_ELEMENTWISE, num_warps=NUM_WARPS)

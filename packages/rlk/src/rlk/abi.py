@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Bumped on any incompatible change of a primitive's signature or meaning.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -149,15 +149,17 @@ PRIMITIVES: dict[str, Primitive] = {
             "(rewards[B,T] fp32, values[B,T] fp32, mask[B,T] bool, gamma: float, gamma_lam: float (= gamma * lam; "
             "both rounded to fp32 by the op layer), advantages_out[B,T] fp32, returns_out[B,T] fp32) -> None",
         ),
-        # Policy losses and KL (spec: rlk.reference.policy_loss): fp32 (fp64: reference only), bool mask,
-        # per-row aggregation weights from rlk.reference.aggregation; scalar attributes keyword-only.
+        # Policy losses and KL (spec: rlk.reference.policy_loss): fp32 (fp64: reference only), bool mask; the
+        # aggregation weights c are computed by the primitive (rlk.reference.aggregation) and applied by the
+        # backward, so the saved coefficients of a row never depend on the other rows. Scalar attributes keyword-only.
         Primitive(
             "policy_loss_fwd",
             "policy_loss",
             "(logprob[B,T] fp32, old_logprob[B,T] fp32, advantages[B,T] | [B,1] fp32, mask[B,T] bool, "
-            "row_weight[B] fp32, importance_weights[B,T] fp32 | None, ref_logprob[B,T] fp32 | None, "
-            "entropy[B,T] fp32 | None, loss_out[] fp32, coef_logprob_out[B,T] fp32, "
-            "coef_entropy_out[B,T] fp32 | None, row_stats_out[B,9] fp32, metrics_out[8] fp32, *, "
+            "importance_weights[B,T] fp32 | None, ref_logprob[B,T] fp32 | None, entropy[B,T] fp32 | None, "
+            "global_tokens, global_seqs, loss_scale: float | [] fp32 tensor | None, loss_out[] fp32, "
+            "coef_logprob_out[B,T] fp32 (of the row sums, before c), coef_entropy_out[B,T] fp32 | None, "
+            "row_weight_out[B] fp32 (c), row_stats_out[B,9] fp32, metrics_out[8] fp32, *, agg: str, "
             "loss: str, cispo_upper: bool, clip_low: float, clip_high: float, dual_clip: float (0: off), "
             "clamp_low: float, clamp_high: float (+-inf: off), tau_pos: float, tau_neg: float, kl: str, "
             "kl_coef: float, kl_k3_clamp: bool, kl_clamp: float (inf: off), kl_straight_through: bool, "
@@ -166,8 +168,8 @@ PRIMITIVES: dict[str, Primitive] = {
         Primitive(
             "policy_loss_bwd",
             "policy_loss",
-            "(grad_loss[] fp32, coef_logprob[B,T] fp32, coef_entropy[B,T] fp32 | None, "
-            "grad_logprob_out[B,T] fp32, grad_entropy_out[B,T] fp32 | None) -> None",
+            "(grad_loss[] fp32, coef_logprob[B,T] fp32, coef_entropy[B,T] fp32 | None, row_weight[B] fp32, "
+            "grad_logprob_out[B,T] fp32 ((coef * c_i) * grad_loss), grad_entropy_out[B,T] fp32 | None) -> None",
         ),
         Primitive(
             "kl_penalty_fwd",

@@ -25,7 +25,13 @@ aten op                                    served by
 (+ ``_backward``), CUDA only               uniform ``cu_seqlens``; no dropout; causal only when Sq == Sk
 ``_scaled_dot_product_efficient_attention`` the same, when ``attn_bias`` is None (a mask: stock kernel and a
 (+ ``_backward``), CUDA only               one-time warning that the call is not batch-invariant)
+``_scaled_dot_product_cudnn_attention``    the same (torch's default SDPA kernel on Hopper); logsumexp
+(+ ``_backward``), CUDA only               ``[B, H, Sq, 1]`` as cuDNN returns it
 ========================================== ===============================================================
+
+An SDPA backward override serves only the saved state of an rlk forward (it recognizes the RNG-state tensor
+rlk's forward returned); a forward that ran the stock kernel keeps the stock backward. Keep the mode on
+from the forward through the backward.
 
 Falls back to the stock kernel: other dtypes (integers, float64), empty tensors, mixed dtypes,
 shapes an override does not cover, and any op while no batch-invariant backend serves the
@@ -397,13 +403,31 @@ def _attention_backward(backend, grad_out, query, key, value, out, lse, is_causa
     return _from_varlen(grad_q, batch), _from_varlen(grad_k, batch), _from_varlen(grad_v, batch)
 
 
+#: Per (device, dtype, shape): the tensor every rlk SDPA forward returns as its RNG state. The backward override
+#: serves a call only when the RNG state it gets back is (a view of) this tensor, so a forward that ran the
+#: stock kernel (the mode switched on between forward and backward) keeps the stock backward.
+_rng_markers: dict[tuple, Tensor] = {}
+
+
+def _rng_marker(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    key = (device, dtype, shape)
+    if key not in _rng_markers:
+        _rng_markers[key] = torch.empty(shape, dtype=dtype, device=device)  # never read: an identity
+    return _rng_markers[key]
+
+
+def _ours(rng_state) -> bool:
+    return isinstance(rng_state, Tensor) and any(
+        rng_state.data_ptr() == marker.data_ptr() for marker in _rng_markers.values())
+
+
 def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     backend = None if return_debug_mask else _sdpa_backend(query, key, value, dropout_p, is_causal)
     if backend is None:
         return _FALLBACK
     out, lse = _attention_forward(backend, query, key, value, is_causal, scale)
-    seed = torch.empty((2,), dtype=torch.uint64, device=query.device)
-    offset = torch.empty((), dtype=torch.uint64, device=query.device)
+    seed = _rng_marker(query.device, torch.uint64, (2,))
+    offset = _rng_marker(query.device, torch.uint64, ())
     debug = query.new_empty((0,))
     no_cum = torch.empty((0,), dtype=torch.int32, device=query.device)
     return out, lse, no_cum, no_cum, query.shape[2], key.shape[2], seed, offset, debug
@@ -412,7 +436,7 @@ def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_d
 def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                               dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
     backend = _sdpa_backend(query, key, value, dropout_p, is_causal)
-    if backend is None or logsumexp.dim() != 3 or logsumexp.dtype != torch.float32:
+    if backend is None or not _ours(philox_seed) or logsumexp.dim() != 3 or logsumexp.dtype != torch.float32:
         return _FALLBACK
     return _attention_backward(backend, grad_out, query, key, value, out, logsumexp, is_causal, scale)
 
@@ -442,8 +466,8 @@ def _efficient_attention(query, key, value, attn_bias, compute_log_sumexp, dropo
     lse_out = lse.new_zeros((batch, heads, padded))
     if compute_log_sumexp:
         lse_out[:, :, :seq_q] = lse
-    seed = torch.empty((), dtype=torch.int64, device=query.device)
-    offset = torch.empty((), dtype=torch.int64, device=query.device)
+    seed = _rng_marker(query.device, torch.int64, ())
+    offset = _rng_marker(query.device, torch.int64, ())
     return out, lse_out, seed, offset
 
 
@@ -452,12 +476,40 @@ def _efficient_attention_backward(grad_out, query, key, value, attn_bias, out, l
     if attn_bias is not None:
         return _FALLBACK
     backend = _sdpa_backend(query, key, value, dropout_p, is_causal)
-    if backend is None or key.shape[1] != query.shape[1] or logsumexp.dim() != 3:
+    if backend is None or not _ours(philox_seed) or key.shape[1] != query.shape[1] or logsumexp.dim() != 3:
         return _FALLBACK
     if logsumexp.shape[2] < query.shape[2] or logsumexp.dtype != torch.float32:
         return _FALLBACK
     grads = _attention_backward(backend, grad_out, query, key, value, out, logsumexp, is_causal, scale)
     return (*grads, None)
+
+
+def _cudnn_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                     return_debug_mask=False, *, scale=None):
+    """cuDNN SDPA (torch's default SDPA kernel on Hopper): output, and logsumexp ``[B, H, Sq, 1]`` fp32."""
+    if attn_bias is not None:
+        _warn_not_invariant("scaled_dot_product_attention with an attn_mask (cuDNN kernel)")
+        return _FALLBACK
+    backend = None if return_debug_mask else _sdpa_backend(query, key, value, dropout_p, is_causal)
+    if backend is None:
+        return _FALLBACK
+    out, lse = _attention_forward(backend, query, key, value, is_causal, scale)
+    no_cum = torch.empty((0,), dtype=torch.int32, device=query.device)
+    seed = _rng_marker(query.device, torch.int64, ())
+    offset = _rng_marker(query.device, torch.int64, ())
+    return (out, lse.unsqueeze(-1), no_cum, no_cum, query.shape[2], key.shape[2], seed, offset,
+            query.new_empty((0,)))
+
+
+def _cudnn_attention_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
+                              cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+    if attn_bias is not None and attn_bias.numel() > 0:
+        return _FALLBACK
+    backend = _sdpa_backend(query, key, value, dropout_p, is_causal)
+    if backend is None or not _ours(philox_seed) or logsumexp.dim() != 4 or logsumexp.dtype != torch.float32:
+        return _FALLBACK
+    lse = logsumexp[..., 0]
+    return _attention_backward(backend, grad_out, query, key, value, out, lse, is_causal, scale)
 
 
 #: (aten op with overload, handler, CUDA only)
@@ -477,6 +529,8 @@ _OVERRIDES: tuple[tuple[str, Callable, bool], ...] = (
     ("_scaled_dot_product_flash_attention_backward", _flash_attention_backward, True),
     ("_scaled_dot_product_efficient_attention", _efficient_attention, True),
     ("_scaled_dot_product_efficient_attention_backward", _efficient_attention_backward, True),
+    ("_scaled_dot_product_cudnn_attention", _cudnn_attention, True),
+    ("_scaled_dot_product_cudnn_attention_backward", _cudnn_attention_backward, True),
 )
 
 

@@ -3,8 +3,9 @@
 Each op is two ``torch.library.custom_op`` primitives (``rlk::<op>_fwd``, ``rlk::<op>_bwd``)
 with fake implementations, so they trace under ``torch.compile(fullgraph=True)``, and one
 ``register_autograd``. The forward primitive does all the work in one pass: the loss, the
-per-token gradient coefficients (aggregation weights included) and the metrics; the
-backward only multiplies the saved coefficients by the upstream gradient. Backends are
+per-token gradient coefficients of each row's sum, the aggregation weights of the rows and
+the metrics; the backward only multiplies the saved coefficients by their row's weight and
+the upstream gradient. Backends are
 chosen at run time by ``rlk.dispatch``; the backward runs on the backend that served the
 forward. The math is specified in :mod:`rlk.reference.policy_loss`; the aggregation modes
 in :mod:`rlk.reference.aggregation`.
@@ -106,9 +107,10 @@ def _fwd_outputs(logprob: Tensor, with_entropy_grad: bool) -> tuple[Tensor, ...]
     loss = logprob.new_empty(())
     coef_lp = torch.empty_like(logprob)
     coef_ent = torch.empty_like(logprob) if with_entropy_grad else _no_grad_placeholder(logprob)
+    row_weight = logprob.new_empty((b,))
     stats = logprob.new_empty((b, len(ROW_STATS)))
     metrics = logprob.new_empty((len(METRICS),))
-    return loss, coef_lp, coef_ent, stats, metrics
+    return loss, coef_lp, coef_ent, row_weight, stats, metrics
 
 
 #: The scalar attributes of the forward primitive, passed to the custom op as two lists (the op's
@@ -116,6 +118,14 @@ def _fwd_outputs(logprob: Tensor, with_entropy_grad: bool) -> tuple[Tensor, ...]
 _FLOAT_ATTRS = ("clip_low", "clip_high", "dual_clip", "clamp_low", "clamp_high", "tau_pos", "tau_neg", "kl_coef",
                 "kl_clamp", "entropy_coef")
 _BOOL_ATTRS = ("cispo_upper", "kl_k3_clamp", "kl_straight_through", "kl_unbiased", "with_entropy_grad")
+#: The aggregation normalizers: each a number (in ``params`` after the attributes; NaN when absent or given
+#: as a tensor) or a one-element tensor (an optional tensor argument).
+_NORMALIZERS = ("global_tokens", "global_seqs", "loss_scale")
+
+
+def _normalizers(tensors: list, numbers: list[float]) -> dict[str, object]:
+    return {name: t if t is not None else (None if math.isnan(x) else x)
+            for name, t, x in zip(_NORMALIZERS, tensors, numbers)}
 
 
 @torch.library.custom_op("rlk::policy_loss_fwd", mutates_args=())
@@ -124,74 +134,80 @@ def _policy_loss_fwd(
     old_logprob: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    row_weight: Tensor,
     importance_weights: Tensor | None,
     ref_logprob: Tensor | None,
     entropy: Tensor | None,
+    global_tokens: Tensor | None,
+    global_seqs: Tensor | None,
+    loss_scale: Tensor | None,
+    agg: str,
     loss: str,
     kl: str,
     flags: list[bool],
     params: list[float],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     attrs = dict(zip(_BOOL_ATTRS, flags)) | dict(zip(_FLOAT_ATTRS, params))
     with_entropy_grad = attrs.pop("with_entropy_grad")
+    norms = _normalizers([global_tokens, global_seqs, loss_scale], params[len(_FLOAT_ATTRS):])
     out = _fwd_outputs(logprob, with_entropy_grad)
-    loss_out, coef_lp, coef_ent, stats, metrics = out
+    loss_out, coef_lp, coef_ent, row_weight, stats, metrics = out
     backend = dispatch.select("policy_loss", logprob.device, logprob.dtype)
     backend.primitives["policy_loss_fwd"](
-        logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy,
-        loss_out, coef_lp, coef_ent if with_entropy_grad else None, stats, metrics, loss=loss, kl=kl, **attrs,
+        logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, norms["global_tokens"],
+        norms["global_seqs"], norms["loss_scale"], loss_out, coef_lp, coef_ent if with_entropy_grad else None,
+        row_weight, stats, metrics, agg=agg, loss=loss, kl=kl, **attrs,
     )
     return out
 
 
 @_policy_loss_fwd.register_fake
-def _(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, loss, kl, flags,
-      params):
+def _(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, global_tokens, global_seqs,
+      loss_scale, agg, loss, kl, flags, params):
     return _fwd_outputs(logprob, flags[_BOOL_ATTRS.index("with_entropy_grad")])
 
 
 @torch.library.custom_op("rlk::policy_loss_bwd", mutates_args=())
 def _policy_loss_bwd(
-    grad_loss: Tensor, coef_logprob: Tensor, coef_entropy: Tensor | None, backend: str
+    grad_loss: Tensor, coef_logprob: Tensor, coef_entropy: Tensor | None, row_weight: Tensor, backend: str
 ) -> tuple[Tensor, Tensor]:
     grad_lp = torch.empty_like(coef_logprob)
     grad_ent = torch.empty_like(coef_logprob) if coef_entropy is not None else _no_grad_placeholder(coef_logprob)
     dispatch.backend_named(backend).primitives["policy_loss_bwd"](
-        grad_loss, coef_logprob, coef_entropy, grad_lp, grad_ent if coef_entropy is not None else None
+        grad_loss, coef_logprob, coef_entropy, row_weight, grad_lp, grad_ent if coef_entropy is not None else None
     )
     return grad_lp, grad_ent
 
 
 @_policy_loss_bwd.register_fake
-def _(grad_loss, coef_logprob, coef_entropy, backend):
+def _(grad_loss, coef_logprob, coef_entropy, row_weight, backend):
     grad_ent = torch.empty_like(coef_logprob) if coef_entropy is not None else _no_grad_placeholder(coef_logprob)
     return torch.empty_like(coef_logprob), grad_ent
 
 
-_N_POLICY_INPUTS = 12
+_N_POLICY_INPUTS = 15
 
 
 def _setup_policy(ctx, inputs, output):
-    logprob, with_entropy_grad = inputs[0], inputs[10][_BOOL_ATTRS.index("with_entropy_grad")]
-    _, coef_lp, coef_ent, stats, metrics = output
-    ctx.save_for_backward(coef_lp, coef_ent)
+    logprob, with_entropy_grad = inputs[0], inputs[13][_BOOL_ATTRS.index("with_entropy_grad")]
+    _, coef_lp, coef_ent, row_weight, stats, metrics = output
+    ctx.save_for_backward(coef_lp, coef_ent, row_weight)
     ctx.with_entropy_grad = with_entropy_grad
-    ctx.mark_non_differentiable(coef_lp, coef_ent, stats, metrics)
+    ctx.mark_non_differentiable(coef_lp, coef_ent, row_weight, stats, metrics)
     ctx.backend = dispatch.decide("policy_loss", logprob.device, logprob.dtype).backend or ""
 
 
-def _backward_policy(ctx, grad_loss, grad_coef_lp, grad_coef_ent, grad_stats, grad_metrics):
-    coef_lp, coef_ent = ctx.saved_tensors
+def _backward_policy(ctx, grad_loss, grad_coef_lp, grad_coef_ent, grad_row_weight, grad_stats, grad_metrics):
+    coef_lp, coef_ent, row_weight = ctx.saved_tensors
     grads = [None] * _N_POLICY_INPUTS
     if grad_loss is None:
         return tuple(grads)
     grad_lp, grad_ent = torch.ops.rlk.policy_loss_bwd(
-        grad_loss.to(coef_lp.dtype).contiguous(), coef_lp, coef_ent if ctx.with_entropy_grad else None, ctx.backend
+        grad_loss.to(coef_lp.dtype).contiguous(), coef_lp, coef_ent if ctx.with_entropy_grad else None, row_weight,
+        ctx.backend,
     )
     grads[0] = grad_lp
     if ctx.with_entropy_grad:
-        grads[7] = grad_ent
+        grads[6] = grad_ent
     return tuple(grads)
 
 
@@ -304,8 +320,8 @@ def policy_loss(
     An empty mask (or an empty batch) gives loss 0 and zero gradients, never NaN.
 
     Batch invariance: on backends that promise it (``rlk info``), a row's per-token gradient
-    coefficients and its per-row partial sums are bitwise independent of the other rows
-    whenever its aggregation weight is (``token-sum``, or global normalizers).
+    coefficients are bitwise independent of the other rows, and so are its gradient and its
+    per-row partial sums whenever its aggregation weight is (``token-sum``, or global normalizers).
     """
     # --- tensors -------------------------------------------------------------------------
     if not isinstance(logprob, Tensor):
@@ -354,8 +370,11 @@ def policy_loss(
         raise ValueError("entropy: required when entropy_coef != 0")
     mask_bool = mask if mask.dtype == torch.bool else mask != 0
     cdt = _compute_dtype(logprob)
-    row_weight = aggregation.row_weights(mask_bool, agg, global_tokens=global_tokens, global_seqs=global_seqs,
-                                         loss_scale=loss_scale, dtype=cdt)
+    aggregation.check_agg(agg, device, global_tokens, global_seqs, loss_scale)
+    norm_tensors = [x.detach().reshape(()).to(cdt) if isinstance(x, Tensor) else None
+                    for x in (global_tokens, global_seqs, loss_scale)]
+    norm_numbers = [math.nan if x is None or isinstance(x, Tensor) else float(x)
+                    for x in (global_tokens, global_seqs, loss_scale)]
 
     # --- canonical inputs ----------------------------------------------------------------
     lp = logprob.to(cdt).contiguous()
@@ -377,10 +396,10 @@ def policy_loss(
     else:
         flags = [cispo_form == "upper", bool(kl_k3_clamp), kl_straight, bool(kl_unbiased), with_entropy_grad]
         params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos,
-                  tau_neg, kl_coef, kl_clamp_value, entropy_coef]
-        out_loss, _, _, _, metrics = torch.ops.rlk.policy_loss_fwd(
-            lp, old, adv, mask_bool.contiguous(), row_weight, detached(importance_weights), detached(ref_logprob),
-            ent, loss, kl, flags, params,
+                  tau_neg, kl_coef, kl_clamp_value, entropy_coef, *norm_numbers]
+        out_loss, _, _, _, _, metrics = torch.ops.rlk.policy_loss_fwd(
+            lp, old, adv, mask_bool.contiguous(), detached(importance_weights), detached(ref_logprob), ent,
+            *norm_tensors, agg, loss, kl, flags, params,
         )
     values = dict(zip(METRICS, metrics.detach().unbind()))
     names = ["clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
