@@ -2,8 +2,11 @@
 # One full GPU session on the H200 (or any CUDA machine without internet): set up rlk from this
 # checkout, then run the requested steps, each logged under $OUT (default out/gpu).
 #   bash tools/h200_run.sh [setup] [info] [tests] [gputests] [parity] [bench] [sweep] [sweep_matmul]
-#                          [sweep_attention] [profile_policy_loss]
-# PARITY_OPS / BENCH_ONLY narrow the parity and bench steps (comma-separated ops; one --only key).
+#                          [sweep_attention] [profile_policy_loss] [cuda] [bundle]
+# PARITY_OPS / BENCH_ONLY narrow the parity and bench steps (comma-separated ops; one --only key);
+# PARITY_ARGS adds arguments (e.g. --quick); STEP_TIMEOUT (seconds, default 590) bounds each step but setup.
+# `cuda` builds and checks rlk-cuda (packages/rlk-cuda/tools/h200_cuda.sh). `bundle` packs everything under
+# $OUT into $OUT/bundle.tgz and removes the rest (the device tool returns only a few files per call).
 # Pure-Python wheels the machine lacks (pytest, setuptools) may be put in .whl/ beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +21,11 @@ run_step() {  # name, command...
   local name=$1; shift
   local t0=$(date +%s)
   echo "== $name: $*"
-  "$@" > "$OUT/$name.log" 2>&1
+  if [ "$(type -t "$1")" = function ]; then
+    "$@" > "$OUT/$name.log" 2>&1
+  else
+    timeout "${STEP_TIMEOUT:-590}" "$@" > "$OUT/$name.log" 2>&1
+  fi
   local rc=$?
   status[$name]="rc=$rc $(( $(date +%s) - t0 ))s"
   tail -n 25 "$OUT/$name.log"
@@ -41,13 +48,16 @@ for step in "${steps[@]}"; do
               python3 -m pytest -q -p no:xdist --durations=20 ;;
     gputests) run_step gputests env RLK_REQUIRE_GPU=1 RLK_REQUIRE_BACKENDS=reference,triton \
               python3 -m pytest -q -p no:xdist -m gpu --durations=20 ;;
-    parity) run_step parity python3 -m parity --device cuda --out "$OUT/parity" ${PARITY_OPS:+--ops $PARITY_OPS} ;;
+    parity) run_step parity python3 -m parity --device cuda --out "$OUT/parity" ${PARITY_OPS:+--ops $PARITY_OPS} \
+              ${PARITY_ARGS:-} ;;
     bench)  run_step "bench${BENCH_ONLY:+_$BENCH_ONLY}" python3 bench_asv/run.py \
               --out "$OUT/bench${BENCH_ONLY:+_$BENCH_ONLY}" ${BENCH_ONLY:+--only $BENCH_ONLY} ;;
     sweep)  run_step sweep python3 tools/sweep_linear.py ;;
     sweep_matmul) run_step sweep_matmul python3 tools/sweep_matmul.py ;;
     sweep_attention) run_step sweep_attention python3 tools/sweep_attention.py ;;
     profile_policy_loss) run_step profile_policy_loss python3 tools/profile_policy_loss.py ;;
+    cuda)   run_step cuda env OUT="$OUT/cuda" bash packages/rlk-cuda/tools/h200_cuda.sh ;;
+    bundle) tar czf /tmp/bundle.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/bundle.tgz "$OUT/" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -14,6 +14,10 @@
 // tree (common.cuh). The forward reads the logits once; the backward reads them once more and
 // recomputes p from the saved lse, writing the gradient once.
 //
+// z = x * inv_t is one fp32 multiply rounded on its own (__fmul_rn: never contracted into an FMA
+// with the subtraction that follows), as the ABI says: the backward's p = exp(z - lse) and E_p[z] - z
+// then see the forward's z, and logprob = z_y - lse <= 0 (lse >= max z) holds exactly.
+//
 // exp: fp32 logits use expf (full fp32 accuracy: the fp32 gradient contract is tight); 16-bit
 // logits use __expf (ex2.approx, a few ulp), keeping the kernel at memory speed.
 #pragma once
@@ -140,7 +144,7 @@ __global__ void __launch_bounds__(kLogprobThreads)
     for (int u = 0; u < kLogprobUnroll; ++u) {
       if (k0 + int64_t{u} * kLogprobThreads < n_packs) {
 #pragma unroll
-        for (int i = 0; i < P; ++i) z[u][i] *= inv_t;
+        for (int i = 0; i < P; ++i) z[u][i] = __fmul_rn(z[u][i], inv_t);
         fold_pack<P, kEntropy, kFast>(st, z[u]);
       }
     }
@@ -149,7 +153,7 @@ __global__ void __launch_bounds__(kLogprobThreads)
   if (threadIdx.x == 0) {
     const float lse = st.m + logf(st.s);
     // A target outside [0, V) (value checks disabled) gives NaN instead of an out-of-bounds read.
-    const float z_target = (target >= 0 && target < vocab) ? to_float(x[target]) * inv_t : NAN;
+    const float z_target = (target >= 0 && target < vocab) ? __fmul_rn(to_float(x[target]), inv_t) : NAN;
     logprob_out[row] = z_target - lse;
     lse_out[row] = lse;
     if constexpr (kEntropy) entropy_out[row] = lse - st.b / st.s;
@@ -209,7 +213,7 @@ __global__ void __launch_bounds__(kLogprobThreads)
       if (k >= n_packs) continue;
 #pragma unroll
       for (int i = 0; i < P; ++i) {
-        const float z = v[u][i] * inv_t;
+        const float z = __fmul_rn(v[u][i], inv_t);
         const float p = exp_of<kFast>(z - row_lse);
         float g = -g_lp * p;
         if (k * P + i == target) g += g_lp;

@@ -102,6 +102,26 @@ def test_without_entropy_and_extreme_logits(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_confident_rows_use_the_rounded_z(dtype):
+    """A target about 30 above every other scaled logit: logprob <= 0 and the target's gradient
+    g_lp * (1 - p_y) >= 0 for g_lp > 0. Both need z = x * inv_t rounded once (the ABI's one fp32 multiply)
+    in the forward and the backward: an FMA-contracted x * inv_t - lse gives p_y = exp(+half an ulp) > 1,
+    a gradient of the wrong sign, on about a third of these rows."""
+    n, v = 64, 4099
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(n, v, generator=g)
+    targets = torch.randint(0, v, (n,), generator=g)
+    x[torch.arange(n), targets] = 60 + torch.rand(n, generator=g)
+    inv_t = torch.rand(n, generator=g) * 1.5 + 0.5
+    grad_lp = torch.rand(n, generator=g) + 0.5
+    x, targets, inv_t, grad_lp = x.to(dtype).cuda(), targets.cuda(), inv_t.cuda(), grad_lp.cuda()
+    out = run(_cuda(), x, targets, inv_t, grad_lp, grad_lp, entropy=False)
+    assert bool((out["logprob"] <= 0).all()), out["logprob"].max()
+    g_target = out["grad"][torch.arange(n, device="cuda"), targets].float()
+    assert bool((g_target >= 0).all()), g_target.min()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_unaligned_rows_take_the_same_path_bitwise(dtype):
     """A batch whose rows start at odd offsets (element-wise loads) gives the bits of aligned rows."""
     x, targets, inv_t, grad_lp, grad_ent = make_inputs(6, 1031, dtype, seed=5)
@@ -135,6 +155,27 @@ def test_batch_invariance(dtype):
         assert torch.equal(again[key], first[key]), key  # deterministic run to run
 
 
+def test_offsets_past_2_31_elements():
+    """Rows whose first element lies past 2^31 elements (int64 offsets): the last rows, an ignored one among
+    them, give in the big batch the bits they give alone."""
+    v = 151936
+    n = (1 << 31) // v + 3
+    assert (n - 2) * v > 1 << 31
+    g = torch.Generator(device="cuda").manual_seed(10)
+    x = torch.randn(n, v, generator=g, device="cuda", dtype=torch.bfloat16) * 3
+    targets = torch.randint(0, v, (n,), generator=g, device="cuda")
+    targets[-2] = IGNORE
+    inv_t = torch.rand(n, generator=g, device="cuda") * 1.5 + 0.5
+    grad_lp, grad_ent = torch.randn(2, n, generator=g, device="cuda")
+    big = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
+    tail = slice(n - 3, n)
+    alone = run(_cuda(), x[tail].clone(), targets[tail].clone(), inv_t[tail].clone(), grad_lp[tail].clone(),
+                grad_ent[tail].clone())
+    for key in alone:
+        assert torch.equal(big[key][tail], alone[key]), key
+    assert bool((big["grad"][-2] == 0).all()) and bool(big["grad"][-1].abs().sum() > 0)
+
+
 def test_runs_on_the_callers_stream():
     x, targets, inv_t, grad_lp, grad_ent = make_inputs(64, 50000, torch.bfloat16, seed=7)
     expected = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
@@ -150,10 +191,14 @@ def test_runs_on_the_callers_stream():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_runs_on_the_tensors_device():
+    """Tensors on cuda:1 while cuda:0 is current (torch exports a tensor through DLPack only from its own device)."""
     args = make_inputs(16, 3000, torch.float32, seed=8)
+    torch.cuda.set_device(0)
     expected = run(_cuda(), *args)
     got = run(_cuda(), *(a.to("cuda:1") for a in args))
+    assert torch.cuda.current_device() == 0
     for key in expected:
+        assert got[key].device == torch.device("cuda:1")
         assert torch.equal(expected[key], got[key].to("cuda:0")), key
 
 

@@ -174,6 +174,39 @@ def test_runs_on_the_callers_stream():
         assert torch.equal(expected[key], got[key]), key
 
 
+def test_offsets_past_2_31_elements():
+    """Rows whose first element lies past 2^31 elements (int64 offsets): the last rows' y, s, rstd and
+    grad_input in the big batch are the bits they give alone."""
+    h = 8192
+    n = (1 << 31) // h + 3
+    assert (n - 2) * h > 1 << 31
+    g = torch.Generator(device="cuda").manual_seed(11)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    x, r, gy, gres = randn(n, h), randn(n, h), randn(n, h), randn(n, h)
+    w = randn(h) * 0.1 + 1.0
+    big = run(_cuda(), x, w, r, gy, gres, False)
+    tail = slice(n - 3, n)
+    alone = run(_cuda(), x[tail].clone(), w, r[tail].clone(), gy[tail].clone(), gres[tail].clone(), False)
+    for key in ("y", "s", "rstd", "grad_input"):
+        assert torch.equal(big[key][tail], alone[key]), key
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_runs_on_the_tensors_device():
+    """Tensors on cuda:1 while cuda:0 is current (torch exports a tensor through DLPack only from its own device)."""
+    args = make_inputs(16, 3000, torch.bfloat16, torch.float32, False, True, seed=8)
+    torch.cuda.set_device(0)
+    expected = run(_cuda(), *args, False)
+    got = run(_cuda(), *(None if a is None else a.to("cuda:1") for a in args), False)
+    assert torch.cuda.current_device() == 0
+    for key in expected:
+        assert got[key].device == torch.device("cuda:1")
+        assert torch.equal(expected[key], got[key].to("cuda:0")), key
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_public_op_on_cuda_backend(case):
     dt, wdt, gemma, res = case

@@ -22,6 +22,18 @@ def stream_of(tensor) -> int:
     return torch.cuda.current_stream(tensor.device).cuda_stream
 
 
+def on_device(tensor):
+    """A context that makes ``tensor``'s CUDA device current for the native call.
+
+    Needed before any tensor reaches the native layer, not only for the launch: torch refuses to export a
+    CUDA tensor through DLPack unless its device is the current one (``BufferError: Can't export tensors on
+    a different CUDA device index``), and nanobind exports the arguments before the C++ device guard runs.
+    """
+    import torch
+
+    return torch.cuda.device(tensor.device)
+
+
 def array(tensor):
     """``tensor`` as the native layer takes it: detached (DLPack refuses tensors that require grad), or None."""
     return None if tensor is None else tensor.detach()

@@ -14,7 +14,7 @@ packs), the backward reads them once more and writes the gradient once. Rows who
 
 from __future__ import annotations
 
-from rlk_cuda._native import C, array, stream_of
+from rlk_cuda._native import C, array, on_device, stream_of
 
 
 def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
@@ -27,10 +27,11 @@ def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob
         ignore_index: rows with this target give 0.
         logprob_out, entropy_out (or None), lse_out: ``[N]`` fp32.
     """
-    C.selected_logprob_fwd(
-        array(logits), array(targets), array(inv_temperature), int(ignore_index), array(logprob_out),
-        array(entropy_out), array(lse_out), stream_of(logits),
-    )
+    with on_device(logits):
+        C.selected_logprob_fwd(
+            array(logits), array(targets), array(inv_temperature), int(ignore_index), array(logprob_out),
+            array(entropy_out), array(lse_out), stream_of(logits),
+        )
 
 
 def selected_logprob_bwd(
@@ -45,7 +46,8 @@ def selected_logprob_bwd(
         entropy = None
     elif entropy is None:
         raise ValueError("entropy: required when grad_entropy is given (the forward's entropy output)")
-    C.selected_logprob_bwd(
-        array(logits), array(targets), array(inv_temperature), array(lse), array(entropy), array(grad_logprob),
-        array(grad_entropy), int(ignore_index), array(grad_logits_out), stream_of(logits),
-    )
+    with on_device(logits):
+        C.selected_logprob_bwd(
+            array(logits), array(targets), array(inv_temperature), array(lse), array(entropy), array(grad_logprob),
+            array(grad_entropy), int(ignore_index), array(grad_logits_out), stream_of(logits),
+        )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk_cuda._native import C, array, stream_of
+from rlk_cuda._native import C, array, on_device, stream_of
 
 #: Rows per backward block (the grad-weight row partition), per input dtype. Read at every call, so a
 #: test or a sweep may override an entry; nothing here depends on the number of rows. N = 16384 with
@@ -39,10 +39,11 @@ def rms_norm_fwd(x, weight, residual, eps, gemma, out, residual_out, rstd_out):
         residual_out: ``[N, H]`` x.dtype, written ``s``; None when unfused.
         rstd_out: ``[N]`` fp32.
     """
-    C.rms_norm_fwd(
-        array(x), array(weight), array(residual), float(eps), bool(gemma), array(out), array(residual_out),
-        array(rstd_out), stream_of(x),
-    )
+    with on_device(x):
+        C.rms_norm_fwd(
+            array(x), array(weight), array(residual), float(eps), bool(gemma), array(out), array(residual_out),
+            array(rstd_out), stream_of(x),
+        )
 
 
 def rms_norm_bwd(grad_out, s, weight, rstd, gemma, grad_residual, grad_input_out, grad_weight_out):
@@ -62,7 +63,8 @@ def rms_norm_bwd(grad_out, s, weight, rstd, gemma, grad_residual, grad_input_out
     if grad_weight_out is not None:
         partials = torch.empty((C.rms_norm_bwd_partial_rows(n_rows, rows), hidden), dtype=torch.float32,
                                device=s.device)
-    C.rms_norm_bwd(
-        array(grad_out), array(s), array(weight), array(rstd), bool(gemma), array(grad_residual),
-        array(grad_input_out), array(grad_weight_out), partials, rows, stream_of(s),
-    )
+    with on_device(s):
+        C.rms_norm_bwd(
+            array(grad_out), array(s), array(weight), array(rstd), bool(gemma), array(grad_residual),
+            array(grad_input_out), array(grad_weight_out), partials, rows, stream_of(s),
+        )

@@ -56,6 +56,11 @@ from rlk_triton.common import dot, grouped_tile, on_device
 #: * ``"gemm"``: the backward's ``C = A @ B`` kernel (``grad_hidden``, ``grad_weight``),
 #:   ``BLOCK_M x BLOCK_N`` output tiles, ``K`` loop in ``BLOCK_K`` steps, ``GROUP_M`` row
 #:   tiles scheduled together.
+#: Compile option of every kernel that forms ``z = x * inv_temperature``: the ABI makes it one rounded fp32
+#: multiply in every backend, and LLVM would otherwise contract it with the next subtraction
+#: (``fma(x, inv_t, -lse)``, seen in the sm_90 PTX), so that ``p_target = exp(z - lse)`` could exceed 1.
+_NO_FP_FUSION = {"enable_fp_fusion": False}
+
 TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
     "selected": {
         torch.float32: {"BLOCK_V": 2048, "num_warps": 8},
@@ -251,7 +256,7 @@ def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob
         _selected_fwd_kernel[(n_rows,)](
             logits, targets, inv_temperature, logprob_out, entropy_out if has_entropy else logprob_out, lse_out,
             vocab, ignore_index,
-            HAS_ENTROPY=has_entropy, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+            HAS_ENTROPY=has_entropy, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **_NO_FP_FUSION,
         )
 
 
@@ -281,7 +286,7 @@ def selected_logprob_bwd(
             logits, targets, inv_temperature, lse, entropy if has_ent else lse, grad_logprob,
             grad_entropy if has_ent else grad_logprob, grad_logits_out,
             vocab, ignore_index,
-            HAS_ENT=has_ent, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+            HAS_ENT=has_ent, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **_NO_FP_FUSION,
         )
 
 
@@ -386,7 +391,7 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
             n_rows, vocab, hidden_size,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
             VOCAB_SPLIT=cfg["VOCAB_SPLIT"], GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
         )
         _linear_fwd_combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS),)](
             part[0], part[1], part[2], z_tgt, targets, logprob_out,
@@ -543,7 +548,7 @@ def linear_logprob_bwd(
                 n_rows, hidden_size, v_start, cols, g.stride(0), ignore_index,
                 HAS_ENT=has_ent, BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
                 GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
             )
             g_chunk = g[:, :cols]
             w_chunk = weight[v_start:v_start + cols]

@@ -91,11 +91,23 @@ _state = _State()
 # ---------------------------------------------------------------------------
 
 
+#: ``_invariant_backend`` answers, per (op, device, dtype, pinned backend), while the mode is on (an aten op
+#: of a model runs hundreds of times per forward); cleared whenever the overrides are registered or removed.
+_backend_cache: dict[tuple, Backend | None] = {}
+
+
 def _invariant_backend(op: str, device: torch.device, dtype: torch.dtype) -> Backend | None:
     """The batch-invariant backend that serves ``op`` here: the pinned one, else the first of the device's
     chain, else any other installed one that serves the device (the triton backend on the CPU under
     ``TRITON_INTERPRET=1``, which the CPU chain does not list); None if none does (the caller then runs
     the stock kernel)."""
+    key = (op, device, dtype, dispatch.pinned_backend())
+    if key not in _backend_cache:
+        _backend_cache[key] = _find_invariant_backend(op, device, dtype)
+    return _backend_cache[key]
+
+
+def _find_invariant_backend(op: str, device: torch.device, dtype: torch.dtype) -> Backend | None:
     decision = dispatch.decide(op, device, dtype)
     statuses = dispatch.discover()
     chain = dispatch.chain_for(device)
@@ -607,6 +619,7 @@ def _register() -> torch.library.Library:
 def _sync() -> None:
     """Register or remove the overrides so that they are present exactly while the mode is on."""
     want = _state.explicit or _state.scopes > 0
+    _backend_cache.clear()
     if want and _state.library is None:
         _state.library = _register()
     elif not want and _state.library is not None:

@@ -150,6 +150,11 @@ def _pinned() -> str | None:
     return _pinned_scope.get() or os.environ.get(ENV_BACKEND) or None
 
 
+def pinned_backend() -> str | None:
+    """The backend pinned now (``rlk.use_backend`` or ``RLK_BACKEND``), or None."""
+    return _pinned()
+
+
 def _pin_source() -> str:
     return "rlk.use_backend()" if _pinned_scope.get() else f"{ENV_BACKEND}"
 
