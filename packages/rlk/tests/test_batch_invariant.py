@@ -310,3 +310,24 @@ def test_patch_model_without_transformers_models_is_harmless():
     assert "forward" not in net[0].__dict__ and not hasattr(net, "_rlk_patch")
     x = torch.randn(2, 4)
     assert torch.equal(net[0](x), x * 2)
+
+
+@routed
+def test_the_varlen_layout_is_computed_once_per_forward(monkeypatch):
+    """Every layer gets the same padding mask: its varlen layout (host synchronizations) is computed once per
+    forward, and again for a new mask."""
+    import rlk.hf as hf
+
+    _transformers()
+    calls = []
+    real = hf._varlen_index
+    monkeypatch.setattr(hf, "_varlen_index", lambda *args: (calls.append(1), real(*args))[1])
+    model = hf.patch_model(tiny_model("llama", layers=3))
+    g = torch.Generator().manual_seed(8)
+    seq, other = torch.randint(0, 128, (7,), generator=g), torch.randint(0, 128, (4,), generator=g)
+    with batch_invariant():
+        for side in ("right", "left"):
+            ids, mask, pos, _ = padded_batch(seq.to(DEVICE), [other.to(DEVICE)], side)
+            model(ids, attention_mask=mask, position_ids=pos)
+    hf.unpatch_model(model)
+    assert len(calls) == 2  # one per forward (3 layers each)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import types
 import warnings
+import weakref
 
 import torch
 from torch import Tensor
@@ -106,6 +107,33 @@ def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
+#: The last layout :func:`_varlen_layout` computed, with weak references to the tensors it came from: every
+#: layer of one forward passes the same mask (or position ids), and the layout costs host synchronizations.
+_last_layout: dict[str, object] = {}
+
+
+def _tensor_key(x: Tensor | None) -> tuple | None:
+    """Identity of a tensor's current contents (storage, offset, version counter, shape), or None."""
+    return None if x is None else (x.data_ptr(), x.storage_offset(), x._version, tuple(x.shape), x.device)
+
+
+def _varlen_layout(attention_mask: Tensor | None, position_ids: Tensor | None, batch: int, seq_q: int, seq_k: int,
+                   device: torch.device):
+    """:func:`_varlen_index`, computed once per (mask, position ids, shapes) for all the layers of a forward."""
+    if attention_mask is None and position_ids is None:
+        return _varlen_index(None, None, batch, seq_q, seq_k, device)
+    key = (_tensor_key(attention_mask), _tensor_key(position_ids), batch, seq_q, seq_k, device)
+    refs = _last_layout.get("refs")
+    if _last_layout.get("key") == key and refs is not None and all(
+            (ref is None and x is None) or (ref is not None and ref() is x)
+            for ref, x in zip(refs, (attention_mask, position_ids))):
+        return _last_layout["layout"]
+    layout = _varlen_index(attention_mask, position_ids, batch, seq_q, seq_k, device)
+    _last_layout.update(key=key, layout=layout,
+                        refs=tuple(None if x is None else weakref.ref(x) for x in (attention_mask, position_ids)))
+    return layout
+
+
 def _varlen_index(attention_mask: Tensor | None, position_ids: Tensor | None, batch: int, seq_q: int, seq_k: int,
                   device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor, int, int] | None:
     """Rows of the flattened ``[B * S]`` tokens to keep (None: all) for queries and keys, ``cu_seqlens_q``,
@@ -154,7 +182,7 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
     layout = None
     backend = None
     if why is None:
-        layout = _varlen_index(attention_mask, kwargs.get("position_ids"), batch, seq_q, seq_k, query.device)
+        layout = _varlen_layout(attention_mask, kwargs.get("position_ids"), batch, seq_q, seq_k, query.device)
         if layout is None:
             why = f"an attention mask of shape {tuple(attention_mask.shape)}"
         else:
