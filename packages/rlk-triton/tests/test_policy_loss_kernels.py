@@ -437,3 +437,26 @@ def test_realistic_shape_gpu(loss):
         out = run_fwd(tk, batch, **attrs)
         for name in ("coef_logprob", "coef_entropy", "row_stats"):
             assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, pos)
+
+
+AGG_CASES = [
+    {"agg": "token-mean"}, {"agg": "token-mean", "global_tokens": 300.0},
+    {"agg": "token-mean", "global_tokens": "tensor"}, {"agg": "token-sum"},
+    {"agg": "seq-mean-token-sum"}, {"agg": "seq-mean-token-sum", "global_seqs": 11.0},
+    {"agg": "seq-mean-token-mean", "global_seqs": "tensor"},
+    {"agg": "seq-mean-token-sum-norm", "loss_scale": 64.0},
+    {"agg": "seq-mean-token-sum-norm", "loss_scale": "tensor", "global_seqs": "tensor"},
+]
+
+
+@pytest.mark.parametrize("agg", AGG_CASES, ids=lambda a: "-".join(f"{k}={v}" for k, v in a.items()))
+def test_every_aggregation_matches_the_reference(agg):
+    """The finalize program's weights c_i (numbers, one-element tensors or absent normalizers; an empty row and
+    rows of different lengths) against rlk.reference.aggregation, and the loss, statistics and metrics."""
+    inputs = make_inputs(6, 23, seed=12)
+    attrs = {k: (torch.tensor(7.0 if k != "global_tokens" else 150.0, device=DEVICE) if v == "tensor" else v)
+             for k, v in agg.items()}
+    got = check_against_reference(inputs, loss="ppo", **attrs)
+    expected = aggregation.row_weights(inputs["mask"], attrs["agg"], dtype=torch.float64,
+                                       **{k: v for k, v in attrs.items() if k != "agg"})
+    assert torch.allclose(got["row_weight"].double(), expected, rtol=1e-6, atol=0)
