@@ -46,7 +46,7 @@ for step in "${steps[@]}"; do
     info)   run_step info bash -c 'nvidia-smi; python3 -m rlk info; python3 -c "import triton, torch; print(triton.__version__, torch.__version__)"' ;;
     tests)  run_step tests env RLK_REQUIRE_GPU=1 RLK_REQUIRE_BACKENDS=reference,triton \
               python3 -m pytest -q -p no:xdist --durations=20 ;;
-    gputests) run_step gputests env RLK_REQUIRE_GPU=1 RLK_REQUIRE_BACKENDS=reference,triton \
+    gputests) run_step gputests env RLK_REQUIRE_GPU=1 RLK_REQUIRE_BACKENDS=reference,triton RLK_REQUIRE_TRANSFORMERS=1 \
               python3 -m pytest -q -p no:xdist -m gpu --durations=20 ;;
     parity) run_step parity python3 -m parity --device cuda --out "$OUT/parity" ${PARITY_OPS:+--ops $PARITY_OPS} \
               ${PARITY_ARGS:-} ;;

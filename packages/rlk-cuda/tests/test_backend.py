@@ -49,7 +49,7 @@ def test_primitive_table_follows_the_abi():
         assert list(inspect.signature(fn).parameters) == list(inspect.signature(spec).parameters), name
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe reason of a machine without a GPU")
+@pytest.mark.no_gpu
 def test_probe_says_why_unavailable_without_gpu():
     reason = rlk_cuda._probe()
     assert reason and ("driver" in reason or "GPU" in reason), reason

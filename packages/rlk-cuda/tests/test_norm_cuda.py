@@ -194,7 +194,7 @@ def test_offsets_past_2_31_elements():
         assert torch.equal(big[key][tail], alone[key]), key
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.multi_gpu
 def test_runs_on_the_tensors_device():
     """Tensors on cuda:1 while cuda:0 is current (torch exports a tensor through DLPack only from its own device)."""
     args = make_inputs(16, 3000, torch.bfloat16, torch.float32, False, True, seed=8)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from compile_check import assert_compiled_matches_eager
 
 from rlk import contract
 from rlk.attention import attention
@@ -165,16 +166,7 @@ def test_torch_compile_fullgraph_matches_eager():
         out, lse = attention(a, b, c, **lens, return_lse=True)
         return (out * out).sum() + lse.sum()
 
-    results = []
-    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True, backend="aot_eager")):
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        loss = fn(*leaves)
-        loss.backward()
-        results.append((loss.detach(), *[t.grad for t in leaves]))
-    (eager_loss, *eager_grads), (compiled_loss, *compiled_grads) = results
-    torch.testing.assert_close(compiled_loss, eager_loss)
-    for eager, compiled in zip(eager_grads, compiled_grads):
-        assert torch.equal(eager, compiled)
+    assert_compiled_matches_eager(loss_fn, (q, k, v), backend="aot_eager")
 
 
 def _call(q=None, k=None, v=None, **overrides):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compile_check import assert_compiled_matches_eager
 
 import rlk
 from rlk import contract
@@ -227,16 +228,7 @@ def test_torch_compile_fullgraph_matches_eager():
         y2 = rms_norm(s * 0.5, b, EPS, gemma=True)
         return (y * y2).sum() + s.square().sum()
 
-    results = []
-    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True, backend="aot_eager")):
-        leaves = [t.clone().requires_grad_(True) for t in (x, w, r)]
-        loss = fn(*leaves)
-        loss.backward()
-        results.append((loss.detach(), *[t.grad for t in leaves]))
-    (eager_loss, *eager_grads), (compiled_loss, *compiled_grads) = results
-    torch.testing.assert_close(compiled_loss, eager_loss)
-    for eager, compiled in zip(eager_grads, compiled_grads):
-        assert torch.equal(eager, compiled)
+    assert_compiled_matches_eager(loss_fn, (x, w, r), backend="aot_eager")
 
 
 # ---------------------------------------------------------------------------
@@ -296,16 +288,7 @@ def test_compile_and_opcheck_on_the_gpu_backend(dtype):
         y, s = rms_norm(a, b, EPS, residual=c)
         return (y.float() * rms_norm(s, b, gemma=True).float()).sum() + s.float().square().sum()
 
-    results = []
-    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True)):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, r)]
-        loss = fn(*leaves)
-        loss.backward()
-        results.append([loss.detach()] + [t.grad for t in leaves])
-    (eager_loss, *eager_grads), (compiled_loss, *compiled_grads) = results
-    torch.testing.assert_close(compiled_loss, eager_loss)
-    for eager, compiled in zip(eager_grads, compiled_grads):
-        assert torch.equal(eager, compiled)
+    assert_compiled_matches_eager(loss_fn, (x, w, r))
 
 
 @pytest.mark.gpu
