@@ -158,7 +158,9 @@ def add_ratios(rows: list[dict], ceilings: dict) -> None:
             both = ok and kernel and other.get("kernel_ms")
             row[f"kernel_speedup_vs_{base}"] = other["kernel_ms"] / kernel if both else None
             mib = row["peak_extra_mib"]
-            row[f"memory_vs_{base}"] = mib / other["peak_extra_mib"] if ok and mib is not None else None
+            # a baseline that allocates nothing extra (e.g. cuBLAS writing an 8 KiB output) has no ratio
+            base_mib = other["peak_extra_mib"] if ok else None
+            row[f"memory_vs_{base}"] = mib / base_mib if mib is not None and base_mib else None
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:

@@ -4,7 +4,7 @@
 #   bash tools/h200_run.sh [setup] [info] [tests] [gputests] [parity] [bench] [sweep] [sweep_matmul]
 #                          [sweep_attention] [profile_policy_loss] [cuda] [bundle]
 # PARITY_OPS / BENCH_ONLY narrow the parity and bench steps (comma-separated ops; one --only key);
-# PARITY_ARGS adds arguments (e.g. --quick); STEP_TIMEOUT (seconds, default 590) bounds each step but setup.
+# PARITY_ARGS adds arguments (e.g. --quick); PYTEST_ARGS replaces gputests' '-p no:xdist' (e.g. '-n 8'); STEP_TIMEOUT (seconds, default 590) bounds each step but setup.
 # `cuda` builds and checks rlk-cuda (packages/rlk-cuda/tools/h200_cuda.sh). `bundle` packs everything under
 # $OUT into $OUT/bundle.tgz and removes the rest (the device tool returns only a few files per call).
 # Pure-Python wheels the machine lacks (pytest, setuptools) may be put in .whl/ beforehand.
@@ -40,6 +40,7 @@ setup() {
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e packages/rlk -e packages/rlk-triton
 }
 
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # a previous call's setup
 for step in "${steps[@]}"; do
   case $step in
     setup)  run_step setup setup || { echo "setup failed"; break; } ;;
@@ -47,7 +48,7 @@ for step in "${steps[@]}"; do
     tests)  run_step tests env RLK_REQUIRE_GPU=1 RLK_REQUIRE_BACKENDS=reference,triton \
               python3 -m pytest -q -p no:xdist --durations=20 ;;
     gputests) run_step gputests env RLK_REQUIRE_GPU=1 RLK_REQUIRE_BACKENDS=reference,triton RLK_REQUIRE_TRANSFORMERS=1 \
-              python3 -m pytest -q -p no:xdist -m gpu --durations=20 ;;
+              python3 -m pytest -v ${PYTEST_ARGS:--p no:xdist} -m gpu --durations=20 ;;
     parity) run_step parity python3 -m parity --device cuda --out "$OUT/parity" ${PARITY_OPS:+--ops $PARITY_OPS} \
               ${PARITY_ARGS:-} ;;
     bench)  run_step "bench${BENCH_ONLY:+_$BENCH_ONLY}" python3 bench_asv/run.py \

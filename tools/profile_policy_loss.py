@@ -4,7 +4,8 @@ Prints, for the benchmark's PPO step on ``[B, T]`` fp32 tokens (the shape of
 ``bench_asv/benchmarks/rl_objectives.py``): the time of one step timed by CUDA events on an idle
 device (what the benchmark reports), the host time per step when steps are queued back to back
 (the Python and launch cost), and the GPU kernels of one step from ``torch.profiler`` with their
-durations, so the kernels' own bandwidth can be told apart from host overhead.
+durations, so the kernels' own bandwidth can be told apart from host overhead, and the Python
+functions that take the host time (``cProfile``, by own time).
 
 Usage: ``python tools/profile_policy_loss.py [--shape 512,8192]``
 """
@@ -12,6 +13,9 @@ Usage: ``python tools/profile_policy_loss.py [--shape 512,8192]``
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -27,6 +31,52 @@ def step(logprob, old, adv, mask):
     loss, metrics = rlk.policy_loss(logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP,
                                     clamp_log_ratio=CLAMP, agg="token-mean")
     return torch.autograd.grad(loss, logprob), metrics
+
+
+def _host_us(fn, n: int = 500) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - begin
+    torch.cuda.synchronize()
+    return elapsed * 1e6 / n
+
+
+def _layers(logprob, old, adv, mask):
+    """(name, call) from the whole step down to the backend's kernels, to tell where host time goes."""
+    from rlk import dispatch
+    from rlk import policy_loss as _  # noqa: F401  (registers torch.ops.rlk.policy_loss_fwd)
+
+    detached = logprob.detach()
+    flags = [False, True, False, False, False]
+    params = [CLIP, CLIP, DUAL_CLIP, -CLAMP, CLAMP, 1.0, 1.05, 0.0, float("inf"), 0.0] + [float("nan")] * 3
+    op_args = (old, adv, mask, None, None, None, None, None, None, "token-mean", "ppo", "k3", flags, params)
+    backend = dispatch.select("policy_loss", logprob.device, logprob.dtype)
+    b, t = logprob.shape
+    outs = (logprob.new_empty(()), torch.empty_like(detached), None, logprob.new_empty((b,)),
+            logprob.new_empty((b, 9)), logprob.new_empty((8,)))
+    attrs = dict(agg="token-mean", loss="ppo", cispo_upper=False, clip_low=CLIP, clip_high=CLIP, dual_clip=DUAL_CLIP,
+                 clamp_low=-CLAMP, clamp_high=CLAMP, tau_pos=1.0, tau_neg=1.05, kl="k3", kl_coef=0.0,
+                 kl_k3_clamp=True, kl_clamp=float("inf"), kl_straight_through=False, kl_unbiased=False,
+                 entropy_coef=0.0)
+    grad_out = torch.ones((), device=logprob.device)
+    return [
+        ("step: rlk.policy_loss + autograd.grad", lambda: step(logprob, old, adv, mask)),
+        ("rlk.policy_loss forward, logprob requires grad", lambda: rlk.policy_loss(
+            logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP)),
+        ("rlk.policy_loss forward, no grad", lambda: rlk.policy_loss(
+            detached, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP)),
+        ("torch.ops.rlk.policy_loss_fwd, requires grad", lambda: torch.ops.rlk.policy_loss_fwd(logprob, *op_args)),
+        ("torch.ops.rlk.policy_loss_fwd, no grad", lambda: torch.ops.rlk.policy_loss_fwd(detached, *op_args)),
+        ("backend primitive policy_loss_fwd (outputs preallocated)", lambda: backend.primitives["policy_loss_fwd"](
+            detached, old, adv, mask, None, None, None, None, None, None, *outs, **attrs)),
+        ("backend primitive policy_loss_bwd", lambda: backend.primitives["policy_loss_bwd"](
+            grad_out, outs[1], None, outs[3], torch.empty_like(detached), None)),
+        ("torch.empty_like([B, T]) (reference point)", lambda: torch.empty_like(detached)),
+    ]
 
 
 def main() -> None:
@@ -77,6 +127,21 @@ def main() -> None:
           f"{nominal_bytes / 2**20:.0f} MiB credited")
     for name, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1])):
         print(f"    {sum(times) / 10 * 1e3:8.1f} us  x{len(times) // 10}  {name[:100]}")
+
+    print("  host time per call of each layer (no synchronization, 500 calls each):")
+    for name, fn in _layers(logprob, old, adv, mask):
+        print(f"    {_host_us(fn):8.1f} us  {name}")
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(n):
+        step(logprob, old, adv, mask)
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    print(f"  host functions over {n} steps, by own time (cProfile adds its own overhead):")
+    print(text.getvalue())
 
 
 if __name__ == "__main__":

@@ -895,3 +895,31 @@ def test_batch_invariance_of_the_gradient(loss):
                                            with_entropy_grad=True, **kwargs)
             assert torch.equal(grad[pos:pos + 1], alone), (b, pos)
             assert torch.equal(grad_ent[pos:pos + 1], alone_ent), (b, pos)
+
+
+def test_backward_fills_no_zero_gradients_for_the_auxiliary_outputs():
+    """The forward's coefficient, weight, statistic and metric outputs are non-differentiable: the backward
+    must not zero-fill gradients for them (at [512, 8192] that was five fill kernels, 16 MiB for the
+    coefficients alone)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    lp = torch.randn(3, 8, generator=gen, requires_grad=True)
+    old, adv = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
+    mask = torch.rand(3, 8, generator=gen) < 0.8
+    for fn in (lambda: rlk.policy_loss(lp, old, adv, mask)[0], lambda: rlk.kl_penalty(lp, old, "k3").sum()):
+        out = fn()
+        with RecordOps() as recorded:
+            (grad,) = torch.autograd.grad(out, lp)
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+        fills = [op for op in recorded.ops if "zero" in op or "fill" in op]
+        assert not fills, fills

@@ -193,6 +193,7 @@ def _setup_policy(ctx, inputs, output):
     ctx.save_for_backward(coef_lp, coef_ent, row_weight)
     ctx.with_entropy_grad = with_entropy_grad
     ctx.mark_non_differentiable(coef_lp, coef_ent, row_weight, stats, metrics)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the non-differentiable outputs
     ctx.backend = dispatch.decide("policy_loss", logprob.device, logprob.dtype).backend or ""
 
 
@@ -455,6 +456,7 @@ def _setup_kl(ctx, inputs, output):
     _, coef = output
     ctx.save_for_backward(coef)
     ctx.mark_non_differentiable(coef)
+    ctx.set_materialize_grads(False)
     ctx.backend = dispatch.decide("kl_penalty", logprob.device, logprob.dtype).backend or ""
 
 
