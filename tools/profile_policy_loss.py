@@ -21,6 +21,7 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rlk
 
@@ -63,7 +64,18 @@ def _layers(logprob, old, adv, mask):
                  kl_k3_clamp=True, kl_clamp=float("inf"), kl_straight_through=False, kl_unbiased=False,
                  entropy_coef=0.0)
     grad_out = torch.ones((), device=logprob.device)
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def dispatcher_step():
+        with PassThrough():  # any dispatch mode sends rlk's ops through torch's custom-op path (rlk.custom_op)
+            loss, _ = rlk.policy_loss(logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP,
+                                      clamp_log_ratio=CLAMP, agg="token-mean")
+        return torch.autograd.grad(loss, logprob)
+
     return [
+        ("step through torch's custom-op dispatcher (and a pass-through dispatch mode)", dispatcher_step),
         ("step: rlk.policy_loss + autograd.grad", lambda: step(logprob, old, adv, mask)),
         ("rlk.policy_loss forward, logprob requires grad", lambda: rlk.policy_loss(
             logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP)),

@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import custom_op, dispatch
 from rlk.checks import values_checked
 from rlk.reference.advantages import EPS_MODES, GROUP_MODES, RETURN_MASK_MODES, recurrence_constants
 
@@ -112,7 +112,7 @@ def _out_dtype(x: Tensor) -> torch.dtype:
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::group_advantages_fwd", mutates_args=())
+@custom_op.define("rlk::group_advantages_fwd")
 def _group_advantages_fwd(
     scores: Tensor, group_index: Tensor | None, group_size: int, lengths: Tensor | None, mode: str, eps: float
 ) -> Tensor:
@@ -214,7 +214,7 @@ def group_advantages(
         lens = lengths.detach().to(x.dtype).contiguous()
     elif lengths is not None:
         raise ValueError(f"lengths: only mode='opo' uses lengths (mode is {mode!r})")
-    return torch.ops.rlk.group_advantages_fwd(x, index, size, lens, mode, eps)
+    return _group_advantages_fwd(x, index, size, lens, mode, eps)
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def group_advantages(
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::masked_whiten_fwd", mutates_args=())
+@custom_op.define("rlk::masked_whiten_fwd")
 def _masked_whiten_fwd(x: Tensor, mask: Tensor, unbiased: bool, eps: float, eps_mode: str, shift_mean: bool) -> Tensor:
     out = torch.empty_like(x)
     if x.numel() == 0:
@@ -279,7 +279,7 @@ def masked_whiten(
         raise TypeError(f"shift_mean: expected a bool, got {type(shift_mean).__name__}")
     eps = _positive("eps", eps)
     eps_mode = _choice("eps_mode", eps_mode, EPS_MODES)
-    return torch.ops.rlk.masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean)
+    return _masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean)
 
 
 # ---------------------------------------------------------------------------
@@ -293,7 +293,7 @@ def _rows(name: str, x: Tensor) -> Tensor:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-@torch.library.custom_op("rlk::discounted_returns_fwd", mutates_args=())
+@custom_op.define("rlk::discounted_returns_fwd")
 def _discounted_returns_fwd(rewards: Tensor, mask: Tensor, gamma: float, mask_mode: str) -> Tensor:
     out = torch.empty_like(rewards)
     if rewards.numel() == 0:
@@ -340,7 +340,7 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float, *, mask_mode
     mask = _mask_input(mask, x, "rewards")
     gamma = _unit_interval("gamma", gamma)
     mask_mode = _choice("mask_mode", mask_mode, RETURN_MASK_MODES)
-    out = torch.ops.rlk.discounted_returns_fwd(_rows("rewards", x), _rows("mask", mask), gamma, mask_mode)
+    out = _discounted_returns_fwd(_rows("rewards", x), _rows("mask", mask), gamma, mask_mode)
     return out.view(x.shape)
 
 
@@ -349,7 +349,7 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float, *, mask_mode
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::gae_fwd", mutates_args=())
+@custom_op.define("rlk::gae_fwd")
 def _gae_fwd(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     advantages, returns = torch.empty_like(rewards), torch.empty_like(rewards)
     if rewards.numel() == 0:
@@ -404,5 +404,5 @@ def gae(
     mask = _mask_input(mask, x, "rewards")
     gamma = _unit_interval("gamma", gamma)
     lam = _unit_interval("lam", lam)
-    adv, ret = torch.ops.rlk.gae_fwd(_rows("rewards", x), _rows("values", v), _rows("mask", mask), gamma, lam)
+    adv, ret = _gae_fwd(_rows("rewards", x), _rows("values", v), _rows("mask", mask), gamma, lam)
     return adv.view(x.shape), ret.view(x.shape)

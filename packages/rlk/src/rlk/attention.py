@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import custom_op, dispatch
 from rlk.checks import check_float, values_checked
 
 # ---------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::attention_fwd", mutates_args=())
+@custom_op.define("rlk::attention_fwd")
 def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, causal: bool, softmax_scale: float,
@@ -143,7 +143,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
 
 
-@torch.library.custom_op("rlk::attention_bwd", mutates_args=())
+@custom_op.define("rlk::attention_bwd")
 def _attention_bwd(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_lse: Tensor | None,
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
@@ -178,7 +178,7 @@ def _backward(ctx, grad_out, grad_lse):
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
     if grad_lse is not None:
         grad_lse = grad_lse.to(lse.dtype).contiguous()
-    grad_q, grad_k, grad_v = torch.ops.rlk.attention_bwd(
+    grad_q, grad_k, grad_v = _attention_bwd(
         grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, *ctx.attrs, ctx.backend
     )
     return grad_q, grad_k, grad_v, None, None, None, None, None, None
@@ -275,7 +275,7 @@ def attention(
         raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
     if not (0 < softmax_scale < math.inf):
         raise ValueError(f"softmax_scale: must be a finite number > 0, got {softmax_scale}")
-    out, lse = torch.ops.rlk.attention_fwd(
+    out, lse = _attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
         max_seqlen_q, max_seqlen_k, causal, float(softmax_scale),
     )

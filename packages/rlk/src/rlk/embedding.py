@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import custom_op, dispatch
 from rlk.checks import INPUT_DTYPES, values_checked
 
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -37,7 +37,7 @@ def _check_values(ids: Tensor, vocab: int) -> None:
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::embedding_fwd", mutates_args=())
+@custom_op.define("rlk::embedding_fwd")
 def _embedding_fwd(weight: Tensor, ids: Tensor, padding_idx: int) -> Tensor:
     """The gather; ``padding_idx`` (-1: none) is only carried to the backward."""
     out = weight.new_empty((ids.shape[0], weight.shape[1]))
@@ -54,7 +54,7 @@ def _(weight, ids, padding_idx):
     return weight.new_empty((ids.shape[0], weight.shape[1]))
 
 
-@torch.library.custom_op("rlk::embedding_bwd", mutates_args=())
+@custom_op.define("rlk::embedding_bwd")
 def _embedding_bwd(grad_out: Tensor, ids: Tensor, padding_idx: int, vocab: int, backend: str) -> Tensor:
     grad_weight = grad_out.new_empty((vocab, grad_out.shape[1]))
     if grad_out.numel() == 0:
@@ -79,7 +79,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     (ids,) = ctx.saved_tensors
-    grad_weight = torch.ops.rlk.embedding_bwd(
+    grad_weight = _embedding_bwd(
         grad_out.to(ctx.dtype).contiguous(), ids, ctx.padding_idx, ctx.vocab, ctx.backend
     )
     return grad_weight, None, None
@@ -136,5 +136,5 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
         raise ValueError(f"padding_idx: expected None or an int in [-{vocab}, {vocab}) (V = {vocab}), "
                          f"got {padding_idx!r}")
     flat_ids = ids.reshape(-1).to(torch.int64).contiguous()
-    out = torch.ops.rlk.embedding_fwd(weight.contiguous(), flat_ids, padding)
+    out = _embedding_fwd(weight.contiguous(), flat_ids, padding)
     return out.view(*ids.shape, weight.shape[1])

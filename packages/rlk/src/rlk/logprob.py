@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import custom_op, dispatch
 from rlk.checks import check_float, values_checked
 
 _TARGET_DTYPES = (torch.int32, torch.int64)
@@ -96,7 +96,7 @@ def _no_grad_placeholder(like: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::selected_logprob_fwd", mutates_args=())
+@custom_op.define("rlk::selected_logprob_fwd")
 def _selected_logprob_fwd(
     logits: Tensor, targets: Tensor, inv_temperature: Tensor, ignore_index: int, with_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -122,7 +122,7 @@ def _(logits, targets, inv_temperature, ignore_index, with_entropy):
     return logprob, entropy, logits.new_empty((n_rows,), dtype=_stat_dtype(logits))
 
 
-@torch.library.custom_op("rlk::selected_logprob_bwd", mutates_args=())
+@custom_op.define("rlk::selected_logprob_bwd")
 def _selected_logprob_bwd(
     logits: Tensor,
     targets: Tensor,
@@ -171,7 +171,7 @@ def _backward_grads(ctx, grad_logprob, grad_entropy, like: Tensor) -> tuple[Tens
 def _backward_selected(ctx, grad_logprob, grad_entropy, grad_lse):
     logits, targets, inv_temperature, lse, entropy = ctx.saved_tensors
     grad_logprob, grad_entropy = _backward_grads(ctx, grad_logprob, grad_entropy, logits)
-    grad_logits = torch.ops.rlk.selected_logprob_bwd(
+    grad_logits = _selected_logprob_bwd(
         logits, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
         grad_logprob, grad_entropy, ctx.ignore_index, ctx.backend,
     )
@@ -222,7 +222,7 @@ def selected_logprob(
     flat_logits = logits.reshape(-1, logits.shape[-1]).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
     inv_t = _inv_temperature(temperature, lead, logits.device, _stat_dtype(logits))
-    logprob, entropy, _ = torch.ops.rlk.selected_logprob_fwd(
+    logprob, entropy, _ = _selected_logprob_fwd(
         flat_logits, flat_targets, inv_t, int(ignore_index), bool(return_entropy)
     )
     if return_entropy:
@@ -235,7 +235,7 @@ def selected_logprob(
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::linear_logprob_fwd", mutates_args=())
+@custom_op.define("rlk::linear_logprob_fwd")
 def _linear_logprob_fwd(
     hidden: Tensor, weight: Tensor, targets: Tensor, inv_temperature: Tensor, ignore_index: int, with_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -261,7 +261,7 @@ def _(hidden, weight, targets, inv_temperature, ignore_index, with_entropy):
     return logprob, entropy, hidden.new_empty((n_rows,), dtype=_stat_dtype(hidden))
 
 
-@torch.library.custom_op("rlk::linear_logprob_bwd", mutates_args=())
+@custom_op.define("rlk::linear_logprob_bwd")
 def _linear_logprob_bwd(
     hidden: Tensor,
     weight: Tensor,
@@ -309,7 +309,7 @@ def _setup_linear(ctx, inputs, output):
 def _backward_linear(ctx, grad_logprob, grad_entropy, grad_lse):
     hidden, weight, targets, inv_temperature, lse, entropy = ctx.saved_tensors
     grad_logprob, grad_entropy = _backward_grads(ctx, grad_logprob, grad_entropy, hidden)
-    grad_hidden, grad_weight = torch.ops.rlk.linear_logprob_bwd(
+    grad_hidden, grad_weight = _linear_logprob_bwd(
         hidden, weight, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
         grad_logprob, grad_entropy, ctx.ignore_index, ctx.backend,
         ctx.needs_input_grad[0], ctx.needs_input_grad[1],
@@ -368,7 +368,7 @@ def linear_logprob(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
     inv_t = _inv_temperature(temperature, lead, hidden.device, _stat_dtype(hidden))
-    logprob, entropy, _ = torch.ops.rlk.linear_logprob_fwd(
+    logprob, entropy, _ = _linear_logprob_fwd(
         flat_hidden, weight.contiguous(), flat_targets, inv_t, int(ignore_index), bool(return_entropy)
     )
     if return_entropy:

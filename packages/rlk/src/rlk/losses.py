@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import custom_op, dispatch
 from rlk.reference import aggregation
 from rlk.reference.losses import DPO_LOSSES
 
@@ -74,7 +74,7 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::value_loss_fwd", mutates_args=())
+@custom_op.define("rlk::value_loss_fwd")
 def _value_loss_fwd(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, row_weight: Tensor, clip: float | None
 ) -> tuple[Tensor, Tensor]:
@@ -92,7 +92,7 @@ def _(values, old_values, returns, mask, row_weight, clip):
     return values.new_empty(()), values.new_empty((2,))
 
 
-@torch.library.custom_op("rlk::value_loss_bwd", mutates_args=())
+@custom_op.define("rlk::value_loss_bwd")
 def _value_loss_bwd(
     values: Tensor,
     old_values: Tensor,
@@ -128,7 +128,7 @@ def _backward_value(ctx, grad_loss, grad_metrics):
     values, old_values, returns, mask, row_weight = ctx.saved_tensors
     if grad_loss is None or not ctx.needs_input_grad[0]:
         return None, None, None, None, None, None
-    grad_values = torch.ops.rlk.value_loss_bwd(
+    grad_values = _value_loss_bwd(
         values, old_values, returns, mask, row_weight, ctx.clip, grad_loss.to(values.dtype).contiguous(), ctx.backend
     )
     return grad_values, None, None, None, None, None
@@ -197,7 +197,7 @@ def value_loss(
                                       loss_scale=loss_scale, dtype=cdt)
     v = values.to(cdt).contiguous()
     v_old = v.detach() if old_values is None or clip is None else old_values.detach().to(cdt).contiguous()
-    loss, metrics = torch.ops.rlk.value_loss_fwd(
+    loss, metrics = _value_loss_fwd(
         v, v_old, returns.detach().to(cdt).contiguous(), (mask if mask.dtype == torch.bool else mask != 0).contiguous(),
         weights.contiguous(), None if clip is None else float(clip),
     )
@@ -210,7 +210,7 @@ def value_loss(
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::dpo_loss_fwd", mutates_args=())
+@custom_op.define("rlk::dpo_loss_fwd")
 def _dpo_loss_fwd(
     chosen: Tensor,
     rejected: Tensor,
@@ -241,7 +241,7 @@ def _(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta
     return torch.empty_like(chosen), chosen.new_empty(()), chosen.new_empty((4,))
 
 
-@torch.library.custom_op("rlk::dpo_loss_bwd", mutates_args=())
+@custom_op.define("rlk::dpo_loss_bwd")
 def _dpo_loss_bwd(
     chosen: Tensor,
     rejected: Tensor,
@@ -290,7 +290,7 @@ def _backward_dpo(ctx, grad_losses, grad_loss, grad_metrics):
         grad_losses = grad_losses.to(chosen.dtype).contiguous()
     if grad_loss is not None:
         grad_loss = grad_loss.to(chosen.dtype).contiguous()
-    grad_chosen, grad_rejected = torch.ops.rlk.dpo_loss_bwd(
+    grad_chosen, grad_rejected = _dpo_loss_bwd(
         chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, *ctx.attrs, grad_losses, grad_loss,
         ctx.backend,
     )
@@ -386,7 +386,7 @@ def dpo_loss(
     lengths = (None, None)
     if loss == "ipo":
         lengths = (chosen_length.detach().to(cdt).contiguous(), rejected_length.detach().to(cdt).contiguous())
-    losses, total, metrics = torch.ops.rlk.dpo_loss_fwd(
+    losses, total, metrics = _dpo_loss_fwd(
         chosen_logprob.to(cdt).contiguous(), rejected_logprob.to(cdt).contiguous(),
         ref_chosen_logprob.detach().to(cdt).contiguous(), ref_rejected_logprob.detach().to(cdt).contiguous(),
         *lengths, float(beta), loss, float(label_smoothing), reduction == "mean",

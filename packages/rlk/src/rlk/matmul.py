@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import custom_op, dispatch
 from rlk.checks import check_float
 
 # ---------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def _out_shape(a: Tensor, b: Tensor) -> tuple[int, ...]:
     return (*a.shape[:-1], b.shape[-1])
 
 
-@torch.library.custom_op("rlk::matmul_fwd", mutates_args=())
+@custom_op.define("rlk::matmul_fwd")
 def _matmul_fwd(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
     out = a.new_empty(_out_shape(a, b))
     m, k = a.shape[-2:]
@@ -88,7 +88,7 @@ def _bwd_outputs(a: Tensor, b: Tensor, need_a: bool, need_b: bool, need_bias: bo
     return grad_a, grad_b, grad_bias
 
 
-@torch.library.custom_op("rlk::matmul_bwd", mutates_args=())
+@custom_op.define("rlk::matmul_bwd")
 def _matmul_bwd(
     grad_out: Tensor, a: Tensor, b: Tensor, need_a: bool, need_b: bool, need_bias: bool, backend: str
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -129,7 +129,7 @@ def _backward(ctx, grad_out):
     a, b = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_bias = ctx.has_bias and ctx.needs_input_grad[2]
-    grad_a, grad_b, grad_bias = torch.ops.rlk.matmul_bwd(
+    grad_a, grad_b, grad_bias = _matmul_bwd(
         grad_out.contiguous(), a, b, need_a, need_b, need_bias, ctx.backend
     )
     return grad_a if need_a else None, grad_b if need_b else None, grad_bias if need_bias else None
@@ -184,7 +184,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         if b.shape[0] != a.shape[-1]:
             raise ValueError(f"b: expected shape [K, N] with K = {a.shape[-1]} (a's last dim), got {tuple(b.shape)}")
         flat = a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
-        out = torch.ops.rlk.matmul_fwd(_unit_stride(flat), _unit_stride(b), None)
+        out = _matmul_fwd(_unit_stride(flat), _unit_stride(b), None)
         return out.view(*a.shape[:-1], b.shape[1])
     if b.dim() == 3:
         if a.dim() != 3:
@@ -192,7 +192,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         if b.shape[0] != a.shape[0] or b.shape[1] != a.shape[2]:
             raise ValueError(f"b: expected shape [B, K, N] with B = {a.shape[0]} and K = {a.shape[2]} "
                              f"(from a), got {tuple(b.shape)}")
-        return torch.ops.rlk.matmul_fwd(_unit_stride(a), _unit_stride(b), None)
+        return _matmul_fwd(_unit_stride(a), _unit_stride(b), None)
     raise ValueError(f"b: expected shape [K, N] or [B, K, N], got {tuple(b.shape)}")
 
 
@@ -229,5 +229,5 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             raise ValueError(f"bias: expected shape ({n},) (weight's first dim), got {tuple(bias.shape)}")
         bias = bias.contiguous()
     flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    out = torch.ops.rlk.matmul_fwd(_unit_stride(flat), _unit_stride(weight).t(), bias)
+    out = _matmul_fwd(_unit_stride(flat), _unit_stride(weight).t(), bias)
     return out.view(*x.shape[:-1], n)

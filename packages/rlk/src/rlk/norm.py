@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import custom_op, dispatch
 from rlk.checks import check_float
 
 # ---------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def _fwd_outputs(x: Tensor, weight: Tensor, residual: Tensor | None, gemma: bool
     return y, s, rstd
 
 
-@torch.library.custom_op("rlk::rms_norm_fwd", mutates_args=())
+@custom_op.define("rlk::rms_norm_fwd")
 def _rms_norm_fwd(
     x: Tensor, weight: Tensor, residual: Tensor | None, eps: float, gemma: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -100,7 +100,7 @@ def _(x, weight, residual, eps, gemma):
     return _fwd_outputs(x, weight, residual, gemma)
 
 
-@torch.library.custom_op("rlk::rms_norm_bwd", mutates_args=())
+@custom_op.define("rlk::rms_norm_bwd")
 def _rms_norm_bwd(
     grad_out: Tensor,
     s: Tensor,
@@ -148,7 +148,7 @@ def _backward(ctx, grad_y, grad_s, grad_rstd):
     need_w = ctx.needs_input_grad[1]
     if not (need_x or need_w):
         return None, None, None, None, None
-    grad_input, grad_weight = torch.ops.rlk.rms_norm_bwd(
+    grad_input, grad_weight = _rms_norm_bwd(
         grad_y.contiguous(), s, weight, rstd, grad_residual, ctx.gemma, ctx.backend, need_w
     )
     return (
@@ -210,7 +210,7 @@ def rms_norm(
     hidden = x.shape[-1]
     flat_x = x.reshape(-1, hidden).contiguous()
     flat_res = None if residual is None else residual.reshape(-1, hidden).contiguous()
-    y, s, _ = torch.ops.rlk.rms_norm_fwd(flat_x, weight.contiguous(), flat_res, eps, bool(gemma))
+    y, s, _ = _rms_norm_fwd(flat_x, weight.contiguous(), flat_res, eps, bool(gemma))
     y = y.view(x.shape)
     if residual is None:
         return y

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import custom_op, dispatch
 from rlk.checks import INPUT_DTYPES
 from rlk.reference import aggregation
 from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
@@ -128,7 +128,7 @@ def _normalizers(tensors: list, numbers: list[float]) -> dict[str, object]:
             for name, t, x in zip(_NORMALIZERS, tensors, numbers)}
 
 
-@torch.library.custom_op("rlk::policy_loss_fwd", mutates_args=())
+@custom_op.define("rlk::policy_loss_fwd")
 def _policy_loss_fwd(
     logprob: Tensor,
     old_logprob: Tensor,
@@ -166,7 +166,7 @@ def _(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, e
     return _fwd_outputs(logprob, flags[_BOOL_ATTRS.index("with_entropy_grad")])
 
 
-@torch.library.custom_op("rlk::policy_loss_bwd", mutates_args=())
+@custom_op.define("rlk::policy_loss_bwd")
 def _policy_loss_bwd(
     grad_loss: Tensor, coef_logprob: Tensor, coef_entropy: Tensor | None, row_weight: Tensor, backend: str
 ) -> tuple[Tensor, Tensor]:
@@ -202,7 +202,7 @@ def _backward_policy(ctx, grad_loss, grad_coef_lp, grad_coef_ent, grad_row_weigh
     grads = [None] * _N_POLICY_INPUTS
     if grad_loss is None:
         return tuple(grads)
-    grad_lp, grad_ent = torch.ops.rlk.policy_loss_bwd(
+    grad_lp, grad_ent = _policy_loss_bwd(
         grad_loss.to(coef_lp.dtype).contiguous(), coef_lp, coef_ent if ctx.with_entropy_grad else None, row_weight,
         ctx.backend,
     )
@@ -398,7 +398,7 @@ def policy_loss(
         flags = [cispo_form == "upper", bool(kl_k3_clamp), kl_straight, bool(kl_unbiased), with_entropy_grad]
         params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos,
                   tau_neg, kl_coef, kl_clamp_value, entropy_coef, *norm_numbers]
-        out_loss, _, _, _, _, metrics = torch.ops.rlk.policy_loss_fwd(
+        out_loss, _, _, _, _, metrics = _policy_loss_fwd(
             lp, old, adv, mask_bool.contiguous(), detached(importance_weights), detached(ref_logprob), ent,
             *norm_tensors, agg, loss, kl, flags, params,
         )
@@ -416,7 +416,7 @@ def policy_loss(
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::kl_penalty_fwd", mutates_args=())
+@custom_op.define("rlk::kl_penalty_fwd")
 def _kl_penalty_fwd(
     logprob: Tensor, ref_logprob: Tensor, old_logprob: Tensor | None, estimator: str, straight_through: bool,
     k3_clamp: bool, clamp: float,
@@ -437,7 +437,7 @@ def _(logprob, ref_logprob, old_logprob, estimator, straight_through, k3_clamp, 
     return torch.empty_like(logprob), torch.empty_like(logprob)
 
 
-@torch.library.custom_op("rlk::kl_penalty_bwd", mutates_args=())
+@custom_op.define("rlk::kl_penalty_bwd")
 def _kl_penalty_bwd(grad_kl: Tensor, coef: Tensor, backend: str) -> Tensor:
     grad = torch.empty_like(coef)
     if coef.numel() == 0:
@@ -464,7 +464,7 @@ def _backward_kl(ctx, grad_kl, grad_coef):
     (coef,) = ctx.saved_tensors
     if grad_kl is None:
         return None, None, None, None, None, None, None
-    grad = torch.ops.rlk.kl_penalty_bwd(grad_kl.to(coef.dtype).contiguous(), coef, ctx.backend)
+    grad = _kl_penalty_bwd(grad_kl.to(coef.dtype).contiguous(), coef, ctx.backend)
     return grad, None, None, None, None, None, None
 
 
@@ -524,6 +524,6 @@ def kl_penalty(
     lp = logprob.to(cdt).reshape(-1).contiguous()
     ref = ref_logprob.detach().to(cdt).reshape(-1).contiguous()
     old = None if old_logprob is None else old_logprob.detach().to(cdt).reshape(-1).contiguous()
-    kl, _ = torch.ops.rlk.kl_penalty_fwd(lp, ref, old, name, bool(straight or straight_through), bool(k3_clamp),
+    kl, _ = _kl_penalty_fwd(lp, ref, old, name, bool(straight or straight_through), bool(k3_clamp),
                                          clamp_value)
     return kl.view(shape)

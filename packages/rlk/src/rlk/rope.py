@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import custom_op, dispatch
 from rlk.checks import check_float
 
 # ---------------------------------------------------------------------------
@@ -20,7 +20,7 @@ from rlk.checks import check_float
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::rope_fwd", mutates_args=())
+@custom_op.define("rlk::rope_fwd")
 def _rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     out = torch.empty_like(x)
     if out.numel() == 0:
@@ -35,7 +35,7 @@ def _(x, cos, sin, interleaved):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("rlk::rope_bwd", mutates_args=())
+@custom_op.define("rlk::rope_bwd")
 def _rope_bwd(grad_out: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backend: str) -> Tensor:
     grad_x = torch.empty_like(grad_out)
     if grad_x.numel() == 0:
@@ -59,7 +59,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     cos, sin = ctx.saved_tensors
-    grad_x = torch.ops.rlk.rope_bwd(grad_out.to(ctx.dtype).contiguous(), cos, sin, ctx.interleaved, ctx.backend)
+    grad_x = _rope_bwd(grad_out.to(ctx.dtype).contiguous(), cos, sin, ctx.interleaved, ctx.backend)
     return grad_x, None, None, None
 
 
@@ -174,7 +174,7 @@ def apply_rope(
         if cos.dim() != 2 or cos.shape[0] != q.shape[0]:
             raise ValueError(f"cos: expected shape [T, R] with T = {q.shape[0]} for packed q, got {tuple(cos.shape)}")
         cos_p, sin_p = cos.contiguous(), sin.contiguous()
-        return tuple(torch.ops.rlk.rope_fwd(x.contiguous(), cos_p, sin_p, interleaved) for x in (q, k))
+        return tuple(_rope_fwd(x.contiguous(), cos_p, sin_p, interleaved) for x in (q, k))
 
     seq_dim = 3 - unsqueeze_dim  # the other of dims 1 and 2
     batch, seq = q.shape[0], q.shape[seq_dim]
@@ -187,6 +187,6 @@ def apply_rope(
         x_bshd = x if unsqueeze_dim == 2 else x.transpose(1, 2)
         heads, head_dim = x_bshd.shape[2], x_bshd.shape[3]
         packed = x_bshd.reshape(batch * seq, heads, head_dim).contiguous()
-        out = torch.ops.rlk.rope_fwd(packed, cos_p, sin_p, interleaved).view(batch, seq, heads, head_dim)
+        out = _rope_fwd(packed, cos_p, sin_p, interleaved).view(batch, seq, heads, head_dim)
         outputs.append(out if unsqueeze_dim == 2 else out.transpose(1, 2).contiguous())
     return outputs[0], outputs[1]

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import custom_op, dispatch
 from rlk.checks import check_float
 
 # ---------------------------------------------------------------------------
@@ -22,7 +22,7 @@ from rlk.checks import check_float
 # ---------------------------------------------------------------------------
 
 
-@torch.library.custom_op("rlk::softmax_fwd", mutates_args=())
+@custom_op.define("rlk::softmax_fwd")
 def _softmax_fwd(x: Tensor, log: bool) -> Tensor:
     out = torch.empty_like(x)
     if out.numel() == 0:
@@ -36,7 +36,7 @@ def _(x, log):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("rlk::softmax_bwd", mutates_args=())
+@custom_op.define("rlk::softmax_bwd")
 def _softmax_bwd(grad_out: Tensor, out: Tensor, log: bool, backend: str) -> Tensor:
     grad_x = torch.empty_like(out)
     if grad_x.numel() == 0:
@@ -60,7 +60,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad_out):
     (out,) = ctx.saved_tensors
     grad_out = grad_out.to(out.dtype).contiguous()
-    return torch.ops.rlk.softmax_bwd(grad_out, out, ctx.log, ctx.backend), None
+    return _softmax_bwd(grad_out, out, ctx.log, ctx.backend), None
 
 
 _softmax_fwd.register_autograd(_backward, setup_context=_setup)
@@ -84,7 +84,7 @@ def _over_dim(x: Tensor, dim: int, log: bool) -> Tensor:
                          f"got {dim}")
     moved = x.movedim(dim, -1)
     rows = moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1]).contiguous()
-    out = torch.ops.rlk.softmax_fwd(rows, log)
+    out = _softmax_fwd(rows, log)
     return out.view(moved.shape).movedim(-1, dim)
 
 

@@ -1,0 +1,90 @@
+"""How rlk's public ops call their primitives: torch custom ops when traced, the same code directly in eager.
+
+Every rlk op is built from ``torch.library`` custom ops (``rlk::<op>_fwd`` / ``rlk::<op>_bwd``) with fake
+implementations and a registered autograd formula, so ``torch.compile`` / ``torch.export`` / ``opcheck``
+see one opaque node per primitive. Going through torch's dispatcher and its custom-op autograd wrapper costs
+host time on every call, though: hundreds of microseconds per forward + backward on a GPU host, more than
+the kernels of a [512, 8192] policy loss or a [16384, 4096] RMSNorm take (``tools/profile_policy_loss.py``).
+
+:func:`define` wraps ``torch.library.custom_op`` and returns an :class:`Op` that is used like the custom op
+(``register_fake``, ``register_autograd``, calling it). A call runs the custom op through torch's dispatcher
+when anything may be tracing or transforming it (``torch.compile``, a ``TorchDispatchMode`` such as fake
+tensors or ``opcheck``'s, functorch transforms, tensor subclasses); in plain eager mode it runs the very
+same Python body directly, and, when a gradient is needed, through a ``torch.autograd.Function`` whose
+``forward`` / ``backward`` are the registered ``setup_context`` and ``backward``. Both paths execute the same
+code and kernels in the same order, so their results are bitwise equal (``tests/test_custom_op.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+#: Tensor types the eager path takes as they are (subclasses go through the dispatcher).
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _plain_eager(args: tuple[Any, ...]) -> bool:
+    """True when nothing traces or transforms this call: no compile, no dispatch mode, no functorch, plain tensors."""
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:  # inside vmap / grad / jvp
+        return False
+    return all(type(a) in _PLAIN_TENSOR_TYPES for a in args if isinstance(a, Tensor))
+
+
+class Op:
+    """One rlk primitive: a registered torch custom op plus a direct eager path to the same body."""
+
+    def __init__(self, name: str, impl: Callable[..., Any]):
+        self.name = name
+        self.impl = impl
+        self.custom_op = torch.library.custom_op(name, mutates_args=())(impl)
+        self._function: type[torch.autograd.Function] | None = None
+
+    def register_fake(self, fake: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: the fake (meta) implementation, as ``CustomOpDef.register_fake``."""
+        self.custom_op.register_fake(fake)
+        return fake
+
+    def register_autograd(self, backward: Callable[..., Any], *, setup_context: Callable[..., Any]) -> None:
+        """The autograd formula, as ``CustomOpDef.register_autograd``; also builds the eager path's Function."""
+        self.custom_op.register_autograd(backward, setup_context=setup_context)
+        impl = self.impl
+
+        class EagerFunction(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):
+                output = impl(*args)
+                setup_context(ctx, args, output)
+                return output
+
+            @staticmethod
+            def backward(ctx, *grads):
+                return backward(ctx, *grads)
+
+        EagerFunction.__name__ = EagerFunction.__qualname__ = self.name.replace("::", "_")
+        self._function = EagerFunction
+
+    def __call__(self, *args: Any) -> Any:
+        if not _plain_eager(args):
+            return self.custom_op(*args)
+        if self._function is not None and torch.is_grad_enabled() and any(
+            isinstance(a, Tensor) and a.requires_grad for a in args
+        ):
+            return self._function.apply(*args)
+        return self.impl(*args)
+
+
+def define(name: str) -> Callable[[Callable[..., Any]], Op]:
+    """Decorator: ``@define("rlk::x_fwd")`` on the body makes the custom op ``rlk::x_fwd`` (schema from the
+    annotations, no mutated arguments) and returns its :class:`Op`."""
+
+    def wrap(impl: Callable[..., Any]) -> Op:
+        return Op(name, impl)
+
+    return wrap
