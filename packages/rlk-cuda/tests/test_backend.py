@@ -22,7 +22,8 @@ from rlk.reference import norm as ref_norm
 rlk_cuda = pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 _native = importlib.import_module("rlk_cuda._native")
 
-IMPLEMENTED = ("selected_logprob_fwd", "selected_logprob_bwd", "rms_norm_fwd", "rms_norm_bwd")
+IMPLEMENTED = ("selected_logprob_fwd", "selected_logprob_bwd", "linear_logprob_fwd", "linear_logprob_bwd",
+               "rms_norm_fwd", "rms_norm_bwd")
 
 
 def test_entry_point_is_registered():
@@ -45,7 +46,7 @@ def test_primitive_table_follows_the_abi():
     assert backend.name == "cuda" and backend.batch_invariant and backend.abi_version == abi.ABI_VERSION
     assert sorted(backend.primitives) == sorted(IMPLEMENTED)
     for name, fn in backend.primitives.items():
-        spec = getattr(ref_logprob if name.startswith("selected") else ref_norm, name)
+        spec = getattr(ref_logprob if name.startswith(("selected", "linear")) else ref_norm, name)
         assert list(inspect.signature(fn).parameters) == list(inspect.signature(spec).parameters), name
 
 
@@ -108,5 +109,7 @@ def test_available_on_gpu():
     for op in ("selected_logprob", "rms_norm"):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             assert dispatch.decide(op, torch.device("cuda", 0), dtype).backend == "cuda"
-    # linear_logprob is not implemented here: it falls through to the next backend of the chain
-    assert dispatch.decide("linear_logprob", torch.device("cuda", 0), torch.bfloat16).backend != "cuda"
+    # linear_logprob: bfloat16 / float16 here, float32 falls through to the next backend of the chain
+    for dtype in (torch.float16, torch.bfloat16):
+        assert dispatch.decide("linear_logprob", torch.device("cuda", 0), dtype).backend == "cuda"
+    assert dispatch.decide("linear_logprob", torch.device("cuda", 0), torch.float32).backend != "cuda"

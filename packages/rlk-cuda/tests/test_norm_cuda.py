@@ -86,7 +86,14 @@ def check_against_reference(name, x, w, r, gy, gres, gemma: bool) -> None:
         print(f"RATIO {name} {key} {e.dtype} {dev.ratio:.3g}")
         assert dev.ok, dev
     for key in ("grad_input", "grad_weight"):
-        dev = contract.compare_grad(e, key, got[key], truth_bwd[key], 1.0)
+        scale = 1.0
+        if key == "grad_input" and x.shape[-1] == 1:
+            # H = 1: grad_s = rstd * g_n * (1 - n^2) with n^2 = s^2 / (s^2 + eps) ~ 1, a cancellation whose fp32
+            # rounding no kernel avoids (the true gradient is ~eps / s^2 of its terms); judge the error against
+            # the size of the cancelling terms, rstd * |g_n|.
+            terms = truth_bwd["rstd"].reshape(-1, 1) * gy.double().abs() * (w.double().abs() + (1.0 if gemma else 0.0))
+            scale = max(1.0, float(torch.linalg.vector_norm(terms) / torch.linalg.vector_norm(truth_bwd[key])))
+        dev = contract.compare_grad(e, key, got[key], truth_bwd[key], scale)
         print(f"RATIO {name} {key} {e.dtype} {dev.ratio:.3g}")
         assert dev.ok, dev
     assert got["y"].dtype == gy.dtype and got["grad_weight"].dtype == w.dtype and got["grad_input"].dtype == x.dtype

@@ -9,6 +9,10 @@ least (selected_logprob: the forward reads the logits, the backward reads them a
 rms_norm: the forward reads x and writes y, the backward reads grad_y and s and writes grad_x; per-row
 vectors, the weight and the grad-weight partials are not counted). Copy bandwidth: a device-to-device copy
 of a tensor as large as the logits (bytes read + written). Times: median of CUDA-event timings.
+
+linear_logprob (compute-bound): fwd+bwd of bf16 hidden [N, 4096] and weight [151936, 4096] with entropy and
+both gradients, credited 8 * N * H * V FLOPs (forward GEMM 2NHV; backward: logits recomputed 2NHV, grad_hidden
+2NHV, grad_weight 2NHV), against torch.mm's rate on a bf16 [N, H] @ [H, 8192] product of the same N and H.
 """
 
 from __future__ import annotations
@@ -80,6 +84,60 @@ def norm_case(n: int, h: int, dtype=torch.bfloat16):
     return x, fwd, bwd, (y, rstd, gx, gw)
 
 
+def linear_case(n: int, h: int = 4096, v: int = 151936, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, generator=g, device="cuda").to(dtype)
+    weight = (torch.randn(v, h, generator=g, device="cuda") / h**0.5).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g, device="cuda")
+    inv_t = torch.ones(n, device="cuda")
+    lp, ent, lse = (torch.empty(n, device="cuda") for _ in range(3))
+    g_lp, g_ent = torch.randn(2, n, generator=g, device="cuda")
+    gh, gw = torch.empty_like(hidden), torch.empty_like(weight)
+
+    def fwd(impl):
+        impl.linear_logprob_fwd(hidden, weight, targets, inv_t, -100, lp, ent, lse)
+
+    def bwd(impl):
+        impl.linear_logprob_bwd(hidden, weight, targets, inv_t, lse, ent, g_lp, g_ent, -100, gh, gw)
+
+    def mm_rate() -> float:
+        b = torch.randn(h, 8192, generator=g, device="cuda").to(dtype)
+        out = torch.empty(n, 8192, dtype=dtype, device="cuda")
+        return 2 * n * h * 8192 / timed(lambda: torch.mm(hidden, b, out=out))
+
+    return fwd, bwd, mm_rate, (lp, ent, lse, gh, gw)
+
+
+def report_linear(n: int, h: int = 4096, v: int = 151936) -> None:
+    fwd, bwd, mm_rate, outs = linear_case(n, h, v)
+    reps = 5 if n > 4096 else 10
+    t_fwd = timed(lambda: fwd(ck), reps=reps, warmup=1)
+    t_bwd = timed(lambda: bwd(ck), reps=reps, warmup=1)
+    rate = 8 * n * h * v / (t_fwd + t_bwd)
+    mm = mm_rate()
+    print(f"linear_logprob bf16 N={n} H={h} V={v} (entropy, both grads): fwd {t_fwd * 1e3:.1f} ms, bwd "
+          f"{t_bwd * 1e3:.1f} ms, {rate / 1e12:.0f} TFLOP/s credited (8NHV) = {100 * rate / mm:.0f}% of torch.mm's "
+          f"{mm / 1e12:.0f} TFLOP/s")
+    compare_linear_with_triton(n, fwd, bwd, outs)
+
+
+def compare_linear_with_triton(n: int, fwd, bwd, outputs) -> None:
+    """Max |cuda - triton| per output (both batch-invariant; different tilings, so not bitwise)."""
+    try:
+        import rlk_triton.logprob as tl_logprob
+    except Exception as exc:
+        print(f"linear_logprob: triton comparison skipped ({type(exc).__name__}: {exc})")
+        return
+    fwd(ck)
+    bwd(ck)
+    ours = [t.clone() for t in outputs]
+    fwd(tl_logprob)
+    bwd(tl_logprob)
+    for name, a, b in zip(("logprob", "entropy", "lse", "grad_hidden", "grad_weight"), ours, outputs):
+        diff = (a.double() - b.double()).abs().max().item()
+        print(f"linear_logprob N={n}: {name} cuda vs triton max |diff| {diff:.3g}")
+
+
 def report(name: str, tensor_bytes: int, n_passes: int, fwd, bwd, copy_bw: float) -> None:
     impl = ck if name.startswith("selected") else cn
     t_fwd = timed(lambda: fwd(impl))
@@ -113,20 +171,32 @@ def compare_with_triton(name: str, fwd, bwd, outputs) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
+    parser.add_argument("--only", choices=("selected", "norm", "linear"), help="one kernel family")
     args = parser.parse_args()
+    families = (args.only,) if args.only else ("selected", "norm", "linear")
     n_lp, v = (1024, 151936) if args.quick else (16384, 151936)
     n_norm, h = (2048, 4096) if args.quick else (16384, 4096)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    x, fwd, bwd, outs = logprob_case(n_lp, v)
-    copy_bw = copy_bandwidth(x.numel() * x.element_size())
-    print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s (bytes read + written)")
-    report(f"selected_logprob bf16 [{n_lp}, {v}]", x.numel() * x.element_size(), 3, fwd, bwd, copy_bw)
-    compare_with_triton("selected_logprob", fwd, bwd, outs)
-    del x, fwd, bwd, outs
-    torch.cuda.empty_cache()
-    x, fwd, bwd, outs = norm_case(n_norm, h)
-    report(f"rms_norm bf16 [{n_norm}, {h}]", x.numel() * x.element_size(), 5, fwd, bwd, copy_bw)
-    compare_with_triton("rms_norm", fwd, bwd, outs)
+    copy_bw = None
+    if "selected" in families or "norm" in families:
+        copy_bw = copy_bandwidth(n_lp * v * 2)
+        print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s (bytes read + written)")
+    if "selected" in families:
+        x, fwd, bwd, outs = logprob_case(n_lp, v)
+        report(f"selected_logprob bf16 [{n_lp}, {v}]", x.numel() * x.element_size(), 3, fwd, bwd, copy_bw)
+        compare_with_triton("selected_logprob", fwd, bwd, outs)
+        del x, fwd, bwd, outs
+        torch.cuda.empty_cache()
+    if "norm" in families:
+        x, fwd, bwd, outs = norm_case(n_norm, h)
+        report(f"rms_norm bf16 [{n_norm}, {h}]", x.numel() * x.element_size(), 5, fwd, bwd, copy_bw)
+        compare_with_triton("rms_norm", fwd, bwd, outs)
+        del x, fwd, bwd, outs
+        torch.cuda.empty_cache()
+    if "linear" in families:
+        for n in (1024,) if args.quick else (4096, 16384):
+            report_linear(n)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

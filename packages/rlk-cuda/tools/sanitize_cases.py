@@ -3,8 +3,11 @@
 Covers: selected_logprob fwd / bwd for fp32, fp16, bf16, with and without entropy, ignored rows,
 vocab sizes that are not pack multiples, unaligned row starts; rms_norm fwd / bwd for every
 (x, weight, y) dtype triple, fused and unfused, Gemma, with and without grad_weight, one-chunk and
-chunked rows, unaligned rows. Run with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so every tensor is its own
-allocation and an out-of-bounds access lands outside it. Exits non-zero if a result is not finite
+chunked rows, unaligned rows; linear_logprob fwd / bwd for fp16 and bf16 (tensor-core path), with and
+without entropy, each gradient optional, ignored rows, N / V not multiples of the 128-wide tiles, several
+vocab splits / chunks with a ragged last one, H = 36 (padded by the primitive), unaligned views. Run with
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 so every tensor is its own allocation and an out-of-bounds access lands
+outside it. Exits non-zero if a result is not finite
 where it must be (a cheap sanity check; the sanitizer does the real checking).
 """
 
@@ -80,9 +83,39 @@ def norm_cases() -> int:
     return bad
 
 
+def linear_logprob_cases() -> int:
+    bad = 0
+    for dtype in (torch.float16, torch.bfloat16):
+        # (N, V, H): one tile; ragged rows / vocab and 2 chunks (8200 > 4096); padded H; 2 row tiles, 2 K steps
+        for n, v, h in ((1, 5, 8), (7, 300, 64), (3, 8200, 64), (5, 1000, 36), (133, 700, 128)):
+            for shift in (False, True):
+                hidden = torch.randn(n, h, device="cuda").to(dtype)
+                weight = (torch.randn(v, h, device="cuda") / h**0.5).to(dtype)
+                if shift:
+                    hidden, weight = unaligned(hidden), unaligned(weight)
+                targets = torch.randint(0, v, (n,), device="cuda")
+                if n >= 3:
+                    targets[1] = -100
+                inv_t = torch.rand(n, device="cuda") + 0.5
+                for entropy in (False, True):
+                    lp, ent, lse = (torch.empty(n, device="cuda") for _ in range(3))
+                    logprob.linear_logprob_fwd(hidden, weight, targets, inv_t, -100, lp, ent if entropy else None, lse)
+                    g_lp, g_ent = torch.randn(2, n, device="cuda")
+                    for want_h, want_w in ((True, True), (True, False), (False, True)):
+                        gh = torch.empty_like(hidden) if want_h else None
+                        gw = torch.empty_like(weight) if want_w else None
+                        logprob.linear_logprob_bwd(hidden, weight, targets, inv_t, lse, ent if entropy else None, g_lp,
+                                                   g_ent if entropy else None, -100, gh, gw)
+                        torch.cuda.synchronize()
+                        bad += int(want_h and not torch.isfinite(gh.float()).all())
+                        bad += int(want_w and not torch.isfinite(gw.float()).all())
+                    bad += int(not torch.isfinite(lp).all()) + int(not torch.isfinite(lse).all())
+    return bad
+
+
 def main() -> int:
     torch.manual_seed(0)
-    bad = logprob_cases() + norm_cases()
+    bad = logprob_cases() + linear_logprob_cases() + norm_cases()
     print(f"sanitize_cases: done, {bad} non-finite results")
     return 1 if bad else 0
 

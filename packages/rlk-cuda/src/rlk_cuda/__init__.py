@@ -7,8 +7,10 @@ outputs are caller-allocated, the stream is torch's current stream passed as an 
 links libtorch, so one wheel serves every torch version. Every kernel is batch-invariant by
 construction (fixed block sizes, a fixed element-to-thread map, fixed-order reductions, no atomics).
 
-Implemented primitives: ``selected_logprob_fwd/bwd`` (``logprob.py``), ``rms_norm_fwd/bwd``
-(``norm.py``). Every other op falls through to the next backend of the chain (triton, reference).
+Implemented primitives: ``selected_logprob_fwd/bwd`` and ``linear_logprob_fwd/bwd`` (``logprob.py``;
+``linear_logprob`` for float16 / bfloat16 only: ``supports`` declines float32, which falls through to
+triton), ``rms_norm_fwd/bwd`` (``norm.py``). Every other op falls through to the next backend of the chain
+(triton, reference).
 
 Importing this package is cheap and never fails for a missing GPU or driver: the probe says why the
 backend is unavailable (native module not importable, no driver, driver too old, no GPU, no kernel
@@ -26,6 +28,8 @@ __version__ = "0.1.0"
 ABI_VERSION = 2
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
+#: Primitives with a tensor-core path only (mma.sync on 16-bit inputs): float32 falls through.
+_HALF_ONLY = ("linear_logprob_",)
 
 
 def _cuda_version(version: int) -> str:
@@ -117,6 +121,8 @@ def _supports(primitive: str, device, dtype) -> str | None:
         return f"dtype {name} not supported (bfloat16, float16, float32)"
     if device.type != "cuda":
         return f"device type {device.type} not served (cuda only)"
+    if name == "float32" and primitive.startswith(_HALF_ONLY):
+        return f"{primitive}: float32 not implemented in rlk-cuda (tensor-core path for bfloat16 / float16 only)"
     import torch
 
     return _device_problem(torch.cuda.current_device() if device.index is None else device.index)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 from rlk import custom_op, dispatch

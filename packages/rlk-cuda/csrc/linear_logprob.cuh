@@ -1,0 +1,395 @@
+// linear_logprob kernels: per-row log-prob of the target, entropy and logsumexp of the scaled logits
+// z = (hidden @ weight.T) * inv_temperature, and the gradients of hidden and weight, without ever
+// materializing the [N, V] logits. bf16 / fp16 inputs; tensor-core GEMM core in mma.cuh.
+//
+// Spec (rlk.reference.logprob), per row n with target y:
+//     x = hidden[n] . weight[v]  (fp32 accumulation),   z_v = x_v * inv_t   (one rounded fp32 multiply)
+//     lse = logsumexp_v z_v,  logprob = z_y - lse,  entropy = lse - sum_v p_v z_v,  p = softmax(z)
+//     G[n, v] = d loss / d x = inv_t * (g_lp * (onehot(y)_v - p_v) + g_ent * p_v * (lse - entropy - z_v))
+//     grad_hidden = G @ weight,   grad_weight = G.T @ hidden
+// Rows whose target equals ignore_index give 0 for logprob, entropy, lse and a zero G row.
+//
+// Forward: block (row tile of kBM = 128 rows, vocab split of kVocabSplit = 4096 columns) walks its
+// split in 32 vocab tiles of kBN = 128 columns; each tile's logits come from a K loop over H in kBK
+// steps. Each thread keeps an online softmax state (m, s, b) for each of the 8 rows it holds in the
+// accumulator layout, folding its 8 columns of each vocab tile (fold_pack of logprob.cuh). At the end
+// of the split the 4 lanes of a row (xor-shuffle merge) and then the 4 warps along N (fixed order 0..3,
+// through shared memory) are merged; the split's state goes to part_{m,s,b}[split, row]. The target
+// logit is written to z_target[row] by the one thread that computes it. A combine kernel then merges
+// the splits of a row in split order. Every row goes through the same instruction sequence whatever
+// its position and the batch size (fixed tiles, fixed split size, fixed merge order): batch invariant.
+//
+// Backward, per vocab chunk of kVocabChunk = 4096 columns in order: a grad-logits kernel recomputes
+// the logits tile by tile (the forward's GEMM and the same z) and writes G_c [N, cols] in the input
+// dtype into a scratch buffer; grad_hidden (+)= G_c @ W_c through an fp32 [N, H] scratch accumulator
+// (first chunk writes it, later chunks add, the last one stores hidden's dtype); grad_weight[c] =
+// G_c.T @ hidden, its K loop over all N rows in kBK steps (a fixed row partition, fixed order).
+#pragma once
+
+#include <cmath>
+
+#include "common.cuh"
+#include "logprob.cuh"
+#include "mma.cuh"
+
+namespace rlk_cuda {
+
+constexpr int64_t kVocabSplit = 4096;  // forward: columns per vocab split (a multiple of mma::kBN)
+constexpr int64_t kVocabChunk = 4096;  // backward: columns per vocab chunk (a multiple of mma::kBN)
+constexpr int64_t kGroupRows = 8;      // row tiles scheduled together (L2 reuse of weight tiles)
+constexpr int kCombineThreads = 256;
+static_assert(kVocabSplit % mma::kBN == 0 && kVocabChunk % mma::kBN == 0, "splits hold whole vocab tiles");
+
+// Number of vocab splits of the forward: ceil(V / kVocabSplit).
+__host__ __device__ constexpr int64_t linear_num_splits(int64_t vocab) { return (vocab + kVocabSplit - 1) / kVocabSplit; }
+
+// 16-bit pair -> packed register (low half: the lower column).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low 16 bits), .y = hi
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// ---- forward ---------------------------------------------------------------------------------------
+
+// Grid: ceil(N / kBM) * linear_num_splits(V) blocks of mma::kThreads; mma::kSmemBytes dynamic smem.
+// part_b is written only with kEntropy. z_target[row] is written by the block whose split holds the
+// row's target (exactly one thread in the grid), for non-ignored rows with a target in [0, V).
+template <typename T, bool kEntropy>
+__global__ void __launch_bounds__(mma::kThreads, 1)
+    linear_logprob_fwd_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
+                              const int64_t* __restrict__ targets, const float* __restrict__ inv_temperature,
+                              int64_t n_rows, int64_t vocab, int64_t hidden_size, int64_t ignore_index,
+                              float* __restrict__ part_m, float* __restrict__ part_s, float* __restrict__ part_b,
+                              float* __restrict__ z_target) {
+  using mma::kBK;
+  using mma::kBM;
+  using mma::kBN;
+  extern __shared__ uint4 smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  __shared__ float row_inv_t[kBM];
+  __shared__ int row_target_col[kBM];  // target - split start when in this split (and not ignored), else -1
+
+  const int64_t n_splits = linear_num_splits(vocab);
+  int64_t row_tile, split;
+  mma::grouped_tile(blockIdx.x, (n_rows + kBM - 1) / kBM, n_splits, kGroupRows, row_tile, split);
+  const int64_t row0 = row_tile * kBM;
+  const int64_t v_begin = split * kVocabSplit;
+  const int64_t v_end = min(v_begin + kVocabSplit, vocab);
+  const int64_t n_vtiles = (v_end - v_begin + kBN - 1) / kBN;
+  const int64_t k_steps = (hidden_size + kBK - 1) / kBK;
+
+  if (threadIdx.x < kBM) {
+    const int64_t row = row0 + threadIdx.x;
+    float inv_t = 1.0f;
+    int col = -1;
+    if (row < n_rows) {
+      const int64_t t = targets[row];
+      inv_t = inv_temperature[row];
+      if (t != ignore_index && t >= v_begin && t < v_end) col = static_cast<int>(t - v_begin);
+    }
+    row_inv_t[threadIdx.x] = inv_t;
+    row_target_col[threadIdx.x] = col;
+  }
+  // (the pipeline's first barrier publishes these before the first fold reads them)
+
+  const mma::Operand a{hidden, hidden_size, n_rows, hidden_size};
+  // The split's weight rows: vocab rows v_begin .. v_end - 1.
+  const mma::Operand b{weight + v_begin * hidden_size, hidden_size, v_end - v_begin, hidden_size};
+
+  // State of accumulator row slot (mi, h): block row warp_m0 + mi*16 + h*8 + lane/4 (D layout rows).
+  SoftmaxState st[mma::kMT][2];
+#pragma unroll
+  for (int mi = 0; mi < mma::kMT; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) st[mi][h] = SoftmaxState{-INFINITY, 0.0f, 0.0f};
+
+  mma::Acc acc;
+  mma::zero(acc);
+  // One flat pipeline over (vocab tile, k step): loads of the next vocab tile overlap this one's fold.
+  mma::pipeline(
+      smem, n_vtiles * k_steps,
+      [&](T* sa, T* sb, int64_t step) {
+        const int64_t vt = step / k_steps;
+        const int64_t k0 = (step % k_steps) * kBK;
+        mma::load_tile<T, true>(sa, a, row0, k0);
+        mma::load_tile<T, true>(sb, b, vt * kBN, k0);
+      },
+      [&](const T* sa, const T* sb, int64_t step) {
+        mma::compute_stage<T, true, true>(sa, sb, acc);
+        if (step % k_steps != k_steps - 1) return;
+        // Last k step of vocab tile vt: fold the tile's logits into the row states.
+        const int64_t vt = step / k_steps;
+#pragma unroll
+        for (int mi = 0; mi < mma::kMT; ++mi) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = mma::acc_row(mi, 2 * h);
+            const float inv_t = row_inv_t[r];
+            const int target_col = row_target_col[r];
+            float z[2 * mma::kNT];
+#pragma unroll
+            for (int ni = 0; ni < mma::kNT; ++ni) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int col = static_cast<int>(vt * kBN) + mma::acc_col(ni, e);  // column within the split
+                float zv = __fmul_rn(acc[mi][ni][2 * h + e], inv_t);  // z = x * inv_t, rounded on its own
+                if (col == target_col) z_target[row0 + r] = zv;
+                z[2 * ni + e] = v_begin + col < v_end ? zv : -INFINITY;
+              }
+            }
+            fold_pack<2 * mma::kNT, kEntropy, true>(st[mi][h], z);
+          }
+        }
+        mma::zero(acc);
+      });
+
+  // Merge the 4 lanes holding a row (lanes 4g .. 4g+3): xor-shuffle tree; lane 4g's result is used.
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int mi = 0; mi < mma::kMT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int offset = 1; offset < 4; offset <<= 1) {
+        SoftmaxState o{__shfl_xor_sync(kFullMask, st[mi][h].m, offset), __shfl_xor_sync(kFullMask, st[mi][h].s, offset),
+                       __shfl_xor_sync(kFullMask, st[mi][h].b, offset)};
+        st[mi][h] = merge(st[mi][h], o);
+      }
+    }
+  }
+  // Then the kWarpsN warps sharing a row, in warp order, through the (now idle) pipeline smem.
+  float* red = reinterpret_cast<float*>(smem_raw);  // [kWarpsN][kBM][3]
+  const int warp_n = (threadIdx.x / 32) % mma::kWarpsN;
+  if (lane % 4 == 0) {
+#pragma unroll
+    for (int mi = 0; mi < mma::kMT; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float* slot = red + (warp_n * kBM + mma::acc_row(mi, 2 * h)) * 3;
+        slot[0] = st[mi][h].m;
+        slot[1] = st[mi][h].s;
+        slot[2] = st[mi][h].b;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kBM) {
+    const int r = threadIdx.x;
+    SoftmaxState total{red[r * 3], red[r * 3 + 1], red[r * 3 + 2]};
+#pragma unroll
+    for (int w = 1; w < mma::kWarpsN; ++w) {
+      const float* slot = red + (w * kBM + r) * 3;
+      total = merge(total, SoftmaxState{slot[0], slot[1], slot[2]});
+    }
+    const int64_t row = row0 + r;
+    if (row < n_rows) {
+      const int64_t at = split * n_rows + row;
+      part_m[at] = total.m;
+      part_s[at] = total.s;
+      if constexpr (kEntropy) part_b[at] = total.b;
+    }
+  }
+}
+
+// Grid: ceil(N / kCombineThreads) blocks, one thread per row: merges the splits in split order.
+// part_b and entropy_out: both null or both set.
+__global__ void __launch_bounds__(kCombineThreads)
+    linear_logprob_combine_kernel(const float* __restrict__ part_m, const float* __restrict__ part_s,
+                                  const float* __restrict__ part_b, const float* __restrict__ z_target,
+                                  const int64_t* __restrict__ targets, int64_t n_rows, int64_t vocab,
+                                  int64_t ignore_index, float* __restrict__ logprob_out, float* __restrict__ entropy_out,
+                                  float* __restrict__ lse_out) {
+  const int64_t row = int64_t{blockIdx.x} * kCombineThreads + threadIdx.x;
+  if (row >= n_rows) return;
+  const int64_t target = targets[row];
+  if (target == ignore_index) {
+    logprob_out[row] = 0.0f;
+    lse_out[row] = 0.0f;
+    if (entropy_out != nullptr) entropy_out[row] = 0.0f;
+    return;
+  }
+  const int64_t n_splits = linear_num_splits(vocab);
+  const bool entropy = entropy_out != nullptr;
+  SoftmaxState st{part_m[row], part_s[row], entropy ? part_b[row] : 0.0f};
+  for (int64_t s = 1; s < n_splits; ++s) {
+    const int64_t at = s * n_rows + row;
+    st = merge(st, SoftmaxState{part_m[at], part_s[at], entropy ? part_b[at] : 0.0f});
+  }
+  const float lse = st.m + logf(st.s);
+  // A target outside [0, V) (value checks disabled) gives NaN: no thread wrote its z_target.
+  const float z_t = (target >= 0 && target < vocab) ? z_target[row] : NAN;
+  logprob_out[row] = z_t - lse;
+  lse_out[row] = lse;
+  if (entropy) entropy_out[row] = lse - st.b / st.s;
+}
+
+// ---- backward ----------------------------------------------------------------------------------
+
+// G for vocab columns [v_start, v_start + cols) of all rows: g[row * g_stride + c], c < g_stride (columns
+// c >= cols, up to the end of the last vocab tile, are written 0, so the GEMMs may read them as padding).
+// Grid: ceil(N / kBM) * ceil(cols / kBN) blocks of mma::kThreads; mma::kSmemBytes dynamic smem.
+template <typename T, bool kEntropy>
+__global__ void __launch_bounds__(mma::kThreads, 1)
+    linear_logprob_grad_logits_kernel(const T* __restrict__ hidden, const T* __restrict__ weight,
+                                      const int64_t* __restrict__ targets, const float* __restrict__ inv_temperature,
+                                      const float* __restrict__ lse, const float* __restrict__ entropy,
+                                      const float* __restrict__ grad_logprob, const float* __restrict__ grad_entropy,
+                                      int64_t n_rows, int64_t hidden_size, int64_t ignore_index, int64_t v_start,
+                                      int64_t cols, T* __restrict__ g, int64_t g_stride) {
+  using mma::kBM;
+  using mma::kBN;
+  extern __shared__ uint4 smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  int64_t row_tile, col_tile;
+  mma::grouped_tile(blockIdx.x, (n_rows + kBM - 1) / kBM, (cols + kBN - 1) / kBN, kGroupRows, row_tile, col_tile);
+  const int64_t row0 = row_tile * kBM;
+  const int64_t col0 = col_tile * kBN;
+
+  const mma::Operand a{hidden, hidden_size, n_rows, hidden_size};
+  const mma::Operand b{weight + v_start * hidden_size, hidden_size, cols, hidden_size};
+  mma::Acc acc;
+  mma::gemm_tile<T, true, true>(smem, a, row0, b, col0, hidden_size, acc);
+
+#pragma unroll
+  for (int mi = 0; mi < mma::kMT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + mma::acc_row(mi, 2 * h);
+      if (row >= n_rows) continue;
+      const int64_t target = targets[row];
+      const bool valid = target != ignore_index;
+      const float inv_t = inv_temperature[row];
+      const float row_lse = lse[row];
+      const float g_lp = grad_logprob[row];
+      float g_ent = 0.0f;
+      float mean_z = 0.0f;
+      if constexpr (kEntropy) {
+        g_ent = grad_entropy[row];
+        mean_z = row_lse - entropy[row];  // E_p[z]
+      }
+#pragma unroll
+      for (int ni = 0; ni < mma::kNT; ++ni) {
+        const int64_t c = col0 + mma::acc_col(ni, 0);  // even; c + 1 < g_stride too (g_stride % 8 == 0)
+        if (c >= g_stride) continue;
+        float out[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float z = __fmul_rn(acc[mi][ni][2 * h + e], inv_t);  // the forward's z, bit for bit
+          const float p = __expf(z - row_lse);
+          float grad = -g_lp * p;
+          if (v_start + c + e == target) grad += g_lp;
+          if constexpr (kEntropy) {
+            if (p > 0.0f) grad += g_ent * p * (mean_z - z);
+          }
+          out[e] = (valid && c + e < cols) ? grad * inv_t : 0.0f;
+        }
+        *reinterpret_cast<uint32_t*>(g + row * g_stride + c) = pack2<T>(out[0], out[1]);
+      }
+    }
+  }
+}
+
+// What the grad_hidden kernel does with a chunk's product r = G_c @ W_c.
+enum class AccumulateMode : int {
+  kWrite = 0,       // acc = r           (first of several chunks)
+  kAdd = 1,         // acc = acc + r     (a middle chunk)
+  kAddStore = 2,    // out = T(acc + r)  (the last of several chunks)
+  kStore = 3,       // out = T(r)        (the only chunk)
+};
+
+// grad_hidden contribution of one chunk: r[N, H] = G_c[N, k_cols] @ W_c[k_rows, H], where G_c has k_cols
+// columns (k_rows rounded up to 8, zeros past k_rows) and W_c is weight rows v_start .. v_start + k_rows.
+// Grid: ceil(N / kBM) * ceil(H / kBN) blocks; mma::kSmemBytes dynamic smem.
+template <typename T>
+__global__ void __launch_bounds__(mma::kThreads, 1)
+    linear_logprob_grad_hidden_kernel(const T* __restrict__ g, int64_t g_stride, const T* __restrict__ weight_chunk,
+                                      int64_t k_rows, int64_t k_cols, int64_t n_rows, int64_t hidden_size,
+                                      AccumulateMode mode, float* __restrict__ acc_buf, T* __restrict__ out) {
+  using mma::kBM;
+  using mma::kBN;
+  extern __shared__ uint4 smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  int64_t row_tile, col_tile;
+  mma::grouped_tile(blockIdx.x, (n_rows + kBM - 1) / kBM, (hidden_size + kBN - 1) / kBN, kGroupRows, row_tile,
+                    col_tile);
+  const int64_t row0 = row_tile * kBM;
+  const int64_t col0 = col_tile * kBN;
+  const mma::Operand a{g, g_stride, n_rows, k_cols};                        // K-major: [N, k] row-major
+  const mma::Operand b{weight_chunk, hidden_size, k_rows, hidden_size};     // N-major: [k, H] row-major
+  mma::Acc acc;
+  mma::gemm_tile<T, true, false>(smem, a, row0, b, col0, k_cols, acc);
+#pragma unroll
+  for (int mi = 0; mi < mma::kMT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + mma::acc_row(mi, 2 * h);
+      if (row >= n_rows) continue;
+#pragma unroll
+      for (int ni = 0; ni < mma::kNT; ++ni) {
+        const int64_t c = col0 + mma::acc_col(ni, 0);  // even, and H % 8 == 0: c + 1 < H when c < H
+        if (c >= hidden_size) continue;
+        const int64_t at = row * hidden_size + c;
+        float2 r{acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]};
+        if (mode == AccumulateMode::kAdd || mode == AccumulateMode::kAddStore) {
+          const float2 prev = *reinterpret_cast<const float2*>(acc_buf + at);
+          r.x = prev.x + r.x;
+          r.y = prev.y + r.y;
+        }
+        if (mode == AccumulateMode::kWrite || mode == AccumulateMode::kAdd) {
+          *reinterpret_cast<float2*>(acc_buf + at) = r;
+        } else {
+          *reinterpret_cast<uint32_t*>(out + at) = pack2<T>(r.x, r.y);
+        }
+      }
+    }
+  }
+}
+
+// grad_weight of one chunk: out[v_start + m, :] = sum_n G_c[n, m] * hidden[n, :] for m < k_rows, the sum over
+// all N rows in kBK steps, in row order. G_c: [N, g_stride] row-major, read as the M-major A operand
+// (m extent m_cols = k_rows rounded up to 8); hidden: [N, H] row-major, the N-major B operand.
+// Grid: ceil(k_rows / kBM) * ceil(H / kBN) blocks; mma::kSmemBytes dynamic smem.
+template <typename T>
+__global__ void __launch_bounds__(mma::kThreads, 1)
+    linear_logprob_grad_weight_kernel(const T* __restrict__ g, int64_t g_stride, const T* __restrict__ hidden,
+                                      int64_t k_rows, int64_t m_cols, int64_t n_rows, int64_t hidden_size,
+                                      T* __restrict__ grad_weight_chunk) {
+  using mma::kBM;
+  using mma::kBN;
+  extern __shared__ uint4 smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  int64_t row_tile, col_tile;
+  mma::grouped_tile(blockIdx.x, (k_rows + kBM - 1) / kBM, (hidden_size + kBN - 1) / kBN, kGroupRows, row_tile,
+                    col_tile);
+  const int64_t m0 = row_tile * kBM;
+  const int64_t col0 = col_tile * kBN;
+  const mma::Operand a{g, g_stride, n_rows, m_cols};               // M-major: A(m, n) at g[n * g_stride + m]
+  const mma::Operand b{hidden, hidden_size, n_rows, hidden_size};  // N-major: B(n, h) at hidden[n * H + h]
+  mma::Acc acc;
+  mma::gemm_tile<T, false, false>(smem, a, m0, b, col0, n_rows, acc);
+#pragma unroll
+  for (int mi = 0; mi < mma::kMT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t m = m0 + mma::acc_row(mi, 2 * h);
+      if (m >= k_rows) continue;
+#pragma unroll
+      for (int ni = 0; ni < mma::kNT; ++ni) {
+        const int64_t c = col0 + mma::acc_col(ni, 0);
+        if (c >= hidden_size) continue;
+        *reinterpret_cast<uint32_t*>(grad_weight_chunk + m * hidden_size + c) =
+            pack2<T>(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+      }
+    }
+  }
+}
+
+}  // namespace rlk_cuda

@@ -1,0 +1,254 @@
+"""CUDA linear_logprob primitives (tensor-core path, float16 / bfloat16) against the reference run in fp64
+(contract tolerances), bitwise batch invariance, deterministic grad_weight, and dispatch (cuda for 16-bit,
+float32 falls through). Needs a GPU (marker ``gpu``).
+
+Each contract check prints ``RATIO <test> <output> <dtype> <worst/allowed>`` (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
+
+import rlk
+from rlk import contract, dispatch
+from rlk.reference import logprob as ref
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16]
+IGNORE = -100
+ENTROPY_MODES = ["off", "fwd_only", "fwd_and_grad"]
+
+
+def _cuda():
+    from rlk_cuda import logprob as ck
+
+    return ck
+
+
+def make_inputs(n: int, v: int, h: int, dtype: torch.dtype, seed: int = 0, extreme: bool = False):
+    """hidden ~ N(0, 1), weight ~ N(0, 1) / sqrt(H) (logits ~ N(0, 1), times 3), targets with row 1 ignored
+    (N >= 3), inv_temperature in [0.5, 2], upstream gradients ~ N(0, 1); with ``extreme`` hidden row 2 is
+    scaled x200 (logits in the hundreds: a peaked softmax). Drawn on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, device="cuda")
+    weight = torch.randn(v, h, generator=g, device="cuda") * (3.0 / h**0.5)
+    if extreme and n >= 3:
+        hidden[2] *= 200
+    targets = torch.randint(0, v, (n,), generator=g, device="cuda")
+    if n >= 3:
+        targets[1] = IGNORE
+    inv_t = torch.rand(n, generator=g, device="cuda") * 1.5 + 0.5
+    grad_lp, grad_ent = torch.randn(2, n, generator=g, device="cuda")
+    return hidden.to(dtype), weight.to(dtype), targets, inv_t, grad_lp, grad_ent
+
+
+def run(impl, hidden, weight, targets, inv_t, grad_lp, grad_ent, entropy_mode: str = "fwd_and_grad",
+        want_hidden: bool = True, want_weight: bool = True):
+    """Forward and backward of ``impl`` (a module with the two primitives); fp64 statistics for fp64 inputs."""
+    n = hidden.shape[0]
+    sdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    with_entropy = entropy_mode != "off"
+    grad_entropy = grad_ent.to(sdt) if entropy_mode == "fwd_and_grad" else None
+    lp, ent, lse = (torch.empty(n, dtype=sdt, device=hidden.device) for _ in range(3))
+    impl.linear_logprob_fwd(hidden, weight, targets, inv_t.to(sdt), IGNORE, lp, ent if with_entropy else None, lse)
+    gh = torch.empty_like(hidden) if want_hidden else None
+    gw = torch.empty_like(weight) if want_weight else None
+    impl.linear_logprob_bwd(hidden, weight, targets, inv_t.to(sdt), lse, ent if with_entropy else None,
+                            grad_lp.to(sdt), grad_entropy, IGNORE, gh, gw)
+    out = {"logprob": lp, "lse": lse}
+    if with_entropy:
+        out["entropy"] = ent
+    if want_hidden:
+        out["grad_hidden"] = gh
+    if want_weight:
+        out["grad_weight"] = gw
+    return out
+
+
+def check_against_reference(name: str, hidden, weight, targets, inv_t, grad_lp, grad_ent,
+                            entropy_mode: str = "fwd_and_grad", want_hidden: bool = True,
+                            want_weight: bool = True) -> None:
+    got = run(_cuda(), hidden, weight, targets, inv_t, grad_lp, grad_ent, entropy_mode, want_hidden, want_weight)
+    truth = run(ref, hidden.double(), weight.double(), targets, inv_t, grad_lp, grad_ent, entropy_mode,
+                want_hidden, want_weight)
+    e = contract.entry("linear_logprob", hidden.dtype)
+    valid = targets != IGNORE
+    scale = contract.row_scale(truth["logprob"], truth["lse"])
+    for key in ("logprob", "entropy", "lse"):
+        if key not in got:
+            continue
+        keep = valid if key == "lse" else torch.ones_like(valid)
+        dev = contract.compare_outputs(e, key, got[key][keep], truth[key][keep], scale[keep])
+        print(f"RATIO {name} {key} {e.dtype} {dev.ratio:.3g}")
+        assert dev.ok, dev
+    for key in ("logprob", "entropy", "lse"):
+        if key in got:
+            assert bool((got[key][~valid] == 0).all()), key
+    max_scale = float(scale[valid].max()) if bool(valid.any()) else 1.0
+    for key in ("grad_hidden", "grad_weight"):
+        if key not in got:
+            continue
+        assert got[key].dtype == hidden.dtype
+        dev = contract.compare_grad(e, key, got[key], truth[key], max_scale)
+        print(f"RATIO {name} {key} {e.dtype} {dev.ratio:.3g}")
+        assert dev.ok, dev
+    if want_hidden:
+        assert bool((got["grad_hidden"][~valid] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n", "v", "h"),
+    [(1, 1000, 64), (7, 1000, 64), (133, 1000, 64), (7, 32003, 64), (133, 32003, 64), (1, 32003, 4096),
+     (7, 1000, 4096), (133, 8200, 4096), (3, 5, 64)],
+)
+def test_matches_reference(dtype, n, v, h):
+    """V not a multiple of 128 (1000, 8200, 32003: ragged last tile, split and chunk), N not a multiple of 128,
+    H one K step (64) or 64 of them (4096)."""
+    check_against_reference(f"shape{n}x{v}x{h}", *make_inputs(n, v, h, dtype, seed=n + v + h))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("entropy_mode", ENTROPY_MODES)
+def test_entropy_modes(dtype, entropy_mode):
+    check_against_reference(f"entropy_{entropy_mode}", *make_inputs(37, 9000, 128, dtype, seed=1), entropy_mode)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("want_hidden", "want_weight"), [(True, False), (False, True), (False, False)])
+def test_optional_gradients(dtype, want_hidden, want_weight):
+    """A gradient output left None is not computed; the other one is still right."""
+    check_against_reference(f"grads_{want_hidden}_{want_weight}", *make_inputs(19, 5000, 64, dtype, seed=2),
+                            want_hidden=want_hidden, want_weight=want_weight)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_logits(dtype):
+    check_against_reference("extreme", *make_inputs(37, 3000, 128, dtype, seed=3, extreme=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hidden_size_not_a_multiple_of_8(dtype):
+    """H = 36: the primitive pads hidden / weight with zero columns (the kernels need H % 8 == 0)."""
+    check_against_reference("h36", *make_inputs(11, 1000, 36, dtype, seed=4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unaligned_views_give_the_same_bits(dtype):
+    """hidden / weight / gradient buffers starting one element into an allocation (copied to aligned buffers by
+    the primitive) give the bits of aligned inputs."""
+    hidden, weight, targets, inv_t, grad_lp, grad_ent = make_inputs(9, 1500, 64, dtype, seed=5)
+
+    def shifted(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = buf[1:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    a = run(_cuda(), hidden, weight, targets, inv_t, grad_lp, grad_ent)
+    b = run(_cuda(), shifted(hidden), shifted(weight), targets, inv_t, grad_lp, grad_ent)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_confident_rows_use_the_rounded_z(dtype):
+    """A target far above every other logit: logprob <= 0 needs z = x * inv_t rounded once, the same z in the
+    forward's lse and its z_target."""
+    n, v, h = 64, 4099, 64
+    hidden, weight, targets, inv_t, grad_lp, _ = make_inputs(n, v, h, dtype, seed=12)
+    targets = torch.arange(n, device="cuda") * 7 % v
+    weight = weight.clone()
+    weight[targets] = (hidden.float() * (40.0 / (hidden.float().norm(dim=1, keepdim=True) ** 2))).to(dtype)
+    out = run(_cuda(), hidden, weight, targets, inv_t, grad_lp.abs() + 0.5, grad_lp, "off", want_weight=False)
+    assert bool((out["logprob"] <= 0).all()), out["logprob"].max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariance(dtype):
+    """A probe row's logprob, entropy, lse and grad_hidden row are bitwise the same alone and inside batches of
+    7, 133 and 1024 rows at the first, a middle and the last position (Qwen's V and H)."""
+    v, h = 151936, 4096
+    hidden, weight, targets, inv_t, grad_lp, grad_ent = make_inputs(1024, v, h, dtype, seed=6)
+    probe = 5
+
+    def rows_of(index):
+        return (hidden[index].contiguous(), weight, targets[index], inv_t[index], grad_lp[index], grad_ent[index])
+
+    alone = run(_cuda(), *rows_of(torch.tensor([probe], device="cuda")), want_weight=False)
+    for batch in (7, 133, 1024):
+        for position in (0, batch // 2, batch - 1):
+            index = torch.arange(batch, device="cuda")  # batch > probe: swap the probe row into `position`
+            other = int(index[position])
+            index[position] = probe
+            index[probe] = other
+            inside = run(_cuda(), *rows_of(index), want_weight=False)
+            for key in alone:
+                assert torch.equal(alone[key][0], inside[key][position]), (key, batch, position)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_weight_is_deterministic(dtype):
+    """grad_weight (a sum over rows) is bitwise the same run to run; so is everything else."""
+    args = make_inputs(300, 9000, 256, dtype, seed=7)
+    first = run(_cuda(), *args)
+    again = run(_cuda(), *args)
+    for key in first:
+        assert torch.equal(first[key], again[key]), key
+
+
+def test_runs_on_the_callers_stream():
+    args = make_inputs(64, 5000, 128, torch.bfloat16, seed=8)
+    expected = run(_cuda(), *args)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = run(_cuda(), *args)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+def test_dispatch_takes_16_bit_and_declines_float32():
+    device = torch.device("cuda", torch.cuda.current_device())
+    for dtype in DTYPES:
+        assert dispatch.decide("linear_logprob", device, dtype).backend == "cuda"
+    decision = dispatch.decide("linear_logprob", device, torch.float32)
+    assert decision.backend != "cuda"
+    assert any(name == "cuda" and "float32" in reason for name, reason in decision.skipped), str(decision)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
+def test_public_op(dtype):
+    """rlk.linear_logprob with autograd (cuda for 16-bit, the next backend for float32) against the reference."""
+    hidden, weight, targets, inv_t, _, _ = make_inputs(2 * 9, 3000, 64, dtype, seed=9)
+    hidden = hidden.view(2, 9, 64)
+    targets = targets.view(2, 9)
+    temperature = (1.0 / inv_t).view(2, 9)
+    c = torch.randn(2, 2, 9, device="cuda")
+
+    def loss(h, w):
+        lp, ent = rlk.linear_logprob(h, w, targets, temperature=temperature, return_entropy=True)
+        return lp, ent, (c[0] * lp + c[1] * ent).sum()
+
+    hc, wc = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, ent, total = loss(hc, wc)
+    total.backward()
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    with rlk.use_backend("reference"):
+        ref_lp, ref_ent, ref_total = loss(h64, w64)
+    ref_total.backward()
+    e = contract.entry("linear_logprob", dtype)
+    lse = torch.logsumexp((h64.detach() @ w64.detach().T) / temperature.double()[..., None], -1)
+    scale = contract.row_scale(ref_lp.detach(), lse).reshape(-1)
+    assert contract.compare_outputs(e, "logprob", lp.reshape(-1), ref_lp.detach().reshape(-1), scale).ok
+    assert contract.compare_outputs(e, "entropy", ent.reshape(-1), ref_ent.detach().reshape(-1), scale).ok
+    assert contract.compare_grad(e, "grad_hidden", hc.grad, h64.grad, float(scale.max())).ok
+    assert contract.compare_grad(e, "grad_weight", wc.grad, w64.grad, float(scale.max())).ok
+    backend = dispatch.decide("linear_logprob", hidden.device, dtype).backend
+    assert (backend == "cuda") == (dtype != torch.float32), backend
