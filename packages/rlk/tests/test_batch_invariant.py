@@ -331,3 +331,45 @@ def test_the_varlen_layout_is_computed_once_per_forward(monkeypatch):
             model(ids, attention_mask=mask, position_ids=pos)
     hf.unpatch_model(model)
     assert len(calls) == 2  # one per forward (3 layers each)
+
+
+@routed
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_patched_decode_and_chunked_prefill_see_the_padding(kind):
+    """A left-padded batch through the KV cache (a prefill chunk, then a decode step: fewer queries than keys)
+    gives the padded row bitwise the logits of its sequence run alone. The patched attention must receive the
+    padding mask: transformers builds it only for attention names registered with a mask function, and
+    without one the pad keys were attended (logits off by up to ~2 in this test)."""
+    from transformers import DynamicCache
+
+    from rlk.hf import patch_model, unpatch_model
+
+    model = tiny_model(kind, torch.float32, DEVICE)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    long, short = (torch.randint(0, vocab, (n,), generator=g).to(DEVICE) for n in (7, 3))
+    nxt = torch.randint(0, vocab, (2, 1), generator=g).to(DEVICE)
+    pad = long.numel() - short.numel()
+    ids = torch.stack([long, torch.cat([torch.zeros(pad, dtype=long.dtype, device=DEVICE), short])])
+    mask = torch.tensor([[1] * 7, [0] * pad + [1] * 3], device=DEVICE)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    patch_model(model)
+    try:
+        with batch_invariant(), torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("error", message="rlk")
+            cache = DynamicCache()
+            model(ids[:, :4], attention_mask=mask[:, :4], position_ids=pos[:, :4], past_key_values=cache,
+                  use_cache=True)  # prefill chunk 1: row 1 is all padding here
+            chunk = model(ids[:, 4:], attention_mask=mask, position_ids=pos[:, 4:], past_key_values=cache,
+                          use_cache=True)  # chunk 2: 3 queries against 7 keys
+            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device=DEVICE)], 1)
+            step = model(nxt, attention_mask=step_mask, position_ids=pos[:, -1:] + 1, past_key_values=cache,
+                         use_cache=True)
+            alone_cache = DynamicCache()
+            alone = model(short[None], past_key_values=alone_cache, use_cache=True)
+            alone_step = model(nxt[1:], position_ids=torch.tensor([[3]], device=DEVICE),
+                               past_key_values=alone_cache, use_cache=True)
+        assert torch.equal(chunk.logits[1], alone.logits[0]), f"{kind}: prefill chunk differs from the sequence alone"
+        assert torch.equal(step.logits[1, -1], alone_step.logits[0, -1]), f"{kind}: decode step sees the padding"
+    finally:
+        unpatch_model(model)

@@ -219,9 +219,22 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
 
 
 def _register_attention() -> None:
+    """Register ``"rlk"`` as an attention function, and with the mask builder it needs.
+
+    transformers (>= 4.53) builds the ``attention_mask`` an attention function receives from the
+    mask builder registered under the same name in ``AttentionMaskInterface``; a name without one
+    gets ``None``, which would make every left-padded decode step and prefill chunk attend to the
+    pad keys. rlk wants what flash attention wants: the 2-D boolean padding mask ``[B, past + S]``,
+    or None when nothing is padded (packed rows are then split by ``position_ids``).
+    """
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, rlk_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError:  # transformers < 4.53 passes the 2-D mask through unchanged
+        return
+    AttentionMaskInterface.register(ATTENTION_NAME, flash_attention_mask)
 
 
 def _set_attention(model, name: str) -> None:
