@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export TRITON_INTERPRET=1          # Triton kernels run on the CPU (slowly)
 export RLK_REQUIRE_BACKENDS=reference,triton   # a backend CI installed must be there and available
-export RLK_REQUIRE_TRL=1 RLK_REQUIRE_TRANSFORMERS=1   # optional test dependencies CI installs
+export RLK_REQUIRE_TRL=1 RLK_REQUIRE_TRANSFORMERS=1 RLK_REQUIRE_MATPLOTLIB=1   # optional test deps CI installs
 export PYTHONUNBUFFERED=1
 out=${RLK_CI_OUT:-out/ci}
 mkdir -p "$out"

@@ -1,12 +1,18 @@
-"""``rlk info`` and ``python -m rlk info`` report versions, backends and op routing."""
+"""``rlk info`` and ``python -m rlk info`` report versions, backends and op routing; ``rlk consistency`` and
+``rlk demo`` parse their arguments, report errors, and switch triton to its interpreter on the CPU."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import types
+
+import pytest
 
 import rlk
+from rlk import cli
 
 
 def _check_report(text: str) -> None:
@@ -30,3 +36,103 @@ def test_console_script():
 def test_unknown_command_fails():
     result = subprocess.run([sys.executable, "-m", "rlk", "nope"], capture_output=True, text=True)
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+# ---------------------------------------------------------------------------
+# rlk consistency / rlk demo: argument parsing, errors, the interpreter switch
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _restore_triton_interpret():
+    """``cli.main`` sets TRITON_INTERPRET for CPU commands: never leak it into the rest of the test session."""
+    before = os.environ.get("TRITON_INTERPRET")
+    yield
+    if before is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = before
+
+
+def _run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "rlk", *args], capture_output=True, text=True, env=env)
+
+
+def test_consistency_help_lists_the_options():
+    result = _run("consistency", "--help")
+    assert result.returncode == 0
+    for option in ("--model", "--device", "--dtype", "--prompts", "--max-new-tokens", "--out", "qwen3-8b-shape"):
+        assert option in result.stdout
+    demo = _run("demo", "--help")
+    assert demo.returncode == 0 and "--skip-consistency" in demo.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model"], "neither a built-in model"),
+    (["--prompts", "0"], "must be >= 1"),
+    (["--prompts", "many"], "is not an integer"),
+    (["--max-new-tokens", "-3"], "must be >= 1"),
+    (["--dtype", "float64"], "invalid choice"),
+    (["--device", "nonsense"], "is not a torch device"),
+    (["--device", "cpu", "--dtype", "bfloat16"], "float32 only"),
+])
+def test_consistency_argument_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["consistency", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parser_defaults():
+    args = cli.build_parser().parse_args(["consistency"])
+    assert (args.model, args.prompts, args.max_new_tokens, args.dtype, args.device, args.out) == \
+        ("tiny", 8, 16, None, None, None)
+
+
+def _fake_run(calls, passed):
+    def run_consistency(model, **kw):
+        calls.append((model, kw, os.environ.get("TRITON_INTERPRET")))
+        return {"passed": passed}
+
+    return run_consistency
+
+
+def test_consistency_sets_the_interpreter_on_cpu_and_exits_by_the_verdicts(monkeypatch):
+    from rlk.consistency import run
+
+    calls = []
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    monkeypatch.setattr(run, "run_consistency", _fake_run(calls, passed=True))
+    assert cli.main(["consistency", "--device", "cpu", "--prompts", "2", "--out", "x"]) == 0
+    model, kw, interp = calls[0]
+    assert model == "tiny" and interp == "1" and kw["prompts"] == 2 and kw["out"] == "x"
+    monkeypatch.setattr(run, "run_consistency", _fake_run(calls, passed=False))
+    assert cli.main(["consistency", "--device", "cpu"]) == 1
+
+
+def test_consistency_reruns_itself_when_triton_was_imported_without_the_interpreter(monkeypatch):
+    seen = {}
+
+    def fake_subprocess_run(cmd, env):
+        seen["cmd"], seen["env"] = cmd, env
+        return subprocess.CompletedProcess(cmd, 7)
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    monkeypatch.setattr(cli.subprocess, "run", fake_subprocess_run)
+    assert cli.main(["consistency", "--device", "cpu", "--prompts", "3"]) == 7
+    assert seen["cmd"][1:] == ["-m", "rlk", "consistency", "--device", "cpu", "--prompts", "3"]
+    assert seen["env"]["TRITON_INTERPRET"] == "1" and "TRITON_INTERPRET" not in os.environ
+
+
+def test_run_errors_are_reported_without_a_traceback(monkeypatch, capsys):
+    from rlk.consistency import run
+
+    def bad(model, **kw):
+        raise ValueError("something is wrong")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(run, "run_consistency", bad)
+    assert cli.main(["consistency", "--device", "cpu"]) == 2
+    assert "rlk consistency: error: something is wrong" in capsys.readouterr().err

@@ -1,6 +1,8 @@
-"""``rlk demo``: both log-prob ops on this machine's best backend, against the
-PyTorch baseline ``log_softmax(hidden @ weight.T).gather(...)``, with the peak
-memory each needs for forward + backward.
+"""``rlk demo``: first the consistency check (:func:`rlk.consistency.run.run_consistency`) on the built-in
+model: the tiny Qwen3 model in float32 on the CPU (rlk's chain in the Triton interpreter), the
+Qwen3-8B-shaped model in bfloat16 when a GPU is present, with few prompts and tokens so it stays short;
+then both log-prob ops on this machine's best backend, against the PyTorch baseline
+``log_softmax(hidden @ weight.T).gather(...)``, with the peak memory each needs for forward + backward.
 
 Memory is measured, not estimated: on a GPU with ``torch.cuda.max_memory_allocated``,
 on the CPU as the peak resident set size of a fresh child process per variant
@@ -16,6 +18,11 @@ import tempfile
 import time
 
 import torch
+
+#: The consistency check of the demo per device type. On the CPU the timed passes are skipped: rlk's chain
+#: runs in the Triton interpreter there, so its tokens/s say nothing (and take a third of the time).
+CONSISTENCY_CPU = dict(model="tiny", dtype=torch.float32, prompts=4, max_new_tokens=8, timing=False)
+CONSISTENCY_GPU = dict(model="qwen3-8b-shape", dtype=torch.bfloat16, prompts=4, max_new_tokens=8, timing=True)
 
 GPU_SHAPE = dict(n=4096, h=4096, v=151936, dtype=torch.bfloat16)
 CPU_SHAPE = dict(n=2048, h=512, v=32000, dtype=torch.float32)
@@ -100,12 +107,31 @@ def _child(name: str, device: str, out: str) -> None:
     torch.save(_run_variant(name, CPU_SHAPE, device), out)
 
 
-def run_demo(device: str | None = None) -> int:
+def run_consistency_demo(device: str, out: str | None) -> bool:
+    """The consistency check of the demo; returns whether every gating verdict passed."""
+    from rlk.consistency.run import run_consistency
+
+    cfg = CONSISTENCY_GPU if device.startswith("cuda") else CONSISTENCY_CPU
+    print(f"\n== consistency: {cfg['model']} in {str(cfg['dtype'])[6:]} on {device}: rollout vs training log-probs, "
+          f"rlk off vs on ==")
+    report = run_consistency(cfg["model"], device=device, dtype=cfg["dtype"], prompts=cfg["prompts"],
+                             max_new_tokens=cfg["max_new_tokens"], out=out, timing=cfg["timing"])
+    print(f"(full check: rlk consistency --model {cfg['model']} --prompts 8 --max-new-tokens 16)")
+    return bool(report["passed"])
+
+
+def run_demo(device: str | None = None, *, out: str | None = None, consistency: bool = True) -> int:
     import rlk
     from rlk.info import default_device
 
     device = device or str(default_device())
+    if consistency and device.startswith("cpu"):
+        from rlk.consistency.run import ensure_interpreter
+
+        ensure_interpreter()  # before rlk.info() imports triton
     print(rlk.info())
+    passed = run_consistency_demo(device, out) if consistency else True
+    print("\n== linear_logprob: memory vs the PyTorch baseline ==")
     shape = GPU_SHAPE if device.startswith("cuda") else CPU_SHAPE
     n, h, v, dtype = shape["n"], shape["h"], shape["v"], shape["dtype"]
     hidden, weight, targets = _inputs(**shape, device=device)
@@ -127,4 +153,4 @@ def run_demo(device: str | None = None) -> int:
     print(f"\nselected_logprob on [8, {v}] logits at temperature 0.7, backend "
           f"'{rlk.explain('selected_logprob', logits, targets).backend}': "
           f"max |delta| vs torch.log_softmax {float((lp - ref).abs().max()):.2e}")
-    return 0
+    return 0 if passed else 1
