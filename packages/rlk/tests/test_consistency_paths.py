@@ -87,6 +87,19 @@ def test_build_model_is_seeded_and_standard():
     assert set(harness.MODELS) == {"tiny", "tiny-llama", "qwen3-8b-shape", "llama3-8b-shape"}
 
 
+def test_build_model_loads_a_local_checkpoint(tmp_path):
+    """``--model PATH``: a checkpoint directory (save_pretrained) loads with the same weights, eval, sdpa."""
+    from rlk.consistency import harness
+
+    _transformers()
+    saved = harness.build_model("tiny-llama", dtype=torch.float32, device="cpu", seed=3)
+    saved.save_pretrained(tmp_path)
+    loaded = harness.build_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    assert type(loaded) is type(saved) and not loaded.training and loaded.config._attn_implementation == "sdpa"
+    a, b = saved.state_dict(), loaded.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_make_prompts_is_fixed_and_mixed():
     from rlk.consistency import harness
 
