@@ -2,7 +2,7 @@
 # One full GPU session on the H200 (or any CUDA machine without internet): set up rlk from this
 # checkout, then run the requested steps, each logged under $OUT (default out/gpu).
 #   bash tools/h200_run.sh [setup] [info] [tests] [gputests] [parity] [bench] [sweep] [sweep_matmul]
-#                          [sweep_attention] [profile_policy_loss] [cuda] [consistency] [demo] [bundle]
+#                          [sweep_attention] [profile_policy_loss] [cuda] [consistency] [demo] [launch] [bundle]
 # PARITY_OPS / BENCH_ONLY narrow the parity and bench steps (comma-separated ops; one --only key);
 # PARITY_ARGS adds arguments (e.g. --quick); PYTEST_ARGS replaces gputests' '-p no:xdist' (e.g. '-n 8'); STEP_TIMEOUT (seconds, default 590) bounds each step but setup.
 # `consistency` runs `rlk consistency` (CONSISTENCY_MODEL, default qwen3-8b-shape in bf16; CONSISTENCY_PROMPTS,
@@ -60,6 +60,7 @@ for step in "${steps[@]}"; do
     consistency) run_step consistency python3 -m rlk consistency --model "${CONSISTENCY_MODEL:-qwen3-8b-shape}" \
               --device cuda --prompts "${CONSISTENCY_PROMPTS:-8}" --out "$OUT/consistency" ;;
     demo)   run_step demo python3 -m rlk demo --out "$OUT/demo" ;;
+    launch) run_step launch python3 tools/profile_launch.py ;;
     profile_policy_loss) run_step profile_policy_loss python3 tools/profile_policy_loss.py ;;
     cuda)   run_step cuda env OUT="$OUT/cuda" bash packages/rlk-cuda/tools/h200_cuda.sh ;;
     bundle) tar czf /tmp/bundle.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/bundle.tgz "$OUT/" ;;
