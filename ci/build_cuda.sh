@@ -19,7 +19,8 @@ manylinux_toolkit() {
   dnf install -y -q dnf-plugins-core
   dnf config-manager --add-repo https://developer.download.nvidia.com/compute/cuda/repos/rhel8/x86_64/cuda-rhel8.repo
   # the compiler, the runtime headers and static library, and CCCL (headers cuda_bf16.h includes on 13.x)
-  dnf install -y -q "cuda-nvcc-$pkg" "cuda-cudart-devel-$pkg" "cuda-cccl-$pkg"
+  # and cuda.h (the CUtensorMap type of the Hopper forward; the driver itself is looked up at run time)
+  dnf install -y -q "cuda-nvcc-$pkg" "cuda-cudart-devel-$pkg" "cuda-cccl-$pkg" "cuda-driver-devel-$pkg"
   dnf install -y -q "cuda-crt-$pkg" 2>/dev/null || true  # a separate package from CUDA 12.8 on
   ln -sfn "/usr/local/cuda-$version" /usr/local/cuda
   /usr/local/cuda/bin/nvcc --version

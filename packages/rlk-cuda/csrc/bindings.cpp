@@ -179,10 +179,11 @@ void expect_f32_vector(const OptArray& a, int64_t n, const char* name) {
   }
 }
 
-void linear_logprob_fwd(const Array& hidden, const Array& weight, const Array& targets, const Array& inv_temperature,
-                        int64_t ignore_index, const Array& logprob_out, const OptArray& entropy_out,
-                        const Array& lse_out, const Array& part_m, const Array& part_s, const OptArray& part_b,
-                        const Array& z_target, std::uintptr_t stream) {
+// The forward's checks, then the mma.sync launcher (wgmma = false) or the UNVERIFIED Hopper one (wgmma = true).
+void linear_logprob_fwd_impl(bool wgmma, const Array& hidden, const Array& weight, const Array& targets,
+                             const Array& inv_temperature, int64_t ignore_index, const Array& logprob_out,
+                             const OptArray& entropy_out, const Array& lse_out, const Array& part_m,
+                             const Array& part_s, const OptArray& part_b, const Array& z_target, std::uintptr_t stream) {
   const LinearShapes s = linear_shapes(hidden, weight, targets, inv_temperature);
   for (auto [a, name] : {std::pair{&logprob_out, "logprob_out"}, {&lse_out, "lse_out"}, {&z_target, "z_target"}}) {
     expect_dtype(*a, DType::kFloat32, name);
@@ -200,12 +201,29 @@ void linear_logprob_fwd(const Array& hidden, const Array& weight, const Array& t
     expect_shape(*part_b, {splits, s.n}, "part_b");
   }
   const int d = s.device;
-  rlk_cuda::linear_logprob_fwd(
-      s.dtype, on(hidden, d, "hidden"), on(weight, d, "weight"), on<const int64_t>(targets, d, "targets"),
-      on<const float>(inv_temperature, d, "inv_temperature"), s.n, s.v, s.h, ignore_index,
-      on<float>(logprob_out, d, "logprob_out"), on<float>(entropy_out, d, "entropy_out"),
-      on<float>(lse_out, d, "lse_out"), on<float>(part_m, d, "part_m"), on<float>(part_s, d, "part_s"),
-      on<float>(part_b, d, "part_b"), on<float>(z_target, d, "z_target"), d, stream);
+  auto* launcher = wgmma ? &rlk_cuda::linear_logprob_fwd_wgmma : &rlk_cuda::linear_logprob_fwd;
+  launcher(s.dtype, on(hidden, d, "hidden"), on(weight, d, "weight"), on<const int64_t>(targets, d, "targets"),
+           on<const float>(inv_temperature, d, "inv_temperature"), s.n, s.v, s.h, ignore_index,
+           on<float>(logprob_out, d, "logprob_out"), on<float>(entropy_out, d, "entropy_out"),
+           on<float>(lse_out, d, "lse_out"), on<float>(part_m, d, "part_m"), on<float>(part_s, d, "part_s"),
+           on<float>(part_b, d, "part_b"), on<float>(z_target, d, "z_target"), d, stream);
+}
+
+void linear_logprob_fwd(const Array& hidden, const Array& weight, const Array& targets, const Array& inv_temperature,
+                        int64_t ignore_index, const Array& logprob_out, const OptArray& entropy_out,
+                        const Array& lse_out, const Array& part_m, const Array& part_s, const OptArray& part_b,
+                        const Array& z_target, std::uintptr_t stream) {
+  linear_logprob_fwd_impl(false, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
+                          lse_out, part_m, part_s, part_b, z_target, stream);
+}
+
+void linear_logprob_fwd_wgmma(const Array& hidden, const Array& weight, const Array& targets,
+                              const Array& inv_temperature, int64_t ignore_index, const Array& logprob_out,
+                              const OptArray& entropy_out, const Array& lse_out, const Array& part_m,
+                              const Array& part_s, const OptArray& part_b, const Array& z_target,
+                              std::uintptr_t stream) {
+  linear_logprob_fwd_impl(true, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
+                          lse_out, part_m, part_s, part_b, z_target, stream);
 }
 
 void linear_logprob_bwd(const Array& hidden, const Array& weight, const Array& targets, const Array& inv_temperature,
@@ -333,6 +351,15 @@ NB_MODULE(_C, m) {
         "linear_logprob forward (rlk.abi), float16 / bfloat16: logprob, entropy (optional) and lse of each row of "
         "hidden @ weight.T. Scratch: part_m, part_s, part_b fp32 [linear_logprob_num_splits(V), N] (part_b only "
         "with entropy), z_target fp32 [N].");
+  m.def("linear_logprob_fwd_wgmma", &linear_logprob_fwd_wgmma, nb::arg("hidden").noconvert(),
+        nb::arg("weight").noconvert(), nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(),
+        nb::arg("ignore_index"), nb::arg("logprob_out").noconvert(), nb::arg("entropy_out").noconvert().none(),
+        nb::arg("lse_out").noconvert(), nb::arg("part_m").noconvert(), nb::arg("part_s").noconvert(),
+        nb::arg("part_b").noconvert().none(), nb::arg("z_target").noconvert(), nb::arg("stream"),
+        "UNVERIFIED Hopper (sm_90a) linear_logprob forward: TMA + wgmma, warp-specialized. Same arguments and "
+        "scratch as linear_logprob_fwd; raises RuntimeError where linear_logprob_wgmma_problem(device) is not ''.");
+  m.def("linear_logprob_wgmma_problem", &rlk_cuda::linear_logprob_wgmma_problem, nb::arg("device"),
+        "'' if the wgmma forward can run on the device (sm_90a compiled in, compute capability 9.0), else why not.");
   m.def("linear_logprob_bwd", &linear_logprob_bwd, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
         nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(), nb::arg("lse").noconvert(),
         nb::arg("entropy").noconvert().none(), nb::arg("grad_logprob").noconvert(),

@@ -200,8 +200,9 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
 }
 
 // Grid: ceil(N / kCombineThreads) blocks, one thread per row: merges the splits in split order.
-// part_b and entropy_out: both null or both set.
-__global__ void __launch_bounds__(kCombineThreads)
+// part_b and entropy_out: both null or both set. `static`: every translation unit that includes this header
+// (the mma.sync and the wgmma forward) gets its own copy, no duplicate symbol at link time.
+static __global__ void __launch_bounds__(kCombineThreads)
     linear_logprob_combine_kernel(const float* __restrict__ part_m, const float* __restrict__ part_s,
                                   const float* __restrict__ part_b, const float* __restrict__ z_target,
                                   const int64_t* __restrict__ targets, int64_t n_rows, int64_t vocab,

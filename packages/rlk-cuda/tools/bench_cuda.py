@@ -15,6 +15,9 @@ the bandwidth targets judge; the two differ by the host overhead when a kernel i
 linear_logprob (compute-bound): fwd+bwd of bf16 hidden [N, 4096] and weight [151936, 4096] with entropy and
 both gradients, credited 8 * N * H * V FLOPs (forward GEMM 2NHV; backward: logits recomputed 2NHV, grad_hidden
 2NHV, grad_weight 2NHV), against torch.mm's rate on a bf16 [N, H] @ [H, 8192] product of the same N and H.
+The forward's kernel is the one the primitive picks (RLK_CUDA_LINEAR_FWD, printed). Where the UNVERIFIED Hopper
+forward can run (compute capability 9.0, sm_90a built), its time alone is printed too (credited 2NHV), with the
+mma.sync forward's and the largest difference between their outputs; elsewhere the reason it cannot.
 """
 
 from __future__ import annotations
@@ -115,6 +118,10 @@ def linear_case(n: int, h: int = 4096, v: int = 151936, dtype=torch.bfloat16):
     def fwd(impl):
         impl.linear_logprob_fwd(hidden, weight, targets, inv_t, -100, lp, ent, lse)
 
+    def fwd_kernel(name: str):
+        """The forward on one kernel, "mma" or "wgmma", whatever RLK_CUDA_LINEAR_FWD says."""
+        getattr(ck, f"linear_logprob_fwd_{name}")(hidden, weight, targets, inv_t, -100, lp, ent, lse)
+
     def bwd(impl):
         impl.linear_logprob_bwd(hidden, weight, targets, inv_t, lse, ent, g_lp, g_ent, -100, gh, gw)
 
@@ -123,20 +130,39 @@ def linear_case(n: int, h: int = 4096, v: int = 151936, dtype=torch.bfloat16):
         out = torch.empty(n, 8192, dtype=dtype, device="cuda")
         return 2 * n * h * 8192 / timed(lambda: torch.mm(hidden, b, out=out))
 
-    return fwd, bwd, mm_rate, (lp, ent, lse, gh, gw)
+    return fwd, bwd, mm_rate, (lp, ent, lse, gh, gw), fwd_kernel
 
 
 def report_linear(n: int, h: int = 4096, v: int = 151936) -> None:
-    fwd, bwd, mm_rate, outs = linear_case(n, h, v)
+    fwd, bwd, mm_rate, outs, fwd_kernel = linear_case(n, h, v)
     reps = 5 if n > 4096 else 10
     t_fwd = timed(lambda: fwd(ck), reps=reps, warmup=1)
     t_bwd = timed(lambda: bwd(ck), reps=reps, warmup=1)
     rate = 8 * n * h * v / (t_fwd + t_bwd)
     mm = mm_rate()
-    print(f"linear_logprob bf16 N={n} H={h} V={v} (entropy, both grads): fwd {t_fwd * 1e3:.1f} ms, bwd "
-          f"{t_bwd * 1e3:.1f} ms, {rate / 1e12:.0f} TFLOP/s credited (8NHV) = {100 * rate / mm:.0f}% of torch.mm's "
-          f"{mm / 1e12:.0f} TFLOP/s")
+    print(f"linear_logprob bf16 N={n} H={h} V={v} (entropy, both grads; forward kernel "
+          f"{ck.forward_kernel(torch.device('cuda'))}): fwd {t_fwd * 1e3:.1f} ms, bwd {t_bwd * 1e3:.1f} ms, "
+          f"{rate / 1e12:.0f} TFLOP/s credited (8NHV) = {100 * rate / mm:.0f}% of torch.mm's {mm / 1e12:.0f} TFLOP/s")
+    report_linear_wgmma(n, h, v, fwd_kernel, outs, reps, mm)
     compare_linear_with_triton(n, fwd, bwd, outs)
+
+
+def report_linear_wgmma(n: int, h: int, v: int, fwd_kernel, outs, reps: int, mm: float) -> None:
+    """Forward alone on the mma.sync and the UNVERIFIED wgmma kernels: times, rates (2NHV) and max |difference|."""
+    problem = ck.wgmma_forward_problem(torch.device("cuda"))
+    if problem is not None:
+        print(f"linear_logprob wgmma forward: not run ({problem})")
+        return
+    results = {}
+    for name in ("mma", "wgmma"):
+        t = timed(lambda name=name: fwd_kernel(name), reps=reps, warmup=1)
+        results[name] = [o.clone() for o in outs[:3]]
+        print(f"linear_logprob fwd only, {name} kernel, N={n}: {t * 1e3:.1f} ms, {2 * n * h * v / t / 1e12:.0f} "
+              f"TFLOP/s (2NHV) = {100 * 2 * n * h * v / t / mm:.0f}% of torch.mm's rate")
+    for key, a, b in zip(("logprob", "entropy", "lse"), results["mma"], results["wgmma"]):
+        note = "" if bool(torch.isfinite(b).all()) else " (NON-FINITE wgmma values)"
+        diff = (a.double() - b.double()).abs().max().item()
+        print(f"linear_logprob N={n}: {key} wgmma vs mma max |diff| {diff:.3g}{note}")
 
 
 def compare_linear_with_triton(n: int, fwd, bwd, outputs) -> None:

@@ -25,9 +25,21 @@ vocab split of 4096 columns, tiles of 128 x 128 logits from mma.sync (fp32 accum
 The kernels need ``H % 8 == 0`` and 16-byte aligned hidden / weight / gradient buffers (16-byte cp.async
 rows). Other inputs (an odd ``H``, a view starting mid-allocation) are copied into zero-padded aligned
 buffers first: the extra zero columns add exact zeros, so the results are the same, at the cost of a copy.
+
+UNVERIFIED Hopper forward (``csrc/linear_logprob_wgmma.cu``: TMA loads + wgmma, one producer warpgroup and
+two consumer warpgroups, 128 x 256 x 64 tiles, the same vocab splits and combine): opt-in only. The primitive
+``linear_logprob_fwd`` uses it when the environment variable ``RLK_CUDA_LINEAR_FWD=wgmma`` is set AND the
+device is compute capability 9.0 AND the build has sm_90a kernels; otherwise (and by default) the verified
+mma.sync forward. It was written without a GPU and has never run: the GPU tests
+(``tests/test_linear_logprob_wgmma.py``) must pass on an H100 / H200 before anyone relies on it. Its
+results are within the same contract and batch-invariant by construction, but not bitwise equal to the
+mma.sync forward's; the backward is the mma.sync one in every case.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -99,17 +111,33 @@ def _check_half(hidden) -> None:
                          f"dispatcher sends float32 to the next backend")
 
 
-def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
-    """Fill ``logprob_out``, ``entropy_out`` (when not None) and ``lse_out`` for ``logits = hidden @ weight.T``.
+#: Environment variable choosing the linear_logprob forward kernel: unset, "" or "mma" (default, verified),
+#: "wgmma" (UNVERIFIED Hopper kernel, used only where :func:`wgmma_forward_problem` is None).
+FORWARD_ENV = "RLK_CUDA_LINEAR_FWD"
+_FORWARD_CHOICES = ("", "mma", "wgmma")
 
-    Args:
-        hidden: ``[N, H]`` float16 / bfloat16, contiguous, on a CUDA device.
-        weight: ``[V, H]``, hidden's dtype, contiguous.
-        targets: ``[N]`` int64, in ``[0, V)`` or ``ignore_index``.
-        inv_temperature: ``[N]`` fp32, ``1 / T`` per row.
-        ignore_index: rows with this target give 0 (logprob, entropy and lse).
-        logprob_out, entropy_out (or None), lse_out: ``[N]`` fp32.
-    """
+
+@functools.cache
+def _wgmma_problem(index: int) -> str | None:
+    return C.linear_logprob_wgmma_problem(index) or None
+
+
+def wgmma_forward_problem(device) -> str | None:
+    """None if the UNVERIFIED wgmma forward can run on CUDA ``device`` (sm_90a compiled in and a compute
+    capability 9.0 GPU), else why not."""
+    device = torch.device(device)
+    return _wgmma_problem(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def forward_kernel(device) -> str:
+    """The forward kernel :func:`linear_logprob_fwd` uses on ``device`` now: ``"wgmma"`` or ``"mma"``."""
+    choice = os.environ.get(FORWARD_ENV, "")
+    if choice not in _FORWARD_CHOICES:
+        raise ValueError(f"{FORWARD_ENV}={choice!r}: expected one of 'mma', 'wgmma' (or unset)")
+    return "wgmma" if choice == "wgmma" and wgmma_forward_problem(device) is None else "mma"
+
+
+def _linear_fwd(native, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
     _check_half(hidden)
     n = hidden.shape[0]
     width = _kernel_layout(hidden, weight)
@@ -120,11 +148,47 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
     part = torch.empty((3 if with_entropy else 2, splits, n), dtype=torch.float32, device=hidden.device)
     z_target = torch.empty((n,), dtype=torch.float32, device=hidden.device)
     with on_device(hidden):
-        C.linear_logprob_fwd(
+        native(
             array(hidden), array(weight), array(targets), array(inv_temperature), int(ignore_index),
             array(logprob_out), array(entropy_out), array(lse_out), part[0], part[1],
             part[2] if with_entropy else None, z_target, stream_of(hidden),
         )
+
+
+def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
+    """Fill ``logprob_out``, ``entropy_out`` (when not None) and ``lse_out`` for ``logits = hidden @ weight.T``.
+
+    Args:
+        hidden: ``[N, H]`` float16 / bfloat16, contiguous, on a CUDA device.
+        weight: ``[V, H]``, hidden's dtype, contiguous.
+        targets: ``[N]`` int64, in ``[0, V)`` or ``ignore_index``.
+        inv_temperature: ``[N]`` fp32, ``1 / T`` per row.
+        ignore_index: rows with this target give 0 (logprob, entropy and lse).
+        logprob_out, entropy_out (or None), lse_out: ``[N]`` fp32.
+
+    The kernel is the mma.sync one unless ``RLK_CUDA_LINEAR_FWD=wgmma`` selects the UNVERIFIED Hopper one
+    (see :func:`forward_kernel`).
+    """
+    _check_half(hidden)
+    native = C.linear_logprob_fwd_wgmma if forward_kernel(hidden.device) == "wgmma" else C.linear_logprob_fwd
+    _linear_fwd(native, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out)
+
+
+def linear_logprob_fwd_mma(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
+    """:func:`linear_logprob_fwd` on the mma.sync kernel whatever ``RLK_CUDA_LINEAR_FWD`` says (tests, benchmarks)."""
+    _linear_fwd(C.linear_logprob_fwd, hidden, weight, targets, inv_temperature, ignore_index, logprob_out,
+                entropy_out, lse_out)
+
+
+def linear_logprob_fwd_wgmma(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
+                             lse_out):
+    """:func:`linear_logprob_fwd` on the UNVERIFIED Hopper kernel whatever ``RLK_CUDA_LINEAR_FWD`` says (tests,
+    benchmarks). Raises RuntimeError where :func:`wgmma_forward_problem` is not None."""
+    problem = wgmma_forward_problem(hidden.device)
+    if problem is not None:
+        raise RuntimeError(f"rlk_cuda linear_logprob wgmma forward unavailable: {problem}")
+    _linear_fwd(C.linear_logprob_fwd_wgmma, hidden, weight, targets, inv_temperature, ignore_index, logprob_out,
+                entropy_out, lse_out)
 
 
 def linear_logprob_bwd(

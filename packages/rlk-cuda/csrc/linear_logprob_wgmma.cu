@@ -1,0 +1,443 @@
+// linear_logprob forward on Hopper (sm_90a): TMA loads + warpgroup MMA (wgmma), warp-specialized.
+//
+// STATUS: UNVERIFIED. Written and compiled (nvcc 13, sm_90a) without a Hopper GPU; it has never run.
+// Opt-in only (rlk_cuda/logprob.py: RLK_CUDA_LINEAR_FWD=wgmma on a compute capability 9.0 device with
+// sm_90a compiled in); the verified mma.sync path of linear_logprob.cuh stays the default.
+//
+// Same math and the same split structure as linear_logprob_fwd_kernel (linear_logprob.cuh), per row n:
+//     x_v = hidden[n] . weight[v] (fp32 accumulation, K = H in increasing 64-wide steps, k16 in order)
+//     z_v = x_v * inv_t (one rounded fp32 multiply, __fmul_rn)
+// and per (row, vocab split of kVocabSplit = 4096 columns) an online state (m = max z, s = sum exp(z - m),
+// b = sum z exp(z - m)) written to part_{m,s,b}[split, row]; z_target[row] from the one thread holding the
+// target column; then the existing combine kernel merges the splits of each row in split order.
+//
+// Block: 128 rows x one vocab split, 3 warpgroups (384 threads):
+//   warpgroup 0 (producer): setmaxnreg.dec to 40 registers; one thread walks the (vocab tile, k step)
+//     sequence and, per step, waits for a free ring stage (empty mbarrier), arms the stage's full mbarrier
+//     with the stage's byte count and issues two TMA loads: hidden [128 rows x 64 k] and weight
+//     [256 vocab rows x 64 k], both K-major with the 128-byte swizzle.
+//   warpgroups 1, 2 (consumers c = 0, 1): setmaxnreg.inc to 232 registers; consumer c owns block rows
+//     64 c .. 64 c + 63 and all 256 columns of a vocab tile: per k step it waits for the stage's full
+//     barrier, issues 4 wgmma m64n256k16 (k16 slices in order, the first of a tile with scale-d = 0),
+//     commits, waits until the previous step's group is done and releases that step's stage (one
+//     arrival per warp on the empty barrier). After the tile's last k step it waits for everything and
+//     folds the tile's 64 x 256 fp32 logits into its rows' online states.
+// Ring: kStages = 4 stages of 48 KiB (16 KiB hidden + 32 KiB weight) = 192 KiB of dynamic shared memory.
+//
+// Row ownership in the accumulator (wgmma.cuh): thread (warp w, lane l) of consumer c holds block rows
+// 64 c + 16 w + l / 4 and + 8, columns 8 j + 2 (l % 4) + {0, 1} for j = 0..31 of each vocab tile. A row
+// is held by the 4 lanes of one quad, always with the same column assignment (l % 4), whatever its
+// position; the quad's states are merged by an xor-shuffle tree (1, then 2) at the end of the split.
+//
+// Batch invariance: fixed tiles (128 x 256 x 64), fixed vocab split, fixed K order, fixed fold chunks of
+// 8 columns and merge order, no atomics, and no instruction depends on N or on the row's position (rows
+// past N are zero-filled by TMA and never written). The results are NOT bitwise equal to the mma.sync
+// path's (different instruction, different fold / merge grouping): both are within the contract.
+//
+// Layout facts relied on (desk-checked against the PTX ISA; see wgmma.cuh for the details):
+//   * TMA with CU_TENSOR_MAP_SWIZZLE_128B and a 64-element (128-byte) inner box writes row r of the box
+//     at byte 128 r, 16-byte chunk c at chunk c ^ (r % 8); out-of-bounds elements are zero and count
+//     toward complete_tx (a partial box completes the full box's byte count).
+//   * wgmma's shared-memory descriptor with swizzle mode 1 (128B), SBO = 1024, reads exactly that
+//     layout (K-major); the k16 slice kk starts 32 kk bytes into the tile.
+//   * The m64nNk16 f32 accumulator fragment: row 16 w + l / 4 + 8 ((i >> 1) & 1), col 8 (i >> 2) +
+//     2 (l % 4) + (i & 1).
+//   * mbarrier phase parity: a fresh barrier is in phase 0; waiting for parity 1 returns at once.
+#include <string>
+
+#include "launch.cuh"
+#include "wgmma.cuh"
+
+#include "linear_logprob.cuh"
+
+namespace rlk_cuda {
+
+namespace wgfwd {
+
+constexpr int kBM = 128;                                 // rows per block (2 consumers x 64)
+constexpr int kBN = wgmma::kAccN;                        // 256 vocab columns per tile
+constexpr int kBK = wgmma::kTileK;                       // 64
+constexpr int kStages = 4;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);         // 384
+constexpr int kConsumerWarps = 4 * kConsumers;           // arrivals that free a stage
+constexpr int kATileBytes = kBM * kBK * 2;               // 16384
+constexpr int kBTileBytes = kBN * kBK * 2;               // 32768
+constexpr int kStageBytes = kATileBytes + kBTileBytes;   // 49152
+constexpr int kRingBytes = kStages * kStageBytes;        // 196608
+constexpr int kBarrierBytes = 2 * kStages * 8;           // full[kStages], empty[kStages] (8-byte mbarriers)
+constexpr int kSmemBytes = 1024 + kRingBytes + kBarrierBytes;  // + slack to align the ring to 1024
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+constexpr int kFoldCols = 8;                             // columns per fold_pack call (4 column blocks x 2)
+
+static_assert(kVocabSplit % kBN == 0, "a vocab split holds whole vocab tiles");
+static_assert(kConsumerWarps == 8 && kFoldCols % 2 == 0 && kBN / 8 % (kFoldCols / 2) == 0, "fold / release shapes");
+static_assert(kStageBytes % wgmma::kSwizzleAtom == 0 && kATileBytes % wgmma::kSwizzleAtom == 0,
+              "every tile starts 1024-aligned (128-byte swizzle)");
+static_assert(kBM * kBK * 2 / kConsumers % wgmma::kSwizzleAtom == 0, "consumer 1's rows start 1024-aligned");
+static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 opt-in shared memory per block");
+// setmaxnreg redistributes the registers the launch gave the block: 384 threads x 168 (65536 / 384,
+// rounded down to a multiple of 8) = 128 x 40 + 256 x 232.
+static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * 168, "register budget");
+
+#if RLK_SM90A_DEVICE
+// The block's tile (grouped order over (row tile, vocab split), as the mma.sync forward) and loop counts.
+struct BlockTile {
+  int row_tile;      // rows 128 row_tile .. 128 row_tile + 127
+  int split;         // vocab split index: columns 4096 split ..
+  int split_cols;    // columns in the split (<= kVocabSplit; fewer in the last one)
+  int n_vtiles;      // vocab tiles of kBN columns in the split (the last may overhang)
+  int k_steps;       // ceil(H / kBK)
+  // 32-bit fields (the host checks N, V < 2^31 and H < 2^24): fewer registers live through the main loop.
+  __device__ __forceinline__ int64_t row0() const { return int64_t{row_tile} * kBM; }
+  __device__ __forceinline__ int64_t v_begin() const { return int64_t{split} * kVocabSplit; }
+};
+
+// mma::grouped_tile's block -> (row tile, split) mapping, in 32-bit arithmetic: the 64-bit division there
+// is a subroutine call, around which ptxas spills in this register-tight kernel. The host keeps every
+// quantity below 2^31 (grid size, N / 128, splits).
+__device__ __forceinline__ void grouped_tile32(int pid, int n_m, int n_n, int group, int& tile_m, int& tile_n) {
+  const int per_group = group * n_n;
+  const int first = pid / per_group * group;
+  const int size = n_m - first < group ? n_m - first : group;
+  const int in_group = pid % per_group;
+  tile_m = first + in_group % size;
+  tile_n = in_group / size;
+}
+
+__device__ __forceinline__ BlockTile block_tile(int64_t n_rows, int64_t vocab, int64_t hidden_size) {
+  BlockTile t;
+  grouped_tile32(static_cast<int>(blockIdx.x), static_cast<int>((n_rows + kBM - 1) / kBM),
+                 static_cast<int>(linear_num_splits(vocab)), static_cast<int>(kGroupRows), t.row_tile, t.split);
+  const int64_t v_begin = t.v_begin();
+  t.split_cols = static_cast<int>(min(v_begin + kVocabSplit, vocab) - v_begin);
+  t.n_vtiles = (t.split_cols + kBN - 1) / kBN;
+  t.k_steps = static_cast<int>((hidden_size + kBK - 1) / kBK);
+  return t;
+}
+#endif
+
+}  // namespace wgfwd
+
+// Grid: ceil(N / 128) * linear_num_splits(V) blocks of wgfwd::kThreads, wgfwd::kSmemBytes dynamic smem.
+// hidden_map: [N, H] (box 64 x 128), weight_map: [V, H] (box 64 x 256), both SWIZZLE_128B (host side below).
+// Outputs as linear_logprob_fwd_kernel: part_{m,s}[split, row] (part_b with kEntropy), z_target[row].
+template <typename T, bool kEntropy>
+__global__ void __launch_bounds__(wgfwd::kThreads, 1)
+    linear_logprob_fwd_wgmma_kernel(const __grid_constant__ CUtensorMap hidden_map,
+                                    const __grid_constant__ CUtensorMap weight_map, const int64_t* __restrict__ targets,
+                                    const float* __restrict__ inv_temperature, int64_t n_rows, int64_t vocab,
+                                    int64_t hidden_size, int64_t ignore_index, float* __restrict__ part_m,
+                                    float* __restrict__ part_s, float* __restrict__ part_b,
+                                    float* __restrict__ z_target) {
+#if RLK_SM90A_DEVICE
+  using namespace wgfwd;
+  extern __shared__ uint8_t smem_raw[];
+  // The ring must start 1024-aligned (128-byte swizzle); the dynamic smem base is only 16-aligned for sure.
+  const uint32_t ring = (wgmma::smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t full_bar = ring + kRingBytes;          // full[s] at full_bar + 8 s
+  const uint32_t empty_bar = full_bar + kStages * 8;    // empty[s] at empty_bar + 8 s
+
+  // The block's tile, computed once and kept in shared memory: the consumers re-read the fields they need
+  // only at the end (split, row tile) from here instead of holding them in registers through the main loop.
+  __shared__ BlockTile s_tile;
+  if (threadIdx.x == 0) {
+    s_tile = block_tile(n_rows, vocab, hidden_size);
+    for (int s = 0; s < kStages; ++s) {
+      wgmma::mbar_init(full_bar + 8 * s, 1);                  // the producer's arrive.expect_tx (+ the bytes)
+      wgmma::mbar_init(empty_bar + 8 * s, kConsumerWarps);   // one arrival per consumer warp
+    }
+    wgmma::mbar_fence_init();
+  }
+  __syncthreads();
+
+  // setmaxnreg comes first in each branch, and the block's coordinates are read after it: ptxas spills
+  // values that are live across a setmaxnreg.
+  if (threadIdx.x < 128) {
+    // ---- producer ----
+    wgmma::setmaxnreg_dec<kProducerRegs>();
+
+    const BlockTile tile = s_tile;
+    const int n_steps = tile.n_vtiles * tile.k_steps;
+    if (threadIdx.x == 0) {
+      wgmma::prefetch_tensor_map(&hidden_map);
+      wgmma::prefetch_tensor_map(&weight_map);
+      for (int step = 0; step < n_steps; ++step) {
+        const int s = static_cast<int>(step % kStages);
+        const uint32_t round = static_cast<uint32_t>(step / kStages);
+        // Stage s is free once the consumers released its previous use (round - 1); in round 0 the
+        // wait for parity 1 on the fresh barrier returns at once.
+        wgmma::mbar_wait(empty_bar + 8 * s, (round & 1u) ^ 1u);
+        const uint32_t a_dst = ring + s * kStageBytes;
+        const uint32_t b_dst = a_dst + kATileBytes;
+        wgmma::mbar_arrive_expect_tx(full_bar + 8 * s, kStageBytes);
+        const int32_t k0 = (step % tile.k_steps) * kBK;
+        const int32_t vt = step / tile.k_steps;
+        wgmma::tma_load_2d(a_dst, &hidden_map, full_bar + 8 * s, k0, static_cast<int32_t>(tile.row0()));
+        wgmma::tma_load_2d(b_dst, &weight_map, full_bar + 8 * s, k0, static_cast<int32_t>(tile.v_begin() + vt * kBN));
+      }
+    }
+    return;  // the consumers keep the block (and its shared memory) alive until the last stage is used
+  }
+
+  // ---- consumers ----
+  wgmma::setmaxnreg_inc<kConsumerRegs>();
+
+  const BlockTile tile = s_tile;
+  const int consumer = static_cast<int>(threadIdx.x / 128) - 1;
+  const int t = threadIdx.x % 128;
+  const int warp = t / 32;
+  const int lane = t % 32;
+  const int quad_col = 2 * (lane % 4);  // this lane's first column inside each 8-column block
+
+  // The thread's two rows (h = 0, 1): block rows 64 c + 16 w + l / 4 + 8 h. Only what the fold needs stays
+  // in registers through the main loop (row indices are recomputed at the end: fewer live registers).
+  const int local_row = consumer * 64 + warp * 16 + lane / 4;  // + 8 h
+  float inv_t[2];
+  int target_col[2];  // target - v_begin when the target is in this split (and the row valid), else -1
+  float z_t[2] = {0.0f, 0.0f};  // the target's z, in the lane whose columns hold it
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = tile.row0() + local_row + 8 * h;
+    inv_t[h] = 1.0f;
+    target_col[h] = -1;
+    if (row < n_rows) {
+      const int64_t tgt = targets[row];
+      inv_t[h] = inv_temperature[row];
+      if (tgt != ignore_index && tgt >= tile.v_begin() && tgt < tile.v_begin() + tile.split_cols) {
+        target_col[h] = static_cast<int>(tgt - tile.v_begin());
+      }
+    }
+  }
+  SoftmaxState st[2] = {SoftmaxState{-INFINITY, 0.0f, 0.0f}, SoftmaxState{-INFINITY, 0.0f, 0.0f}};
+
+  float acc[wgmma::kAccRegs];
+#pragma unroll
+  for (int i = 0; i < wgmma::kAccRegs; ++i) acc[i] = 0.0f;
+
+  int step = 0;
+  for (int vt = 0; vt < tile.n_vtiles; ++vt) {
+    int pending = -1;  // the stage whose wgmmas may still be reading it (released one step later)
+    for (int ks = 0; ks < tile.k_steps; ++ks, ++step) {
+      const int s = static_cast<int>(step % kStages);
+      const uint32_t round = static_cast<uint32_t>(step / kStages);
+      wgmma::mbar_wait(full_bar + 8 * s, round & 1u);  // TMA bytes of this use of stage s have landed
+      const uint32_t a_tile = ring + s * kStageBytes + consumer * (kATileBytes / kConsumers);
+      const uint32_t b_tile = ring + s * kStageBytes + kATileBytes;
+#pragma unroll
+      for (int i = 0; i < wgmma::kAccRegs; ++i) wgmma::fence_operand(acc[i]);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        // k16 slice kk: 16 elements = 32 bytes into each 128-byte row.
+        wgmma::mma_m64n256k16<T>(acc, wgmma::desc_k_major_sw128(a_tile + 32 * kk),
+                                 wgmma::desc_k_major_sw128(b_tile + 32 * kk), (ks > 0 || kk > 0) ? 1 : 0);
+      }
+      wgmma::commit_group();
+#pragma unroll
+      for (int i = 0; i < wgmma::kAccRegs; ++i) wgmma::fence_operand(acc[i]);
+      // At most this step's group in flight: the previous step's wgmmas are done reading their stage.
+      wgmma::wait_group<1>();
+      if (pending >= 0 && lane == 0) wgmma::mbar_arrive(empty_bar + 8 * pending);
+      pending = s;
+    }
+    wgmma::wait_group<0>();
+#pragma unroll
+    for (int i = 0; i < wgmma::kAccRegs; ++i) wgmma::fence_operand(acc[i]);
+    if (pending >= 0 && lane == 0) wgmma::mbar_arrive(empty_bar + 8 * pending);
+
+    // Fold the tile's logits: register 4 j + 2 h + e holds (row h, column 8 j + quad_col + e).
+    const int col0 = vt * kBN + quad_col;  // column within the split of register 4 * 0 + 2 h + 0
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int jq = 0; jq < kBN / 8 / (kFoldCols / 2); ++jq) {  // 8 groups of 4 column blocks
+        float z[kFoldCols];
+#pragma unroll
+        for (int jj = 0; jj < kFoldCols / 2; ++jj) {
+          const int j = jq * (kFoldCols / 2) + jj;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int col = col0 + 8 * j + e;
+            const float zv = __fmul_rn(acc[4 * j + 2 * h + e], inv_t[h]);  // z = x * inv_t, rounded on its own
+            if (col == target_col[h]) z_t[h] = zv;
+            z[2 * jj + e] = col < tile.split_cols ? zv : -INFINITY;
+          }
+        }
+        fold_pack<kFoldCols, kEntropy, true>(st[h], z);
+      }
+    }
+  }
+
+  // Merge the quad (lanes 4g .. 4g + 3 hold the same two rows): xor 1, then xor 2; every lane ends with
+  // the same state, lane 4g writes it.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int offset = 1; offset < 4; offset <<= 1) {
+      SoftmaxState o{__shfl_xor_sync(kFullMask, st[h].m, offset), __shfl_xor_sync(kFullMask, st[h].s, offset),
+                     __shfl_xor_sync(kFullMask, st[h].b, offset)};
+      st[h] = merge(st[h], o);
+    }
+    const int64_t row = s_tile.row0() + local_row + 8 * h;  // re-read after the loop's memory clobbers
+    if (row < n_rows) {
+      if (lane % 4 == 0) {
+        const int64_t at = int64_t{s_tile.split} * n_rows + row;
+        part_m[at] = st[h].m;
+        part_s[at] = st[h].s;
+        if constexpr (kEntropy) part_b[at] = st[h].b;
+      }
+      // Column c of a tile is held by the lane with l % 4 == (c % 8) / 2 (tiles start at multiples of 8).
+      if (target_col[h] >= 0 && (target_col[h] % 8) / 2 == lane % 4) z_target[row] = z_t[h];
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  // Compiled for an architecture without wgmma / setmaxnreg (sm_80, sm_90 without `a`, sm_100, sm_120):
+  // the host never launches this (linear_logprob_wgmma_problem); trap rather than return garbage.
+  __trap();
+#endif
+}
+
+namespace {
+
+// cuTensorMapEncodeTiled (driver API, CUDA >= 12.0), fetched at run time through the runtime's entry
+// point query: the module links only the static cudart, never libcuda (the driver's libcuda.so.1 is
+// loaded by cudart itself).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                                             &status);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &status);
+#endif
+    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || p == nullptr) {
+      cudaGetLastError();
+      throw std::runtime_error(std::string("rlk_cuda: cuTensorMapEncodeTiled not available from the driver (") +
+                               cudaGetErrorName(err) + ")");
+    }
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+// A 2-D tensor map over a row-major [rows, cols] 16-bit matrix (cols contiguous, row stride cols * 2 bytes),
+// box [box_rows, 64 columns], 128-byte swizzle, out-of-bounds elements read as zero.
+// cuTensorMapEncodeTiled's requirements (CUDA driver API reference): global address 16-byte aligned, the
+// row stride a multiple of 16 bytes (cols % 8 == 0), every box dimension <= 256, the inner box extent in
+// bytes (64 x 2 = 128) a multiple of 16 and, with SWIZZLE_128B, <= 128.
+CUtensorMap make_map(CUtensorMapDataType dtype, const void* ptr, int64_t rows, int64_t cols, uint32_t box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};  // bytes between rows (dimension 1)
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(wgfwd::kBK), box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult res =
+      encode_tiled()(&map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, element_strides,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    throw std::runtime_error("rlk_cuda: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(res) + ") for a [" +
+                             std::to_string(rows) + ", " + std::to_string(cols) + "] tensor");
+  }
+  return map;
+}
+
+bool sm90a_compiled() {
+  for (const std::string& arch : compiled_architectures()) {
+    if (arch.rfind("90a", 0) == 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::string linear_logprob_wgmma_problem(int device) {
+  if (!sm90a_compiled()) {
+    return "the wgmma forward is not compiled in: this build has no sm_90a kernels (rebuild with RLK_CUDA_ARCHS "
+           "including 90a)";
+  }
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "cannot query CUDA device " + std::to_string(device);
+  }
+  if (major != 9 || minor != 0) {
+    return "the wgmma forward needs a compute capability 9.0 GPU (sm_90a: H100 / H200), device " +
+           std::to_string(device) + " is " + std::to_string(major) + "." + std::to_string(minor);
+  }
+  return "";
+}
+
+void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
+                              const float* inv_temperature, int64_t n_rows, int64_t vocab, int64_t hidden_size,
+                              int64_t ignore_index, float* logprob_out, float* entropy_out, float* lse_out,
+                              float* part_m, float* part_s, float* part_b, float* z_target, int device,
+                              std::uintptr_t stream) {
+  const std::string what = "linear_logprob_fwd_wgmma";
+  require(n_rows >= 1, what + ": n_rows must be >= 1");
+  require(vocab >= 1, what + ": vocab must be >= 1");
+  require(hidden_size >= 8 && hidden_size % 8 == 0,
+          what + ": hidden size must be a positive multiple of 8 (the Python layer pads other sizes), got " +
+              std::to_string(hidden_size));
+  require((reinterpret_cast<std::uintptr_t>(hidden) & 15u) == 0 && (reinterpret_cast<std::uintptr_t>(weight) & 15u) == 0,
+          what + ": hidden and weight must be 16-byte aligned");
+  // TMA coordinates are int32: the row coordinates row0 and v_begin + 256 vt must fit.
+  require(n_rows < (int64_t{1} << 31) && vocab < (int64_t{1} << 31) - wgfwd::kBN && hidden_size < (int64_t{1} << 24),
+          what + ": N and V must be < 2^31 and H < 2^24 (int32 TMA coordinates and step counters)");
+  require(part_m != nullptr && part_s != nullptr && z_target != nullptr,
+          what + ": part_m, part_s and z_target are required");
+  require(entropy_out == nullptr || part_b != nullptr, what + ": part_b is required with entropy_out");
+  if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+    throw std::invalid_argument("rlk_cuda: " + what + ": only float16 and bfloat16 are implemented");
+  }
+  DeviceGuard guard(device);
+  const std::string problem = linear_logprob_wgmma_problem(device);
+  if (!problem.empty()) throw std::runtime_error("rlk_cuda: " + what + ": " + problem);
+  const cudaStream_t s = as_stream(stream);
+  const int64_t blocks = ceil_div(n_rows, int64_t{wgfwd::kBM}) * linear_num_splits(vocab);
+  require(blocks <= max_grid_x(), what + ": problem too large for one grid");
+
+  const CUtensorMapDataType tdt =
+      dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMap hidden_map = make_map(tdt, hidden, n_rows, hidden_size, wgfwd::kBM);
+  const CUtensorMap weight_map = make_map(tdt, weight, vocab, hidden_size, wgfwd::kBN);
+
+  auto launch = [&](auto kernel, float* pb) {
+    DeviceGuard::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, wgfwd::kSmemBytes),
+                       "cudaFuncSetAttribute(linear_logprob_fwd_wgmma_kernel)");
+    kernel<<<static_cast<unsigned>(blocks), wgfwd::kThreads, wgfwd::kSmemBytes, s>>>(
+        hidden_map, weight_map, targets, inv_temperature, n_rows, vocab, hidden_size, ignore_index, part_m, part_s, pb,
+        z_target);
+  };
+  if (dtype == DType::kBFloat16) {
+    if (entropy_out != nullptr) {
+      launch(linear_logprob_fwd_wgmma_kernel<__nv_bfloat16, true>, part_b);
+    } else {
+      launch(linear_logprob_fwd_wgmma_kernel<__nv_bfloat16, false>, nullptr);
+    }
+  } else {
+    if (entropy_out != nullptr) {
+      launch(linear_logprob_fwd_wgmma_kernel<__half, true>, part_b);
+    } else {
+      launch(linear_logprob_fwd_wgmma_kernel<__half, false>, nullptr);
+    }
+  }
+  check_launch("linear_logprob_fwd_wgmma_kernel launch");
+  const int64_t combine_blocks = ceil_div(n_rows, int64_t{kCombineThreads});
+  require(combine_blocks <= max_grid_x(), what + ": problem too large for one grid");
+  linear_logprob_combine_kernel<<<static_cast<unsigned>(combine_blocks), kCombineThreads, 0, s>>>(
+      part_m, part_s, entropy_out != nullptr ? part_b : nullptr, z_target, targets, n_rows, vocab, ignore_index,
+      logprob_out, entropy_out, lse_out);
+  check_launch("linear_logprob_combine_kernel launch (wgmma forward)");
+}
+
+}  // namespace rlk_cuda
