@@ -376,31 +376,29 @@ def value_cases(op: str, device_type: str, quick: bool) -> list[cs.Case | rl.RLC
     return cs.value_cases(op, device_type, quick)
 
 
-def check_rl_invariance(plan: rl.RLInvariancePlan, seed: int, backend: str, device: torch.device) -> InvarianceResult:
-    """Batch invariance of an RL op (:func:`parity.rl.invariance_checks`) on ``backend``."""
+def _collect_invariance(plan, backend: str, run_checks: Callable[[Callable[[int, int, object], None]], None]
+                        ) -> InvarianceResult:
+    """An InvarianceResult for ``plan`` on ``backend``: ``run_checks(report)`` reports each (batch, position,
+    differs); an exception becomes the result's error."""
     result = InvarianceResult(claims_invariance(backend), plan)
     try:
-        rl.invariance_checks(plan, seed, backend, device,
-                             lambda batch, position, differs: result.checks.append(
-                                 InvarianceCheck(batch, position, differs)))
+        run_checks(lambda batch, position, differs: result.checks.append(InvarianceCheck(batch, position, differs)))
     except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         traceback.print_exc(file=sys.stderr)
     return result
+
+
+def check_rl_invariance(plan: rl.RLInvariancePlan, seed: int, backend: str, device: torch.device) -> InvarianceResult:
+    """Batch invariance of an RL op (:func:`parity.rl.invariance_checks`) on ``backend``."""
+    return _collect_invariance(plan, backend, lambda report: rl.invariance_checks(plan, seed, backend, device, report))
 
 
 def check_chain_invariance(plan: chain.ChainInvariancePlan, seed: int, backend: str, device: torch.device,
                            dtype: torch.dtype) -> InvarianceResult:
     """Batch invariance of a chain op (:func:`parity.chain.invariance_checks`) on ``backend`` in ``dtype``."""
-    result = InvarianceResult(claims_invariance(backend), plan)
-    try:
-        chain.invariance_checks(plan, seed, backend, device, dtype,
-                                lambda batch, position, differs: result.checks.append(
-                                    InvarianceCheck(batch, position, differs)))
-    except Exception as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        traceback.print_exc(file=sys.stderr)
-    return result
+    return _collect_invariance(
+        plan, backend, lambda report: chain.invariance_checks(plan, seed, backend, device, dtype, report))
 
 
 def _check_case(cell: Cell, case, check: Callable[[], list[contract.Deviation]],

@@ -17,11 +17,10 @@ It informs whether a launch cache in ``rlk_triton`` is worth its risk; it change
 
 from __future__ import annotations
 
-import time
-
 import torch
 import triton
 import triton.language as tl
+from profile_policy_loss import host_us  # tools/, next to this script
 
 
 @triton.jit
@@ -42,18 +41,6 @@ def _add_kernel_many_args(x_ptr, y_ptr, out_ptr, n, a0, a1, a2, a3, a4, a5, a6, 
     tl.store(out_ptr + offs, v, mask=m)
 
 
-def _host_us(fn, n: int = 2000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - begin
-    torch.cuda.synchronize()
-    return elapsed * 1e6 / n
-
-
 def main() -> None:
     n = 4096
     x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
@@ -72,19 +59,19 @@ def main() -> None:
     }
     for name, (normal, compiled, runtime_args) in cases.items():
         expected = out.clone()
-        normal_us = _host_us(normal)
+        normal_us = host_us(normal, n=2000)
         try:
             runner = compiled[(grid[0], 1, 1)]  # CompiledKernel wants a 3-D grid
             out.zero_()
             runner(*runtime_args)
             torch.cuda.synchronize()
             same = torch.equal(out, expected)
-            direct_us = _host_us(lambda runner=runner, args=runtime_args: runner(*args))
+            direct_us = host_us(lambda runner=runner, args=runtime_args: runner(*args), n=2000)
             direct = f"{direct_us:7.1f} us (same result: {same})"
         except Exception as exc:  # the CompiledKernel API differs across Triton versions
             direct = f"unavailable ({type(exc).__name__}: {exc})"
         print(f"{name:9s}: kernel[grid](...) {normal_us:7.1f} us; compiled[grid](...) {direct}")
-    print(f"torch x + y (same size): {_host_us(lambda: torch.add(x, y, out=out)):7.1f} us")
+    print(f"torch x + y (same size): {host_us(lambda: torch.add(x, y, out=out), n=2000):7.1f} us")
 
 
 if __name__ == "__main__":

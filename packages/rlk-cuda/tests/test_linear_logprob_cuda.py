@@ -12,8 +12,10 @@ import torch
 
 pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 
-import rlk
-from rlk import contract, dispatch
+from test_logprob_cuda import check_row_outputs  # noqa: E402  (the sibling test module's helper)
+
+import rlk  # noqa: E402
+from rlk import contract, dispatch  # noqa: E402
 from rlk.reference import logprob as ref
 
 pytestmark = pytest.mark.gpu
@@ -21,6 +23,18 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float16, torch.bfloat16]
 IGNORE = -100
 ENTROPY_MODES = ["off", "fwd_only", "fwd_and_grad"]
+
+
+def probe_placements(probe: int, batches=(7, 133, 1024), device: str = "cuda"):
+    """``(batch, position, index)`` for each batch size and the first, middle and last position: ``index`` takes
+    rows ``0 .. batch - 1`` with the probe row swapped into ``position`` (every batch is larger than ``probe``)."""
+    for batch in batches:
+        for position in (0, batch // 2, batch - 1):
+            index = torch.arange(batch, device=device)
+            other = int(index[position])
+            index[position] = probe
+            index[probe] = other
+            yield batch, position, index
 
 
 def _cuda():
@@ -77,14 +91,7 @@ def check_against_reference(name: str, hidden, weight, targets, inv_t, grad_lp, 
                 want_hidden, want_weight)
     e = contract.entry("linear_logprob", hidden.dtype)
     valid = targets != IGNORE
-    scale = contract.row_scale(truth["logprob"], truth["lse"])
-    for key in ("logprob", "entropy", "lse"):
-        if key not in got:
-            continue
-        keep = valid if key == "lse" else torch.ones_like(valid)
-        dev = contract.compare_outputs(e, key, got[key][keep], truth[key][keep], scale[keep])
-        print(f"RATIO {name} {key} {e.dtype} {dev.ratio:.3g}")
-        assert dev.ok, dev
+    scale = check_row_outputs(name, e, got, truth, valid)
     for key in ("logprob", "entropy", "lse"):
         if key in got:
             assert bool((got[key][~valid] == 0).all()), key
@@ -180,15 +187,10 @@ def test_batch_invariance(dtype):
         return (hidden[index].contiguous(), weight, targets[index], inv_t[index], grad_lp[index], grad_ent[index])
 
     alone = run(_cuda(), *rows_of(torch.tensor([probe], device="cuda")), want_weight=False)
-    for batch in (7, 133, 1024):
-        for position in (0, batch // 2, batch - 1):
-            index = torch.arange(batch, device="cuda")  # batch > probe: swap the probe row into `position`
-            other = int(index[position])
-            index[position] = probe
-            index[probe] = other
-            inside = run(_cuda(), *rows_of(index), want_weight=False)
-            for key in alone:
-                assert torch.equal(alone[key][0], inside[key][position]), (key, batch, position)
+    for batch, position, index in probe_placements(probe):
+        inside = run(_cuda(), *rows_of(index), want_weight=False)
+        for key in alone:
+            assert torch.equal(alone[key][0], inside[key][position]), (key, batch, position)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

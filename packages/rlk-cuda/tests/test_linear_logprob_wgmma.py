@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 
-from test_linear_logprob_cuda import IGNORE, make_inputs  # noqa: E402  (the sibling test module's helpers)
+from test_linear_logprob_cuda import IGNORE, make_inputs, probe_placements  # noqa: E402  (the sibling test module's helpers)
 
 from rlk import contract  # noqa: E402
 from rlk.reference import logprob as ref  # noqa: E402
@@ -163,15 +163,10 @@ def test_batch_invariance(dtype):
         return hidden[index].contiguous(), weight, targets[index], inv_t[index]
 
     alone = forward(ck.linear_logprob_fwd_wgmma, *rows_of(torch.tensor([probe], device="cuda")))
-    for batch in (7, 133, 1024):
-        for position in (0, batch // 2, batch - 1):
-            index = torch.arange(batch, device="cuda")  # batch > probe: swap the probe row into `position`
-            other = int(index[position])
-            index[position] = probe
-            index[probe] = other
-            inside = forward(ck.linear_logprob_fwd_wgmma, *rows_of(index))
-            for key in alone:
-                assert torch.equal(alone[key][0], inside[key][position]), (key, batch, position)
+    for batch, position, index in probe_placements(probe):
+        inside = forward(ck.linear_logprob_fwd_wgmma, *rows_of(index))
+        for key in alone:
+            assert torch.equal(alone[key][0], inside[key][position]), (key, batch, position)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

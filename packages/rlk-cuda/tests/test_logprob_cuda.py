@@ -65,11 +65,9 @@ def run(impl, x, targets, inv_t, grad_lp, grad_ent, entropy: bool = True):
     return out
 
 
-def check_against_reference(name: str, x, targets, inv_t, grad_lp, grad_ent, entropy: bool = True) -> None:
-    got = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent, entropy)
-    truth = run(ref, x.double(), targets, inv_t, grad_lp, grad_ent, entropy)
-    e = contract.entry("selected_logprob", x.dtype)
-    valid = targets != IGNORE
+def check_row_outputs(name: str, e, got: dict, truth: dict, valid) -> torch.Tensor:
+    """The per-row outputs in ``got`` (logprob, entropy, lse) against ``truth`` under contract entry ``e``, lse
+    on the rows not ignored (``valid``) only, each ratio printed; returns the per-row scale of the contract."""
     scale = contract.row_scale(truth["logprob"], truth["lse"])
     for key in ("logprob", "entropy", "lse"):
         if key not in got:
@@ -78,6 +76,15 @@ def check_against_reference(name: str, x, targets, inv_t, grad_lp, grad_ent, ent
         dev = contract.compare_outputs(e, key, got[key][keep], truth[key][keep], scale[keep])
         print(f"RATIO {name} {key} {e.dtype} {dev.ratio:.3g}")
         assert dev.ok, dev
+    return scale
+
+
+def check_against_reference(name: str, x, targets, inv_t, grad_lp, grad_ent, entropy: bool = True) -> None:
+    got = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent, entropy)
+    truth = run(ref, x.double(), targets, inv_t, grad_lp, grad_ent, entropy)
+    e = contract.entry("selected_logprob", x.dtype)
+    valid = targets != IGNORE
+    scale = check_row_outputs(name, e, got, truth, valid)
     assert bool((got["logprob"][~valid] == 0).all())
     if entropy:
         assert bool((got["entropy"][~valid] == 0).all())

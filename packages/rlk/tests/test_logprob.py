@@ -252,17 +252,7 @@ def test_torch_compile_fullgraph_matches_eager():
         lp2 = rlk.selected_logprob(logits, targets, temperature=temperature)
         return (lp + 0.1 * ent + lp2).sum()
 
-    results = []
-    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True, backend="aot_eager")):
-        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        loss = fn(h, w)
-        loss.backward()
-        results.append((loss.detach(), h.grad, w.grad))
-    (eager_loss, *eager_grads), (compiled_loss, *compiled_grads) = results
-    # The final sum is inductor's own reduction; the rlk ops and their gradients must match bit for bit.
-    torch.testing.assert_close(compiled_loss, eager_loss)
-    for eager, compiled in zip(eager_grads, compiled_grads):
-        assert torch.equal(eager, compiled)
+    assert_compiled_matches_eager(loss_fn, (hidden, weight), backend="aot_eager")
 
 
 @pytest.mark.gpu

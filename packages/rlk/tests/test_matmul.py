@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compile_check import assert_compiled_matches_eager
 
 from rlk import contract
 from rlk.matmul import linear, matmul
@@ -247,16 +248,7 @@ def test_torch_compile_fullgraph_matches_eager():
         h = linear(x, w, bias)
         return (matmul(h, w2) * 0.5).sum() + matmul(x, bb).square().sum()
 
-    results = []
-    for fn in (loss_fn, torch.compile(loss_fn, fullgraph=True, backend="aot_eager")):
-        leaves = [t.clone().requires_grad_(True) for t in (x, w, bias, w2, bb)]
-        loss = fn(*leaves)
-        loss.backward()
-        results.append((loss.detach(), [t.grad for t in leaves]))
-    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
-    torch.testing.assert_close(compiled_loss, eager_loss)
-    for eager, compiled in zip(eager_grads, compiled_grads):
-        assert torch.equal(eager, compiled)
+    assert_compiled_matches_eager(loss_fn, (x, w, bias, w2, bb), backend="aot_eager")
 
 
 @pytest.mark.gpu

@@ -293,19 +293,28 @@ def _norm_rows(normalized_shape, x: Tensor) -> int | None:
     return math.prod(normalized_shape)
 
 
-def _fused_rms_norm(x, normalized_shape, weight=None, eps=None):
+def _rms_norm_rows(x, normalized_shape, weight):
+    """``(backend, rows [N, H], weight [H])`` of an aten rms_norm call rlk serves, else None."""
     hidden = _norm_rows(normalized_shape, x)
     if hidden is None or hidden == 0 or x.dtype not in _FLOAT_DTYPES or x.numel() == 0:
-        return _FALLBACK
+        return None
     if weight is not None and (weight.dtype != x.dtype or weight.numel() != hidden):
-        return _FALLBACK
+        return None
     backend = _invariant_backend("rms_norm", x.device, x.dtype)
     if backend is None:
-        return _FALLBACK
-    if eps is None:  # aten's default: the epsilon of the accumulation type
-        eps = torch.finfo(torch.float32).eps
+        return None
     rows = x.reshape(-1, hidden).contiguous()
     w = x.new_ones(hidden) if weight is None else weight.reshape(hidden).contiguous()
+    return backend, rows, w
+
+
+def _fused_rms_norm(x, normalized_shape, weight=None, eps=None):
+    served = _rms_norm_rows(x, normalized_shape, weight)
+    if served is None:
+        return _FALLBACK
+    backend, rows, w = served
+    if eps is None:  # aten's default: the epsilon of the accumulation type
+        eps = torch.finfo(torch.float32).eps
     out = torch.empty_like(rows)
     rstd = x.new_empty((rows.shape[0],), dtype=torch.float32)
     backend.primitives["rms_norm_fwd"](rows, w, None, float(eps), False, out, None, rstd)
@@ -314,22 +323,16 @@ def _fused_rms_norm(x, normalized_shape, weight=None, eps=None):
 
 
 def _fused_rms_norm_backward(grad_out, x, normalized_shape, rstd, weight, output_mask):
-    hidden = _norm_rows(normalized_shape, x)
-    if hidden is None or hidden == 0 or x.dtype not in _FLOAT_DTYPES or x.numel() == 0:
+    served = _rms_norm_rows(x, normalized_shape, weight)
+    if served is None:
         return _FALLBACK
-    if rstd.dtype != torch.float32 or grad_out.shape != x.shape or rstd.numel() != x.numel() // hidden:
+    backend, rows, w = served
+    if rstd.dtype != torch.float32 or grad_out.shape != x.shape or rstd.numel() != rows.shape[0]:
         return _FALLBACK
-    if weight is not None and (weight.dtype != x.dtype or weight.numel() != hidden):
-        return _FALLBACK
-    backend = _invariant_backend("rms_norm", x.device, x.dtype)
-    if backend is None:
-        return _FALLBACK
-    rows = x.reshape(-1, hidden).contiguous()
-    w = x.new_ones(hidden) if weight is None else weight.reshape(hidden).contiguous()
     grad_x = torch.empty_like(rows)
     grad_w = torch.empty_like(w) if weight is not None and output_mask[1] else None
     backend.primitives["rms_norm_bwd"](
-        grad_out.to(x.dtype).reshape(-1, hidden).contiguous(), rows, w, rstd.reshape(-1).contiguous(), False,
+        grad_out.to(x.dtype).reshape(rows.shape).contiguous(), rows, w, rstd.reshape(-1).contiguous(), False,
         None, grad_x, grad_w,
     )
     return (grad_x.view(x.shape) if output_mask[0] else None,
