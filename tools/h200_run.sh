@@ -2,11 +2,12 @@
 # One full GPU session on the H200 (or any CUDA machine without internet): set up rlk from this
 # checkout, then run the requested steps, each logged under $OUT (default out/gpu).
 #   bash tools/h200_run.sh [setup] [info] [tests] [gputests] [parity] [bench] [sweep] [sweep_matmul]
-#                          [sweep_attention] [profile_policy_loss] [cuda] [consistency] [demo] [launch] [bundle]
+#                          [sweep_attention] [profile_policy_loss] [cuda] [consistency] [chain_bench] [demo] [launch] [bundle]
 # PARITY_OPS / BENCH_ONLY narrow the parity and bench steps (comma-separated ops; one --only key);
 # PARITY_ARGS adds arguments (e.g. --quick); PYTEST_ARGS replaces gputests' '-p no:xdist' (e.g. '-n 8'); STEP_TIMEOUT (seconds, default 590) bounds each step but setup.
 # `consistency` runs `rlk consistency` (CONSISTENCY_MODEL, default qwen3-8b-shape in bf16; CONSISTENCY_PROMPTS,
-# default 8); `demo` runs `rlk demo`. `cuda` builds and checks rlk-cuda (packages/rlk-cuda/tools/h200_cuda.sh). `bundle` packs everything under
+# default 8); `chain_bench` times the forward with rlk's chain off vs on (tools/bench_chain_forward.py, default
+# qwen3-8b-shape bf16; CHAIN_BENCH_ARGS adds arguments, e.g. '--num-layers 8 --reps 3'); `demo` runs `rlk demo`. `cuda` builds and checks rlk-cuda (packages/rlk-cuda/tools/h200_cuda.sh). `bundle` packs everything under
 # $OUT into $OUT/bundle.tgz and removes the rest (the device tool returns only a few files per call).
 # Pure-Python wheels the machine lacks (pytest, setuptools) may be put in .whl/ beforehand.
 set -uo pipefail
@@ -59,6 +60,7 @@ for step in "${steps[@]}"; do
     sweep_attention) run_step sweep_attention python3 tools/sweep_attention.py ;;
     consistency) run_step consistency python3 -m rlk consistency --model "${CONSISTENCY_MODEL:-qwen3-8b-shape}" \
               --device cuda --prompts "${CONSISTENCY_PROMPTS:-8}" --out "$OUT/consistency" ;;
+    chain_bench) run_step chain_bench python3 tools/bench_chain_forward.py --out "$OUT/chain_bench" ${CHAIN_BENCH_ARGS:-} ;;
     demo)   run_step demo python3 -m rlk demo --out "$OUT/demo" ;;
     launch) run_step launch python3 tools/profile_launch.py ;;
     profile_policy_loss) run_step profile_policy_loss python3 tools/profile_policy_loss.py ;;

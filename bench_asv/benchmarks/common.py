@@ -55,13 +55,23 @@ def median_ms(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REP
     return statistics.median(times)
 
 
+def device_ms(prof) -> float:
+    """Milliseconds of GPU work a finished ``torch.profiler.profile`` recorded: the sum of the device
+    durations of its CUDA events (kernels and memory operations: memcpy, memset).
+
+    CPU events (ops, runtime calls), recorded when the profile also has ``ProfilerActivity.CPU``,
+    are left out: an op's ``device_time_total`` counts its kernels a second time.
+    """
+    return sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+
+
 def kernel_ms(fn: Callable[[], object], repeats: int = REPEATS) -> float | None:
     """GPU time of the kernels ``fn()`` launches, per run, from ``torch.profiler`` (CUDA only, else None).
 
-    The sum of the device durations of every kernel and memory operation of ``repeats`` runs,
-    divided by ``repeats``. Unlike :func:`median_ms` it excludes the host-side time (Python, launch
-    overhead) the GPU spends waiting, so it is the time that bandwidth and FLOP rates of a kernel
-    should be judged by; :func:`median_ms` is what a caller waits.
+    The sum of the device durations of every kernel and memory operation of ``repeats`` runs
+    (:func:`device_ms`), divided by ``repeats``. Unlike :func:`median_ms` it excludes the host-side
+    time (Python, launch overhead) the GPU spends waiting, so it is the time that bandwidth and FLOP
+    rates of a kernel should be judged by; :func:`median_ms` is what a caller waits.
     """
     if DEVICE.type != "cuda":
         return None
@@ -73,8 +83,7 @@ def kernel_ms(fn: Callable[[], object], repeats: int = REPEATS) -> float | None:
         for _ in range(repeats):
             fn()
         torch.cuda.synchronize(DEVICE)
-    device_us = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return device_us / 1e3 / repeats
+    return device_ms(prof) / repeats
 
 
 def peak_extra_mib(fn: Callable[[], object]) -> float:

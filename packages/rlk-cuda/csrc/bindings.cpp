@@ -179,7 +179,7 @@ void expect_f32_vector(const OptArray& a, int64_t n, const char* name) {
   }
 }
 
-// The forward's checks, then the mma.sync launcher (wgmma = false) or the UNVERIFIED Hopper one (wgmma = true).
+// The forward's checks, then the mma.sync launcher (wgmma = false) or the Hopper one (wgmma = true).
 void linear_logprob_fwd_impl(bool wgmma, const Array& hidden, const Array& weight, const Array& targets,
                              const Array& inv_temperature, int64_t ignore_index, const Array& logprob_out,
                              const OptArray& entropy_out, const Array& lse_out, const Array& part_m,
@@ -226,11 +226,12 @@ void linear_logprob_fwd_wgmma(const Array& hidden, const Array& weight, const Ar
                           lse_out, part_m, part_s, part_b, z_target, stream);
 }
 
-void linear_logprob_bwd(const Array& hidden, const Array& weight, const Array& targets, const Array& inv_temperature,
-                        const Array& lse, const OptArray& entropy, const Array& grad_logprob,
-                        const OptArray& grad_entropy, int64_t ignore_index, const OptArray& grad_hidden_out,
-                        const OptArray& grad_weight_out, const OptArray& g_scratch, const OptArray& grad_hidden_acc,
-                        std::uintptr_t stream) {
+// The backward's checks, then the mma.sync launcher (wgmma = false) or the Hopper one (wgmma = true).
+void linear_logprob_bwd_impl(bool wgmma, const Array& hidden, const Array& weight, const Array& targets,
+                             const Array& inv_temperature, const Array& lse, const OptArray& entropy,
+                             const Array& grad_logprob, const OptArray& grad_entropy, int64_t ignore_index,
+                             const OptArray& grad_hidden_out, const OptArray& grad_weight_out,
+                             const OptArray& g_scratch, const OptArray& grad_hidden_acc, std::uintptr_t stream) {
   const LinearShapes s = linear_shapes(hidden, weight, targets, inv_temperature);
   for (auto [a, name] : {std::pair{&lse, "lse"}, {&grad_logprob, "grad_logprob"}}) {
     expect_dtype(*a, DType::kFloat32, name);
@@ -258,13 +259,32 @@ void linear_logprob_bwd(const Array& hidden, const Array& weight, const Array& t
     expect_shape(*grad_hidden_acc, {s.n, s.h}, "grad_hidden_acc");
   }
   const int d = s.device;
-  rlk_cuda::linear_logprob_bwd(
+  auto* launcher = wgmma ? &rlk_cuda::linear_logprob_bwd_wgmma : &rlk_cuda::linear_logprob_bwd;
+  launcher(
       s.dtype, on(hidden, d, "hidden"), on(weight, d, "weight"), on<const int64_t>(targets, d, "targets"),
       on<const float>(inv_temperature, d, "inv_temperature"), on<const float>(lse, d, "lse"),
       on<const float>(entropy, d, "entropy"), on<const float>(grad_logprob, d, "grad_logprob"),
       on<const float>(grad_entropy, d, "grad_entropy"), s.n, s.v, s.h, ignore_index,
       on(grad_hidden_out, d, "grad_hidden_out"), on(grad_weight_out, d, "grad_weight_out"),
       on(g_scratch, d, "g_scratch"), g_cols, on<float>(grad_hidden_acc, d, "grad_hidden_acc"), d, stream);
+}
+
+void linear_logprob_bwd(const Array& hidden, const Array& weight, const Array& targets, const Array& inv_temperature,
+                        const Array& lse, const OptArray& entropy, const Array& grad_logprob,
+                        const OptArray& grad_entropy, int64_t ignore_index, const OptArray& grad_hidden_out,
+                        const OptArray& grad_weight_out, const OptArray& g_scratch, const OptArray& grad_hidden_acc,
+                        std::uintptr_t stream) {
+  linear_logprob_bwd_impl(false, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                          ignore_index, grad_hidden_out, grad_weight_out, g_scratch, grad_hidden_acc, stream);
+}
+
+void linear_logprob_bwd_wgmma(const Array& hidden, const Array& weight, const Array& targets,
+                              const Array& inv_temperature, const Array& lse, const OptArray& entropy,
+                              const Array& grad_logprob, const OptArray& grad_entropy, int64_t ignore_index,
+                              const OptArray& grad_hidden_out, const OptArray& grad_weight_out,
+                              const OptArray& g_scratch, const OptArray& grad_hidden_acc, std::uintptr_t stream) {
+  linear_logprob_bwd_impl(true, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                          ignore_index, grad_hidden_out, grad_weight_out, g_scratch, grad_hidden_acc, stream);
 }
 
 // ---- rms_norm ----------------------------------------------------------------------------------
@@ -356,7 +376,7 @@ NB_MODULE(_C, m) {
         nb::arg("ignore_index"), nb::arg("logprob_out").noconvert(), nb::arg("entropy_out").noconvert().none(),
         nb::arg("lse_out").noconvert(), nb::arg("part_m").noconvert(), nb::arg("part_s").noconvert(),
         nb::arg("part_b").noconvert().none(), nb::arg("z_target").noconvert(), nb::arg("stream"),
-        "UNVERIFIED Hopper (sm_90a) linear_logprob forward: TMA + wgmma, warp-specialized. Same arguments and "
+        "Hopper (sm_90a) linear_logprob forward: TMA + wgmma, warp-specialized. Same arguments and "
         "scratch as linear_logprob_fwd; raises RuntimeError where linear_logprob_wgmma_problem(device) is not ''.");
   m.def("linear_logprob_wgmma_problem", &rlk_cuda::linear_logprob_wgmma_problem, nb::arg("device"),
         "'' if the wgmma forward can run on the device (sm_90a compiled in, compute capability 9.0), else why not.");
@@ -369,6 +389,14 @@ NB_MODULE(_C, m) {
         "linear_logprob backward (rlk.abi), float16 / bfloat16: the gradients of hidden and weight (each optional). "
         "Scratch: g_scratch [N, linear_logprob_bwd_chunk_cols(V)] of hidden's dtype; grad_hidden_acc fp32 [N, H] "
         "when grad_hidden_out is given and linear_logprob_bwd_num_chunks(V) > 1.");
+  m.def("linear_logprob_bwd_wgmma", &linear_logprob_bwd_wgmma, nb::arg("hidden").noconvert(),
+        nb::arg("weight").noconvert(), nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(),
+        nb::arg("lse").noconvert(), nb::arg("entropy").noconvert().none(), nb::arg("grad_logprob").noconvert(),
+        nb::arg("grad_entropy").noconvert().none(), nb::arg("ignore_index"),
+        nb::arg("grad_hidden_out").noconvert().none(), nb::arg("grad_weight_out").noconvert().none(),
+        nb::arg("g_scratch").noconvert().none(), nb::arg("grad_hidden_acc").noconvert().none(), nb::arg("stream"),
+        "Hopper (sm_90a) linear_logprob backward: the chunk GEMMs on TMA + wgmma. Same arguments and scratch as "
+        "linear_logprob_bwd; raises RuntimeError where linear_logprob_wgmma_problem(device) is not ''.");
   m.def("linear_logprob_num_splits", &rlk_cuda::linear_logprob_num_splits, nb::arg("vocab"));
   m.def("linear_logprob_bwd_chunk_cols", &rlk_cuda::linear_logprob_bwd_chunk_cols, nb::arg("vocab"));
   m.def("linear_logprob_bwd_num_chunks", &rlk_cuda::linear_logprob_bwd_num_chunks, nb::arg("vocab"));

@@ -8,6 +8,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "rlk_cuda.h"
 
@@ -65,5 +66,42 @@ void dispatch_float(DType dtype, F&& f) {
 }
 
 inline int64_t max_grid_x() { return 2147483647; }
+
+// Calls f(T{}) for the 16-bit dtypes (the tensor-core kernels); throws for the others.
+template <typename F>
+void dispatch_half(DType dtype, const char* what, F&& f) {
+  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    throw std::invalid_argument(std::string("rlk_cuda: ") + what + ": only float16 and bfloat16 are implemented");
+  }
+  dispatch_float(dtype, [&](auto tag) {
+    if constexpr (!std::is_same_v<decltype(tag), float>) f(tag);
+  });
+}
+
+inline bool host_aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+// Opts a kernel into `bytes` of dynamic shared memory (above the 48 KiB default).
+template <typename K>
+void allow_smem(int bytes, K kernel, const char* name) {
+  DeviceGuard::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), name);
+}
+
+// A 1-D grid of `blocks` blocks, or an error if it does not fit.
+inline unsigned grid_of(int64_t blocks, const char* what) {
+  require(blocks >= 1 && blocks <= max_grid_x(), std::string(what) + ": problem too large for one grid");
+  return static_cast<unsigned>(blocks);
+}
+
+// The checks every linear_logprob launcher makes: sizes, H a positive multiple of 8, 16-byte aligned operands.
+inline void check_linear_inputs(const char* what, const void* hidden, const void* weight, int64_t n_rows,
+                                int64_t vocab, int64_t hidden_size) {
+  const std::string w(what);
+  require(n_rows >= 1, w + ": n_rows must be >= 1");
+  require(vocab >= 1, w + ": vocab must be >= 1");
+  require(hidden_size >= 8 && hidden_size % 8 == 0,
+          w + ": hidden size must be a positive multiple of 8 (the Python layer pads other sizes), got " +
+              std::to_string(hidden_size));
+  require(host_aligned16(hidden) && host_aligned16(weight), w + ": hidden and weight must be 16-byte aligned");
+}
 
 }  // namespace rlk_cuda

@@ -7,50 +7,6 @@
 
 namespace rlk_cuda {
 
-namespace {
-
-// Calls f(T{}) for the 16-bit dtypes; fp32 has no tensor-core path here (the Python backend declines it).
-template <typename F>
-void dispatch_half(DType dtype, const char* what, F&& f) {
-  switch (dtype) {
-    case DType::kFloat16:
-      f(__half{});
-      return;
-    case DType::kBFloat16:
-      f(__nv_bfloat16{});
-      return;
-    default:
-      break;
-  }
-  throw std::invalid_argument(std::string("rlk_cuda: ") + what + ": only float16 and bfloat16 are implemented");
-}
-
-bool host_aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
-
-// Opts a kernel into mma::kSmemBytes of dynamic shared memory (above the 48 KiB default).
-template <typename K>
-void allow_smem(K kernel, const char* name) {
-  DeviceGuard::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, mma::kSmemBytes), name);
-}
-
-void check_common(const char* what, const void* hidden, const void* weight, int64_t n_rows, int64_t vocab,
-                  int64_t hidden_size) {
-  const std::string w(what);
-  require(n_rows >= 1, w + ": n_rows must be >= 1");
-  require(vocab >= 1, w + ": vocab must be >= 1");
-  require(hidden_size >= 8 && hidden_size % 8 == 0,
-          w + ": hidden size must be a positive multiple of 8 (the Python layer pads other sizes), got " +
-              std::to_string(hidden_size));
-  require(host_aligned16(hidden) && host_aligned16(weight), w + ": hidden and weight must be 16-byte aligned");
-}
-
-unsigned grid_of(int64_t blocks, const char* what) {
-  require(blocks >= 1 && blocks <= max_grid_x(), std::string(what) + ": problem too large for one grid");
-  return static_cast<unsigned>(blocks);
-}
-
-}  // namespace
-
 int64_t linear_logprob_num_splits(int64_t vocab) { return linear_num_splits(vocab); }
 
 int64_t linear_logprob_bwd_chunk_cols(int64_t vocab) {
@@ -64,7 +20,7 @@ void linear_logprob_fwd(DType dtype, const void* hidden, const void* weight, con
                         const float* inv_temperature, int64_t n_rows, int64_t vocab, int64_t hidden_size,
                         int64_t ignore_index, float* logprob_out, float* entropy_out, float* lse_out, float* part_m,
                         float* part_s, float* part_b, float* z_target, int device, std::uintptr_t stream) {
-  check_common("linear_logprob_fwd", hidden, weight, n_rows, vocab, hidden_size);
+  check_linear_inputs("linear_logprob_fwd", hidden, weight, n_rows, vocab, hidden_size);
   require(part_m != nullptr && part_s != nullptr && z_target != nullptr,
           "linear_logprob_fwd: part_m, part_s and z_target are required");
   require(entropy_out == nullptr || part_b != nullptr, "linear_logprob_fwd: part_b is required with entropy_out");
@@ -77,11 +33,11 @@ void linear_logprob_fwd(DType dtype, const void* hidden, const void* weight, con
     const T* h = static_cast<const T*>(hidden);
     const T* w = static_cast<const T*>(weight);
     if (entropy_out != nullptr) {
-      allow_smem(linear_logprob_fwd_kernel<T, true>, "cudaFuncSetAttribute(linear_logprob_fwd_kernel)");
+      allow_smem(mma::kSmemBytes, linear_logprob_fwd_kernel<T, true>, "cudaFuncSetAttribute(linear_logprob_fwd_kernel)");
       linear_logprob_fwd_kernel<T, true><<<blocks, mma::kThreads, mma::kSmemBytes, s>>>(
           h, w, targets, inv_temperature, n_rows, vocab, hidden_size, ignore_index, part_m, part_s, part_b, z_target);
     } else {
-      allow_smem(linear_logprob_fwd_kernel<T, false>, "cudaFuncSetAttribute(linear_logprob_fwd_kernel)");
+      allow_smem(mma::kSmemBytes, linear_logprob_fwd_kernel<T, false>, "cudaFuncSetAttribute(linear_logprob_fwd_kernel)");
       linear_logprob_fwd_kernel<T, false><<<blocks, mma::kThreads, mma::kSmemBytes, s>>>(
           h, w, targets, inv_temperature, n_rows, vocab, hidden_size, ignore_index, part_m, part_s, nullptr,
           z_target);
@@ -94,25 +50,42 @@ void linear_logprob_fwd(DType dtype, const void* hidden, const void* weight, con
   check_launch("linear_logprob_combine_kernel launch");
 }
 
+bool check_linear_bwd_args(const char* what, const void* hidden, const void* weight, int64_t n_rows, int64_t vocab,
+                           int64_t hidden_size, const float* entropy, const float* grad_entropy,
+                           const void* grad_hidden_out, const void* grad_weight_out, const void* g_scratch,
+                           int64_t g_stride, const float* grad_hidden_acc) {
+  const std::string w(what);
+  check_linear_inputs(what, hidden, weight, n_rows, vocab, hidden_size);
+  require((entropy == nullptr) == (grad_entropy == nullptr),
+          w + ": entropy and grad_entropy must be both given or both None");
+  if (grad_hidden_out == nullptr && grad_weight_out == nullptr) return false;
+  const int64_t n_chunks = linear_logprob_bwd_num_chunks(vocab);
+  require(g_scratch != nullptr && host_aligned16(g_scratch), w + ": g_scratch is required (16-byte aligned)");
+  require(g_stride == linear_logprob_bwd_chunk_cols(vocab),
+          w + ": g_scratch must have linear_logprob_bwd_chunk_cols(vocab) columns");
+  require(grad_hidden_out == nullptr || host_aligned16(grad_hidden_out), w + ": grad_hidden_out must be 16-byte aligned");
+  require(grad_weight_out == nullptr || host_aligned16(grad_weight_out), w + ": grad_weight_out must be 16-byte aligned");
+  require(grad_hidden_out == nullptr || n_chunks == 1 || (grad_hidden_acc != nullptr && host_aligned16(grad_hidden_acc)),
+          w + ": grad_hidden_acc (fp32 [N, H]) is required with grad_hidden_out when V > 4096");
+  return true;
+}
+
+AccumulateMode grad_hidden_mode(int64_t chunk, int64_t n_chunks) {
+  if (n_chunks == 1) return AccumulateMode::kStore;
+  if (chunk == 0) return AccumulateMode::kWrite;
+  return chunk == n_chunks - 1 ? AccumulateMode::kAddStore : AccumulateMode::kAdd;
+}
+
 void linear_logprob_bwd(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
                         const float* inv_temperature, const float* lse, const float* entropy,
                         const float* grad_logprob, const float* grad_entropy, int64_t n_rows, int64_t vocab,
                         int64_t hidden_size, int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out,
                         void* g_scratch, int64_t g_stride, float* grad_hidden_acc, int device, std::uintptr_t stream) {
-  check_common("linear_logprob_bwd", hidden, weight, n_rows, vocab, hidden_size);
-  require((entropy == nullptr) == (grad_entropy == nullptr),
-          "linear_logprob_bwd: entropy and grad_entropy must be both given or both None");
-  if (grad_hidden_out == nullptr && grad_weight_out == nullptr) return;
+  if (!check_linear_bwd_args("linear_logprob_bwd", hidden, weight, n_rows, vocab, hidden_size, entropy, grad_entropy,
+                             grad_hidden_out, grad_weight_out, g_scratch, g_stride, grad_hidden_acc)) {
+    return;
+  }
   const int64_t n_chunks = linear_logprob_bwd_num_chunks(vocab);
-  require(g_scratch != nullptr && host_aligned16(g_scratch), "linear_logprob_bwd: g_scratch is required (16-byte aligned)");
-  require(g_stride == linear_logprob_bwd_chunk_cols(vocab),
-          "linear_logprob_bwd: g_scratch must have linear_logprob_bwd_chunk_cols(vocab) columns");
-  require(grad_hidden_out == nullptr || host_aligned16(grad_hidden_out),
-          "linear_logprob_bwd: grad_hidden_out must be 16-byte aligned");
-  require(grad_weight_out == nullptr || host_aligned16(grad_weight_out),
-          "linear_logprob_bwd: grad_weight_out must be 16-byte aligned");
-  require(grad_hidden_out == nullptr || n_chunks == 1 || (grad_hidden_acc != nullptr && host_aligned16(grad_hidden_acc)),
-          "linear_logprob_bwd: grad_hidden_acc (fp32 [N, H]) is required with grad_hidden_out when V > 4096");
   DeviceGuard guard(device);
   const cudaStream_t s = as_stream(stream);
   const int64_t row_tiles = ceil_div(n_rows, mma::kBM);
@@ -124,12 +97,12 @@ void linear_logprob_bwd(DType dtype, const void* hidden, const void* weight, con
     T* g = static_cast<T*>(g_scratch);
     const bool has_ent = grad_entropy != nullptr;
     if (has_ent) {
-      allow_smem(linear_logprob_grad_logits_kernel<T, true>, "cudaFuncSetAttribute(grad_logits)");
+      allow_smem(mma::kSmemBytes, linear_logprob_grad_logits_kernel<T, true>, "cudaFuncSetAttribute(grad_logits)");
     } else {
-      allow_smem(linear_logprob_grad_logits_kernel<T, false>, "cudaFuncSetAttribute(grad_logits)");
+      allow_smem(mma::kSmemBytes, linear_logprob_grad_logits_kernel<T, false>, "cudaFuncSetAttribute(grad_logits)");
     }
-    allow_smem(linear_logprob_grad_hidden_kernel<T>, "cudaFuncSetAttribute(grad_hidden)");
-    allow_smem(linear_logprob_grad_weight_kernel<T>, "cudaFuncSetAttribute(grad_weight)");
+    allow_smem(mma::kSmemBytes, linear_logprob_grad_hidden_kernel<T>, "cudaFuncSetAttribute(grad_hidden)");
+    allow_smem(mma::kSmemBytes, linear_logprob_grad_weight_kernel<T>, "cudaFuncSetAttribute(grad_weight)");
     for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
       const int64_t v_start = chunk * kVocabChunk;
       const int64_t cols = vocab - v_start < kVocabChunk ? vocab - v_start : kVocabChunk;
@@ -146,11 +119,7 @@ void linear_logprob_bwd(DType dtype, const void* hidden, const void* weight, con
       }
       check_launch("linear_logprob_grad_logits_kernel launch");
       if (grad_hidden_out != nullptr) {
-        AccumulateMode mode = AccumulateMode::kStore;
-        if (n_chunks > 1) {
-          mode = chunk == 0 ? AccumulateMode::kWrite
-                            : (chunk == n_chunks - 1 ? AccumulateMode::kAddStore : AccumulateMode::kAdd);
-        }
+        const AccumulateMode mode = grad_hidden_mode(chunk, n_chunks);
         linear_logprob_grad_hidden_kernel<T>
             <<<grid_of(row_tiles * h_tiles, "linear_logprob_bwd"), mma::kThreads, mma::kSmemBytes, s>>>(
                 g, g_stride, w + v_start * hidden_size, cols, k_cols, n_rows, hidden_size, mode, grad_hidden_acc,

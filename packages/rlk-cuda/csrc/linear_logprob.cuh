@@ -234,6 +234,47 @@ static __global__ void __launch_bounds__(kCombineThreads)
 
 // ---- backward ----------------------------------------------------------------------------------
 
+// Per-row values the backward's G needs (rows with a valid target; kEntropy: with the entropy term).
+struct GradRow {
+  int64_t target;
+  bool valid;      // target != ignore_index
+  float inv_t, lse, g_lp, g_ent, mean_z;  // mean_z = E_p[z] = lse - entropy (0 / unused without entropy)
+};
+
+template <bool kEntropy>
+__device__ __forceinline__ GradRow load_grad_row(int64_t row, const int64_t* targets, const float* inv_temperature,
+                                                 const float* lse, const float* entropy, const float* grad_logprob,
+                                                 const float* grad_entropy, int64_t ignore_index) {
+  GradRow r;
+  r.target = targets[row];
+  r.valid = r.target != ignore_index;
+  r.inv_t = inv_temperature[row];
+  r.lse = lse[row];
+  r.g_lp = grad_logprob[row];
+  r.g_ent = 0.0f;
+  r.mean_z = 0.0f;
+  if constexpr (kEntropy) {
+    r.g_ent = grad_entropy[row];
+    r.mean_z = r.lse - entropy[row];
+  }
+  return r;
+}
+
+// G[row, v] from the recomputed logit x = hidden[row] . weight[v] (fp32 GEMM result) of a column `in_range`
+// (v < V): inv_t * (g_lp * (onehot - p) + g_ent * p * (E_p[z] - z)), 0 for an ignored row or a padding
+// column. z is the forward's, bit for bit (the same rounded multiply).
+template <bool kEntropy>
+__device__ __forceinline__ float grad_logit(const GradRow& r, float x, int64_t v, bool in_range) {
+  const float z = __fmul_rn(x, r.inv_t);
+  const float p = __expf(z - r.lse);
+  float grad = -r.g_lp * p;
+  if (v == r.target) grad += r.g_lp;
+  if constexpr (kEntropy) {
+    if (p > 0.0f) grad += r.g_ent * p * (r.mean_z - z);
+  }
+  return (r.valid && in_range) ? grad * r.inv_t : 0.0f;
+}
+
 // G for vocab columns [v_start, v_start + cols) of all rows: g[row * g_stride + c], c < g_stride (columns
 // c >= cols, up to the end of the last vocab tile, are written 0, so the GEMMs may read them as padding).
 // Grid: ceil(N / kBM) * ceil(cols / kBN) blocks of mma::kThreads; mma::kSmemBytes dynamic smem.
@@ -265,34 +306,15 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row0 + mma::acc_row(mi, 2 * h);
       if (row >= n_rows) continue;
-      const int64_t target = targets[row];
-      const bool valid = target != ignore_index;
-      const float inv_t = inv_temperature[row];
-      const float row_lse = lse[row];
-      const float g_lp = grad_logprob[row];
-      float g_ent = 0.0f;
-      float mean_z = 0.0f;
-      if constexpr (kEntropy) {
-        g_ent = grad_entropy[row];
-        mean_z = row_lse - entropy[row];  // E_p[z]
-      }
+      const GradRow r = load_grad_row<kEntropy>(row, targets, inv_temperature, lse, entropy, grad_logprob,
+                                                grad_entropy, ignore_index);
 #pragma unroll
       for (int ni = 0; ni < mma::kNT; ++ni) {
         const int64_t c = col0 + mma::acc_col(ni, 0);  // even; c + 1 < g_stride too (g_stride % 8 == 0)
         if (c >= g_stride) continue;
-        float out[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float z = __fmul_rn(acc[mi][ni][2 * h + e], inv_t);  // the forward's z, bit for bit
-          const float p = __expf(z - row_lse);
-          float grad = -g_lp * p;
-          if (v_start + c + e == target) grad += g_lp;
-          if constexpr (kEntropy) {
-            if (p > 0.0f) grad += g_ent * p * (mean_z - z);
-          }
-          out[e] = (valid && c + e < cols) ? grad * inv_t : 0.0f;
-        }
-        *reinterpret_cast<uint32_t*>(g + row * g_stride + c) = pack2<T>(out[0], out[1]);
+        const float lo = grad_logit<kEntropy>(r, acc[mi][ni][2 * h], v_start + c, c < cols);
+        const float hi = grad_logit<kEntropy>(r, acc[mi][ni][2 * h + 1], v_start + c + 1, c + 1 < cols);
+        *reinterpret_cast<uint32_t*>(g + row * g_stride + c) = pack2<T>(lo, hi);
       }
     }
   }
@@ -305,6 +327,29 @@ enum class AccumulateMode : int {
   kAddStore = 2,    // out = T(acc + r)  (the last of several chunks)
   kStore = 3,       // out = T(r)        (the only chunk)
 };
+
+// Applies `mode` to the pair (r.x, r.y) of columns (c, c + 1) at flat index `at` (= row * H + c).
+template <typename T>
+__device__ __forceinline__ void store_pair(AccumulateMode mode, float* acc_buf, T* out, int64_t at, float2 r) {
+  if (mode == AccumulateMode::kAdd || mode == AccumulateMode::kAddStore) {
+    const float2 prev = *reinterpret_cast<const float2*>(acc_buf + at);
+    r.x = prev.x + r.x;
+    r.y = prev.y + r.y;
+  }
+  if (mode == AccumulateMode::kWrite || mode == AccumulateMode::kAdd) {
+    *reinterpret_cast<float2*>(acc_buf + at) = r;
+  } else {
+    *reinterpret_cast<uint32_t*>(out + at) = pack2<T>(r.x, r.y);
+  }
+}
+
+// Host side (linear_logprob.cu), shared by the mma.sync and the wgmma backward: the argument checks (false:
+// nothing to compute) and the grad_hidden mode of chunk `chunk` of `n_chunks`.
+bool check_linear_bwd_args(const char* what, const void* hidden, const void* weight, int64_t n_rows, int64_t vocab,
+                           int64_t hidden_size, const float* entropy, const float* grad_entropy,
+                           const void* grad_hidden_out, const void* grad_weight_out, const void* g_scratch,
+                           int64_t g_stride, const float* grad_hidden_acc);
+AccumulateMode grad_hidden_mode(int64_t chunk, int64_t n_chunks);
 
 // grad_hidden contribution of one chunk: r[N, H] = G_c[N, k_cols] @ W_c[k_rows, H], where G_c has k_cols
 // columns (k_rows rounded up to 8, zeros past k_rows) and W_c is weight rows v_start .. v_start + k_rows.
@@ -337,18 +382,7 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
       for (int ni = 0; ni < mma::kNT; ++ni) {
         const int64_t c = col0 + mma::acc_col(ni, 0);  // even, and H % 8 == 0: c + 1 < H when c < H
         if (c >= hidden_size) continue;
-        const int64_t at = row * hidden_size + c;
-        float2 r{acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]};
-        if (mode == AccumulateMode::kAdd || mode == AccumulateMode::kAddStore) {
-          const float2 prev = *reinterpret_cast<const float2*>(acc_buf + at);
-          r.x = prev.x + r.x;
-          r.y = prev.y + r.y;
-        }
-        if (mode == AccumulateMode::kWrite || mode == AccumulateMode::kAdd) {
-          *reinterpret_cast<float2*>(acc_buf + at) = r;
-        } else {
-          *reinterpret_cast<uint32_t*>(out + at) = pack2<T>(r.x, r.y);
-        }
+        store_pair<T>(mode, acc_buf, out, row * hidden_size + c, float2{acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]});
       }
     }
   }
@@ -386,8 +420,8 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
       for (int ni = 0; ni < mma::kNT; ++ni) {
         const int64_t c = col0 + mma::acc_col(ni, 0);
         if (c >= hidden_size) continue;
-        *reinterpret_cast<uint32_t*>(grad_weight_chunk + m * hidden_size + c) =
-            pack2<T>(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+        store_pair<T>(AccumulateMode::kStore, nullptr, grad_weight_chunk, m * hidden_size + c,
+                      float2{acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]});
       }
     }
   }

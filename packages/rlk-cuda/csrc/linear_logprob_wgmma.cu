@@ -1,8 +1,11 @@
-// linear_logprob forward on Hopper (sm_90a): TMA loads + warpgroup MMA (wgmma), warp-specialized.
+// linear_logprob on Hopper (sm_90a): TMA loads + warpgroup MMA (wgmma), warp-specialized. The forward kernel
+// below, and the backward (end of file): the three GEMMs of each vocab chunk on wggemm::gemm_kernel
+// (wgmma_gemm.cuh) with linear_logprob-specific epilogues.
 //
-// STATUS: UNVERIFIED. Written and compiled (nvcc 13, sm_90a) without a Hopper GPU; it has never run.
-// Opt-in only (rlk_cuda/logprob.py: RLK_CUDA_LINEAR_FWD=wgmma on a compute capability 9.0 device with
-// sm_90a compiled in); the verified mma.sync path of linear_logprob.cuh stays the default.
+// STATUS: verified on an H200 (docs/results/2026-11-29-h200-s4/): the rlk-cuda GPU tests on both kernel pairs,
+// compute-sanitizer memcheck / racecheck, the parity suite. rlk_cuda/logprob.py uses these kernels by default
+// where they can run (compute capability 9.0, sm_90a built; RLK_CUDA_LINEAR_FWD / RLK_CUDA_LINEAR_BWD=mma
+// select the mma.sync ones).
 //
 // Same math and the same split structure as linear_logprob_fwd_kernel (linear_logprob.cuh), per row n:
 //     x_v = hidden[n] . weight[v] (fp32 accumulation, K = H in increasing 64-wide steps, k16 in order)
@@ -44,9 +47,11 @@
 //     2 (l % 4) + (i & 1).
 //   * mbarrier phase parity: a fresh barrier is in phase 0; waiting for parity 1 returns at once.
 #include <string>
+#include <type_traits>
 
 #include "launch.cuh"
 #include "wgmma.cuh"
+#include "wgmma_gemm.cuh"
 
 #include "linear_logprob.cuh"
 
@@ -54,32 +59,24 @@ namespace rlk_cuda {
 
 namespace wgfwd {
 
-constexpr int kBM = 128;                                 // rows per block (2 consumers x 64)
-constexpr int kBN = wgmma::kAccN;                        // 256 vocab columns per tile
-constexpr int kBK = wgmma::kTileK;                       // 64
-constexpr int kStages = 4;
-constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);         // 384
-constexpr int kConsumerWarps = 4 * kConsumers;           // arrivals that free a stage
-constexpr int kATileBytes = kBM * kBK * 2;               // 16384
-constexpr int kBTileBytes = kBN * kBK * 2;               // 32768
-constexpr int kStageBytes = kATileBytes + kBTileBytes;   // 49152
-constexpr int kRingBytes = kStages * kStageBytes;        // 196608
-constexpr int kBarrierBytes = 2 * kStages * 8;           // full[kStages], empty[kStages] (8-byte mbarriers)
-constexpr int kSmemBytes = 1024 + kRingBytes + kBarrierBytes;  // + slack to align the ring to 1024
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
+// The tile shape, ring and warp roles are the generic GEMM's (wgmma_gemm.cuh).
+using wggemm::kATileBytes;
+using wggemm::kBK;
+using wggemm::kBM;
+using wggemm::kBN;
+using wggemm::kConsumerRegs;
+using wggemm::kConsumers;
+using wggemm::kConsumerWarps;
+using wggemm::kProducerRegs;
+using wggemm::kRingBytes;
+using wggemm::kSmemBytes;
+using wggemm::kStageBytes;
+using wggemm::kStages;
+using wggemm::kThreads;
 constexpr int kFoldCols = 8;                             // columns per fold_pack call (4 column blocks x 2)
 
 static_assert(kVocabSplit % kBN == 0, "a vocab split holds whole vocab tiles");
 static_assert(kConsumerWarps == 8 && kFoldCols % 2 == 0 && kBN / 8 % (kFoldCols / 2) == 0, "fold / release shapes");
-static_assert(kStageBytes % wgmma::kSwizzleAtom == 0 && kATileBytes % wgmma::kSwizzleAtom == 0,
-              "every tile starts 1024-aligned (128-byte swizzle)");
-static_assert(kBM * kBK * 2 / kConsumers % wgmma::kSwizzleAtom == 0, "consumer 1's rows start 1024-aligned");
-static_assert(kSmemBytes <= 227 * 1024, "fits the sm_90 opt-in shared memory per block");
-// setmaxnreg redistributes the registers the launch gave the block: 384 threads x 168 (65536 / 384,
-// rounded down to a multiple of 8) = 128 x 40 + 256 x 232.
-static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * 168, "register budget");
 
 #if RLK_SM90A_DEVICE
 // The block's tile (grouped order over (row tile, vocab split), as the mma.sync forward) and loop counts.
@@ -94,21 +91,9 @@ struct BlockTile {
   __device__ __forceinline__ int64_t v_begin() const { return int64_t{split} * kVocabSplit; }
 };
 
-// mma::grouped_tile's block -> (row tile, split) mapping, in 32-bit arithmetic: the 64-bit division there
-// is a subroutine call, around which ptxas spills in this register-tight kernel. The host keeps every
-// quantity below 2^31 (grid size, N / 128, splits).
-__device__ __forceinline__ void grouped_tile32(int pid, int n_m, int n_n, int group, int& tile_m, int& tile_n) {
-  const int per_group = group * n_n;
-  const int first = pid / per_group * group;
-  const int size = n_m - first < group ? n_m - first : group;
-  const int in_group = pid % per_group;
-  tile_m = first + in_group % size;
-  tile_n = in_group / size;
-}
-
 __device__ __forceinline__ BlockTile block_tile(int64_t n_rows, int64_t vocab, int64_t hidden_size) {
   BlockTile t;
-  grouped_tile32(static_cast<int>(blockIdx.x), static_cast<int>((n_rows + kBM - 1) / kBM),
+  wggemm::grouped_tile32(static_cast<int>(blockIdx.x), static_cast<int>((n_rows + kBM - 1) / kBM),
                  static_cast<int>(linear_num_splits(vocab)), static_cast<int>(kGroupRows), t.row_tile, t.split);
   const int64_t v_begin = t.v_begin();
   t.split_cols = static_cast<int>(min(v_begin + kVocabSplit, vocab) - v_begin);
@@ -220,32 +205,11 @@ __global__ void __launch_bounds__(wgfwd::kThreads, 1)
   for (int vt = 0; vt < tile.n_vtiles; ++vt) {
     int pending = -1;  // the stage whose wgmmas may still be reading it (released one step later)
     for (int ks = 0; ks < tile.k_steps; ++ks, ++step) {
-      const int s = static_cast<int>(step % kStages);
-      const uint32_t round = static_cast<uint32_t>(step / kStages);
-      wgmma::mbar_wait(full_bar + 8 * s, round & 1u);  // TMA bytes of this use of stage s have landed
-      const uint32_t a_tile = ring + s * kStageBytes + consumer * (kATileBytes / kConsumers);
-      const uint32_t b_tile = ring + s * kStageBytes + kATileBytes;
-#pragma unroll
-      for (int i = 0; i < wgmma::kAccRegs; ++i) wgmma::fence_operand(acc[i]);
-      wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        // k16 slice kk: 16 elements = 32 bytes into each 128-byte row.
-        wgmma::mma_m64n256k16<T>(acc, wgmma::desc_k_major_sw128(a_tile + 32 * kk),
-                                 wgmma::desc_k_major_sw128(b_tile + 32 * kk), (ks > 0 || kk > 0) ? 1 : 0);
-      }
-      wgmma::commit_group();
-#pragma unroll
-      for (int i = 0; i < wgmma::kAccRegs; ++i) wgmma::fence_operand(acc[i]);
-      // At most this step's group in flight: the previous step's wgmmas are done reading their stage.
-      wgmma::wait_group<1>();
-      if (pending >= 0 && lane == 0) wgmma::mbar_arrive(empty_bar + 8 * pending);
-      pending = s;
+      pending = wggemm::consumer_step<T, false, false>(acc, ring, full_bar, empty_bar, step, consumer, lane, ks == 0,
+                                                       pending);
     }
-    wgmma::wait_group<0>();
-#pragma unroll
-    for (int i = 0; i < wgmma::kAccRegs; ++i) wgmma::fence_operand(acc[i]);
-    if (pending >= 0 && lane == 0) wgmma::mbar_arrive(empty_bar + 8 * pending);
+    wggemm::drain(acc);
+    if (pending >= 0 && lane == 0) wgmma::mbar_arrive(empty_bar + 8 * pending);  // later vocab tiles reuse it
 
     // Fold the tile's logits: register 4 j + 2 h + e holds (row h, column 8 j + quad_col + e).
     const int col0 = vt * kBN + quad_col;  // column within the split of register 4 * 0 + 2 h + 0
@@ -299,6 +263,81 @@ __global__ void __launch_bounds__(wgfwd::kThreads, 1)
 #endif
 }
 
+// ---- backward: the three GEMMs of each vocab chunk on wggemm::gemm_kernel --------------------------------
+//
+// Per chunk c of kVocabChunk = 4096 columns (in order), as the mma.sync backward (linear_logprob.cuh), with
+// the same scratch: G_c [N, k_cols] (k_cols = chunk columns rounded up to 8, zeros past the chunk) in
+// hidden's dtype, and for grad_hidden with V > 4096 an fp32 [N, H] accumulator:
+//   1. G_c = grad_logit(hidden @ W_c.T)      A = hidden [N, H] K-major, B = W_c [cols, H] K-major
+//   2. grad_hidden (+)= G_c @ W_c              A = G_c [N, k_cols] K-major, B = W_c as [K = cols, H] N-major
+//   3. grad_weight[c] = G_c.T @ hidden         A = G_c as [K = N, M = k_cols] M-major, B = hidden [K = N, H] N-major
+// grad_hidden's sum runs over the chunks in order and inside a chunk over its columns in 64-wide steps: per
+// row, the same sequence whatever N (batch invariant). grad_weight's sum over the N rows runs in 64-row
+// steps in row order (a fixed partition, no atomics): deterministic.
+
+namespace wgbwd {
+
+// Epilogue of GEMM 1: G_c[row, c] for the tile's columns c < k_cols (0 past the chunk's `cols`).
+template <typename T, bool kEntropy>
+struct GradLogitsEpilogue {
+  const int64_t* targets;
+  const float* inv_temperature;
+  const float* lse;
+  const float* entropy;
+  const float* grad_logprob;
+  const float* grad_entropy;
+  int64_t n_rows, ignore_index, v_start, cols, k_cols;
+  T* g;
+  int64_t g_stride;
+
+  __device__ __forceinline__ void operator()(const float (&acc)[wgmma::kAccRegs], int64_t row0, int64_t col0) const {
+#if RLK_SM90A_DEVICE
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + 8 * h;
+      if (row >= n_rows) continue;
+      const GradRow r = load_grad_row<kEntropy>(row, targets, inv_temperature, lse, entropy, grad_logprob,
+                                                grad_entropy, ignore_index);
+#pragma unroll
+      for (int j = 0; j < wgmma::kAccN / 8; ++j) {
+        const int64_t c = col0 + 8 * j;  // even; k_cols % 8 == 0, so c + 1 < k_cols when c < k_cols
+        if (c >= k_cols) continue;
+        const float lo = grad_logit<kEntropy>(r, acc[4 * j + 2 * h], v_start + c, c < cols);
+        const float hi = grad_logit<kEntropy>(r, acc[4 * j + 2 * h + 1], v_start + c + 1, c + 1 < cols);
+        *reinterpret_cast<uint32_t*>(g + row * g_stride + c) = pack2<T>(lo, hi);
+      }
+    }
+#endif
+  }
+};
+
+// Epilogue of GEMMs 2 and 3: out / acc_buf [rows, cols] (row-major, cols % 8 == 0) under `mode`.
+template <typename T>
+struct ChunkStoreEpilogue {
+  AccumulateMode mode;
+  float* acc_buf;
+  T* out;
+  int64_t rows, cols;
+
+  __device__ __forceinline__ void operator()(const float (&acc)[wgmma::kAccRegs], int64_t row0, int64_t col0) const {
+#if RLK_SM90A_DEVICE
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + 8 * h;
+      if (row >= rows) continue;
+#pragma unroll
+      for (int j = 0; j < wgmma::kAccN / 8; ++j) {
+        const int64_t c = col0 + 8 * j;
+        if (c >= cols) continue;
+        store_pair<T>(mode, acc_buf, out, row * cols + c, float2{acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]});
+      }
+    }
+#endif
+  }
+};
+
+}  // namespace wgbwd
+
 namespace {
 
 // cuTensorMapEncodeTiled (driver API, CUDA >= 12.0), fetched at run time through the runtime's entry
@@ -328,15 +367,17 @@ EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// A 2-D tensor map over a row-major [rows, cols] 16-bit matrix (cols contiguous, row stride cols * 2 bytes),
-// box [box_rows, 64 columns], 128-byte swizzle, out-of-bounds elements read as zero.
+// A 2-D tensor map over a row-major [rows, cols] 16-bit matrix (cols contiguous, `row_stride` >= cols
+// elements between rows), box [box_rows, 64 columns], 128-byte swizzle, out-of-bounds elements (columns
+// >= cols, rows >= rows) read as zero.
 // cuTensorMapEncodeTiled's requirements (CUDA driver API reference): global address 16-byte aligned, the
-// row stride a multiple of 16 bytes (cols % 8 == 0), every box dimension <= 256, the inner box extent in
-// bytes (64 x 2 = 128) a multiple of 16 and, with SWIZZLE_128B, <= 128.
-CUtensorMap make_map(CUtensorMapDataType dtype, const void* ptr, int64_t rows, int64_t cols, uint32_t box_rows) {
+// row stride a multiple of 16 bytes (row_stride % 8 == 0), every box dimension <= 256, the inner box extent
+// in bytes (64 x 2 = 128) a multiple of 16 and, with SWIZZLE_128B, <= 128.
+CUtensorMap make_map(CUtensorMapDataType dtype, const void* ptr, int64_t rows, int64_t cols, int64_t row_stride,
+                     uint32_t box_rows) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};  // bytes between rows (dimension 1)
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * 2};  // bytes between rows (dimension 1)
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(wgfwd::kBK), box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult res =
@@ -408,8 +449,8 @@ void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weigh
 
   const CUtensorMapDataType tdt =
       dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUtensorMap hidden_map = make_map(tdt, hidden, n_rows, hidden_size, wgfwd::kBM);
-  const CUtensorMap weight_map = make_map(tdt, weight, vocab, hidden_size, wgfwd::kBN);
+  const CUtensorMap hidden_map = make_map(tdt, hidden, n_rows, hidden_size, hidden_size, wgfwd::kBM);
+  const CUtensorMap weight_map = make_map(tdt, weight, vocab, hidden_size, hidden_size, wgfwd::kBN);
 
   auto launch = [&](auto kernel, float* pb) {
     DeviceGuard::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, wgfwd::kSmemBytes),
@@ -438,6 +479,94 @@ void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weigh
       part_m, part_s, entropy_out != nullptr ? part_b : nullptr, z_target, targets, n_rows, vocab, ignore_index,
       logprob_out, entropy_out, lse_out);
   check_launch("linear_logprob_combine_kernel launch (wgmma forward)");
+}
+
+void linear_logprob_bwd_wgmma(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
+                              const float* inv_temperature, const float* lse, const float* entropy,
+                              const float* grad_logprob, const float* grad_entropy, int64_t n_rows, int64_t vocab,
+                              int64_t hidden_size, int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out,
+                              void* g_scratch, int64_t g_stride, float* grad_hidden_acc, int device,
+                              std::uintptr_t stream) {
+  const char* what = "linear_logprob_bwd_wgmma";
+  if (!check_linear_bwd_args(what, hidden, weight, n_rows, vocab, hidden_size, entropy, grad_entropy, grad_hidden_out,
+                             grad_weight_out, g_scratch, g_stride, grad_hidden_acc)) {
+    return;
+  }
+  // TMA coordinates and the kernel's tile counts are int32.
+  require(n_rows < (int64_t{1} << 31) - wggemm::kBN && vocab < (int64_t{1} << 31) && hidden_size < (int64_t{1} << 24),
+          std::string(what) + ": N and V must be < 2^31 and H < 2^24 (int32 TMA coordinates)");
+  DeviceGuard guard(device);
+  const std::string problem = linear_logprob_wgmma_problem(device);
+  if (!problem.empty()) throw std::runtime_error(std::string("rlk_cuda: ") + what + ": " + problem);
+  const cudaStream_t s = as_stream(stream);
+  const int64_t n_chunks = linear_logprob_bwd_num_chunks(vocab);
+  const int m_row_tiles = static_cast<int>(ceil_div(n_rows, int64_t{wggemm::kBM}));
+  const int h_tiles = static_cast<int>(ceil_div(hidden_size, int64_t{wggemm::kBN}));
+  const int h_steps = static_cast<int>(ceil_div(hidden_size, int64_t{wggemm::kBK}));
+  const int n_steps = static_cast<int>(ceil_div(n_rows, int64_t{wggemm::kBK}));
+
+  dispatch_half(dtype, what, [&](auto tag) {
+    using T = decltype(tag);
+    const CUtensorMapDataType tdt =
+        std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    const T* h = static_cast<const T*>(hidden);
+    const T* w = static_cast<const T*>(weight);
+    T* g = static_cast<T*>(g_scratch);
+    // hidden as GEMM 1's K-major A and as GEMM 3's N-major B: the same for every chunk.
+    const CUtensorMap hidden_k = make_map(tdt, h, n_rows, hidden_size, hidden_size, wggemm::kBM);
+    const CUtensorMap hidden_mn = make_map(tdt, h, n_rows, hidden_size, hidden_size, wggemm::kMnBox);
+
+    auto launch = [&](auto kernel, const CUtensorMap& a, const CUtensorMap& b, int m_tiles, int n_tiles, int k_steps,
+                      int a_extent, int b_extent, const auto& epilogue, const char* name) {
+      allow_smem(wggemm::kSmemBytes, kernel, name);
+      kernel<<<grid_of(int64_t{m_tiles} * n_tiles, what), wggemm::kThreads, wggemm::kSmemBytes, s>>>(
+          a, b, m_tiles, n_tiles, k_steps, a_extent, b_extent, epilogue);
+      check_launch(name);
+    };
+
+    for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
+      const int64_t v_start = chunk * kVocabChunk;
+      const int64_t cols = vocab - v_start < kVocabChunk ? vocab - v_start : kVocabChunk;
+      const int64_t k_cols = ceil_div(cols, int64_t{8}) * 8;
+      const T* w_chunk = w + v_start * hidden_size;
+      const int col_tiles = static_cast<int>(ceil_div(k_cols, int64_t{wggemm::kBN}));
+
+      // 1. G_c
+      const CUtensorMap w_k = make_map(tdt, w_chunk, cols, hidden_size, hidden_size, wggemm::kBN);
+      if (grad_entropy != nullptr) {
+        const wgbwd::GradLogitsEpilogue<T, true> epi{targets, inv_temperature, lse, entropy, grad_logprob,
+                                                     grad_entropy, n_rows, ignore_index, v_start, cols, k_cols, g,
+                                                     g_stride};
+        launch(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles, h_steps,
+               0, 0, epi, "linear_logprob grad_logits (wgmma)");
+      } else {
+        const wgbwd::GradLogitsEpilogue<T, false> epi{targets, inv_temperature, lse, nullptr, grad_logprob, nullptr,
+                                                      n_rows, ignore_index, v_start, cols, k_cols, g, g_stride};
+        launch(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles, h_steps,
+               0, 0, epi, "linear_logprob grad_logits (wgmma)");
+      }
+      // 2. grad_hidden (+)= G_c @ W_c
+      if (grad_hidden_out != nullptr) {
+        const CUtensorMap g_k = make_map(tdt, g, n_rows, k_cols, g_stride, wggemm::kBM);
+        const CUtensorMap w_mn = make_map(tdt, w_chunk, cols, hidden_size, hidden_size, wggemm::kMnBox);
+        const wgbwd::ChunkStoreEpilogue<T> epi{grad_hidden_mode(chunk, n_chunks), grad_hidden_acc,
+                                               static_cast<T*>(grad_hidden_out), n_rows, hidden_size};
+        launch(wggemm::gemm_kernel<T, false, true, decltype(epi)>, g_k, w_mn, m_row_tiles, h_tiles,
+               static_cast<int>(ceil_div(k_cols, int64_t{wggemm::kBK})), 0, static_cast<int>(hidden_size), epi,
+               "linear_logprob grad_hidden (wgmma)");
+      }
+      // 3. grad_weight[chunk] = G_c.T @ hidden
+      if (grad_weight_out != nullptr) {
+        const CUtensorMap g_mn = make_map(tdt, g, n_rows, k_cols, g_stride, wggemm::kMnBox);
+        const wgbwd::ChunkStoreEpilogue<T> epi{AccumulateMode::kStore, nullptr,
+                                               static_cast<T*>(grad_weight_out) + v_start * hidden_size, cols,
+                                               hidden_size};
+        launch(wggemm::gemm_kernel<T, true, true, decltype(epi)>, g_mn, hidden_mn,
+               static_cast<int>(ceil_div(cols, int64_t{wggemm::kBM})), h_tiles, n_steps, static_cast<int>(k_cols),
+               static_cast<int>(hidden_size), epi, "linear_logprob grad_weight (wgmma)");
+      }
+    }
+  });
 }
 
 }  // namespace rlk_cuda

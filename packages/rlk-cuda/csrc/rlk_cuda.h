@@ -63,7 +63,7 @@ void linear_logprob_bwd(DType dtype, const void* hidden, const void* weight, con
                         int64_t hidden_size, int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out,
                         void* g_scratch, int64_t g_stride, float* grad_hidden_acc, int device, std::uintptr_t stream);
 
-// UNVERIFIED Hopper forward (csrc/linear_logprob_wgmma.cu: TMA + wgmma, warp-specialized), opt-in from Python:
+// Hopper forward (csrc/linear_logprob_wgmma.cu: TMA + wgmma, warp-specialized), chosen by rlk_cuda/logprob.py:
 // the same arguments, scratch and results contract as linear_logprob_fwd (not the same bits). Throws
 // std::runtime_error when linear_logprob_wgmma_problem(device) is not empty.
 void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
@@ -71,7 +71,16 @@ void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weigh
                               int64_t ignore_index, float* logprob_out, float* entropy_out, float* lse_out,
                               float* part_m, float* part_s, float* part_b, float* z_target, int device,
                               std::uintptr_t stream);
-// "" if the wgmma forward can run on `device` (sm_90a compiled in and a compute capability 9.0 GPU), else why not.
+// Hopper backward (csrc/linear_logprob_wgmma.cu: the three GEMMs of each vocab chunk on a TMA + wgmma tile
+// GEMM): the same arguments, scratch and results contract as linear_logprob_bwd (not the same bits). Throws
+// std::runtime_error when linear_logprob_wgmma_problem(device) is not empty.
+void linear_logprob_bwd_wgmma(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
+                              const float* inv_temperature, const float* lse, const float* entropy,
+                              const float* grad_logprob, const float* grad_entropy, int64_t n_rows, int64_t vocab,
+                              int64_t hidden_size, int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out,
+                              void* g_scratch, int64_t g_stride, float* grad_hidden_acc, int device,
+                              std::uintptr_t stream);
+// "" if the wgmma kernels can run on `device` (sm_90a compiled in and a compute capability 9.0 GPU), else why not.
 std::string linear_logprob_wgmma_problem(int device);
 
 // ---- rms_norm ----------------------------------------------------------------------------------

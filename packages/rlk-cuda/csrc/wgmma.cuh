@@ -1,6 +1,6 @@
 // Hopper (sm_90a) building blocks of the rlk CUDA kernels: mbarriers, TMA tensor loads
 // (cp.async.bulk.tensor), warpgroup MMA (wgmma.mma_async) with shared-memory matrix descriptors, and
-// setmaxnreg. UNVERIFIED: written and compiled without a Hopper GPU (see linear_logprob_wgmma.cu).
+// setmaxnreg. Used by linear_logprob_wgmma.cu and wgmma_gemm.cuh (verified on an H200).
 //
 // Everything device-side here exists only when compiling for sm_90a (RLK_SM90A_DEVICE): wgmma and
 // setmaxnreg are arch-specific features of compute_90a (nvcc defines __CUDA_ARCH_FEAT_SM90_ALL for it,
@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define RLK_SM90A_DEVICE 1
@@ -141,6 +142,21 @@ __device__ __forceinline__ uint64_t desc_k_major_sw128(uint32_t smem_addr) {
   return desc;
 }
 
+// The same for an MN-major operand (M-major A / N-major B: the M or N index contiguous in memory), 128-byte
+// swizzle. Canonical layout (PTX ISA "Shared Memory Matrix Layout", MN-major, 128B swizzle): along MN, atoms
+// of 64 contiguous 16-bit elements (one 128-byte row); along K, rows 128 bytes apart, 8 rows (1024 bytes)
+// per swizzle group. SBO = the distance between 8-row K groups (1024 here), LBO = the distance between
+// 64-element MN atoms (`atom_stride` bytes: the size of one TMA box of 64 MN x 64 K = 8192 bytes in the
+// layout used here, see wgmma_gemm.cuh). The k16 slice kk starts 16 K-rows = 2048 kk bytes into the tile.
+__device__ __forceinline__ uint64_t desc_mn_major_sw128(uint32_t smem_addr, uint32_t atom_stride) {
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4);                 // start address
+  desc |= static_cast<uint64_t>((atom_stride & 0x3FFFFu) >> 4) << 16;         // LBO: next 64-element MN atom
+  desc |= static_cast<uint64_t>(kSwizzleAtom >> 4) << 32;                      // SBO: next 8-row K group
+  desc |= static_cast<uint64_t>(1) << 62;                                      // 128-byte swizzle
+  return desc;
+}
+
 // Orders this thread's register accesses before the wgmmas that follow (required before the first
 // wgmma, and whenever the accumulator registers were touched by other instructions in between).
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -187,7 +203,7 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
 // D[64 x 256] (+)= A[64 x 16] * B[16 x 256], fp32 accumulators, A and B from shared memory (descriptors),
-// both K-major (imm-trans-a = imm-trans-b = 0), scale-a = scale-b = 1; scale_d = 0 gives D = A * B
+// K-major or MN-major (kTransA / kTransB below), scale-a = scale-b = 1; scale_d = 0 gives D = A * B
 // (the accumulator's previous values ignored), 1 gives D += A * B. Issued by all 128 threads of a warpgroup.
 //
 // Accumulator fragment (PTX ISA "Register Fragments and Shared Memory Matrix Layouts", wgmma .m64nNk16,
@@ -198,35 +214,33 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
 // d[4j+2] = (g + 8, 8j + 2q), d[4j+3] = (g + 8, 8j + 2q + 1), g = 16 w + l / 4, q = l % 4 (the same
 // per-8x8 arrangement as mma.sync m16n8's C/D fragment, repeated over 32 column blocks).
 
-template <typename T>
-__device__ __forceinline__ void mma_m64n256k16(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b, int scale_d);
-
-template <>
-__device__ __forceinline__ void mma_m64n256k16<__nv_bfloat16>(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b,
-                                                              int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " RLK_WGMMA_D_LIST
-      ", %128, %129, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : RLK_WGMMA_D_OPERANDS(d)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-template <>
-__device__ __forceinline__ void mma_m64n256k16<__half>(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b,
-                                                       int scale_d) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 " RLK_WGMMA_D_LIST
-      ", %128, %129, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : RLK_WGMMA_D_OPERANDS(d)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+// kTransA / kTransB: the instruction's imm-trans-a / imm-trans-b (0: K-major, 1: MN-major operand, i.e.
+// A[m, k] with m contiguous / B[k, n] with n contiguous; allowed for 16-bit types).
+template <typename T, int kTransA = 0, int kTransB = 0>
+__device__ __forceinline__ void mma_m64n256k16(float (&d)[kAccRegs], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  static_assert((kTransA == 0 || kTransA == 1) && (kTransB == 0 || kTransB == 1), "transpose flags are 0 or 1");
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " RLK_WGMMA_D_LIST
+        ", %128, %129, p, 1, 1, %131, %132;\n"
+        "}\n"
+        : RLK_WGMMA_D_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+  } else {
+    static_assert(std::is_same_v<T, __half>, "wgmma operands: bfloat16 or float16");
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 " RLK_WGMMA_D_LIST
+        ", %128, %129, p, 1, 1, %131, %132;\n"
+        "}\n"
+        : RLK_WGMMA_D_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+  }
 }
 
 #undef RLK_WGMMA_D_LIST

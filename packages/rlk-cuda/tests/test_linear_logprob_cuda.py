@@ -2,10 +2,16 @@
 (contract tolerances), bitwise batch invariance, deterministic grad_weight, and dispatch (cuda for 16-bit,
 float32 falls through). Needs a GPU (marker ``gpu``).
 
+Every test runs once per kernel pair (fixture ``kernel``): the mma.sync kernels everywhere, and the Hopper
+(wgmma) kernels where they can run (compute capability 9.0, sm_90a built), or everywhere with
+``RLK_REQUIRE_WGMMA=1`` (then they fail saying why where they cannot run).
+
 Each contract check prints ``RATIO <test> <output> <dtype> <worst/allowed>`` (``pytest -s``).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -41,6 +47,32 @@ def _cuda():
     from rlk_cuda import logprob as ck
 
     return ck
+
+
+def wgmma_problem_here() -> str | None:
+    """Why the Hopper kernels cannot run on the current GPU, or None (None too without a GPU: the ``gpu`` marker
+    deselects every test then)."""
+    if not torch.cuda.is_available():
+        return None
+    return _cuda().wgmma_problem(torch.device("cuda", torch.cuda.current_device()))
+
+
+REQUIRE_WGMMA = os.environ.get("RLK_REQUIRE_WGMMA") == "1"
+KERNELS = ["mma"] + (["wgmma"] if REQUIRE_WGMMA or wgmma_problem_here() is None else [])
+
+
+@pytest.fixture(autouse=True, params=KERNELS)
+def kernel(request, monkeypatch) -> str:
+    """Runs the test with the primitives on one kernel pair (RLK_CUDA_LINEAR_FWD / RLK_CUDA_LINEAR_BWD)."""
+    ck = _cuda()
+    if request.param == "wgmma" and wgmma_problem_here() is not None:
+        pytest.fail(f"RLK_REQUIRE_WGMMA=1 but the wgmma kernels cannot run here: {wgmma_problem_here()}",
+                    pytrace=False)
+    monkeypatch.setenv(ck.FORWARD_ENV, request.param)
+    monkeypatch.setenv(ck.BACKWARD_ENV, request.param)
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert (ck.forward_kernel(device), ck.backward_kernel(device)) == (request.param, request.param)
+    return request.param
 
 
 def make_inputs(n: int, v: int, h: int, dtype: torch.dtype, seed: int = 0, extreme: bool = False):

@@ -1,9 +1,10 @@
-"""The UNVERIFIED Hopper linear_logprob forward (``csrc/linear_logprob_wgmma.cu``: TMA + wgmma) on an H100 / H200:
-against the reference run in fp64 (contract tolerances) and the verified mma.sync forward, bitwise batch
-invariance, awkward N / V / H, ignore_index, temperatures, entropy on / off, and the ``RLK_CUDA_LINEAR_FWD``
-switch of the primitive. Needs a GPU (marker ``gpu``).
+"""The Hopper linear_logprob kernels (``csrc/linear_logprob_wgmma.cu``: TMA + wgmma) on an H100 / H200, beyond the
+shared suite of ``test_linear_logprob_cuda.py`` (which runs every test on both kernel pairs): the forward
+against the reference run in fp64 (contract tolerances) and against the mma.sync forward, bitwise batch
+invariance, awkward N / V / H, ignore_index, temperatures, entropy on / off; the backward against the mma.sync
+backward; and the ``RLK_CUDA_LINEAR_FWD`` / ``RLK_CUDA_LINEAR_BWD`` switches. Needs a GPU (marker ``gpu``).
 
-Where the wgmma forward cannot run (a GPU other than compute capability 9.0, or a build without sm_90a), this
+Where the wgmma kernels cannot run (a GPU other than compute capability 9.0, or a build without sm_90a), this
 module collects no test (``__test__`` below), unless ``RLK_REQUIRE_WGMMA=1``: then every test fails saying why,
 so a Hopper run cannot quietly turn into a run of nothing. Without any GPU the root conftest deselects them
 (marker ``gpu``), as every GPU test.
@@ -38,7 +39,7 @@ def _problem() -> str | None:
         return None
     from rlk_cuda import logprob as ck
 
-    return ck.wgmma_forward_problem(torch.device("cuda", torch.cuda.current_device()))
+    return ck.wgmma_problem(torch.device("cuda", torch.cuda.current_device()))
 
 
 PROBLEM = _problem()
@@ -134,6 +135,7 @@ def test_ignore_index(dtype):
     targets[::2] = IGNORE
     check("ignore_-100", hidden, weight, targets, inv_t)
     targets[::2] = 7
+    targets[1] = 8  # make_inputs ignored row 1 with -100: out of range (not ignored) once ignore_index is 7
     check("ignore_7", hidden, weight, targets, inv_t, ignore_index=7)
 
 
@@ -211,21 +213,55 @@ def test_runs_on_the_callers_stream():
 
 
 def test_environment_switch(monkeypatch):
-    """The primitive follows RLK_CUDA_LINEAR_FWD: unset / "mma" -> the mma.sync bits, "wgmma" -> the wgmma bits;
-    any other value is refused."""
+    """The primitives follow RLK_CUDA_LINEAR_FWD / RLK_CUDA_LINEAR_BWD: unset -> the Hopper kernels (they can run
+    here), "mma" -> the mma.sync bits, "wgmma" -> the Hopper bits; any other value is refused."""
+    from test_linear_logprob_cuda import run
+
     ck = _ck()
-    args = make_inputs(133, 9000, 256, torch.bfloat16, seed=13)[:4]
-    mma = forward(ck.linear_logprob_fwd_mma, *args)
-    wg = forward(ck.linear_logprob_fwd_wgmma, *args)
-    monkeypatch.delenv(ck.FORWARD_ENV, raising=False)
-    assert ck.forward_kernel(args[0].device) == "mma"
-    default = forward(ck.linear_logprob_fwd, *args)
-    monkeypatch.setenv(ck.FORWARD_ENV, "wgmma")
-    assert ck.forward_kernel(args[0].device) == "wgmma"
-    chosen = forward(ck.linear_logprob_fwd, *args)
-    for key in mma:
-        assert torch.equal(default[key], mma[key]), key
-        assert torch.equal(chosen[key], wg[key]), key
-    monkeypatch.setenv(ck.FORWARD_ENV, "wgmmma")
-    with pytest.raises(ValueError, match="RLK_CUDA_LINEAR_FWD"):
-        ck.forward_kernel(args[0].device)
+    args = make_inputs(133, 9000, 256, torch.bfloat16, seed=13)
+
+    class Pair:  # the primitives on one fixed kernel pair
+        def __init__(self, name):
+            self.linear_logprob_fwd = getattr(ck, f"linear_logprob_fwd_{name}")
+            self.linear_logprob_bwd = getattr(ck, f"linear_logprob_bwd_{name}")
+
+    fixed = {name: run(Pair(name), *args) for name in ("mma", "wgmma")}
+    for value, expected in ((None, "wgmma"), ("mma", "mma"), ("wgmma", "wgmma")):
+        for env in (ck.FORWARD_ENV, ck.BACKWARD_ENV):
+            if value is None:
+                monkeypatch.delenv(env, raising=False)
+            else:
+                monkeypatch.setenv(env, value)
+        assert ck.forward_kernel(args[0].device) == ck.backward_kernel(args[0].device) == expected
+        got = run(ck, *args)
+        for key in got:
+            assert torch.equal(got[key], fixed[expected][key]), (value, key)
+    for env in (ck.FORWARD_ENV, ck.BACKWARD_ENV):
+        monkeypatch.setenv(env, "wgmmma")
+        with pytest.raises(ValueError, match=env):
+            (ck.forward_kernel if env == ck.FORWARD_ENV else ck.backward_kernel)(args[0].device)
+        monkeypatch.delenv(env)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "v", "h"), [(3, 5, 64), (133, 8200, 256), (300, 4352, 192), (129, 32003, 128)])
+def test_backward_close_to_mma(dtype, n, v, h):
+    """The Hopper backward's gradients against the mma.sync backward's (the two differ by fp32 summation order
+    only), under the contract's gradient tolerance scaled like the reference comparison, and finite."""
+    from test_linear_logprob_cuda import run
+
+    ck = _ck()
+    args = make_inputs(n, v, h, dtype, seed=n + v)
+
+    class Pair:
+        def __init__(self, name):
+            self.linear_logprob_fwd = ck.linear_logprob_fwd_mma  # the same forward for both
+            self.linear_logprob_bwd = getattr(ck, f"linear_logprob_bwd_{name}")
+
+    mma, wg = run(Pair("mma"), *args), run(Pair("wgmma"), *args)
+    e = contract.entry("linear_logprob", dtype)
+    for key in ("grad_hidden", "grad_weight"):
+        assert bool(torch.isfinite(wg[key].float()).all()), key
+        dev = contract.compare_grad(e, key, wg[key], mma[key], 1.0 + float(mma["lse"].abs().max()))
+        print(f"RATIO bwd{n}x{v}x{h} {key} {e.dtype} vs mma {dev.ratio:.3g}")
+        assert dev.ok, (key, dev)

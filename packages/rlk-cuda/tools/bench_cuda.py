@@ -15,9 +15,10 @@ the bandwidth targets judge; the two differ by the host overhead when a kernel i
 linear_logprob (compute-bound): fwd+bwd of bf16 hidden [N, 4096] and weight [151936, 4096] with entropy and
 both gradients, credited 8 * N * H * V FLOPs (forward GEMM 2NHV; backward: logits recomputed 2NHV, grad_hidden
 2NHV, grad_weight 2NHV), against torch.mm's rate on a bf16 [N, H] @ [H, 8192] product of the same N and H.
-The forward's kernel is the one the primitive picks (RLK_CUDA_LINEAR_FWD, printed). Where the UNVERIFIED Hopper
-forward can run (compute capability 9.0, sm_90a built), its time alone is printed too (credited 2NHV), with the
-mma.sync forward's and the largest difference between their outputs; elsewhere the reason it cannot.
+Each kernel pair that can run here is timed side by side: mma.sync everywhere, and the Hopper (wgmma) pair on a
+compute capability 9.0 GPU with sm_90a built (else the reason it cannot), with the largest differences between
+their outputs and the extra memory of one fwd+bwd (its scratch). The cuda-vs-triton comparison uses the
+primitives' default kernels (RLK_CUDA_LINEAR_FWD / RLK_CUDA_LINEAR_BWD, printed).
 """
 
 from __future__ import annotations
@@ -118,60 +119,82 @@ def linear_case(n: int, h: int = 4096, v: int = 151936, dtype=torch.bfloat16):
     def fwd(impl):
         impl.linear_logprob_fwd(hidden, weight, targets, inv_t, -100, lp, ent, lse)
 
-    def fwd_kernel(name: str):
-        """The forward on one kernel, "mma" or "wgmma", whatever RLK_CUDA_LINEAR_FWD says."""
-        getattr(ck, f"linear_logprob_fwd_{name}")(hidden, weight, targets, inv_t, -100, lp, ent, lse)
-
     def bwd(impl):
         impl.linear_logprob_bwd(hidden, weight, targets, inv_t, lse, ent, g_lp, g_ent, -100, gh, gw)
+
+    def on_kernel(direction: str, name: str):
+        """The forward or backward ("fwd" / "bwd") on one kernel, "mma" or "wgmma", whatever the environment says."""
+        fn = getattr(ck, f"linear_logprob_{direction}_{name}")
+        if direction == "fwd":
+            fn(hidden, weight, targets, inv_t, -100, lp, ent, lse)
+        else:
+            fn(hidden, weight, targets, inv_t, lse, ent, g_lp, g_ent, -100, gh, gw)
 
     def mm_rate() -> float:
         b = torch.randn(h, 8192, generator=g, device="cuda").to(dtype)
         out = torch.empty(n, 8192, dtype=dtype, device="cuda")
         return 2 * n * h * 8192 / timed(lambda: torch.mm(hidden, b, out=out))
 
-    return fwd, bwd, mm_rate, (lp, ent, lse, gh, gw), fwd_kernel
+    return fwd, bwd, mm_rate, (lp, ent, lse, gh, gw), on_kernel
+
+
+def extra_memory(fn) -> int:
+    """Peak bytes ``fn()`` allocates above what was allocated before it (its scratch)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def report_linear(n: int, h: int = 4096, v: int = 151936) -> None:
-    fwd, bwd, mm_rate, outs, fwd_kernel = linear_case(n, h, v)
+    """fwd + bwd (entropy on, both gradients) on each kernel pair that can run here, side by side: times, the
+    credited rate (8NHV) against torch.mm's, the extra memory, and the largest differences wgmma vs mma."""
+    fwd, bwd, mm_rate, outs, on_kernel = linear_case(n, h, v)
     reps = 5 if n > 4096 else 10
-    t_fwd = timed(lambda: fwd(ck), reps=reps, warmup=1)
-    t_bwd = timed(lambda: bwd(ck), reps=reps, warmup=1)
-    rate = 8 * n * h * v / (t_fwd + t_bwd)
     mm = mm_rate()
-    print(f"linear_logprob bf16 N={n} H={h} V={v} (entropy, both grads; forward kernel "
-          f"{ck.forward_kernel(torch.device('cuda'))}): fwd {t_fwd * 1e3:.1f} ms, bwd {t_bwd * 1e3:.1f} ms, "
-          f"{rate / 1e12:.0f} TFLOP/s credited (8NHV) = {100 * rate / mm:.0f}% of torch.mm's {mm / 1e12:.0f} TFLOP/s")
-    report_linear_wgmma(n, h, v, fwd_kernel, outs, reps, mm)
-    compare_linear_with_triton(n, fwd, bwd, outs)
-
-
-def report_linear_wgmma(n: int, h: int, v: int, fwd_kernel, outs, reps: int, mm: float) -> None:
-    """Forward alone on the mma.sync and the UNVERIFIED wgmma kernels: times, rates (2NHV) and max |difference|."""
-    problem = ck.wgmma_forward_problem(torch.device("cuda"))
-    if problem is not None:
-        print(f"linear_logprob wgmma forward: not run ({problem})")
-        return
+    device = torch.device("cuda")
+    problem = ck.wgmma_problem(device)
+    kernels = ("mma",) if problem is not None else ("mma", "wgmma")
     results = {}
-    for name in ("mma", "wgmma"):
-        t = timed(lambda name=name: fwd_kernel(name), reps=reps, warmup=1)
-        results[name] = [o.clone() for o in outs[:3]]
-        print(f"linear_logprob fwd only, {name} kernel, N={n}: {t * 1e3:.1f} ms, {2 * n * h * v / t / 1e12:.0f} "
-              f"TFLOP/s (2NHV) = {100 * 2 * n * h * v / t / mm:.0f}% of torch.mm's rate")
-    for key, a, b in zip(("logprob", "entropy", "lse"), results["mma"], results["wgmma"]):
-        note = "" if bool(torch.isfinite(b).all()) else " (NON-FINITE wgmma values)"
-        diff = (a.double() - b.double()).abs().max().item()
-        print(f"linear_logprob N={n}: {key} wgmma vs mma max |diff| {diff:.3g}{note}")
+    for name in kernels:
+        t_fwd = timed(lambda name=name: on_kernel("fwd", name), reps=reps, warmup=1)
+        t_bwd = timed(lambda name=name: on_kernel("bwd", name), reps=reps, warmup=1)
+        extra = extra_memory(lambda name=name: (on_kernel("fwd", name), on_kernel("bwd", name)))
+        results[name] = [o.clone() for o in outs]
+        rate = 8 * n * h * v / (t_fwd + t_bwd)
+        print(f"linear_logprob bf16 N={n} H={h} V={v} (entropy, both grads), {name} kernels: fwd {t_fwd * 1e3:.1f} ms "
+              f"({100 * 2 * n * h * v / t_fwd / mm:.0f}% of mm), bwd {t_bwd * 1e3:.1f} ms "
+              f"({100 * 6 * n * h * v / t_bwd / mm:.0f}% of mm), fwd+bwd {(t_fwd + t_bwd) * 1e3:.1f} ms = "
+              f"{rate / 1e12:.0f} TFLOP/s credited (8NHV) = {100 * rate / mm:.0f}% of torch.mm's {mm / 1e12:.0f} "
+              f"TFLOP/s; extra memory {extra / 2**30:.2f} GiB")
+    if problem is not None:
+        print(f"linear_logprob wgmma kernels: not run ({problem})")
+    else:
+        for key, a, b in zip(("logprob", "entropy", "lse", "grad_hidden", "grad_weight"), results["mma"],
+                             results["wgmma"]):
+            note = "" if bool(torch.isfinite(b).all()) else " (NON-FINITE wgmma values)"
+            diff = (a.double() - b.double()).abs().max().item()
+            print(f"linear_logprob N={n}: {key} wgmma vs mma max |diff| {diff:.3g}{note}")
+    print(f"linear_logprob: the primitives' default kernels here: fwd {ck.forward_kernel(device)}, "
+          f"bwd {ck.backward_kernel(device)}")
+    compare_linear_with_triton(n, fwd, bwd, outs, reps)
 
 
-def compare_linear_with_triton(n: int, fwd, bwd, outputs) -> None:
-    """Max |cuda - triton| per output (both batch-invariant; different tilings, so not bitwise)."""
+def compare_linear_with_triton(n: int, fwd, bwd, outputs, reps: int) -> None:
+    """The Triton kernels' fwd+bwd time on the same case (side by side with the lines above), and max
+    |cuda - triton| per output (both batch-invariant; different tilings, so not bitwise)."""
     try:
         import rlk_triton.logprob as tl_logprob
     except Exception as exc:
         print(f"linear_logprob: triton comparison skipped ({type(exc).__name__}: {exc})")
         return
+    t_fwd = timed(lambda: fwd(tl_logprob), reps=reps, warmup=1)
+    t_bwd = timed(lambda: bwd(tl_logprob), reps=reps, warmup=1)
+    extra = extra_memory(lambda: (fwd(tl_logprob), bwd(tl_logprob)))
+    print(f"linear_logprob N={n}, triton kernels: fwd {t_fwd * 1e3:.1f} ms, bwd {t_bwd * 1e3:.1f} ms, fwd+bwd "
+          f"{(t_fwd + t_bwd) * 1e3:.1f} ms; extra memory {extra / 2**30:.2f} GiB")
     fwd(ck)
     bwd(ck)
     ours = [t.clone() for t in outputs]
@@ -183,16 +206,26 @@ def compare_linear_with_triton(n: int, fwd, bwd, outputs) -> None:
 
 
 def report(name: str, tensor_bytes: int, n_passes: int, fwd, bwd, copy_bw: float) -> None:
-    impl = ck if name.startswith("selected") else cn
-    t_fwd = timed(lambda: fwd(impl))
-    t_bwd = timed(lambda: bwd(impl))
-    k_fwd = kernel_seconds(lambda: fwd(impl))
-    k_bwd = kernel_seconds(lambda: bwd(impl))
-    total = n_passes * tensor_bytes
-    bw, kernel_bw = total / (t_fwd + t_bwd), total / (k_fwd + k_bwd)
-    print(f"{name}: events (host included) fwd {t_fwd * 1e3:.3f} ms, bwd {t_bwd * 1e3:.3f} ms, fwd+bwd "
-          f"{bw / 1e12:.2f} TB/s = {100 * bw / copy_bw:.1f}% of copy bandwidth; kernels fwd {k_fwd * 1e3:.3f} ms, "
-          f"bwd {k_bwd * 1e3:.3f} ms, fwd+bwd {kernel_bw / 1e12:.2f} TB/s = {100 * kernel_bw / copy_bw:.1f}% of copy")
+    """Event and kernel times of the cuda primitives and, side by side, of the triton ones (when importable)."""
+    impls = {"cuda": ck if name.startswith("selected") else cn}
+    try:
+        import rlk_triton.logprob as tl_logprob
+        import rlk_triton.norm as tl_norm
+
+        impls["triton"] = tl_logprob if name.startswith("selected") else tl_norm
+    except Exception as exc:
+        print(f"{name}: triton timing skipped ({type(exc).__name__}: {exc})")
+    for backend, impl in impls.items():
+        t_fwd = timed(lambda impl=impl: fwd(impl))
+        t_bwd = timed(lambda impl=impl: bwd(impl))
+        k_fwd = kernel_seconds(lambda impl=impl: fwd(impl))
+        k_bwd = kernel_seconds(lambda impl=impl: bwd(impl))
+        total = n_passes * tensor_bytes
+        bw, kernel_bw = total / (t_fwd + t_bwd), total / (k_fwd + k_bwd)
+        print(f"{name} ({backend}): events (host included) fwd {t_fwd * 1e3:.3f} ms, bwd {t_bwd * 1e3:.3f} ms, "
+              f"fwd+bwd {bw / 1e12:.2f} TB/s = {100 * bw / copy_bw:.1f}% of copy bandwidth; kernels fwd "
+              f"{k_fwd * 1e3:.3f} ms, bwd {k_bwd * 1e3:.3f} ms, fwd+bwd {kernel_bw / 1e12:.2f} TB/s = "
+              f"{100 * kernel_bw / copy_bw:.1f}% of copy")
 
 
 def compare_with_triton(name: str, fwd, bwd, outputs) -> None:

@@ -22,10 +22,17 @@ from rlk_cuda import logprob, norm
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def unaligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CUDA tensor (an output buffer) whose data starts one element past an allocation's start."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    return torch.empty(numel + 1, dtype=dtype, device="cuda")[1:].view(shape)
+
+
 def unaligned(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` whose data starts one element past an allocation's start."""
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    view = buf[1:].view(t.shape)
+    view = unaligned_empty(t.shape, t.dtype)
     view.copy_(t)
     return view
 
@@ -44,7 +51,7 @@ def logprob_cases() -> int:
                 for entropy in (False, True):
                     lp, ent, lse = (torch.empty(n, device="cuda") for _ in range(3))
                     logprob.selected_logprob_fwd(x, targets, inv_t, -100, lp, ent if entropy else None, lse)
-                    grad = unaligned(torch.empty_like(x)) if shift else torch.empty_like(x)
+                    grad = unaligned_empty(x.shape, x.dtype) if shift else torch.empty_like(x)
                     g_lp, g_ent = torch.randn(2, n, device="cuda")
                     logprob.selected_logprob_bwd(x, targets, inv_t, lse, ent if entropy else None, g_lp,
                                                  g_ent if entropy else None, -100, grad)

@@ -26,14 +26,14 @@ The kernels need ``H % 8 == 0`` and 16-byte aligned hidden / weight / gradient b
 rows). Other inputs (an odd ``H``, a view starting mid-allocation) are copied into zero-padded aligned
 buffers first: the extra zero columns add exact zeros, so the results are the same, at the cost of a copy.
 
-UNVERIFIED Hopper forward (``csrc/linear_logprob_wgmma.cu``: TMA loads + wgmma, one producer warpgroup and
-two consumer warpgroups, 128 x 256 x 64 tiles, the same vocab splits and combine): opt-in only. The primitive
-``linear_logprob_fwd`` uses it when the environment variable ``RLK_CUDA_LINEAR_FWD=wgmma`` is set AND the
-device is compute capability 9.0 AND the build has sm_90a kernels; otherwise (and by default) the verified
-mma.sync forward. It was written without a GPU and has never run: the GPU tests
-(``tests/test_linear_logprob_wgmma.py``) must pass on an H100 / H200 before anyone relies on it. Its
-results are within the same contract and batch-invariant by construction, but not bitwise equal to the
-mma.sync forward's; the backward is the mma.sync one in every case.
+Hopper kernels (``csrc/linear_logprob_wgmma.cu``, sm_90a only): a forward with TMA loads + wgmma, one producer
+and two consumer warpgroups, 128 x 256 x 64 tiles, the same vocab splits and combine; and a backward whose three
+GEMMs per vocab chunk (G, ``G @ W_c``, ``G.T @ hidden``) run on a generic TMA + wgmma tile GEMM
+(``csrc/wgmma_gemm.cuh``) with the same chunks, scratch and fixed summation orders. Where they can run (a
+compute capability 9.0 GPU and a build with sm_90a kernels, :func:`wgmma_problem`) they are the default; the
+environment variables ``RLK_CUDA_LINEAR_FWD`` and ``RLK_CUDA_LINEAR_BWD`` (``mma`` or ``wgmma``) choose per
+direction, see :func:`forward_kernel` / :func:`backward_kernel`. Both kernels are batch-invariant and within the
+contract; they are not bitwise equal to each other (different instruction and fold grouping).
 """
 
 from __future__ import annotations
@@ -111,10 +111,11 @@ def _check_half(hidden) -> None:
                          f"dispatcher sends float32 to the next backend")
 
 
-#: Environment variable choosing the linear_logprob forward kernel: unset, "" or "mma" (default, verified),
-#: "wgmma" (UNVERIFIED Hopper kernel, used only where :func:`wgmma_forward_problem` is None).
+#: Environment variables choosing the linear_logprob forward / backward kernels: unset or "" (the Hopper kernels
+#: where :func:`wgmma_problem` is None, else mma.sync), "mma" (always mma.sync), "wgmma" (Hopper where it can run).
 FORWARD_ENV = "RLK_CUDA_LINEAR_FWD"
-_FORWARD_CHOICES = ("", "mma", "wgmma")
+BACKWARD_ENV = "RLK_CUDA_LINEAR_BWD"
+_KERNEL_CHOICES = ("", "mma", "wgmma")
 
 
 @functools.cache
@@ -122,19 +123,38 @@ def _wgmma_problem(index: int) -> str | None:
     return C.linear_logprob_wgmma_problem(index) or None
 
 
-def wgmma_forward_problem(device) -> str | None:
-    """None if the UNVERIFIED wgmma forward can run on CUDA ``device`` (sm_90a compiled in and a compute
+def wgmma_problem(device) -> str | None:
+    """None if the Hopper (wgmma) kernels can run on CUDA ``device`` (sm_90a compiled in and a compute
     capability 9.0 GPU), else why not."""
     device = torch.device(device)
     return _wgmma_problem(torch.cuda.current_device() if device.index is None else device.index)
 
 
+def _kernel(env: str, device) -> str:
+    choice = os.environ.get(env, "")
+    if choice not in _KERNEL_CHOICES:
+        raise ValueError(f"{env}={choice!r}: expected one of 'mma', 'wgmma' (or unset)")
+    if choice == "mma":
+        return "mma"
+    return "wgmma" if wgmma_problem(device) is None else "mma"
+
+
 def forward_kernel(device) -> str:
-    """The forward kernel :func:`linear_logprob_fwd` uses on ``device`` now: ``"wgmma"`` or ``"mma"``."""
-    choice = os.environ.get(FORWARD_ENV, "")
-    if choice not in _FORWARD_CHOICES:
-        raise ValueError(f"{FORWARD_ENV}={choice!r}: expected one of 'mma', 'wgmma' (or unset)")
-    return "wgmma" if choice == "wgmma" and wgmma_forward_problem(device) is None else "mma"
+    """The forward kernel :func:`linear_logprob_fwd` uses on ``device`` now: ``"wgmma"`` where it can run
+    (:func:`wgmma_problem`) unless ``RLK_CUDA_LINEAR_FWD=mma``; else ``"mma"``."""
+    return _kernel(FORWARD_ENV, device)
+
+
+def backward_kernel(device) -> str:
+    """The backward kernel :func:`linear_logprob_bwd` uses on ``device`` now: ``"wgmma"`` where it can run
+    unless ``RLK_CUDA_LINEAR_BWD=mma``; else ``"mma"``."""
+    return _kernel(BACKWARD_ENV, device)
+
+
+def _require_wgmma(device, what: str) -> None:
+    problem = wgmma_problem(device)
+    if problem is not None:
+        raise RuntimeError(f"rlk_cuda linear_logprob wgmma {what} unavailable: {problem}")
 
 
 def _linear_fwd(native, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
@@ -166,8 +186,7 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
         ignore_index: rows with this target give 0 (logprob, entropy and lse).
         logprob_out, entropy_out (or None), lse_out: ``[N]`` fp32.
 
-    The kernel is the mma.sync one unless ``RLK_CUDA_LINEAR_FWD=wgmma`` selects the UNVERIFIED Hopper one
-    (see :func:`forward_kernel`).
+    The kernel is :func:`forward_kernel`'s: the Hopper one where it can run, else the mma.sync one.
     """
     _check_half(hidden)
     native = C.linear_logprob_fwd_wgmma if forward_kernel(hidden.device) == "wgmma" else C.linear_logprob_fwd
@@ -182,11 +201,9 @@ def linear_logprob_fwd_mma(hidden, weight, targets, inv_temperature, ignore_inde
 
 def linear_logprob_fwd_wgmma(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
                              lse_out):
-    """:func:`linear_logprob_fwd` on the UNVERIFIED Hopper kernel whatever ``RLK_CUDA_LINEAR_FWD`` says (tests,
-    benchmarks). Raises RuntimeError where :func:`wgmma_forward_problem` is not None."""
-    problem = wgmma_forward_problem(hidden.device)
-    if problem is not None:
-        raise RuntimeError(f"rlk_cuda linear_logprob wgmma forward unavailable: {problem}")
+    """:func:`linear_logprob_fwd` on the Hopper kernel whatever ``RLK_CUDA_LINEAR_FWD`` says (tests, benchmarks).
+    Raises RuntimeError where :func:`wgmma_problem` is not None."""
+    _require_wgmma(hidden.device, "forward")
     _linear_fwd(C.linear_logprob_fwd_wgmma, hidden, weight, targets, inv_temperature, ignore_index, logprob_out,
                 entropy_out, lse_out)
 
@@ -199,8 +216,32 @@ def linear_logprob_bwd(
 
     ``lse``, ``grad_logprob`` are ``[N]`` fp32; ``entropy`` and ``grad_entropy`` (``[N]`` fp32) are used together:
     the entropy term is present when ``grad_entropy`` is given, and then needs the forward's ``entropy``.
-    Gradients are accumulated in fp32 and stored in the inputs' dtype.
+    Gradients are accumulated in fp32 and stored in the inputs' dtype. The kernel is :func:`backward_kernel`'s.
     """
+    _check_half(hidden)
+    native = C.linear_logprob_bwd_wgmma if backward_kernel(hidden.device) == "wgmma" else C.linear_logprob_bwd
+    _linear_bwd(native, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                ignore_index, grad_hidden_out, grad_weight_out)
+
+
+def linear_logprob_bwd_mma(hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                           ignore_index, grad_hidden_out, grad_weight_out):
+    """:func:`linear_logprob_bwd` on the mma.sync kernels whatever ``RLK_CUDA_LINEAR_BWD`` says (tests, benchmarks)."""
+    _linear_bwd(C.linear_logprob_bwd, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob,
+                grad_entropy, ignore_index, grad_hidden_out, grad_weight_out)
+
+
+def linear_logprob_bwd_wgmma(hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                             ignore_index, grad_hidden_out, grad_weight_out):
+    """:func:`linear_logprob_bwd` on the Hopper kernels whatever ``RLK_CUDA_LINEAR_BWD`` says (tests, benchmarks).
+    Raises RuntimeError where :func:`wgmma_problem` is not None."""
+    _require_wgmma(hidden.device, "backward")
+    _linear_bwd(C.linear_logprob_bwd_wgmma, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob,
+                grad_entropy, ignore_index, grad_hidden_out, grad_weight_out)
+
+
+def _linear_bwd(native, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                ignore_index, grad_hidden_out, grad_weight_out):
     _check_half(hidden)
     if grad_hidden_out is None and grad_weight_out is None:
         return
@@ -221,7 +262,7 @@ def linear_logprob_bwd(
     if gh is not None and C.linear_logprob_bwd_num_chunks(vocab) > 1:
         acc = torch.empty((n, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
     with on_device(hidden):
-        C.linear_logprob_bwd(
+        native(
             array(hidden), array(weight), array(targets), array(inv_temperature), array(lse), array(entropy),
             array(grad_logprob), array(grad_entropy), int(ignore_index), array(gh), array(gw), g_scratch, acc,
             stream_of(hidden),
