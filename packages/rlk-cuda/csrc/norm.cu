@@ -38,13 +38,40 @@ void check_sizes(const char* what, int64_t n_rows, int64_t hidden) {
   require(hidden >= 1 && hidden <= (int64_t{1} << 31), std::string(what) + ": hidden must lie in [1, 2^31]");
 }
 
+// The shared-memory ring of a launch: `stages` stages of `words` 16-byte words per thread for
+// one-chunk rows, as many as norm_stages gives and the device's shared memory per block allows (a
+// 99 KiB GPU may take fewer than an H100); stages = 0 (the plain path, the same arithmetic) for
+// longer rows or where two stages do not fit. Opts the kernel into the ring's size above 48 KiB.
+struct Ring {
+  int stages;
+  int bytes;
+};
+
+template <typename Kernel>
+Ring ring_of(Kernel kernel, int chunks, int words, int threads, int device, const char* name) {
+  if (chunks > 1) return {0, 0};
+  int max_bytes = 0;
+  DeviceGuard::check(cudaDeviceGetAttribute(&max_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                     "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  constexpr int64_t kStaticBytes = 4 * 1024;  // room left for the kernels' static shared memory (< 2 KiB)
+  const int64_t stage_bytes = int64_t{words} * threads * 16;
+  int stages = norm_stages(stage_bytes);
+  while (stages >= 2 && stage_bytes * stages + kStaticBytes > max_bytes) --stages;
+  if (stages < 2) return {0, 0};
+  const int bytes = static_cast<int>(stage_bytes * stages);
+  // dynamic + static shared memory above the 48 KiB default needs the opt-in (a 48 KiB ring alone is at the edge)
+  if (bytes + kStaticBytes > 48 * 1024) allow_smem(bytes, kernel, name);
+  return {stages, bytes};
+}
+
 }  // namespace
 
 void rms_norm_fwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* x, const void* weight, const void* residual,
                   int64_t n_rows, int64_t hidden, float eps, bool gemma, void* out, void* residual_out,
                   float* rstd_out, int device, std::uintptr_t stream) {
   check_sizes("rms_norm_fwd", n_rows, hidden);
-  require(n_rows <= max_grid_x(), "rms_norm_fwd: n_rows must be < 2^31");
+  const int64_t blocks = ceil_div(n_rows, kNormFwdRows);
+  require(blocks <= max_grid_x(), "rms_norm_fwd: too many rows for one grid");
   require((residual == nullptr) == (residual_out == nullptr),
           "rms_norm_fwd: residual and residual_out must be both given or both None");
   DeviceGuard guard(device);
@@ -52,11 +79,14 @@ void rms_norm_fwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* x, co
     using T = decltype(t);
     using W = decltype(w);
     using Y = decltype(y);
-    const int threads = norm_threads(hidden, kPack<T>, kNormFwdPacks);
-    const int chunks = norm_chunks(hidden, kPack<T>, kNormFwdPacks, threads);
-    rms_norm_fwd_kernel<T, W, Y><<<static_cast<unsigned>(n_rows), threads, 0, as_stream(stream)>>>(
+    const int threads = norm_threads(hidden, kPack<T>, kNormPacks);
+    const int chunks = norm_chunks(hidden, kPack<T>, kNormPacks, threads);
+    const auto kernel = rms_norm_fwd_kernel<T, W, Y>;
+    const Ring ring = ring_of(kernel, chunks, fwd_ring_words(residual != nullptr), threads, device,
+                              "cudaFuncSetAttribute(rms_norm_fwd_kernel)");
+    kernel<<<static_cast<unsigned>(blocks), threads, ring.bytes, as_stream(stream)>>>(
         static_cast<const T*>(x), static_cast<const W*>(weight), static_cast<const T*>(residual), static_cast<Y*>(out),
-        static_cast<T*>(residual_out), rstd_out, hidden, eps, gemma, chunks);
+        static_cast<T*>(residual_out), rstd_out, n_rows, hidden, eps, gemma, chunks, ring.stages);
   });
   check_launch("rms_norm_fwd_kernel launch");
 }
@@ -81,13 +111,16 @@ void rms_norm_bwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* grad_
     using T = decltype(t);
     using W = decltype(w);
     using G = decltype(y);  // grad_out has y's dtype
-    const int threads = norm_threads(hidden, kPack<T>, kNormBwdPacks);
-    const int chunks = norm_chunks(hidden, kPack<T>, kNormBwdPacks, threads);
+    const int threads = norm_threads(hidden, kPack<T>, kNormPacks);
+    const int chunks = norm_chunks(hidden, kPack<T>, kNormPacks, threads);
     float* part = grad_weight_out != nullptr ? partials : nullptr;
-    rms_norm_bwd_kernel<T, W, G><<<static_cast<unsigned>(blocks), threads, 0, as_stream(stream)>>>(
+    const auto kernel = rms_norm_bwd_kernel<T, W, G>;
+    const Ring ring = ring_of(kernel, chunks, bwd_ring_words<T, G>(grad_residual != nullptr), threads, device,
+                              "cudaFuncSetAttribute(rms_norm_bwd_kernel)");
+    kernel<<<static_cast<unsigned>(blocks), threads, ring.bytes, as_stream(stream)>>>(
         static_cast<const G*>(grad_out), static_cast<const T*>(s), static_cast<const W*>(weight), rstd,
         static_cast<const T*>(grad_residual), static_cast<T*>(grad_input_out), part, n_rows, hidden, gemma,
-        rows_per_block, chunks);
+        rows_per_block, chunks, ring.stages);
     check_launch("rms_norm_bwd_kernel launch");
     if (grad_weight_out != nullptr) {
       const dim3 sum_grid(static_cast<unsigned>(ceil_div(hidden, kSumColumns)));

@@ -8,10 +8,12 @@ The math is the spec in :mod:`rlk.reference.norm`. Per row of ``H`` elements::
     grad_s = rstd * (g_n - n * mean(g_n * n)) (+ grad_residual),  g_n = grad_y * w  (or 1 + w),  n = s * rstd
     grad_w = sum over rows of grad_y * n.to(x.dtype)  (gemma: grad_y * n), fp32
 
-Forward: one block per row, the row held in registers (one pass over x and residual). Backward: one
-block per ``BWD_ROWS`` consecutive rows (a fixed partition, never derived from N) writing one fp32
-grad-weight partial row each, then a fixed-order sum of the partials. Batch invariance: block sizes
-depend on H and the dtype only; per-row reductions run in a fixed order; no atomics.
+Forward: one block per 8 consecutive rows; backward: one block per ``BWD_ROWS`` consecutive rows (a
+fixed partition, never derived from N) writing one fp32 grad-weight partial row each, then a
+fixed-order sum of the partials. Both walk their rows one at a time; rows of up to 8192 16-bit (4096
+fp32) values are pipelined, the next rows' loads in flight in a shared-memory ring filled with
+cp.async, with one pass over every input and one write of every output. Batch invariance: block
+sizes depend on H and the dtype only; per-row reductions run in a fixed order; no atomics.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 
 from rlk_cuda._native import C, array, on_device, stream_of
 
-#: Rows per backward block (the grad-weight row partition), per input dtype. Read at every call, so a
-#: test or a sweep may override an entry; nothing here depends on the number of rows. N = 16384 with
-#: 16 rows: 1024 blocks, partials 1024 x H fp32 (1/8 of the bytes of a bf16 [N, H] tensor, read once).
-BWD_ROWS: dict[torch.dtype, int] = {torch.float32: 16, torch.float16: 16, torch.bfloat16: 16}
+#: Rows per backward block (the grad-weight row partition), per input dtype, in [1, 256]. Read at every
+#: call, so a test or a sweep may override an entry; nothing here depends on the number of rows; a
+#: row's grad_input does not depend on it (grad_weight's summation order does). N = 16384 with 32 rows:
+#: 512 blocks (bf16 H = 4096: two resident per SM of an H200, about two waves), partials 512 x H fp32
+#: (1/16 of the bytes of a bf16 [N, H] tensor, written once and read once).
+BWD_ROWS: dict[torch.dtype, int] = {torch.float32: 32, torch.float16: 32, torch.bfloat16: 32}
 
 
 def rms_norm_fwd(x, weight, residual, eps, gemma, out, residual_out, rstd_out):
