@@ -569,6 +569,10 @@ def run_consistency(model: str = "tiny", *, device=None, dtype=None, prompts: in
     if device.type == "cpu" and timing:
         notes.append("CPU: rlk's chain runs in the Triton interpreter, stock kernels natively: the tokens/s "
                      "compare an interpreter with compiled code and say nothing about the GPU overhead.")
+    if device.type != "cpu" and timing:
+        notes.append("the tokens/s time the consistency prompt set (a few short sequences, one timed pass each): "
+                     "host-bound and noisy; tools/bench_chain_forward.py measures the chain's throughput at "
+                     "realistic shapes (docs/consistency.md)")
     if not timing:
         notes.append("timed forward passes skipped (tokens/s not measured)")
     if out is not None:
