@@ -105,29 +105,45 @@ __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a
 // The order depends only on blockDim.x (a multiple of 32, at most 1024).
 // ---------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float warp_sum(float v) {
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+  static constexpr float kIdentity = 0.0f;
+};
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  static constexpr float kIdentity = -INFINITY;
+};
+
+template <typename Op>
+__device__ __forceinline__ float warp_reduce(float v, Op op) {
 #pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_down_sync(kFullMask, v, offset);
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v = op(v, __shfl_down_sync(kFullMask, v, offset));
   return v;
 }
 
-// Sum of `v` over the block, the same value returned to every thread. Contains __syncthreads():
-// every thread of the block must call it.
-__device__ __forceinline__ float block_sum(float v) {
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp{}); }
+
+// `op` (SumOp, MaxOp) of `v` over the block, the same value returned to every thread. Contains
+// __syncthreads(): every thread of the block must call it.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, Op op) {
   __shared__ float partial[kMaxWarps];
   __shared__ float result;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int n_warps = blockDim.x / kWarpSize;
-  v = warp_sum(v);
+  v = warp_reduce(v, op);
   if (lane == 0) partial[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = warp_sum(lane < n_warps ? partial[lane] : 0.0f);
+    v = warp_reduce(lane < n_warps ? partial[lane] : Op::kIdentity, op);
     if (lane == 0) result = v;
   }
   __syncthreads();
   return result;
 }
+
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, SumOp{}); }
+__device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp{}); }
 
 }  // namespace rlk_cuda

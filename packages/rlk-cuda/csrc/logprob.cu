@@ -4,6 +4,12 @@
 
 namespace rlk_cuda {
 
+// Whether every row of a contiguous [N, vocab] matrix at p starts 16-byte aligned (the 16-bit kernels' kAligned).
+template <typename T>
+bool rows_aligned16(const T* p, int64_t vocab) {
+  return host_aligned16(p) && (vocab * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+}
+
 void selected_logprob_fwd(DType dtype, const void* logits, const int64_t* targets, const float* inv_temperature,
                           int64_t n_rows, int64_t vocab, int64_t ignore_index, float* logprob_out, float* entropy_out,
                           float* lse_out, int device, std::uintptr_t stream) {
@@ -14,12 +20,26 @@ void selected_logprob_fwd(DType dtype, const void* logits, const int64_t* target
     using T = decltype(tag);
     const T* x = static_cast<const T*>(logits);
     const dim3 grid(static_cast<unsigned>(n_rows));
-    if (entropy_out != nullptr) {
-      selected_logprob_fwd_kernel<T, true><<<grid, kLogprobThreads, 0, as_stream(stream)>>>(
-          x, targets, inv_temperature, vocab, ignore_index, logprob_out, entropy_out, lse_out);
+    // fp32: selected_logprob_fwd_kernel; bf16 / fp16: selected_logprob_fwd_16_kernel (logprob.cuh)
+    auto launch = [&](auto kernel, float* entropy) {
+      kernel<<<grid, kLogprobThreads, 0, as_stream(stream)>>>(x, targets, inv_temperature, vocab, ignore_index,
+                                                              logprob_out, entropy, lse_out);
+    };
+    if constexpr (sizeof(T) == 2) {
+      const bool aligned = rows_aligned16(x, vocab);
+      if (entropy_out != nullptr) {
+        aligned ? launch(selected_logprob_fwd_16_kernel<T, true, true>, entropy_out)
+                : launch(selected_logprob_fwd_16_kernel<T, true, false>, entropy_out);
+      } else {
+        aligned ? launch(selected_logprob_fwd_16_kernel<T, false, true>, nullptr)
+                : launch(selected_logprob_fwd_16_kernel<T, false, false>, nullptr);
+      }
     } else {
-      selected_logprob_fwd_kernel<T, false><<<grid, kLogprobThreads, 0, as_stream(stream)>>>(
-          x, targets, inv_temperature, vocab, ignore_index, logprob_out, nullptr, lse_out);
+      if (entropy_out != nullptr) {
+        launch(selected_logprob_fwd_kernel<T, true>, entropy_out);
+      } else {
+        launch(selected_logprob_fwd_kernel<T, false>, nullptr);
+      }
     }
   });
   check_launch("selected_logprob_fwd_kernel launch");
@@ -39,12 +59,26 @@ void selected_logprob_bwd(DType dtype, const void* logits, const int64_t* target
     const T* x = static_cast<const T*>(logits);
     T* g = static_cast<T*>(grad_logits_out);
     const dim3 grid(static_cast<unsigned>(n_rows));
-    if (grad_entropy != nullptr) {
-      selected_logprob_bwd_kernel<T, true><<<grid, kLogprobThreads, 0, as_stream(stream)>>>(
-          x, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, vocab, ignore_index, g);
+    // fp32: selected_logprob_bwd_kernel; bf16 / fp16: selected_logprob_bwd_16_kernel (logprob.cuh)
+    auto launch = [&](auto kernel, const float* ent, const float* grad_ent) {
+      kernel<<<grid, kLogprobThreads, 0, as_stream(stream)>>>(x, targets, inv_temperature, lse, ent, grad_logprob,
+                                                              grad_ent, vocab, ignore_index, g);
+    };
+    if constexpr (sizeof(T) == 2) {
+      const bool aligned = rows_aligned16(x, vocab) && rows_aligned16(g, vocab);
+      if (grad_entropy != nullptr) {
+        aligned ? launch(selected_logprob_bwd_16_kernel<T, true, true>, entropy, grad_entropy)
+                : launch(selected_logprob_bwd_16_kernel<T, true, false>, entropy, grad_entropy);
+      } else {
+        aligned ? launch(selected_logprob_bwd_16_kernel<T, false, true>, nullptr, nullptr)
+                : launch(selected_logprob_bwd_16_kernel<T, false, false>, nullptr, nullptr);
+      }
     } else {
-      selected_logprob_bwd_kernel<T, false><<<grid, kLogprobThreads, 0, as_stream(stream)>>>(
-          x, targets, inv_temperature, lse, nullptr, grad_logprob, nullptr, vocab, ignore_index, g);
+      if (grad_entropy != nullptr) {
+        launch(selected_logprob_bwd_kernel<T, true>, entropy, grad_entropy);
+      } else {
+        launch(selected_logprob_bwd_kernel<T, false>, nullptr, nullptr);
+      }
     }
   });
   check_launch("selected_logprob_bwd_kernel launch");

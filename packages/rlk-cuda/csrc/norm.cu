@@ -33,35 +33,11 @@ void dispatch_norm(DType x, DType w, DType y, F&& f) {
   });
 }
 
+constexpr int kNormStaticSmemBound = 1024;  // bound on the backward kernel's static shared memory (128 bytes)
+
 void check_sizes(const char* what, int64_t n_rows, int64_t hidden) {
   require(n_rows >= 1, std::string(what) + ": n_rows must be >= 1");
   require(hidden >= 1 && hidden <= (int64_t{1} << 31), std::string(what) + ": hidden must lie in [1, 2^31]");
-}
-
-// The shared-memory ring of a launch: `stages` stages of `words` 16-byte words per thread for
-// one-chunk rows, as many as norm_stages gives and the device's shared memory per block allows (a
-// 99 KiB GPU may take fewer than an H100); stages = 0 (the plain path, the same arithmetic) for
-// longer rows or where two stages do not fit. Opts the kernel into the ring's size above 48 KiB.
-struct Ring {
-  int stages;
-  int bytes;
-};
-
-template <typename Kernel>
-Ring ring_of(Kernel kernel, int chunks, int words, int threads, int device, const char* name) {
-  if (chunks > 1) return {0, 0};
-  int max_bytes = 0;
-  DeviceGuard::check(cudaDeviceGetAttribute(&max_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                     "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
-  constexpr int64_t kStaticBytes = 4 * 1024;  // room left for the kernels' static shared memory (< 2 KiB)
-  const int64_t stage_bytes = int64_t{words} * threads * 16;
-  int stages = norm_stages(stage_bytes);
-  while (stages >= 2 && stage_bytes * stages + kStaticBytes > max_bytes) --stages;
-  if (stages < 2) return {0, 0};
-  const int bytes = static_cast<int>(stage_bytes * stages);
-  // dynamic + static shared memory above the 48 KiB default needs the opt-in (a 48 KiB ring alone is at the edge)
-  if (bytes + kStaticBytes > 48 * 1024) allow_smem(bytes, kernel, name);
-  return {stages, bytes};
 }
 
 }  // namespace
@@ -70,8 +46,6 @@ void rms_norm_fwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* x, co
                   int64_t n_rows, int64_t hidden, float eps, bool gemma, void* out, void* residual_out,
                   float* rstd_out, int device, std::uintptr_t stream) {
   check_sizes("rms_norm_fwd", n_rows, hidden);
-  const int64_t blocks = ceil_div(n_rows, kNormFwdRows);
-  require(blocks <= max_grid_x(), "rms_norm_fwd: too many rows for one grid");
   require((residual == nullptr) == (residual_out == nullptr),
           "rms_norm_fwd: residual and residual_out must be both given or both None");
   DeviceGuard guard(device);
@@ -79,14 +53,28 @@ void rms_norm_fwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* x, co
     using T = decltype(t);
     using W = decltype(w);
     using Y = decltype(y);
-    const int threads = norm_threads(hidden, kPack<T>, kNormPacks);
-    const int chunks = norm_chunks(hidden, kPack<T>, kNormPacks, threads);
-    const auto kernel = rms_norm_fwd_kernel<T, W, Y>;
-    const Ring ring = ring_of(kernel, chunks, fwd_ring_words(residual != nullptr), threads, device,
-                              "cudaFuncSetAttribute(rms_norm_fwd_kernel)");
-    kernel<<<static_cast<unsigned>(blocks), threads, ring.bytes, as_stream(stream)>>>(
-        static_cast<const T*>(x), static_cast<const W*>(weight), static_cast<const T*>(residual), static_cast<Y*>(out),
-        static_cast<T*>(residual_out), rstd_out, n_rows, hidden, eps, gemma, chunks, ring.stages);
+    const auto* xp = static_cast<const T*>(x);
+    const auto* wp = static_cast<const W*>(weight);
+    const auto* rp = static_cast<const T*>(residual);
+    auto* yp = static_cast<Y*>(out);
+    auto* sp = static_cast<T*>(residual_out);
+    const int lanes = norm_fwd_lanes(hidden, kPack<T>);
+    if (lanes > 0) {
+      // a team of `lanes` threads per row, the row in registers; kNormFwdRows rows per team
+      const int threads = lanes > kWarpSize ? lanes : kNormFwdBlock;
+      const unsigned blocks = grid_of(ceil_div(n_rows, int64_t{kNormFwdRows} * (threads / lanes)), "rms_norm_fwd");
+      const bool whole = hidden % kPack<T> == 0 && host_aligned16(x) && host_aligned16(weight) &&
+                         host_aligned16(residual) && host_aligned16(out) && host_aligned16(residual_out);
+      const auto kernel = whole ? rms_norm_fwd_kernel<T, W, Y, true> : rms_norm_fwd_kernel<T, W, Y, false>;
+      kernel<<<blocks, threads, 0, as_stream(stream)>>>(xp, wp, rp, yp, sp, rstd_out, n_rows,
+                                                        static_cast<int>(hidden), eps, gemma, lanes);
+    } else {
+      const int threads = norm_threads(hidden, kPack<T>, kNormLongPacks);
+      const int chunks = norm_chunks(hidden, kPack<T>, kNormLongPacks, threads);
+      const unsigned blocks = grid_of(ceil_div(n_rows, kNormLongFwdRows), "rms_norm_fwd");
+      rms_norm_fwd_long_kernel<T, W, Y><<<blocks, threads, 0, as_stream(stream)>>>(
+          xp, wp, rp, yp, sp, rstd_out, n_rows, hidden, eps, gemma, chunks);
+    }
   });
   check_launch("rms_norm_fwd_kernel launch");
 }
@@ -102,8 +90,7 @@ void rms_norm_bwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* grad_
                   int rows_per_block, void* grad_input_out, float* partials, void* grad_weight_out, int device,
                   std::uintptr_t stream) {
   check_sizes("rms_norm_bwd", n_rows, hidden);
-  const int64_t blocks = rms_norm_bwd_partial_rows(n_rows, rows_per_block);
-  require(blocks <= max_grid_x(), "rms_norm_bwd: too many rows for rows_per_block");
+  const unsigned blocks = grid_of(rms_norm_bwd_partial_rows(n_rows, rows_per_block), "rms_norm_bwd");
   require(grad_weight_out == nullptr || partials != nullptr,
           "rms_norm_bwd: grad_weight_out needs the partials scratch buffer");
   DeviceGuard guard(device);
@@ -111,16 +98,31 @@ void rms_norm_bwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* grad_
     using T = decltype(t);
     using W = decltype(w);
     using G = decltype(y);  // grad_out has y's dtype
-    const int threads = norm_threads(hidden, kPack<T>, kNormPacks);
-    const int chunks = norm_chunks(hidden, kPack<T>, kNormPacks, threads);
+    const auto* gp = static_cast<const G*>(grad_out);
+    const auto* sp = static_cast<const T*>(s);
+    const auto* wp = static_cast<const W*>(weight);
+    const auto* rp = static_cast<const T*>(grad_residual);
+    auto* ip = static_cast<T*>(grad_input_out);
     float* part = grad_weight_out != nullptr ? partials : nullptr;
-    const auto kernel = rms_norm_bwd_kernel<T, W, G>;
-    const Ring ring = ring_of(kernel, chunks, bwd_ring_words<T, G>(grad_residual != nullptr), threads, device,
-                              "cudaFuncSetAttribute(rms_norm_bwd_kernel)");
-    kernel<<<static_cast<unsigned>(blocks), threads, ring.bytes, as_stream(stream)>>>(
-        static_cast<const G*>(grad_out), static_cast<const T*>(s), static_cast<const W*>(weight), rstd,
-        static_cast<const T*>(grad_residual), static_cast<T*>(grad_input_out), part, n_rows, hidden, gemma,
-        rows_per_block, chunks, ring.stages);
+    const int threads = norm_bwd_threads(hidden, kPack<T>);
+    if (threads > 0) {
+      // one block per rows_per_block rows, a row in registers; w' and the grad-weight sums in shared memory
+      const int smem = 2 * threads * kNormBwdPacks * kPack<T> * static_cast<int>(sizeof(float));  // <= 64 KiB
+      const bool whole = hidden % kPack<T> == 0 && host_aligned16(grad_out) && host_aligned16(s) &&
+                         host_aligned16(grad_residual) && host_aligned16(grad_input_out) && host_aligned16(part);
+      const auto kernel = whole ? rms_norm_bwd_kernel<T, W, G, true> : rms_norm_bwd_kernel<T, W, G, false>;
+      // dynamic + static shared memory above the 48 KiB default needs the opt-in (512 threads of 16-bit x)
+      if (smem + kNormStaticSmemBound > 48 * 1024) {
+        allow_smem(smem, kernel, "cudaFuncSetAttribute(rms_norm_bwd_kernel)");
+      }
+      kernel<<<blocks, threads, smem, as_stream(stream)>>>(gp, sp, wp, rstd, rp, ip, part, n_rows,
+                                                              static_cast<int>(hidden), gemma, rows_per_block);
+    } else {
+      const int long_threads = norm_threads(hidden, kPack<T>, kNormLongPacks);
+      const int chunks = norm_chunks(hidden, kPack<T>, kNormLongPacks, long_threads);
+      rms_norm_bwd_long_kernel<T, W, G><<<blocks, long_threads, 0, as_stream(stream)>>>(
+          gp, sp, wp, rstd, rp, ip, part, n_rows, hidden, gemma, rows_per_block, chunks);
+    }
     check_launch("rms_norm_bwd_kernel launch");
     if (grad_weight_out != nullptr) {
       const dim3 sum_grid(static_cast<unsigned>(ceil_div(hidden, kSumColumns)));

@@ -11,47 +11,77 @@
 //     grad_s = rstd * (g_n - n * mean_h(g_n * n))  (+ grad_residual)   rounded to T
 //     grad_w = sum over rows of g * m,  m = n.to(T) (gemma: m = n)       fp32, rounded to W
 //
-// Launch structure (both directions use the same threads and element-to-thread map):
-// * threads = norm_threads(H, T, kNormPacks), a function of H and the dtype only; thread t owns the
-//   packs t + i * threads (i < kNormPacks) of each chunk of threads * kNormPacks packs (16-byte packs:
-//   8 bf16 / fp16 or 4 fp32 values). H <= 8192 (16-bit) / 4096 (fp32) is one chunk.
-// * forward: one block per kNormFwdRows consecutive rows, walked one row at a time.
-// * backward: one block per `rows_per_block` consecutive rows (a fixed partition, never derived
-//   from N), walked one row at a time. The block keeps its rows' sum of g * m in registers, written
-//   as one fp32 row of a [P, H] partial buffer (P = ceil(N / rows_per_block));
-//   rms_norm_sum_partials_kernel then sums the P rows in a fixed order and rounds once to W. No
-//   atomics: deterministic run to run.
-// * one-chunk rows take the pipelined path (ring_prologue / ring_rows): each thread copies its packs
-//   of the next `stages - 1` rows (x and residual; grad_y, s and grad_residual) with cp.async into
-//   its own words of a shared-memory ring while the block reduces the current row, so the bytes in
-//   flight cost no registers. bf16 H = 4096 (256 threads, 4 stages): forward 3 rows x 8 KiB in flight
-//   per block, 60 registers, 4 blocks per SM (96 KiB in flight per SM); backward 3 rows x 16 KiB per
-//   block, <= 128 registers, 2 blocks per SM (96 KiB per SM). w' stays in registers for all the
-//   block's rows; the backward reads the block's rstd values once. Every input element is read once
-//   and every output written once.
-// * the plain path (rows of several chunks, or a device without shared memory for two stages): the
-//   forward reads x (and residual) twice, the backward reads grad_y and s twice (each row's
-//   coefficient first, kept in shared memory): the same arithmetic in the same order.
-// * per-row reductions: block_sum_once, one __syncthreads per row (the bits of common.cuh's block_sum).
-// Batch invariance: the block size and the element-to-thread map depend on H and the dtype only;
-// the per-row reductions (sum of s^2, sum of g_n * n) run in a fixed order; a row runs the same
-// instructions (one non-unrolled loop body) whatever its position in a block: the pipelining and
-// the ring depth only change when and how (cp.async or element-wise) its loads are issued.
+// Launch structure. A pack is 16 bytes of T (P = 8 bf16 / fp16 values, 4 fp32): pack k of a row holds its
+// elements [k P, k P + P). Every layout below is a function of H and the dtypes only; the row data lives in
+// registers as words of its dtype (Pack), every load of a row is issued before its first use.
+// * forward, rows of up to kNormMaxThreads * kNormFwdPacks packs (16384 16-bit / 8192 fp32 values): a row
+//   belongs to a team of `lanes` threads (norm_fwd_lanes), lane l holding the packs l + i * lanes,
+//   i < kNormFwdPacks (consecutive lanes on consecutive 16 bytes). lanes <= 32 is a power of two and a
+//   block of kNormFwdBlock threads holds kNormFwdBlock / lanes teams; lanes > 32 is whole warps and the
+//   block is the team. Each team walks kNormFwdRows consecutive rows, one at a time: load x (and the
+//   residual: s = x + r is rounded, stored and kept), add the squares, reduce over the team (row_sum:
+//   shuffles, plus one __syncthreads when the team spans warps), write y from the same registers (the
+//   weight's packs read through L1). One pass over x (and the residual), y (and s) written once.
+//   bf16 H = 4096: 128 threads per row (one block), 4 packs = 32 values per thread, 4 rows per block.
+// * backward, rows of up to kNormMaxThreads * kNormBwdPacks packs (8192 16-bit / 4096 fp32 values): a
+//   block of norm_bwd_threads(H) threads per row, thread t holding the packs t + i * threads, i <
+//   kNormBwdPacks; one block per `rows_per_block` consecutive rows (a fixed partition, never derived from
+//   N), walked one row at a time: load grad_y, s (and grad_residual), reduce sum(g_n * n) over the block
+//   (row_sum: one __syncthreads per row, two warp-sum buffers alternated), write grad_s. w' (fp32) and
+//   the block's running sum of g * m live in shared memory, in words only their thread touches (BwdSlots),
+//   which keeps the kernel within 64 registers; the sum is written as one fp32 row of a [R, H] partial
+//   buffer (R = ceil(N / rows_per_block)) and rms_norm_sum_partials_kernel adds the R rows in a fixed order,
+//   rounding once to W. No atomics: deterministic run to run. bf16 H = 4096: 256 threads, 16 values per
+//   thread, 32 KiB of shared memory, 4 blocks (32 warps) per SM.
+// * longer rows (rms_norm_*_long_kernel): norm_threads(H) threads per row, kNormLongPacks packs per
+//   thread per chunk of the row; the forward reads x (and residual) twice (sum of squares, then y), the
+//   backward reads grad_y and s twice (each row's coefficient first, kept in shared memory): the same
+//   per-element arithmetic in a different thread map.
+// The register kernels come in two instantiations, kWhole (H a multiple of P and every tensor 16-byte
+// aligned: every pack one 16-byte access) and not (alignment checked per row, partial packs element-wise):
+// the same arithmetic, so a row's bits do not depend on which one runs.
+// Batch invariance: the team / block of a row and its element-to-thread map depend on H and the dtypes
+// only; each thread adds its own values in pack order and the team adds the thread sums in a fixed tree
+// (row_sum); a row runs the same instructions wherever it sits (rows past N only mask loads and stores).
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 
 namespace rlk_cuda {
 
-constexpr int kNormPacks = 2;              // packs per thread per chunk (both directions)
-constexpr int kNormFwdRows = 8;            // forward: rows per block (any value gives the same bits)
-constexpr int kNormMaxThreads = 512;
+constexpr int kNormMaxThreads = 512;  // the largest team / block (both directions)
 constexpr int kNormMaxWarps = kNormMaxThreads / kWarpSize;
+constexpr int kNormFwdPacks = 4;       // forward: pack slots per lane
+constexpr int kNormFwdRows = 4;        // forward: rows per team (any value gives the same bits)
+constexpr int kNormFwdBlock = 128;     // forward: block size when a row takes <= 32 lanes
+constexpr int kNormBwdPacks = 2;       // backward: packs per thread (16 values of 16-bit x, 8 of fp32)
 constexpr int kNormMaxRowsPerBlock = 256;  // backward: upper bound of rows_per_block
-constexpr int kNormMaxStages = 4;          // ring stages: loads run up to 3 rows ahead
-constexpr int64_t kNormRingBytes = 96 * 1024;  // ring size aimed at per block (dynamic shared memory)
+constexpr int kNormLongPacks = 2;      // long rows: packs per thread per chunk
+constexpr int kNormLongFwdRows = 8;    // long rows: forward rows per block (any value gives the same bits)
 
-// Threads of a row block: the smallest power of two >= ceil(packs / packs_per_thread) in [32, 512].
+// Forward lanes per row: ceil(packs / kNormFwdPacks) rounded up to a power of two when <= 32, else to whole
+// warps; 0 when that exceeds kNormMaxThreads (the long kernel).
+inline int norm_fwd_lanes(int64_t hidden, int pack) {
+  const int64_t want = ceil_div(ceil_div(hidden, pack), kNormFwdPacks);
+  if (want <= kWarpSize) {
+    int lanes = 1;
+    while (lanes < want) lanes *= 2;
+    return lanes;
+  }
+  const int64_t lanes = kWarpSize * ceil_div(want, kWarpSize);
+  return lanes <= kNormMaxThreads ? static_cast<int>(lanes) : 0;
+}
+
+// Backward threads per row: whole warps with kNormBwdPacks packs (or fewer, at the row's end) each; 0
+// when that exceeds kNormMaxThreads (the long kernel).
+inline int norm_bwd_threads(int64_t hidden, int pack) {
+  const int64_t threads = kWarpSize * ceil_div(ceil_div(hidden, pack), kWarpSize * kNormBwdPacks);
+  return threads <= kNormMaxThreads ? static_cast<int>(threads) : 0;
+}
+
+// Long rows: threads of a row block, the smallest power of two >= ceil(packs / packs_per_thread) in [32, 512].
 inline int norm_threads(int64_t hidden, int pack, int packs_per_thread) {
   const int64_t want = ceil_div(ceil_div(hidden, pack), packs_per_thread);
   int threads = kWarpSize;
@@ -59,154 +89,402 @@ inline int norm_threads(int64_t hidden, int pack, int packs_per_thread) {
   return threads;
 }
 
-// Chunks of a row: ceil(packs / (threads * packs_per_thread)).
+// Long rows: chunks of a row, ceil(packs / (threads * packs_per_thread)).
 inline int norm_chunks(int64_t hidden, int pack, int packs_per_thread, int threads) {
   return static_cast<int>(ceil_div(ceil_div(hidden, pack), int64_t{threads} * packs_per_thread));
 }
 
-// 16-byte ring words per thread per row: kNormPacks packs of each staged tensor (a pack of T is one
-// word; a pack of an fp32 grad_y of 16-bit x is two).
-__host__ __device__ constexpr int fwd_ring_words(bool residual) { return kNormPacks * (residual ? 2 : 1); }
-template <typename T, typename G>
-__host__ __device__ constexpr int bwd_ring_words(bool grad_residual) {
-  return kNormPacks * (static_cast<int>(sizeof(G) / sizeof(T)) + 1 + (grad_residual ? 1 : 0));
+// Elements of pack k present in a row of `hidden` (0 past the end).
+template <int P, typename I>
+__device__ __forceinline__ I pack_count(I k, I hidden) {
+  const I left = hidden - k * P;
+  return left <= 0 ? 0 : (left < P ? left : P);
 }
 
-// Ring stages for one stage of `stage_bytes`: as many as fit kNormRingBytes, in [2, kNormMaxStages].
-inline int norm_stages(int64_t stage_bytes) {
-  const int64_t fit = kNormRingBytes / stage_bytes;
-  return static_cast<int>(fit < 2 ? 2 : (fit > kNormMaxStages ? kNormMaxStages : fit));
+// Sum of v over a row's team of `lanes` threads: the same bits in every thread of the team, in an order that
+// depends on `lanes` only. lanes <= 32 (a power of two; the team is an aligned group of lanes of one warp): an
+// xor butterfly (a + b and b + a are the same bits, so every lane ends with the same sum). lanes > 32: the
+// team is the whole block (whole warps): each warp's butterfly lands in sums[warp]; one __syncthreads; then
+// every warp runs the 32-lane butterfly over the warp sums (0 past the last warp). Every thread of the block
+// must call it. `sums` may be written again only once every thread has read it: callers that reduce several
+// rows alternate two buffers (the __syncthreads of the call in between orders the reads of one before the
+// writes of the next).
+__device__ __forceinline__ float row_sum(float v, int lanes, float* sums) {
+  if (lanes < kWarpSize) {
+#pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
+      if (offset < lanes) v += __shfl_xor_sync(kFullMask, v, offset);
+    }
+    return v;
+  }
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  if (lanes == kWarpSize) return v;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  if (lane == 0) sums[warp] = v;
+  __syncthreads();
+  v = lane < lanes / kWarpSize ? sums[lane] : 0.0f;
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
 }
+
+// ---- packs as registers: N values of E in 16-byte words ------------------------------------------
+
+template <typename E, int N>
+struct Pack {
+  static constexpr int kWords = N * static_cast<int>(sizeof(E)) / 16;
+  static_assert(kWords * 16 == N * static_cast<int>(sizeof(E)), "a pack is whole 16-byte words");
+  uint4 w[kWords];
+};
+
+// The first `count` (<= N) values at src, zeros after. kWhole (the caller knows that every pack of the row
+// is whole and 16-byte aligned, so count is N or 0): 16-byte loads, predicated on count > 0. Else 16-byte
+// loads when `vector` (src 16-byte aligned) and the pack is full, element-wise loads otherwise (unaligned
+// rows, a row's last pack); the same bits either way. kShared: data every row reads (the weight), through
+// the read-only path (ld.global.nc); else plain loads.
+template <bool kWhole, typename E, int N, bool kShared = false>
+__device__ __forceinline__ Pack<E, N> pack_load(const E* src, int count, bool vector) {
+  Pack<E, N> p;
+  if (kWhole || (vector && count == N)) {
+    const uint4* words = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int v = 0; v < Pack<E, N>::kWords; ++v) {
+      p.w[v] = make_uint4(0, 0, 0, 0);
+      if (count > 0) p.w[v] = kShared ? __ldg(words + v) : words[v];
+    }
+  } else {
+    E e[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) e[i] = i < count ? src[i] : from_float<E>(0.0f);
+    std::memcpy(p.w, e, sizeof(e));
+  }
+  return p;
+}
+
+// Stores the first `count` (<= N) values of p at dst, with pack_load's choice of accesses.
+template <bool kWhole, typename E, int N>
+__device__ __forceinline__ void pack_store(E* dst, const Pack<E, N>& p, int count, bool vector) {
+  if (kWhole || (vector && count == N)) {
+    if (count > 0) {
+#pragma unroll
+      for (int v = 0; v < Pack<E, N>::kWords; ++v) reinterpret_cast<uint4*>(dst)[v] = p.w[v];
+    }
+  } else {
+    E e[N];
+    std::memcpy(e, p.w, sizeof(e));
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (i < count) dst[i] = e[i];
+    }
+  }
+}
+
+// The values of p in fp32 (exact).
+template <typename E, int N>
+__device__ __forceinline__ void unpack(const Pack<E, N>& p, float (&out)[N]) {
+  if constexpr (std::is_same_v<E, float>) {
+    std::memcpy(out, p.w, sizeof(out));
+  } else {
+    uint32_t u[N / 2];
+    std::memcpy(u, p.w, sizeof(u));
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+        out[2 * j] = __uint_as_float(u[j] << 16);  // a bf16 is the high half of its fp32
+        out[2 * j + 1] = __uint_as_float(u[j] & 0xffff0000u);
+      } else {
+        __half2 h;
+        std::memcpy(&h, &u[j], 4);
+        const float2 f = __half22float2(h);
+        out[2 * j] = f.x;
+        out[2 * j + 1] = f.y;
+      }
+    }
+  }
+}
+
+// v rounded to E (nearest even, as from_float; two values per conversion for 16-bit E).
+template <typename E, int N>
+__device__ __forceinline__ Pack<E, N> pack_round(const float (&v)[N]) {
+  Pack<E, N> p;
+  if constexpr (std::is_same_v<E, float>) {
+    std::memcpy(p.w, v, sizeof(v));
+  } else {
+    uint32_t u[N / 2];
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+        std::memcpy(&u[j], &h, 4);
+      } else {
+        const __half2 h = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+        std::memcpy(&u[j], &h, 4);
+      }
+    }
+    std::memcpy(p.w, u, sizeof(u));
+  }
+  return p;
+}
+
+// v <- v.to(E) seen from fp32 (round_to for a pack).
+template <typename E, int N>
+__device__ __forceinline__ void round_values(float (&v)[N]) {
+  if constexpr (!std::is_same_v<E, float>) unpack<E, N>(pack_round<E, N>(v), v);
+}
+
+// ---- forward -------------------------------------------------------------------------------------
+
+// Values of the pack at `offset` (a multiple of P) of a row of `hidden`: P, fewer for the row's last pack,
+// 0 past the row. kWhole (hidden a multiple of P): P or 0.
+template <bool kWhole, int P>
+__device__ __forceinline__ int pack_values(int offset, int hidden) {
+  return kWhole ? (offset < hidden ? P : 0) : pack_count<P>(offset / P, hidden);
+}
+
+// Grid: ceil(N / (kNormFwdRows * teams)) blocks of kNormFwdBlock threads (teams = kNormFwdBlock / lanes) when
+// lanes <= 32, else of `lanes` threads (teams = 1); lanes = norm_fwd_lanes(H, P). Team j of block b (threads
+// [j lanes, (j + 1) lanes)) handles rows (b * teams + j) * kNormFwdRows + r, r < kNormFwdRows, one after
+// another (rows past N: loads and stores masked, the team still takes part in the reductions).
+// residual / residual_out: both null (unfused) or both set. hidden <= kNormMaxThreads * kNormFwdPacks * P.
+// kWhole: H is a multiple of P and every tensor 16-byte aligned (every pack one 16-byte access; checked by the
+// launcher); else the alignment is checked row by row and partial packs are read element-wise: the same
+// arithmetic either way. At most 64 registers (two blocks of 512 threads per SM, four of 256).
+template <typename T, typename W, typename Y, bool kWhole>
+__global__ void __launch_bounds__(kNormMaxThreads, 2)
+    rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, const T* __restrict__ residual,
+                        Y* __restrict__ out, T* __restrict__ residual_out, float* __restrict__ rstd_out,
+                        int64_t n_rows, int hidden, float eps, bool gemma, int lanes) {
+  constexpr int P = kPack<T>;
+  constexpr int K = kNormFwdPacks;
+  __shared__ float warp_sums[2][kNormMaxWarps];  // row_sum buffers (teams of > 32 lanes), alternated row by row
+  int lane = threadIdx.x;
+  int64_t team = blockIdx.x;
+  if (lanes < kWarpSize) {
+    const int shift = __ffs(lanes) - 1;
+    lane = threadIdx.x & (lanes - 1);
+    team = int64_t{blockIdx.x} * (blockDim.x >> shift) + (threadIdx.x >> shift);
+  } else if (lanes == kWarpSize) {
+    lane = threadIdx.x % kWarpSize;
+    team = int64_t{blockIdx.x} * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  }
+  const int stride = lanes * P;  // elements from one of this thread's packs to the next
+  const int lane_offset = lane * P;
+  const W* wl = weight + lane_offset;
+  const bool w_vector = kWhole || aligned16(weight);
+
+#pragma unroll 1
+  for (int r = 0; r < kNormFwdRows; ++r) {
+    const int64_t row = team * kNormFwdRows + r;
+    const bool valid = row < n_rows;
+    const int64_t start = (valid ? row * hidden : 0) + lane_offset;  // this thread's first element
+    const T* xl = x + start;
+    const T* rl = residual != nullptr ? residual + start : nullptr;
+    T* sl = residual_out != nullptr ? residual_out + start : nullptr;
+    Y* yl = out + start;
+    const bool vector = kWhole || (aligned16(xl) && aligned16(rl) && aligned16(sl) && aligned16(yl));
+    int count[K];  // values of each pack (0 past the row, or for a row past N)
+#pragma unroll
+    for (int i = 0; i < K; ++i) count[i] = valid ? pack_values<kWhole, P>(lane_offset + i * stride, hidden) : 0;
+
+    // s, this thread's packs, as T words: all loads issued before the first use.
+    Pack<T, P> s[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) s[i] = pack_load<kWhole, T, P>(xl + i * stride, count[i], vector);
+    if (rl != nullptr) {
+      Pack<T, P> res[K];
+#pragma unroll
+      for (int i = 0; i < K; ++i) res[i] = pack_load<kWhole, T, P>(rl + i * stride, count[i], vector);
+#pragma unroll
+      for (int i = 0; i < K; ++i) {
+        float a[P], b[P];
+        unpack<T, P>(s[i], a);
+        unpack<T, P>(res[i], b);
+#pragma unroll
+        for (int e = 0; e < P; ++e) a[e] += b[e];
+        s[i] = pack_round<T, P>(a);  // torch's x + residual: the fp32 sum rounded once
+        pack_store<kWhole, T, P>(sl + i * stride, s[i], count[i], vector);
+      }
+    }
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      float v[P];
+      unpack<T, P>(s[i], v);
+#pragma unroll
+      for (int e = 0; e < P; ++e) sum_sq += v[e] * v[e];  // values past the row are 0
+    }
+    const float rstd = rsqrtf(row_sum(sum_sq, lanes, warp_sums[r & 1]) / static_cast<float>(hidden) + eps);
+
+    // y from the same registers; the weight's packs come through L1 (every row reads them)
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      float w[P], v[P], y[P];
+      unpack<W, P>(pack_load<kWhole, W, P, true>(wl + i * stride, count[i], w_vector), w);
+      unpack<T, P>(s[i], v);
+      if (gemma) {
+#pragma unroll
+        for (int e = 0; e < P; ++e) y[e] = (v[e] * rstd) * (1.0f + w[e]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < P; ++e) v[e] *= rstd;
+        round_values<T, P>(v);  // n.to(T)
+#pragma unroll
+        for (int e = 0; e < P; ++e) y[e] = w[e] * v[e];
+      }
+      pack_store<kWhole, Y, P>(yl + i * stride, pack_round<Y, P>(y), count[i], vector);
+    }
+    if (valid && lane == 0) rstd_out[row] = rstd;
+  }
+}
+
+// ---- backward ------------------------------------------------------------------------------------
+
+// The backward's fp32 per-thread arrays in shared memory (w' and the grad-weight sums), kNormBwdPacks * P
+// values per thread: 16-byte word j of thread t at word j * threads + t (consecutive threads on consecutive
+// words: no bank conflicts). A thread reads and writes only its own words.
+template <int P>
+struct BwdSlots {
+  static constexpr int kWords = kNormBwdPacks * P / 4;  // words per thread
+  float4* base;
+  int threads;
+  __device__ __forceinline__ float4& at(int j) const { return base[j * threads + static_cast<int>(threadIdx.x)]; }
+  // This thread's values of pack i (P floats).
+  __device__ __forceinline__ void read(int i, float (&v)[P]) const {
+#pragma unroll
+    for (int q = 0; q < P / 4; ++q) {
+      const float4 f = at(i * (P / 4) + q);
+      v[4 * q] = f.x;
+      v[4 * q + 1] = f.y;
+      v[4 * q + 2] = f.z;
+      v[4 * q + 3] = f.w;
+    }
+  }
+  __device__ __forceinline__ void write(int i, const float (&v)[P]) const {
+#pragma unroll
+    for (int q = 0; q < P / 4; ++q) {
+      at(i * (P / 4) + q) = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+    }
+  }
+};
+
+// Grid: ceil(N / rows_per_block) blocks of norm_bwd_threads(H, P) threads; dynamic shared memory:
+// 2 * blockDim.x * kNormBwdPacks * P floats (w', 0 past the row, and the block's grad-weight sums). Block b
+// handles rows [b * rows_per_block, min(N, (b + 1) * rows_per_block)), one after another. grad_residual may
+// be null; partials ([gridDim.x, H] fp32) is null when grad_weight is not wanted. hidden <= kNormMaxThreads *
+// kNormBwdPacks * P. kWhole as in the forward. At most 64 registers (two blocks of 512 threads per SM, four
+// of 256).
+template <typename T, typename W, typename G, bool kWhole>
+__global__ void __launch_bounds__(kNormMaxThreads, 2)
+    rms_norm_bwd_kernel(const G* __restrict__ grad_out, const T* __restrict__ s, const W* __restrict__ weight,
+                        const float* __restrict__ rstd, const T* __restrict__ grad_residual,
+                        T* __restrict__ grad_input, float* __restrict__ partials, int64_t n_rows, int hidden,
+                        bool gemma, int rows_per_block) {
+  constexpr int P = kPack<T>;
+  constexpr int K = kNormBwdPacks;
+  const int threads = blockDim.x;
+  const int tid = threadIdx.x;
+  extern __shared__ float4 norm_smem[];
+  const BwdSlots<P> w_factor{norm_smem, threads};                                   // w'
+  const BwdSlots<P> dw{norm_smem + threads * BwdSlots<P>::kWords, threads};         // sum of g * m
+  __shared__ float warp_sums[2][kNormMaxWarps];  // row_sum buffers, alternated row by row
+  const bool want_dw = partials != nullptr;
+  const bool has_gres = grad_residual != nullptr;
+  int offset[K], count[K];  // this thread's packs: element offset in the row, values (0 past the row)
+#pragma unroll
+  for (int i = 0; i < K; ++i) {
+    offset[i] = (i * threads + tid) * P;
+    count[i] = pack_values<kWhole, P>(offset[i], hidden);
+    float w[P], zero[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+      w[e] = offset[i] + e < hidden ? to_float(weight[offset[i] + e]) : 0.0f;
+      if (gemma && offset[i] + e < hidden) w[e] += 1.0f;
+      zero[e] = 0.0f;
+    }
+    w_factor.write(i, w);
+    dw.write(i, zero);
+  }
+
+  const int64_t first = int64_t{blockIdx.x} * rows_per_block;
+  const int64_t last = min(n_rows, first + rows_per_block);
+  // this block's rows (pointers advanced row by row)
+  const G* gr = grad_out + first * hidden;
+  const T* sr = s + first * hidden;
+  const T* rr = has_gres ? grad_residual + first * hidden : nullptr;
+  T* ir = grad_input + first * hidden;
+#pragma unroll 1
+  for (int64_t row = first; row < last;
+       ++row, gr += hidden, sr += hidden, ir += hidden, rr = has_gres ? rr + hidden : nullptr) {
+    const bool vector = kWhole || (aligned16(gr) && aligned16(sr) && aligned16(rr) && aligned16(ir));
+    const float rs = __ldg(rstd + row);
+    Pack<G, P> g[K];
+    Pack<T, P> sv[K], gres[K];
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      g[i] = pack_load<kWhole, G, P>(gr + offset[i], count[i], vector);
+      sv[i] = pack_load<kWhole, T, P>(sr + offset[i], count[i], vector);
+      if (has_gres) gres[i] = pack_load<kWhole, T, P>(rr + offset[i], count[i], vector);  // used after the sum
+    }
+    // sum of g_n * n over the row (packs past the row add 0: zero g, s and w')
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      float gv[P], sf[P], w[P];
+      unpack<G, P>(g[i], gv);
+      unpack<T, P>(sv[i], sf);
+      w_factor.read(i, w);
+#pragma unroll
+      for (int e = 0; e < P; ++e) dot += (gv[e] * w[e]) * (sf[e] * rs);
+    }
+    const float coef = row_sum(dot, threads, warp_sums[(row - first) & 1]) / static_cast<float>(hidden);
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      float gv[P], n[P], w[P], gs[P];
+      unpack<G, P>(g[i], gv);
+      unpack<T, P>(sv[i], n);
+      w_factor.read(i, w);
+#pragma unroll
+      for (int e = 0; e < P; ++e) {
+        n[e] *= rs;
+        gs[e] = rs * (gv[e] * w[e] - n[e] * coef);
+      }
+      if (has_gres) {
+        float r[P];
+        unpack<T, P>(gres[i], r);
+#pragma unroll
+        for (int e = 0; e < P; ++e) gs[e] += r[e];
+      }
+      pack_store<kWhole, T, P>(ir + offset[i], pack_round<T, P>(gs), count[i], vector);
+      if (want_dw) {
+        if (!gemma) round_values<T, P>(n);  // m = n.to(T); Gemma: m = n
+        float acc[P];
+        dw.read(i, acc);
+#pragma unroll
+        for (int e = 0; e < P; ++e) acc[e] += gv[e] * n[e];
+        dw.write(i, acc);
+      }
+    }
+  }
+  if (want_dw) {
+    float* part = partials + int64_t{blockIdx.x} * hidden;
+    const bool part_vector = kWhole || aligned16(part);
+#pragma unroll
+    for (int i = 0; i < K; ++i) {
+      float acc[P];
+      dw.read(i, acc);
+      pack_store<kWhole, float, P>(part + offset[i], pack_round<float, P>(acc), count[i], part_vector);
+    }
+  }
+}
+
+// ---- long rows -----------------------------------------------------------------------------------
 
 // Pack index of slot i of this thread in chunk c (K packs per thread per chunk).
 template <int K>
 __device__ __forceinline__ int64_t pack_index(int c, int i) {
   return (int64_t{c} * K + i) * blockDim.x + threadIdx.x;
-}
-
-// Elements of pack k present in a row of `hidden` (0 past the end).
-template <int P>
-__device__ __forceinline__ int64_t pack_count(int64_t k, int64_t hidden) {
-  const int64_t left = hidden - k * P;
-  return left <= 0 ? 0 : (left < P ? left : P);
-}
-
-// Sum of v over the block with a single __syncthreads (common.cuh's block_sum takes two) and the
-// same bits as block_sum: each warp's shfl_down tree lands in sums[warp], then every thread adds the
-// warp sums with the 32-lane tree block_sum's warp 0 applies to them (warps past the block count as
-// 0; with <= 16 warps its offset-16 step adds 0 to each of the first 16 values, kept as "+ 0.0f").
-// Every thread must call it. `sums` may be written again only once every thread has read it:
-// callers alternate two buffers on consecutive calls (the __syncthreads of the call in between
-// orders the reads of one before the writes of the next).
-__device__ __forceinline__ float block_sum_once(float v, float* sums) {
-  static_assert(kNormMaxWarps == 16, "the tree below is written for 16 warp sums");
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  const int n_warps = blockDim.x / kWarpSize;
-  v = warp_sum(v);
-  if (lane == 0) sums[warp] = v;
-  __syncthreads();
-  float t[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) t[i] = (i < n_warps ? sums[i] : 0.0f) + 0.0f;  // offset 16
-#pragma unroll
-  for (int i = 0; i < 8; ++i) t[i] += t[i + 8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) t[i] += t[i + 4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) t[i] += t[i + 2];
-  return t[0] + t[1];
-}
-
-// ---- the shared-memory ring of the one-chunk rows ----------------------------------------------
-// Thread t's word j of ring stage s is ring[(s * words + j) * blockDim.x + t] (16 bytes; consecutive
-// threads, consecutive words: no bank conflicts). A thread reads only the words it wrote itself, so
-// its own cp.async.wait_group orders the copies before the reads (no block barrier).
-
-// 16 bytes global -> shared, bypassing L1 (.cg): the rows are read once.
-__device__ __forceinline__ void ring_copy16(uint4* dst, const void* src) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src) : "memory");
-}
-__device__ __forceinline__ void ring_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most `pending` (< kNormMaxStages) of this thread's latest cp.async groups are in flight.
-__device__ __forceinline__ void ring_wait(int pending) {
-  static_assert(kNormMaxStages == 4, "one case per possible pending count");
-  switch (pending) {
-    case 1:
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-      break;
-    case 2:
-      asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-      break;
-    case 3:
-      asm volatile("cp.async.wait_group 3;\n" ::: "memory");
-      break;
-    default:
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      break;
-  }
-}
-
-// Starts loading one pack (`count` <= N elements of src, zeros past count) into this thread's ring
-// words dst[0], dst[blockDim.x], ...: cp.async for a full pack when `vector` (16-byte aligned src),
-// else an element-wise load stored at once (unaligned rows, a row's last pack): the same words.
-template <typename E, int N>
-__device__ __forceinline__ void ring_load(uint4* dst, const E* __restrict__ src, int64_t count, bool vector) {
-  constexpr int kWords = N * static_cast<int>(sizeof(E)) / 16;
-  static_assert(kWords * 16 == N * static_cast<int>(sizeof(E)), "a pack is whole 16-byte words");
-  if (vector && count == N) {
-#pragma unroll
-    for (int v = 0; v < kWords; ++v) ring_copy16(dst + v * blockDim.x, reinterpret_cast<const uint4*>(src) + v);
-  } else {
-    E e[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) e[i] = i < count ? src[i] : from_float<E>(0.0f);
-    uint4 words[kWords];
-    std::memcpy(words, e, sizeof(e));
-#pragma unroll
-    for (int v = 0; v < kWords; ++v) dst[v * blockDim.x] = words[v];
-  }
-}
-
-// One pack of this thread's ring words as fp32: load_floats' values (fill 0) bit for bit.
-template <typename E, int N>
-__device__ __forceinline__ void ring_read(const uint4* src, float (&out)[N]) {
-  constexpr int kWords = N * static_cast<int>(sizeof(E)) / 16;
-  uint4 words[kWords];
-#pragma unroll
-  for (int v = 0; v < kWords; ++v) words[v] = src[v * blockDim.x];
-  E e[N];
-  std::memcpy(e, words, sizeof(e));
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(e[i]);
-}
-
-// The software pipeline of the one-chunk rows [first, last), loads `stages - 1` rows ahead in a ring
-// of `stages` (2..kNormMaxStages) stages. issue(stage, row) starts a row's copies into a stage;
-// process(stage, row) consumes it. Each row is one cp.async group (an empty one past `last`), so that
-// "the row's group landed" is always "at most stages - 1 groups pending". A stage is refilled one
-// iteration after its row was processed, by the same thread that read it.
-// ring_prologue issues the first stages - 1 rows; ring_rows then walks the rows in order, issuing
-// row + stages - 1 before waiting for and processing `row`.
-template <typename Issue>
-__device__ __forceinline__ void ring_prologue(int64_t first, int64_t last, int stages, Issue&& issue) {
-  for (int d = 0; d + 1 < stages; ++d) {
-    if (first + d < last) issue(d, first + d);
-    ring_commit();
-  }
-}
-
-template <typename Issue, typename Process>
-__device__ __forceinline__ void ring_rows(int64_t first, int64_t last, int stages, Issue&& issue, Process&& process) {
-#pragma unroll 1
-  for (int j = 0; first + j < last; ++j) {
-    const int64_t ahead = first + j + stages - 1;
-    if (ahead < last) issue((j + stages - 1) % stages, ahead);
-    ring_commit();
-    ring_wait(stages - 1);
-    process(j % stages, first + j);
-  }
 }
 
 // s = x + residual rounded to T (or x), one pack.
@@ -221,18 +499,7 @@ __device__ __forceinline__ void load_s(const T* x, const T* residual, int64_t co
   }
 }
 
-// The fp32 weight factor w' of one pack: w, or 1 + w for Gemma.
-template <typename W, int P>
-__device__ __forceinline__ void load_weight_factor(const W* weight, int64_t count, bool vector, bool gemma,
-                                                   float (&w)[P]) {
-  load_floats<P>(weight, count, vector, w, 0.0f);
-  if (gemma) {
-#pragma unroll
-    for (int i = 0; i < P; ++i) w[i] = 1.0f + w[i];
-  }
-}
-
-// This thread's w' of chunk c (K packs), fp32.
+// This thread's w' of chunk c (K packs), fp32: w, or 1 + w for Gemma (0 past the row).
 template <typename W, int K, int P>
 __device__ __forceinline__ void load_weight_factors(const W* weight, int c, int64_t hidden, bool gemma,
                                                     float (&w)[K][P]) {
@@ -240,343 +507,169 @@ __device__ __forceinline__ void load_weight_factors(const W* weight, int c, int6
 #pragma unroll
   for (int i = 0; i < K; ++i) {
     const int64_t k = pack_index<K>(c, i);
-    load_weight_factor<W, P>(weight + k * P, pack_count<P>(k, hidden), vector, gemma, w[i]);
-  }
-}
-
-// y of one pack from s (fp32, already rounded to T), w' and rstd.
-template <typename T, typename Y, int P>
-__device__ __forceinline__ void store_y(Y* y, const float (&w)[P], const float (&s)[P], float rstd, int64_t count,
-                                        bool vector, bool gemma) {
-  float out[P];
+    load_floats<P>(weight + k * P, pack_count<P>(k, hidden), vector, w[i], 0.0f);
+    if (gemma) {
 #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const float n = s[i] * rstd;
-    out[i] = gemma ? n * w[i] : w[i] * round_to<T>(n);
+      for (int e = 0; e < P; ++e) w[i][e] = 1.0f + w[i][e];
+    }
   }
-  store_floats<P>(y, count, vector, out);
 }
 
-// Pointers of one forward row, and whether 16-byte accesses are allowed on all of them.
-template <typename T, typename Y>
-struct FwdRow {
-  const T* x;
-  const T* res;
-  T* s;
-  Y* y;
-  bool vector;
-};
-
-template <typename T, typename Y>
-__device__ __forceinline__ FwdRow<T, Y> fwd_row(const T* x, const T* residual, T* residual_out, Y* out, int64_t row,
-                                                int64_t hidden, bool base_vector) {
-  const int64_t base = row * hidden;
-  FwdRow<T, Y> r{x + base, residual ? residual + base : nullptr, residual_out ? residual_out + base : nullptr,
-                 out + base, false};
-  r.vector = base_vector && aligned16(r.x) && aligned16(r.res) && aligned16(r.s) && aligned16(r.y);
-  return r;
-}
-
-// Grid: ceil(N / kNormFwdRows) blocks; norm_threads(H, P, kNormPacks) threads; n_chunks = norm_chunks(...).
-// Block b handles rows [b * kNormFwdRows, min(N, (b + 1) * kNormFwdRows)), one after another.
-// residual / residual_out: both null (unfused) or both set. stages > 0 (one-chunk rows only): the
-// pipelined path, `stages` ring stages of fwd_ring_words(residual) words per thread in dynamic shared
-// memory; stages = 0: the plain path (any number of chunks, no dynamic shared memory; the same arithmetic).
-// At most 64 registers (two blocks of 512 threads per SM, four of 256).
+// Grid: ceil(N / kNormLongFwdRows) blocks; norm_threads(H, P, kNormLongPacks) threads; n_chunks = norm_chunks(...).
+// Block b handles rows [b * kNormLongFwdRows, min(N, (b + 1) * kNormLongFwdRows)), one after another: the sum
+// of squares over all chunks, then y chunk by chunk (x and residual read again).
 template <typename T, typename W, typename Y>
-__global__ void __launch_bounds__(kNormMaxThreads, 2)
-    rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, const T* __restrict__ residual,
-                        Y* __restrict__ out, T* __restrict__ residual_out, float* __restrict__ rstd_out,
-                        int64_t n_rows, int64_t hidden, float eps, bool gemma, int n_chunks, int stages) {
+__global__ void __launch_bounds__(kNormMaxThreads)
+    rms_norm_fwd_long_kernel(const T* __restrict__ x, const W* __restrict__ weight, const T* __restrict__ residual,
+                             Y* __restrict__ out, T* __restrict__ residual_out, float* __restrict__ rstd_out,
+                             int64_t n_rows, int64_t hidden, float eps, bool gemma, int n_chunks) {
   constexpr int P = kPack<T>;
-  constexpr int K = kNormPacks;
-  const int64_t first = int64_t{blockIdx.x} * kNormFwdRows;
-  const int64_t last = min(n_rows, first + kNormFwdRows);
-  const bool base_vector = aligned16(weight);
-  __shared__ float warp_sums[2][kNormMaxWarps];  // block_sum_once buffers, alternated row by row
-
-  if (stages == 0) {
-    // Plain path: the sum of squares over all chunks, then y chunk by chunk (x and residual read again).
-    for (int64_t row = first; row < last; ++row) {
-      const FwdRow<T, Y> r = fwd_row<T, Y>(x, residual, residual_out, out, row, hidden, base_vector);
-      float sum_sq = 0.0f;
-      for (int c = 0; c < n_chunks; ++c) {
-#pragma unroll
-        for (int i = 0; i < K; ++i) {
-          const int64_t k = pack_index<K>(c, i);
-          const int64_t count = pack_count<P>(k, hidden);
-          float s[P];
-          load_s<T, P>(r.x + k * P, r.res ? r.res + k * P : nullptr, count, r.vector, s);
-          if (r.s != nullptr && count > 0) store_floats<P>(r.s + k * P, count, r.vector, s);
-#pragma unroll
-          for (int e = 0; e < P; ++e) sum_sq += s[e] * s[e];  // lanes past the row are 0
-        }
-      }
-      const float rstd =
-          rsqrtf(block_sum_once(sum_sq, warp_sums[(row - first) & 1]) / static_cast<float>(hidden) + eps);
-      for (int c = 0; c < n_chunks; ++c) {
-        float w[K][P];
-        load_weight_factors<W, K, P>(weight, c, hidden, gemma, w);
-#pragma unroll
-        for (int i = 0; i < K; ++i) {
-          const int64_t k = pack_index<K>(c, i);
-          const int64_t count = pack_count<P>(k, hidden);
-          if (count == 0) continue;
-          float s[P];
-          load_s<T, P>(r.x + k * P, r.res ? r.res + k * P : nullptr, count, r.vector, s);
-          store_y<T, Y, P>(r.y + k * P, w[i], s, rstd, count, r.vector, gemma);
-        }
-      }
-      if (threadIdx.x == 0) rstd_out[row] = rstd;
-    }
-    return;
-  }
-
-  // Pipelined one-chunk rows: ring words [0, K) hold x's packs, [K, 2K) residual's.
-  extern __shared__ uint4 norm_ring[];
-  const int words = fwd_ring_words(residual != nullptr);
-  const int stride = blockDim.x;
-  float w[K][P];
-  load_weight_factors<W, K, P>(weight, 0, hidden, gemma, w);
-  const auto issue = [&](int stage, int64_t row) {
-    const FwdRow<T, Y> r = fwd_row<T, Y>(x, residual, residual_out, out, row, hidden, base_vector);
-    uint4* slot = norm_ring + int64_t{stage} * words * stride + threadIdx.x;
-#pragma unroll
-    for (int i = 0; i < K; ++i) {
-      const int64_t k = pack_index<K>(0, i);
-      const int64_t count = pack_count<P>(k, hidden);
-      ring_load<T, P>(slot + i * stride, r.x + k * P, count, r.vector);
-      if (r.res != nullptr) ring_load<T, P>(slot + (K + i) * stride, r.res + k * P, count, r.vector);
-    }
-  };
-  const auto process = [&](int stage, int64_t row) {
-    const FwdRow<T, Y> r = fwd_row<T, Y>(x, residual, residual_out, out, row, hidden, base_vector);
-    const uint4* slot = norm_ring + int64_t{stage} * words * stride + threadIdx.x;
-    float s[K][P];
+  constexpr int K = kNormLongPacks;
+  const int64_t first = int64_t{blockIdx.x} * kNormLongFwdRows;
+  const int64_t last = min(n_rows, first + kNormLongFwdRows);
+  __shared__ float warp_sums[2][kNormMaxWarps];  // row_sum buffers, alternated row by row
+  for (int64_t row = first; row < last; ++row) {
+    const int64_t base = row * hidden;
+    const T* xr = x + base;
+    const T* rr = residual != nullptr ? residual + base : nullptr;
+    T* sr = residual_out != nullptr ? residual_out + base : nullptr;
+    Y* yr = out + base;
+    const bool vector = aligned16(weight) && aligned16(xr) && aligned16(rr) && aligned16(sr) && aligned16(yr);
     float sum_sq = 0.0f;
+    for (int c = 0; c < n_chunks; ++c) {
 #pragma unroll
-    for (int i = 0; i < K; ++i) {
-      const int64_t k = pack_index<K>(0, i);
-      const int64_t count = pack_count<P>(k, hidden);
-      ring_read<T, P>(slot + i * stride, s[i]);
-      if (r.res != nullptr) {
-        float res[P];
-        ring_read<T, P>(slot + (K + i) * stride, res);
+      for (int i = 0; i < K; ++i) {
+        const int64_t k = pack_index<K>(c, i);
+        const int64_t count = pack_count<P>(k, hidden);
+        float v[P];
+        load_s<T, P>(xr + k * P, rr ? rr + k * P : nullptr, count, vector, v);
+        if (sr != nullptr && count > 0) store_floats<P>(sr + k * P, count, vector, v);
 #pragma unroll
-        for (int e = 0; e < P; ++e) s[i][e] = round_to<T>(s[i][e] + res[e]);
-        if (count > 0) store_floats<P>(r.s + k * P, count, r.vector, s[i]);
+        for (int e = 0; e < P; ++e) sum_sq += v[e] * v[e];  // values past the row are 0
       }
-#pragma unroll
-      for (int e = 0; e < P; ++e) sum_sq += s[i][e] * s[i][e];  // lanes past the row are 0
     }
     const float rstd =
-        rsqrtf(block_sum_once(sum_sq, warp_sums[(row - first) & 1]) / static_cast<float>(hidden) + eps);
+        rsqrtf(row_sum(sum_sq, blockDim.x, warp_sums[(row - first) & 1]) / static_cast<float>(hidden) + eps);
+    for (int c = 0; c < n_chunks; ++c) {
+      float w[K][P];
+      load_weight_factors<W, K, P>(weight, c, hidden, gemma, w);
 #pragma unroll
-    for (int i = 0; i < K; ++i) {
-      const int64_t k = pack_index<K>(0, i);
-      const int64_t count = pack_count<P>(k, hidden);
-      if (count > 0) store_y<T, Y, P>(r.y + k * P, w[i], s[i], rstd, count, r.vector, gemma);
+      for (int i = 0; i < K; ++i) {
+        const int64_t k = pack_index<K>(c, i);
+        const int64_t count = pack_count<P>(k, hidden);
+        if (count == 0) continue;
+        float v[P], y[P];
+        load_s<T, P>(xr + k * P, rr ? rr + k * P : nullptr, count, vector, v);
+#pragma unroll
+        for (int e = 0; e < P; ++e) {
+          const float n = v[e] * rstd;
+          y[e] = gemma ? n * w[i][e] : w[i][e] * round_to<T>(n);
+        }
+        store_floats<P>(yr + k * P, count, vector, y);
+      }
     }
     if (threadIdx.x == 0) rstd_out[row] = rstd;
-  };
-  ring_prologue(first, last, stages, issue);
-  ring_rows(first, last, stages, issue, process);
-}
-
-// This thread's part of sum_h g_n * n over one pack of fp32 g, s and w'.
-template <int P>
-__device__ __forceinline__ float pack_dot(const float (&g)[P], const float (&s)[P], const float (&w)[P], float rstd,
-                                          float dot) {
-#pragma unroll
-  for (int e = 0; e < P; ++e) dot += (g[e] * w[e]) * (s[e] * rstd);
-  return dot;
-}
-
-// grad_s of one pack of one row from fp32 g, s, w' (and grad_residual when has_gres); adds g * m to dw.
-template <typename T, int P>
-__device__ __forceinline__ void pack_grad(const float (&g)[P], const float (&s)[P], const float (&w)[P],
-                                          const float (&gres)[P], bool has_gres, float rstd, float coef, bool gemma,
-                                          bool want_dw, float (&gs)[P], float (&dw)[P]) {
-#pragma unroll
-  for (int e = 0; e < P; ++e) {
-    const float n = s[e] * rstd;
-    const float g_n = g[e] * w[e];
-    float v = rstd * (g_n - n * coef);
-    if (has_gres) v += gres[e];
-    gs[e] = v;
-    if (want_dw) dw[e] += g[e] * (gemma ? n : round_to<T>(n));
   }
 }
 
-// Pointers of one backward row, and whether 16-byte accesses are allowed on all of them.
-template <typename T, typename G>
-struct BwdRow {
-  const G* g;
-  const T* s;
-  const T* gres;
-  T* gin;
-  bool vector;
-};
-
-template <typename T, typename G>
-__device__ __forceinline__ BwdRow<T, G> bwd_row(const G* grad_out, const T* s, const T* grad_residual, T* grad_input,
-                                                int64_t row, int64_t hidden, bool base_vector) {
-  const int64_t base = row * hidden;
-  BwdRow<T, G> r{grad_out + base, s + base, grad_residual ? grad_residual + base : nullptr, grad_input + base, false};
-  r.vector = base_vector && aligned16(r.g) && aligned16(r.s) && aligned16(r.gres) && aligned16(r.gin);
-  return r;
-}
-
-// Grid: ceil(N / rows_per_block) blocks; norm_threads(H, P, kNormPacks) threads; n_chunks = norm_chunks(...).
-// Block b handles rows [b * rows_per_block, min(N, (b + 1) * rows_per_block)), one after another.
-// grad_residual may be null; partials ([gridDim.x, H] fp32) is null when grad_weight is not wanted.
-// stages > 0 (one-chunk rows only): the pipelined path, `stages` ring stages of
-// bwd_ring_words<T, G>(grad_residual) words per thread in dynamic shared memory; stages = 0: the
-// plain path (any number of chunks, no dynamic shared memory; the same arithmetic).
+// Grid: ceil(N / rows_per_block) blocks; norm_threads(H, P, kNormLongPacks) threads; n_chunks = norm_chunks(...).
+// Block b handles rows [b * rows_per_block, min(N, (b + 1) * rows_per_block)): first each row's coefficient
+// mean(g_n * n) over all chunks, then chunk by chunk the gradients and that chunk's grad-weight partial
+// (grad_y and s read twice). grad_residual and partials as in rms_norm_bwd_kernel.
 template <typename T, typename W, typename G>
 __global__ void __launch_bounds__(kNormMaxThreads)
-    rms_norm_bwd_kernel(const G* __restrict__ grad_out, const T* __restrict__ s, const W* __restrict__ weight,
-                        const float* __restrict__ rstd, const T* __restrict__ grad_residual,
-                        T* __restrict__ grad_input, float* __restrict__ partials, int64_t n_rows, int64_t hidden,
-                        bool gemma, int rows_per_block, int n_chunks, int stages) {
+    rms_norm_bwd_long_kernel(const G* __restrict__ grad_out, const T* __restrict__ s, const W* __restrict__ weight,
+                             const float* __restrict__ rstd, const T* __restrict__ grad_residual,
+                             T* __restrict__ grad_input, float* __restrict__ partials, int64_t n_rows,
+                             int64_t hidden, bool gemma, int rows_per_block, int n_chunks) {
   constexpr int P = kPack<T>;
-  constexpr int K = kNormPacks;
+  constexpr int K = kNormLongPacks;
   const int64_t first = int64_t{blockIdx.x} * rows_per_block;
   const int64_t last = min(n_rows, first + rows_per_block);
   const bool want_dw = partials != nullptr;
   const bool has_gres = grad_residual != nullptr;
   float* part = want_dw ? partials + int64_t{blockIdx.x} * hidden : nullptr;
   const bool part_vector = aligned16(part);
-  const bool base_vector = aligned16(weight);
-  __shared__ float warp_sums[2][kNormMaxWarps];  // block_sum_once buffers, alternated row by row
-  __shared__ float row_values[kNormMaxRowsPerBlock];  // per row of the block: coef (plain) or rstd
+  __shared__ float warp_sums[2][kNormMaxWarps];       // row_sum buffers, alternated row by row
+  __shared__ float coefs[kNormMaxRowsPerBlock];        // per row of the block: mean(g_n * n)
 
-  if (stages == 0) {
-    // Plain path: first each row's coefficient mean(g_n * n) over all chunks, then chunk by chunk the
-    // gradients and that chunk's grad-weight partial (grad_y and s read twice).
-    for (int64_t row = first; row < last; ++row) {
-      const BwdRow<T, G> r = bwd_row<T, G>(grad_out, s, grad_residual, grad_input, row, hidden, base_vector);
-      const float rs = rstd[row];
-      float dot = 0.0f;
-      for (int c = 0; c < n_chunks; ++c) {
-        float w[K][P];
-        load_weight_factors<W, K, P>(weight, c, hidden, gemma, w);
-#pragma unroll
-        for (int i = 0; i < K; ++i) {
-          const int64_t k = pack_index<K>(c, i);
-          const int64_t count = pack_count<P>(k, hidden);
-          float g[P], sv[P];
-          load_floats<P>(r.g + k * P, count, r.vector, g, 0.0f);
-          load_floats<P>(r.s + k * P, count, r.vector, sv, 0.0f);
-          dot = pack_dot<P>(g, sv, w[i], rs, dot);
-        }
-      }
-      const float coef = block_sum_once(dot, warp_sums[(row - first) & 1]) / static_cast<float>(hidden);
-      if (threadIdx.x == 0) row_values[row - first] = coef;
-    }
-    __syncthreads();
+  for (int64_t row = first; row < last; ++row) {
+    const int64_t base = row * hidden;
+    const G* gr = grad_out + base;
+    const T* sr = s + base;
+    const bool vector = aligned16(weight) && aligned16(gr) && aligned16(sr);
+    const float rs = rstd[row];
+    float dot = 0.0f;
     for (int c = 0; c < n_chunks; ++c) {
       float w[K][P];
       load_weight_factors<W, K, P>(weight, c, hidden, gemma, w);
-      float dw[K][P] = {};
-      for (int64_t row = first; row < last; ++row) {
-        const BwdRow<T, G> r = bwd_row<T, G>(grad_out, s, grad_residual, grad_input, row, hidden, base_vector);
-        const float rs = rstd[row];
-        const float coef = row_values[row - first];
 #pragma unroll
-        for (int i = 0; i < K; ++i) {
-          const int64_t k = pack_index<K>(c, i);
-          const int64_t count = pack_count<P>(k, hidden);
-          if (count == 0) continue;
-          float g[P], sv[P], gres[P] = {}, gs[P];
-          load_floats<P>(r.g + k * P, count, r.vector, g, 0.0f);
-          load_floats<P>(r.s + k * P, count, r.vector, sv, 0.0f);
-          if (has_gres) load_floats<P>(r.gres + k * P, count, r.vector, gres, 0.0f);
-          pack_grad<T, P>(g, sv, w[i], gres, has_gres, rs, coef, gemma, want_dw, gs, dw[i]);
-          store_floats<P>(r.gin + k * P, count, r.vector, gs);
-        }
-      }
-      if (want_dw) {
+      for (int i = 0; i < K; ++i) {
+        const int64_t k = pack_index<K>(c, i);
+        const int64_t count = pack_count<P>(k, hidden);
+        float g[P], sv[P];
+        load_floats<P>(gr + k * P, count, vector, g, 0.0f);
+        load_floats<P>(sr + k * P, count, vector, sv, 0.0f);
 #pragma unroll
-        for (int i = 0; i < K; ++i) {
-          const int64_t k = pack_index<K>(c, i);
-          const int64_t count = pack_count<P>(k, hidden);
-          if (count > 0) store_floats<P>(part + k * P, count, part_vector, dw[i]);
-        }
+        for (int e = 0; e < P; ++e) dot += (g[e] * w[i][e]) * (sv[e] * rs);
       }
     }
-    return;
+    const float coef = row_sum(dot, blockDim.x, warp_sums[(row - first) & 1]) / static_cast<float>(hidden);
+    if (threadIdx.x == 0) coefs[row - first] = coef;
   }
-
-  // Pipelined one-chunk rows: ring words [0, K * GW) hold grad_y's packs (GW words each), then K of
-  // s, then K of grad_residual. The block's rstd values are read once, while the first rows load.
-  constexpr int GW = static_cast<int>(sizeof(G) / sizeof(T));
-  extern __shared__ uint4 norm_ring[];
-  const int words = bwd_ring_words<T, G>(has_gres);
-  const int stride = blockDim.x;
-  float w[K][P];
-  load_weight_factors<W, K, P>(weight, 0, hidden, gemma, w);
-  float dw[K][P] = {};
-  const auto issue = [&](int stage, int64_t row) {
-    const BwdRow<T, G> r = bwd_row<T, G>(grad_out, s, grad_residual, grad_input, row, hidden, base_vector);
-    uint4* slot = norm_ring + int64_t{stage} * words * stride + threadIdx.x;
-#pragma unroll
-    for (int i = 0; i < K; ++i) {
-      const int64_t k = pack_index<K>(0, i);
-      const int64_t count = pack_count<P>(k, hidden);
-      ring_load<G, P>(slot + i * GW * stride, r.g + k * P, count, r.vector);
-      ring_load<T, P>(slot + (K * GW + i) * stride, r.s + k * P, count, r.vector);
-      if (has_gres) ring_load<T, P>(slot + (K * GW + K + i) * stride, r.gres + k * P, count, r.vector);
-    }
-  };
-  const auto process = [&](int stage, int64_t row) {
-    const BwdRow<T, G> r = bwd_row<T, G>(grad_out, s, grad_residual, grad_input, row, hidden, base_vector);
-    const uint4* slot = norm_ring + int64_t{stage} * words * stride + threadIdx.x;
-    const float rs = row_values[row - first];
-    float dot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < K; ++i) {
-      float g[P], sv[P];
-      ring_read<G, P>(slot + i * GW * stride, g);
-      ring_read<T, P>(slot + (K * GW + i) * stride, sv);
-      dot = pack_dot<P>(g, sv, w[i], rs, dot);
-    }
-    const float coef = block_sum_once(dot, warp_sums[(row - first) & 1]) / static_cast<float>(hidden);
-    // g and s are read from the ring again (the same words) rather than kept across the reduction.
-#pragma unroll
-    for (int i = 0; i < K; ++i) {
-      const int64_t k = pack_index<K>(0, i);
-      const int64_t count = pack_count<P>(k, hidden);
-      if (count == 0) continue;
-      float g[P], sv[P], gres[P] = {}, gs[P];
-      ring_read<G, P>(slot + i * GW * stride, g);
-      ring_read<T, P>(slot + (K * GW + i) * stride, sv);
-      if (has_gres) ring_read<T, P>(slot + (K * GW + K + i) * stride, gres);
-      pack_grad<T, P>(g, sv, w[i], gres, has_gres, rs, coef, gemma, want_dw, gs, dw[i]);
-      store_floats<P>(r.gin + k * P, count, r.vector, gs);
-    }
-  };
-  ring_prologue(first, last, stages, issue);
-  for (int64_t i = threadIdx.x; i < last - first; i += blockDim.x) row_values[i] = rstd[first + i];
   __syncthreads();
-  ring_rows(first, last, stages, issue, process);
-  if (want_dw) {
+  for (int c = 0; c < n_chunks; ++c) {
+    float w[K][P];
+    load_weight_factors<W, K, P>(weight, c, hidden, gemma, w);
+    float dw[K][P] = {};
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t base = row * hidden;
+      const G* gr = grad_out + base;
+      const T* sr = s + base;
+      const T* rr = has_gres ? grad_residual + base : nullptr;
+      T* ir = grad_input + base;
+      const bool vector = aligned16(gr) && aligned16(sr) && aligned16(rr) && aligned16(ir);
+      const float rs = rstd[row];
+      const float coef = coefs[row - first];
 #pragma unroll
-    for (int i = 0; i < K; ++i) {
-      const int64_t k = pack_index<K>(0, i);
-      const int64_t count = pack_count<P>(k, hidden);
-      if (count > 0) store_floats<P>(part + k * P, count, part_vector, dw[i]);
+      for (int i = 0; i < K; ++i) {
+        const int64_t k = pack_index<K>(c, i);
+        const int64_t count = pack_count<P>(k, hidden);
+        if (count == 0) continue;
+        float g[P], n[P], r[P] = {}, gs[P];
+        load_floats<P>(gr + k * P, count, vector, g, 0.0f);
+        load_floats<P>(sr + k * P, count, vector, n, 0.0f);
+        if (has_gres) load_floats<P>(rr + k * P, count, vector, r, 0.0f);
+#pragma unroll
+        for (int e = 0; e < P; ++e) {
+          n[e] *= rs;
+          gs[e] = rs * (g[e] * w[i][e] - n[e] * coef);
+          if (has_gres) gs[e] += r[e];
+          if (want_dw) dw[i][e] += g[e] * (gemma ? n[e] : round_to<T>(n[e]));
+        }
+        store_floats<P>(ir + k * P, count, vector, gs);
+      }
+    }
+    if (want_dw) {
+#pragma unroll
+      for (int i = 0; i < K; ++i) {
+        const int64_t k = pack_index<K>(c, i);
+        const int64_t count = pack_count<P>(k, hidden);
+        if (count > 0) store_floats<P>(part + k * P, count, part_vector, dw[i]);
+      }
     }
   }
 }
+
+// ---- grad-weight partial sum ---------------------------------------------------------------------
 
 constexpr int kSumColumns = 32;  // columns of one sum block (threadIdx.x)
 constexpr int kSumGroups = 32;   // row groups of one sum block (threadIdx.y)
 
 // grad_w[h] = sum_p partials[p, h], rounded once to W. Block (kSumColumns, kSumGroups); grid
 // ceil(H / kSumColumns). Thread (x, y) adds rows p = y, y + 32, y + 64, ... in order; then the
-// 32 group sums are added in order 0..31. The order depends on P only. 32 groups of 32 columns
-// (1024 threads per block, each with up to 8 independent loads in flight: the loop is unrolled,
+// 32 group sums are added in order 0..31. The order depends on the partial count only. 32 groups of 32
+// columns (1024 threads per block, each with up to 8 independent loads in flight: the loop is unrolled,
 // the additions stay in order) read the partials near bandwidth; H = 4096 gives 128 blocks.
 template <typename W>
 __global__ void __launch_bounds__(kSumColumns* kSumGroups)

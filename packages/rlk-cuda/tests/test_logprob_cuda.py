@@ -129,11 +129,15 @@ def test_confident_rows_use_the_rounded_z(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_unaligned_rows_take_the_same_path_bitwise(dtype):
-    """A batch whose rows start at odd offsets (element-wise loads) gives the bits of aligned rows."""
-    x, targets, inv_t, grad_lp, grad_ent = make_inputs(6, 1031, dtype, seed=5)
-    storage = torch.empty(6 * 1031 + 1, dtype=dtype, device="cuda")
-    shifted = storage[1:].view(6, 1031)
+@pytest.mark.parametrize("v", [1031, 8192, 10007])
+def test_unaligned_rows_take_the_same_path_bitwise(dtype, v):
+    """A batch whose rows start at odd offsets (element-wise loads) gives the bits of aligned rows. V = 8192:
+    the contiguous rows take the all-aligned 16-bit kernels, the shifted ones the per-row-checked kernels;
+    V = 1031 and 10007 (odd): rows of both tensors are misaligned, 10007 long enough for the main loop's
+    element-wise loads, not only the tail."""
+    x, targets, inv_t, grad_lp, grad_ent = make_inputs(6, v, dtype, seed=5)
+    storage = torch.empty(6 * v + 1, dtype=dtype, device="cuda")
+    shifted = storage[1:].view(6, v)
     shifted.copy_(x)
     a = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
     b = run(_cuda(), shifted, targets, inv_t, grad_lp, grad_ent)

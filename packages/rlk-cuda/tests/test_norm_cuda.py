@@ -123,8 +123,12 @@ def test_matches_reference(case, n, h):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_unaligned_rows_give_the_same_bits(dtype):
-    x, w, r, gy, gres = make_inputs(6, 1031, dtype, None, False, True, seed=3)
+@pytest.mark.parametrize("h", [1031, 4096])
+def test_unaligned_rows_give_the_same_bits(dtype, h):
+    """Rows starting one element into an allocation give the bits of aligned rows. H = 1031: both tensors'
+    rows are misaligned (odd H); H = 4096: the aligned tensor takes the kernels' aligned variant, the shifted
+    one the element-wise variant."""
+    x, w, r, gy, gres = make_inputs(6, h, dtype, None, False, True, seed=3)
 
     def shifted(t):
         buf = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")

@@ -2,9 +2,10 @@
 
 Covers: selected_logprob fwd / bwd for fp32, fp16, bf16, with and without entropy, ignored rows,
 vocab sizes that are not pack multiples, unaligned row starts; rms_norm fwd / bwd for every
-(x, weight, y) dtype triple, fused and unfused, Gemma, with and without grad_weight, one-chunk and
-chunked rows, unaligned rows; linear_logprob fwd / bwd for fp16 and bf16 (tensor-core path), with and
-without entropy, each gradient optional, ignored rows, N / V not multiples of the 128-wide tiles, several
+(x, weight, y) dtype triple, fused and unfused, Gemma, with and without grad_weight, rows in registers
+(whole and partial packs, teams of a few lanes, one warp, several warps) and chunked rows, unaligned
+rows; linear_logprob fwd / bwd for fp16 and bf16 (tensor-core path), with and without entropy, each
+gradient optional, ignored rows, N / V not multiples of the 128-wide tiles, several
 vocab splits / chunks with a ragged last one, H = 36 (padded by the primitive), unaligned views. Run with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 so every tensor is its own allocation and an out-of-bounds access lands
 outside it. Exits non-zero if a result is not finite
@@ -40,7 +41,7 @@ def unaligned(t: torch.Tensor) -> torch.Tensor:
 def logprob_cases() -> int:
     bad = 0
     for dtype in DTYPES:
-        for n, v in ((1, 1), (3, 7), (5, 300), (4, 2053)):
+        for n, v in ((1, 1), (3, 7), (5, 300), (4, 2053), (3, 8192), (2, 10007)):
             for shift in (False, True):
                 x = (torch.randn(n, v, device="cuda") * 3).to(dtype)
                 x = unaligned(x) if shift else x
@@ -66,8 +67,10 @@ def norm_cases() -> int:
         for w_dtype in (dtype, torch.float32):
             for gemma in (False, True):
                 y_dtype = dtype if gemma else torch.promote_types(dtype, w_dtype)
-                # 9000 / 20000 columns: more than one chunk (backward / forward) for 16-bit and fp32 rows
-                for n, h in ((1, 1), (3, 7), (17, 1000), (5, 9000), (3, 20000)):
+                # 64 / 1024 / 8192 columns: register kernels on whole packs (rows of a few lanes, of one warp,
+                # of several warps; the 8192-column backward block opts into > 48 KiB of shared memory for
+                # 16-bit x); 1 / 7 / unaligned 1000: partial packs; 9000 / 20000 columns: the chunked kernels
+                for n, h in ((1, 1), (3, 7), (33, 64), (6, 1024), (5, 8192), (17, 1000), (5, 9000), (3, 20000)):
                     for fused in (False, True):
                         x = torch.randn(n, h, device="cuda").to(dtype)
                         x = unaligned(x) if h == 1000 else x

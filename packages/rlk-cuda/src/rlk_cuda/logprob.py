@@ -10,6 +10,10 @@ The math is the spec in :mod:`rlk.reference.logprob`. Per row, ``z = logits * in
 One block of 256 threads per row; the forward reads the logits once (online max / sum-exp over 16-byte
 packs), the backward reads them once more and writes the gradient once. Rows whose target equals
 ``ignore_index`` are not read: their outputs (and their lse, which the ABI leaves unspecified) are 0.
+fp32 logits use accurate ``expf``; bf16 / fp16 logits take kernels built for few instructions per element
+(the max of 32 values per step on the packed 16-bit words, ``exp`` as one FMA plus one ``ex2.approx``
+in log2 units; details in ``csrc/logprob.cuh``), and a variant without the element-wise load path where
+every row starts 16-byte aligned (the same bits either way).
 
 ``linear_logprob`` (float16 / bfloat16 only; float32 is declined by the backend's ``supports`` and falls
 through to triton): logits ``hidden @ weight.T`` are never materialized. Forward: blocks of 128 rows x one

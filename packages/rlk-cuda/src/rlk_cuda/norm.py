@@ -8,12 +8,14 @@ The math is the spec in :mod:`rlk.reference.norm`. Per row of ``H`` elements::
     grad_s = rstd * (g_n - n * mean(g_n * n)) (+ grad_residual),  g_n = grad_y * w  (or 1 + w),  n = s * rstd
     grad_w = sum over rows of grad_y * n.to(x.dtype)  (gemma: grad_y * n), fp32
 
-Forward: one block per 8 consecutive rows; backward: one block per ``BWD_ROWS`` consecutive rows (a
-fixed partition, never derived from N) writing one fp32 grad-weight partial row each, then a
-fixed-order sum of the partials. Both walk their rows one at a time; rows of up to 8192 16-bit (4096
-fp32) values are pipelined, the next rows' loads in flight in a shared-memory ring filled with
-cp.async, with one pass over every input and one write of every output. Batch invariance: block
-sizes depend on H and the dtype only; per-row reductions run in a fixed order; no atomics.
+Forward: a team of threads per row (a function of H and the dtype: bf16 H = 4096 takes 128 threads, 32
+values each), each team walking 4 consecutive rows; backward: one block per ``BWD_ROWS`` consecutive rows
+(a fixed partition, never derived from N) writing one fp32 grad-weight partial row each, then a
+fixed-order sum of the partials. A row is loaded into registers with all its loads in flight at once,
+reduced over its team, and written from the same registers: one pass over every input, one write of
+every output (rows of more than 16384 16-bit / 8192 fp32 values forward, 8192 / 4096 backward, take a
+chunked kernel that reads the row twice). Batch invariance: thread layouts depend on H and the dtype
+only; per-row reductions run in a fixed order; no atomics.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from rlk_cuda._native import C, array, on_device, stream_of
 #: Rows per backward block (the grad-weight row partition), per input dtype, in [1, 256]. Read at every
 #: call, so a test or a sweep may override an entry; nothing here depends on the number of rows; a
 #: row's grad_input does not depend on it (grad_weight's summation order does). N = 16384 with 32 rows:
-#: 512 blocks (bf16 H = 4096: two resident per SM of an H200, about two waves), partials 512 x H fp32
-#: (1/16 of the bytes of a bf16 [N, H] tensor, written once and read once).
+#: 512 blocks (bf16 H = 4096: four resident per SM of an H200, so all 512 in one wave), partials 512 x H
+#: fp32 (1/16 of the bytes of a bf16 [N, H] tensor, written once and read once).
 BWD_ROWS: dict[torch.dtype, int] = {torch.float32: 32, torch.float16: 32, torch.bfloat16: 32}
 
 
