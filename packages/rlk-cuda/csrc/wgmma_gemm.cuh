@@ -1,7 +1,8 @@
 // A warp-specialized Hopper (sm_90a) tile GEMM with a caller-given epilogue: TMA loads into a 4-stage
 // mbarrier ring, one producer warpgroup, two consumer warpgroups issuing wgmma m64n256k16. Used by the
 // Hopper backward of linear_logprob (linear_logprob_wgmma.cu), whose three GEMMs differ only in operand
-// majorness and in what happens to the fp32 tile at the end.
+// majorness and in what happens to the fp32 tile at the end; the Hopper forward, which walks several
+// vocab tiles per block, shares its K step (consumer_step) and constants.
 //
 // One block computes one 128 x 256 tile of C = A B (C[m, n] = sum_k A[m, k] B[k, n], fp32 accumulation,
 // K in increasing 64-wide steps, the four k16 slices of a step in order: a fixed order whatever the problem
