@@ -343,6 +343,28 @@ __device__ __forceinline__ void store_pair(AccumulateMode mode, float* acc_buf, 
   }
 }
 
+// The mma.sync tile's accumulators -> out / acc_buf [rows, cols] (row-major, cols % 8 == 0) under `mode`,
+// for the tile at (row0, col0); rows / columns past the matrix are not stored. (The wgmma kernels' equivalent
+// is wgbwd::ChunkStoreEpilogue, on the other accumulator layout.)
+template <typename T>
+__device__ __forceinline__ void store_tile(const mma::Acc& acc, int64_t row0, int64_t col0, int64_t rows,
+                                           int64_t cols, AccumulateMode mode, float* acc_buf, T* out) {
+#pragma unroll
+  for (int mi = 0; mi < mma::kMT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + mma::acc_row(mi, 2 * h);
+      if (row >= rows) continue;
+#pragma unroll
+      for (int ni = 0; ni < mma::kNT; ++ni) {
+        const int64_t c = col0 + mma::acc_col(ni, 0);  // even, and cols % 8 == 0: c + 1 < cols when c < cols
+        if (c >= cols) continue;
+        store_pair<T>(mode, acc_buf, out, row * cols + c, float2{acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]});
+      }
+    }
+  }
+}
+
 // Host side (linear_logprob.cu), shared by the mma.sync and the wgmma backward: the argument checks (false:
 // nothing to compute) and the grad_hidden mode of chunk `chunk` of `n_chunks`.
 bool check_linear_bwd_args(const char* what, const void* hidden, const void* weight, int64_t n_rows, int64_t vocab,
@@ -372,20 +394,7 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
   const mma::Operand b{weight_chunk, hidden_size, k_rows, hidden_size};     // N-major: [k, H] row-major
   mma::Acc acc;
   mma::gemm_tile<T, true, false>(smem, a, row0, b, col0, k_cols, acc);
-#pragma unroll
-  for (int mi = 0; mi < mma::kMT; ++mi) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row0 + mma::acc_row(mi, 2 * h);
-      if (row >= n_rows) continue;
-#pragma unroll
-      for (int ni = 0; ni < mma::kNT; ++ni) {
-        const int64_t c = col0 + mma::acc_col(ni, 0);  // even, and H % 8 == 0: c + 1 < H when c < H
-        if (c >= hidden_size) continue;
-        store_pair<T>(mode, acc_buf, out, row * hidden_size + c, float2{acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]});
-      }
-    }
-  }
+  store_tile<T>(acc, row0, col0, n_rows, hidden_size, mode, acc_buf, out);
 }
 
 // grad_weight of one chunk: out[v_start + m, :] = sum_n G_c[n, m] * hidden[n, :] for m < k_rows, the sum over
@@ -410,21 +419,7 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
   const mma::Operand b{hidden, hidden_size, n_rows, hidden_size};  // N-major: B(n, h) at hidden[n * H + h]
   mma::Acc acc;
   mma::gemm_tile<T, false, false>(smem, a, m0, b, col0, n_rows, acc);
-#pragma unroll
-  for (int mi = 0; mi < mma::kMT; ++mi) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t m = m0 + mma::acc_row(mi, 2 * h);
-      if (m >= k_rows) continue;
-#pragma unroll
-      for (int ni = 0; ni < mma::kNT; ++ni) {
-        const int64_t c = col0 + mma::acc_col(ni, 0);
-        if (c >= hidden_size) continue;
-        store_pair<T>(AccumulateMode::kStore, nullptr, grad_weight_chunk, m * hidden_size + c,
-                      float2{acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]});
-      }
-    }
-  }
+  store_tile<T>(acc, m0, col0, k_rows, hidden_size, AccumulateMode::kStore, nullptr, grad_weight_chunk);
 }
 
 }  // namespace rlk_cuda

@@ -65,7 +65,6 @@ using wggemm::kBK;
 using wggemm::kBM;
 using wggemm::kBN;
 using wggemm::kConsumerRegs;
-using wggemm::kConsumers;
 using wggemm::kConsumerWarps;
 using wggemm::kProducerRegs;
 using wggemm::kRingBytes;

@@ -4,11 +4,11 @@ Covers: selected_logprob fwd / bwd for fp32, fp16, bf16, with and without entrop
 vocab sizes that are not pack multiples, unaligned row starts; rms_norm fwd / bwd for every
 (x, weight, y) dtype triple, fused and unfused, Gemma, with and without grad_weight, rows in registers
 (whole and partial packs, teams of a few lanes, one warp, several warps) and chunked rows, unaligned
-rows; linear_logprob fwd / bwd for fp16 and bf16 (tensor-core path), with and without entropy, each
-gradient optional, ignored rows, N / V not multiples of the 128-wide tiles, several
-vocab splits / chunks with a ragged last one, H = 36 (padded by the primitive), unaligned views. Run with
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 so every tensor is its own allocation and an out-of-bounds access lands
-outside it. Exits non-zero if a result is not finite
+rows; linear_logprob fwd / bwd for fp16 and bf16 on each kernel pair that can run (mma.sync; wgmma on
+sm_90a), with and without entropy, each gradient optional, ignored rows, N / V not multiples of the tiles,
+several vocab splits / chunks with a ragged last one, H = 36 (padded by the primitive), unaligned views.
+Run with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so every tensor is its own allocation and an out-of-bounds access
+lands outside it. Exits non-zero if a result is not finite
 where it must be (a cheap sanity check; the sanitizer does the real checking).
 """
 
@@ -38,6 +38,14 @@ def unaligned(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def row_inputs(n: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets in [0, v) with row 1 ignored (-100) when n >= 3, and inverse temperatures in [0.5, 1.5)."""
+    targets = torch.randint(0, v, (n,), device="cuda")
+    if n >= 3:
+        targets[1] = -100
+    return targets, torch.rand(n, device="cuda") + 0.5
+
+
 def logprob_cases() -> int:
     bad = 0
     for dtype in DTYPES:
@@ -45,10 +53,7 @@ def logprob_cases() -> int:
             for shift in (False, True):
                 x = (torch.randn(n, v, device="cuda") * 3).to(dtype)
                 x = unaligned(x) if shift else x
-                targets = torch.randint(0, v, (n,), device="cuda")
-                if n >= 3:
-                    targets[1] = -100
-                inv_t = torch.rand(n, device="cuda") + 0.5
+                targets, inv_t = row_inputs(n, v)
                 for entropy in (False, True):
                     lp, ent, lse = (torch.empty(n, device="cuda") for _ in range(3))
                     logprob.selected_logprob_fwd(x, targets, inv_t, -100, lp, ent if entropy else None, lse)
@@ -94,6 +99,14 @@ def norm_cases() -> int:
 
 
 def linear_logprob_cases() -> int:
+    """Every case on each kernel pair that can run here: mma.sync, and the Hopper (wgmma) pair on sm_90a."""
+    kernels = ["mma"] + (["wgmma"] if logprob.wgmma_problem(torch.device("cuda")) is None else [])
+    return sum(linear_logprob_cases_on(kernel) for kernel in kernels)
+
+
+def linear_logprob_cases_on(kernel: str) -> int:
+    fwd = getattr(logprob, f"linear_logprob_fwd_{kernel}")
+    bwd = getattr(logprob, f"linear_logprob_bwd_{kernel}")
     bad = 0
     for dtype in (torch.float16, torch.bfloat16):
         # (N, V, H): one tile; ragged rows / vocab and 2 chunks (8200 > 4096); padded H; 2 row tiles, 2 K steps
@@ -103,19 +116,16 @@ def linear_logprob_cases() -> int:
                 weight = (torch.randn(v, h, device="cuda") / h**0.5).to(dtype)
                 if shift:
                     hidden, weight = unaligned(hidden), unaligned(weight)
-                targets = torch.randint(0, v, (n,), device="cuda")
-                if n >= 3:
-                    targets[1] = -100
-                inv_t = torch.rand(n, device="cuda") + 0.5
+                targets, inv_t = row_inputs(n, v)
                 for entropy in (False, True):
                     lp, ent, lse = (torch.empty(n, device="cuda") for _ in range(3))
-                    logprob.linear_logprob_fwd(hidden, weight, targets, inv_t, -100, lp, ent if entropy else None, lse)
+                    fwd(hidden, weight, targets, inv_t, -100, lp, ent if entropy else None, lse)
                     g_lp, g_ent = torch.randn(2, n, device="cuda")
                     for want_h, want_w in ((True, True), (True, False), (False, True)):
                         gh = torch.empty_like(hidden) if want_h else None
                         gw = torch.empty_like(weight) if want_w else None
-                        logprob.linear_logprob_bwd(hidden, weight, targets, inv_t, lse, ent if entropy else None, g_lp,
-                                                   g_ent if entropy else None, -100, gh, gw)
+                        bwd(hidden, weight, targets, inv_t, lse, ent if entropy else None, g_lp,
+                            g_ent if entropy else None, -100, gh, gw)
                         torch.cuda.synchronize()
                         bad += int(want_h and not torch.isfinite(gh.float()).all())
                         bad += int(want_w and not torch.isfinite(gw.float()).all())
