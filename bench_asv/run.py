@@ -188,7 +188,7 @@ def markdown(rows: list[dict], ceilings: dict, env: dict) -> str:
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in rows:
-        impl = f"rlk ({r['backend']})" if r["impl"] == "rlk" else r["impl"]
+        impl = f"{r['impl']} ({r['backend']})" if r["backend"] else r["impl"]
         shape = " ".join(f"{k}={v}" for k, v in zip(r["shape_names"], r["shape"]))
         head = f"| {r['op']} | {impl} | {shape} | {r['option_name']}={r['option']} |"
         if r["status"] != "ok":

@@ -2,7 +2,7 @@
 # One full GPU session on the H200 (or any CUDA machine without internet): set up rlk from this
 # checkout, then run the requested steps, each logged under $OUT (default out/gpu).
 #   bash tools/h200_run.sh [setup] [info] [tests] [gputests] [parity] [bench] [sweep] [sweep_matmul]
-#                          [sweep_attention] [profile_policy_loss] [cuda] [consistency] [chain_bench] [demo] [launch] [bundle]
+#                          [sweep_attention] [sweep_policy_loss] [profile_policy_loss] [cuda] [consistency] [chain_bench] [demo] [launch] [bundle]
 # PARITY_OPS / BENCH_ONLY narrow the parity and bench steps (comma-separated ops; one --only key);
 # PARITY_ARGS adds arguments (e.g. --quick); PYTEST_ARGS replaces gputests' '-p no:xdist' (e.g. '-n 8'); STEP_TIMEOUT (seconds, default 590) bounds each step but setup.
 # `consistency` runs `rlk consistency` (CONSISTENCY_MODEL, default qwen3-8b-shape in bf16; CONSISTENCY_PROMPTS,
@@ -58,6 +58,7 @@ for step in "${steps[@]}"; do
     sweep)  run_step sweep python3 tools/sweep_linear.py ;;
     sweep_matmul) run_step sweep_matmul python3 tools/sweep_matmul.py ;;
     sweep_attention) run_step sweep_attention python3 tools/sweep_attention.py ;;
+    sweep_policy_loss) run_step sweep_policy_loss python3 tools/sweep_policy_loss.py ;;
     consistency) run_step consistency python3 -m rlk consistency --model "${CONSISTENCY_MODEL:-qwen3-8b-shape}" \
               --device cuda --prompts "${CONSISTENCY_PROMPTS:-8}" --out "$OUT/consistency" ;;
     chain_bench) run_step chain_bench python3 tools/bench_chain_forward.py --out "$OUT/chain_bench" ${CHAIN_BENCH_ARGS:-} ;;

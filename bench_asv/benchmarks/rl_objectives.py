@@ -4,9 +4,11 @@ Implementations (the ``impl`` parameter):
 
 * ``policy_loss`` fwd+bwd on ``[B, T]`` fp32 tokens, the PPO loss with verl's defaults (clip 0.2, dual
   clip 3.0, log-ratio clamped to +-20, token-mean) and its metrics (clip fraction, approx KL):
-  ``rlk``; ``torch_eager``, the composition RL code writes by hand; ``torch_compile``, the same through
-  ``torch.compile(dynamic=False)``. Bytes credited per step: ``B*T*(4+4+4+1)`` read (logprob,
-  old logprob, advantages, bool mask) and ``B*T*4`` written (the gradient).
+  ``rlk``, ``rlk.policy_loss`` + ``autograd.grad``; ``rlk_loss_and_grad``, ``rlk.policy_loss_and_grad``
+  (the same loss, metrics and gradient from one pass, no autograd); ``torch_eager``, the composition RL
+  code writes by hand; ``torch_compile``, the same through ``torch.compile(dynamic=False)``. Bytes
+  credited per step: ``B*T*(4+4+4+1)`` read (logprob, old logprob, advantages, bool mask) and
+  ``B*T*4`` written (the gradient).
 * ``gae`` on ``[B, T]`` fp32 (gamma 0.99, lambda 0.95), not differentiable: ``rlk``; ``python_loop``,
   the reverse loop over time with vectorized ``[B]`` steps that frameworks use; ``compiled_step``,
   the same loop whose body is ``torch.compile``'d (compiling the whole 8192-step loop would unroll it).
@@ -62,6 +64,12 @@ def rlk_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask:
     return loss, metrics["clip_fraction"], metrics["approx_kl"]
 
 
+def rlk_ppo_loss_and_grad(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor) -> tuple:
+    out = rlk.policy_loss_and_grad(logprob, old_logprob, advantages, mask, loss="ppo", clip_low=CLIP,
+                                   dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean")
+    return out.loss, out.grad_logprob, out.metrics["clip_fraction"], out.metrics["approx_kl"]
+
+
 def torch_gae_step(rewards_t: Tensor, values_t: Tensor, mask_t: Tensor, next_value: Tensor,
                    last_adv: Tensor) -> tuple[Tensor, Tensor]:
     """One reverse step of GAE over ``[B]`` vectors, masked positions carrying ``V_next`` and ``a``."""
@@ -105,17 +113,19 @@ class PolicyLossCase(CaseBase):
         logprob, self.old, self.advantages, self.mask = _token_inputs(*shape, gen)
         self.logprob = logprob.requires_grad_()
         self.work, self.unit = shape[0] * shape[1] * (4 + 4 + 4 + 1 + 4), "GB/s"
-        fn = rlk_ppo_loss if impl == "rlk" else torch_ppo_loss
+        fn = {"rlk": rlk_ppo_loss, "rlk_loss_and_grad": rlk_ppo_loss_and_grad}.get(impl, torch_ppo_loss)
         if impl == "torch_compile":
             torch.compiler.reset()
             fn = torch.compile(fn, dynamic=False)
-        elif impl not in ("rlk", "torch_eager"):
+        elif impl not in ("rlk", "rlk_loss_and_grad", "torch_eager"):
             raise ValueError(f"unknown impl {impl!r}")
-        self.fn = fn
-        self.decision = rlk.explain("policy_loss", self.logprob) if impl == "rlk" else None
+        self.fn, self.fused = fn, impl == "rlk_loss_and_grad"
+        self.decision = rlk.explain("policy_loss", self.logprob) if impl.startswith("rlk") else None
         self.step()
 
     def step(self) -> object:
+        if self.fused:
+            return self.fn(self.logprob, self.old, self.advantages, self.mask)[1]
         loss, *_ = self.fn(self.logprob, self.old, self.advantages, self.mask)
         return torch.autograd.grad(loss, self.logprob)
 
@@ -187,7 +197,7 @@ class PolicyLoss(_CaseSetup):
 
     op, case_type, shape_names = "policy_loss", PolicyLossCase, "BT"
     param_names = ["impl", "loss", "shape"]
-    params = [["rlk", "torch_eager", "torch_compile"], ["ppo"], TOKEN_SHAPES]
+    params = [["rlk", "rlk_loss_and_grad", "torch_eager", "torch_compile"], ["ppo"], TOKEN_SHAPES]
 
     def track_ms(self, impl: str, loss: str, shape: tuple[int, int]) -> float:
         return self.case.ms()

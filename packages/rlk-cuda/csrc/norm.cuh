@@ -374,7 +374,9 @@ struct BwdSlots {
 // handles rows [b * rows_per_block, min(N, (b + 1) * rows_per_block)), one after another. grad_residual may
 // be null; partials ([gridDim.x, H] fp32) is null when grad_weight is not wanted. hidden <= kNormMaxThreads *
 // kNormBwdPacks * P. kWhole as in the forward. At most 64 registers (two blocks of 512 threads per SM, four
-// of 256).
+// of 256). Every rounding of the per-element math is explicit (__fmul_rn / __fmaf_rn / __fadd_rn): the
+// compiler contracted the kWhole and element-wise instantiations differently for fp32 (H200: different
+// grad_input bits for aligned and shifted rows), and the intrinsics leave it no choice.
 template <typename T, typename W, typename G, bool kWhole>
 __global__ void __launch_bounds__(kNormMaxThreads, 2)
     rms_norm_bwd_kernel(const G* __restrict__ grad_out, const T* __restrict__ s, const W* __restrict__ weight,
@@ -436,7 +438,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 2)
       unpack<T, P>(sv[i], sf);
       w_factor.read(i, w);
 #pragma unroll
-      for (int e = 0; e < P; ++e) dot += (gv[e] * w[e]) * (sf[e] * rs);
+      for (int e = 0; e < P; ++e) dot = __fmaf_rn(__fmul_rn(gv[e], w[e]), __fmul_rn(sf[e], rs), dot);
     }
     const float coef = row_sum(dot, threads, warp_sums[(row - first) & 1]) / static_cast<float>(hidden);
 #pragma unroll
@@ -447,14 +449,14 @@ __global__ void __launch_bounds__(kNormMaxThreads, 2)
       w_factor.read(i, w);
 #pragma unroll
       for (int e = 0; e < P; ++e) {
-        n[e] *= rs;
-        gs[e] = rs * (gv[e] * w[e] - n[e] * coef);
+        n[e] = __fmul_rn(n[e], rs);
+        gs[e] = __fmul_rn(rs, __fmaf_rn(-n[e], coef, __fmul_rn(gv[e], w[e])));
       }
       if (has_gres) {
         float r[P];
         unpack<T, P>(gres[i], r);
 #pragma unroll
-        for (int e = 0; e < P; ++e) gs[e] += r[e];
+        for (int e = 0; e < P; ++e) gs[e] = __fadd_rn(gs[e], r[e]);
       }
       pack_store<kWhole, T, P>(ir + offset[i], pack_round<T, P>(gs), count[i], vector);
       if (want_dw) {
@@ -462,7 +464,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 2)
         float acc[P];
         dw.read(i, acc);
 #pragma unroll
-        for (int e = 0; e < P; ++e) acc[e] += gv[e] * n[e];
+        for (int e = 0; e < P; ++e) acc[e] = __fmaf_rn(gv[e], n[e], acc[e]);
         dw.write(i, acc);
       }
     }

@@ -51,8 +51,10 @@ pytestmark = [
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Rows of several BLOCK_T chunks (with a ragged last one) and a combine over several row chunks."""
+    """Rows of several BLOCK_T chunks (with a ragged last one), a combine over several row chunks, mask counts
+    over several steps of a row (T > 16) or several rows per program (T <= 8)."""
     monkeypatch.setattr(tk, "BLOCK_T", 16)
+    monkeypatch.setattr(tk, "COUNT_ELEMENTS", 16)
     monkeypatch.setattr(tk, "COMBINE_BLOCK", 4)
     monkeypatch.setattr(tk, "PARTS_BLOCK", 2)
     monkeypatch.setattr(tk, "BLOCK_ELEMENTWISE", 32)
@@ -105,16 +107,16 @@ def run_fwd(impl, inputs: dict, dtype=torch.float32, with_entropy_grad=True, **a
     b, t = inputs["logprob"].shape
     out = {
         "loss": torch.empty((), dtype=dtype, device=DEVICE),
-        "coef_logprob": torch.empty(b, t, dtype=dtype, device=DEVICE),
-        "coef_entropy": torch.empty(b, t, dtype=dtype, device=DEVICE) if with_entropy_grad else None,
+        "grad_logprob": torch.empty(b, t, dtype=dtype, device=DEVICE),
+        "grad_entropy": torch.empty(b, t, dtype=dtype, device=DEVICE) if with_entropy_grad else None,
         "row_weight": torch.empty(b, dtype=dtype, device=DEVICE),
         "row_stats": torch.empty(b, len(ref.ROW_STATS), dtype=dtype, device=DEVICE),
         "metrics": torch.empty(len(ref.METRICS), dtype=dtype, device=DEVICE),
     }
-    impl.policy_loss_fwd(*args, *norms, out["loss"], out["coef_logprob"], out["coef_entropy"], out["row_weight"],
+    impl.policy_loss_fwd(*args, *norms, out["loss"], out["grad_logprob"], out["grad_entropy"], out["row_weight"],
                          out["row_stats"], out["metrics"], **attrs)
     if not with_entropy_grad:
-        del out["coef_entropy"]
+        del out["grad_entropy"]
     return out
 
 
@@ -142,7 +144,7 @@ def check_against_reference(inputs: dict, **attrs) -> dict:
     got = run_fwd(tk, inputs, **attrs)
     truth = run_fwd(ref, inputs, dtype=torch.float64, **attrs)
     check_outputs(got, truth, scales(inputs, **attrs), attrs)
-    for name in ("coef_logprob", "coef_entropy"):
+    for name in ("grad_logprob", "grad_entropy"):
         if name in got:
             dev = contract.compare_grad(ENTRY, name, got[name], truth[name], 1.0)
             _WORST[name] = max(_WORST.get(name, 0.0), dev.ratio)
@@ -195,7 +197,7 @@ def test_optional_inputs(loss, optional):
     got = run_fwd(tk, inputs, with_entropy_grad=False, **attrs)
     truth = run_fwd(ref, inputs, dtype=torch.float64, with_entropy_grad=False, **attrs)
     check_outputs(got, truth, scales(inputs, **attrs), attrs)
-    assert contract.compare_grad(ENTRY, "coef", got["coef_logprob"], truth["coef_logprob"], 1.0).ok
+    assert contract.compare_grad(ENTRY, "grad_logprob", got["grad_logprob"], truth["grad_logprob"], 1.0).ok
 
 
 KL_OPTIONS = [
@@ -248,6 +250,26 @@ def test_empty_mask(loss):
     assert torch.equal(got["row_weight"], torch.ones_like(got["row_weight"]))  # 1 / (max(n_i, 1) max(N_seq, 1))
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss", ["ppo", "gspo"])
+def test_counts_over_chunks(small_blocks, agg, loss):
+    """The mask counts behind c_i (rows of several count steps) when a row's tokens start in a later chunk,
+    lie in one middle chunk only, or are absent: the weights equal rlk.reference.aggregation's, bit for bit (both
+    divide correctly rounded)."""
+    inputs = make_inputs(6, 70, seed=15)
+    mask = torch.zeros(6, 70, dtype=torch.bool)
+    mask[0, 40:] = True  # first token in the third chunk of 16
+    mask[1, 17:30] = True  # one middle chunk
+    mask[2, ::3] = True  # every chunk
+    mask[4, 69] = True  # the ragged last chunk only
+    mask[5, :16] = True  # the first chunk only (row 3 stays empty)
+    inputs["mask"] = mask.to(DEVICE)
+    got = check_against_reference(inputs, loss=loss, agg=agg)
+    expected = aggregation.row_weights(inputs["mask"], agg, dtype=torch.float32)
+    assert torch.equal(got["row_weight"], expected)
+    assert int(got["metrics"][-1]) == int(mask.sum())
+
+
 # ----------------------------------------------------------------------------------------------
 # batch invariance and determinism
 # ----------------------------------------------------------------------------------------------
@@ -256,9 +278,9 @@ def test_empty_mask(loss):
 @pytest.mark.parametrize("blocks", ["default", "small"])
 @pytest.mark.parametrize("loss", LOSSES)
 def test_batch_invariance(request, loss, blocks):
-    """A row's coefficients and row statistics are the same bits alone and at the first, middle and last
-    position of batches of 2, 5 and 9 rows (the coefficients whatever the aggregation; the statistics, whose
-    loss column carries c_i, because c_i = 1 / (n_i N_seq) is the row's own with a global N_seq)."""
+    """A row's gradients and row statistics are the same bits alone and at the first, middle and last
+    position of batches of 2, 5 and 9 rows (both carry c_i, which is the row's own, 1 / (n_i N_seq), with a
+    global N_seq)."""
     if blocks == "small":
         request.getfixturevalue("small_blocks")
     attrs = {"loss": loss, "dual_clip": 3.0 if loss == "ppo" else 0.0, "global_seqs": 64.0}
@@ -270,7 +292,7 @@ def test_batch_invariance(request, loss, blocks):
             for name in TENSORS:
                 batch[name][pos] = probe[name][0]
             out = run_fwd(tk, batch, **attrs)
-            for name in ("coef_logprob", "coef_entropy", "row_stats"):
+            for name in ("grad_logprob", "grad_entropy", "row_stats", "row_weight"):
                 assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, b, pos)
 
 
@@ -287,21 +309,21 @@ def test_deterministic():
 
 
 def test_policy_loss_bwd_is_the_reference_product(small_blocks):
-    """(coef * c_i) * grad_loss: two fp32 multiplies per element in the same order, correctly rounded in both
-    backends: the same bits (rows of several BLOCK_ELEMENTWISE chunks)."""
+    """grad * grad_loss: one fp32 multiply per element, correctly rounded in both backends: the same bits
+    (several BLOCK_ELEMENTWISE chunks, a ragged last one)."""
     g = torch.Generator().manual_seed(9)
-    coef, coef_ent = torch.randn(2, 7, 50, generator=g).to(DEVICE)
-    row_weight = (torch.rand(7, generator=g) + 0.1).to(DEVICE)
+    grad, grad_ent = torch.randn(2, 7, 50, generator=g).to(DEVICE)
     grad_loss = torch.tensor(0.37, device=DEVICE)
     outs = []
     for impl in (tk, ref):
-        gl, ge = torch.empty_like(coef), torch.empty_like(coef)
-        impl.policy_loss_bwd(grad_loss, coef, coef_ent, row_weight, gl, ge)
-        gl2 = torch.empty_like(coef)
-        impl.policy_loss_bwd(grad_loss, coef, None, row_weight, gl2, None)
+        gl, ge = torch.empty_like(grad), torch.empty_like(grad)
+        impl.policy_loss_bwd(grad_loss, grad, grad_ent, gl, ge)
+        gl2 = torch.empty_like(grad)
+        impl.policy_loss_bwd(grad_loss, grad, None, gl2, None)
         outs.append((gl, ge, gl2))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+    assert torch.equal(outs[0][0], grad * grad_loss)
 
 
 KL_CASES = [
@@ -395,6 +417,27 @@ def test_micro_batches_on_triton(loss):
     assert torch.equal(torch.cat([p[1] for p in parts]), full_grad)
 
 
+@pytest.mark.parametrize("agg", [{"agg": "token-mean"}, {"agg": "seq-mean-token-mean"},
+                                 {"agg": "token-mean", "global_tokens": 500.0}])
+def test_policy_loss_and_grad_on_triton_is_the_autograd_path(small_blocks, agg):
+    """On the Triton backend, policy_loss_and_grad gives the loss, metrics and gradients of policy_loss +
+    backward() bit for bit (the backward multiplies the forward's gradient by the upstream 1)."""
+    inputs = make_inputs(7, 40, seed=16, per_seq_adv=False)
+    kwargs = {"loss": "ppo", "dual_clip": 3.0, "clamp_log_ratio": 20.0, "ref_logprob": inputs["ref_logprob"],
+              "kl": "low_var_kl", "kl_coef": 0.05, "entropy_coef": 0.01, **agg}
+    with rlk.use_backend("triton"):
+        lp = inputs["logprob"].clone().requires_grad_(True)
+        ent = inputs["entropy"].clone().requires_grad_(True)
+        value, metrics = rlk.policy_loss(lp, inputs["old_logprob"], inputs["advantages"], inputs["mask"],
+                                         entropy=ent, **kwargs)
+        value.backward()
+        out = rlk.policy_loss_and_grad(inputs["logprob"], inputs["old_logprob"], inputs["advantages"],
+                                       inputs["mask"], entropy=inputs["entropy"], **kwargs)
+    assert torch.equal(out.loss, value.detach())
+    assert torch.equal(out.grad_logprob, lp.grad) and torch.equal(out.grad_entropy, ent.grad)
+    assert all(torch.equal(out.metrics[k], metrics[k]) for k in metrics)
+
+
 def test_compile_with_triton_matches_eager():
     inputs = make_inputs(4, 9, seed=12)
 
@@ -435,7 +478,7 @@ def test_realistic_shape_gpu(loss):
         for name in TENSORS:
             batch[name][pos] = probe[name][0]
         out = run_fwd(tk, batch, **attrs)
-        for name in ("coef_logprob", "coef_entropy", "row_stats"):
+        for name in ("grad_logprob", "grad_entropy", "row_stats"):
             assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, pos)
 
 

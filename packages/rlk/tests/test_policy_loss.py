@@ -844,9 +844,9 @@ def test_opcheck_all_custom_ops():
     torch.library.opcheck(torch.ops.rlk.policy_loss_fwd.default, _fwd_args(batch, iw=False, ref=False, ent=False))
     torch.library.opcheck(torch.ops.rlk.policy_loss_fwd.default, _fwd_args(batch, with_entropy_grad=False))
     torch.library.opcheck(torch.ops.rlk.policy_loss_fwd.default, _fwd_args(batch, global_seqs=torch.tensor(4.0)))
-    coef, c = torch.randn(3, 5), torch.rand(3)
-    torch.library.opcheck(torch.ops.rlk.policy_loss_bwd.default, (torch.tensor(0.5), coef, coef, c, "reference"))
-    torch.library.opcheck(torch.ops.rlk.policy_loss_bwd.default, (torch.tensor(0.5), coef, None, c, "reference"))
+    grad, grad_ent = torch.randn(2, 3, 5)
+    torch.library.opcheck(torch.ops.rlk.policy_loss_bwd.default, (torch.tensor(0.5), grad, grad_ent, "reference"))
+    torch.library.opcheck(torch.ops.rlk.policy_loss_bwd.default, (torch.tensor(0.5), grad, None, "reference"))
     lp = batch["lp"].reshape(-1).clone().requires_grad_(True)
     ref, old = batch["ref"].reshape(-1), batch["old"].reshape(-1)
     torch.library.opcheck(torch.ops.rlk.kl_penalty_fwd.default, (lp, ref, None, "k3", False, True, math.inf))
@@ -879,7 +879,7 @@ def test_torch_compile_fullgraph_matches_eager(loss):
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_batch_invariance_of_the_gradient(loss):
-    """token-sum: a row's weight is 1 whatever the batch, so its gradient (= its saved coefficients) is the same
+    """token-sum: a row's weight is 1 whatever the batch, so its gradient (= the forward's, times 1) is the same
     bits alone, first, middle or last in batches of 2, 5 and 9 rows (the reference computes per token, and per
     row for the sequence sums of gspo and geo_mean)."""
     probe = make_batch(b=1, t=12, seed=21)
@@ -898,9 +898,9 @@ def test_batch_invariance_of_the_gradient(loss):
 
 
 def test_backward_fills_no_zero_gradients_for_the_auxiliary_outputs():
-    """The forward's coefficient, weight, statistic and metric outputs are non-differentiable: the backward
+    """The forward's gradient, weight, statistic and metric outputs are non-differentiable: the backward
     must not zero-fill gradients for them (at [512, 8192] that was five fill kernels, 16 MiB for the
-    coefficients alone)."""
+    gradient alone)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class RecordOps(TorchDispatchMode):
@@ -923,3 +923,72 @@ def test_backward_fills_no_zero_gradients_for_the_auxiliary_outputs():
         assert torch.isfinite(grad).all() and grad.abs().sum() > 0
         fills = [op for op in recorded.ops if "zero" in op or "fill" in op]
         assert not fills, fills
+
+
+# ----------------------------------------------------------------------------------------------
+# policy_loss_and_grad: the same loss and gradient without autograd
+# ----------------------------------------------------------------------------------------------
+
+
+def test_policy_loss_and_grad_takes_exactly_the_arguments_of_policy_loss():
+    import inspect
+
+    assert inspect.signature(rlk.policy_loss).parameters == inspect.signature(rlk.policy_loss_and_grad).parameters
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("loss", LOSSES)
+def test_policy_loss_and_grad_is_policy_loss_with_its_backward(loss, agg):
+    """Loss, metrics and gradients (log-prob and entropy) bit for bit equal to policy_loss + backward(), with the
+    KL and entropy terms and importance weights; nothing recorded for autograd."""
+    batch = make_batch(b=5, t=11, seed=30, per_seq_adv=False)
+    kwargs = {"loss": loss, "agg": agg, "importance_weights": batch["iw"], "ref_logprob": batch["ref"], "kl_coef": 0.1,
+              "entropy_coef": 0.01, "loss_scale": 11.0 if agg == "seq-mean-token-sum-norm" else None,
+              "dual_clip": 3.0 if loss == "ppo" else None, "clamp_log_ratio": 20.0}
+    value, metrics, grad, grad_ent = run_rlk(batch, with_entropy_grad=True, **kwargs)
+    lp = batch["lp"].clone().requires_grad_(True)
+    ent = batch["entropy"].clone().requires_grad_(True)
+    out = rlk.policy_loss_and_grad(lp, batch["old"], batch["adv"], batch["mask"], entropy=ent, **kwargs)
+    assert torch.equal(out.loss, value) and not out.loss.requires_grad
+    assert torch.equal(out.grad_logprob, grad) and torch.equal(out.grad_entropy, grad_ent)
+    assert out.metrics.keys() == metrics.keys()
+    assert all(torch.equal(out.metrics[k], metrics[k]) for k in metrics)
+    assert lp.grad is None and ent.grad is None
+
+
+def test_policy_loss_and_grad_feeds_backward_of_the_logprobs():
+    """The documented use: logprob from a differentiable computation, then logprob.backward(grad_logprob); bf16
+    log-probs get a bf16 gradient, as autograd gives them; no entropy gradient without entropy_coef."""
+    batch = make_batch(b=4, t=9, seed=31)
+    base = batch["lp"].to(torch.bfloat16)
+    results = []
+    for fused in (False, True):
+        leaf = base.clone().requires_grad_(True)
+        logprob = leaf * 1.0
+        kwargs = {"loss": "cispo", "agg": "seq-mean-token-sum", "entropy": batch["entropy"]}
+        if fused:
+            out = rlk.policy_loss_and_grad(logprob, batch["old"], batch["adv"], batch["mask"], **kwargs)
+            assert out.grad_logprob.dtype == torch.bfloat16 and out.grad_entropy is None
+            logprob.backward(out.grad_logprob)
+            value = out.loss
+        else:
+            value, _ = rlk.policy_loss(logprob, batch["old"], batch["adv"], batch["mask"], **kwargs)
+            value.backward()
+        results.append((value.detach(), leaf.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_policy_loss_and_grad_edge_cases():
+    for shape in ((0, 5), (3, 0)):
+        lp, ent = torch.zeros(shape), torch.zeros(shape)
+        out = rlk.policy_loss_and_grad(lp, lp, torch.zeros(shape[0]), torch.zeros(shape, dtype=torch.bool),
+                                       entropy=ent, entropy_coef=0.1)
+        assert float(out.loss) == 0.0 and out.grad_logprob.shape == shape and out.grad_entropy.shape == shape
+    batch = make_batch(b=3, t=4, seed=32)
+    batch["mask"][:] = False
+    out = rlk.policy_loss_and_grad(batch["lp"], batch["old"], batch["adv"], batch["mask"])
+    assert float(out.loss) == 0.0 and torch.all(out.grad_logprob == 0)
+    with pytest.raises(ValueError, match="dual_clip: must be > 1"):
+        rlk.policy_loss_and_grad(batch["lp"], batch["old"], batch["adv"], batch["mask"], dual_clip=0.5)
+    with pytest.raises(TypeError):
+        rlk.policy_loss_and_grad(batch["lp"], batch["old"], batch["adv"], batch["mask"], clip=0.2)

@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 
 #: The rlk op ABI this backend implements (rlk.abi.ABI_VERSION it was written for); rlk refuses a
 #: backend whose ABI differs from its own.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
 #: Primitives with a tensor-core path only (mma.sync on 16-bit inputs): float32 falls through.

@@ -4,29 +4,30 @@ The math is the spec in :mod:`rlk.reference.policy_loss` (per-token losses, thei
 derivatives, the KL estimators, the metrics). Layout of the work:
 
 * ``policy_loss_fwd`` runs one program per (row, chunk of ``BLOCK_T`` tokens), so a batch of a
-  few long rows still fills the GPU. For ``gspo`` and ``geo_mean`` a first kernel writes each
-  chunk's partial sums of the per-sequence quantities (tokens, log-ratios, advantages,
-  weights); the main kernel's programs each add their row's partials in chunk order (the
-  same small sum in every program of the row) to get ``log s_i`` or ``R_i``, ``Abar_i``. The
-  main kernel computes per token the loss terms and the gradient coefficient of the row's
-  sum (no aggregation weight: a row's coefficients never depend on the other rows), stores
-  the coefficients, and writes the chunk's sums (loss, tokens, clipped, ratio, ...). A row
-  kernel adds a row's chunk sums in chunk order into ``row_stats``; one finalize program
-  counts the call's tokens and non-empty rows, computes the aggregation weights ``c_i``
-  (the formulas of :mod:`rlk.reference.aggregation`), weights the row losses, and adds the
-  ``[B]`` rows in row order (``COMBINE_BLOCK``-wide lanes, one final tree) into the loss and
-  the metrics.
-* ``policy_loss_bwd`` is ``grad = (coef * c_i) * upstream`` per (row, chunk);
-  ``kl_penalty_bwd`` the elementwise product ``upstream * coef``.
+  few long rows still fills the GPU. First, when needed, a count kernel writes each row's
+  tokens and adds (two int32 atomics per program: exact and order-free) the call's tokens and
+  non-empty rows: the counts behind the aggregation weights ``c_i`` of
+  :mod:`rlk.reference.aggregation` that the normalizers given do not fix. For ``gspo`` and
+  ``geo_mean`` a partial-sum kernel writes each chunk's sums of the per-sequence quantities
+  (tokens, log-ratios, advantages, weights), which the main kernel's programs add in chunk
+  order (the same small sum in every program of the row) to get ``log s_i`` or ``R_i``,
+  ``Abar_i``. The main kernel computes per token the loss terms and the gradient coefficient of
+  the row's sum, and stores the loss's gradient ``coef * c_i`` (so ``policy_loss_and_grad`` needs
+  no second pass over the tokens) and the chunk's sums (loss, tokens, clipped, ratio, ...). A row
+  kernel adds a row's chunk sums in chunk order into ``row_stats``; one finalize program weights
+  the row losses by ``c_i`` and adds the ``[B]`` rows in row order (``COMBINE_BLOCK``-wide
+  lanes, one final tree) into the loss and the metrics.
+* ``policy_loss_bwd`` is ``grad * upstream``; ``kl_penalty_bwd`` the elementwise product
+  ``upstream * coef``.
 * ``kl_penalty_fwd`` is elementwise: value and derivative of the estimator, written by the
   same device function (:func:`kl_terms`) the policy-loss kernel uses.
 
 Batch invariance and determinism by construction: the tile sizes are fixed constants (no
 autotuning, nothing derived from ``B``), a row's coefficients and partials depend only on
-that row's data (its weighted loss and its gradient on its weight ``c_i`` too), there are no
-atomics, and every reduction runs in an order that depends only on ``T`` (within a row) or
-``B`` (the finalize program). Offsets are int64. Everything is fp32 (the op layer upcasts
-16-bit inputs).
+that row's data (its weighted loss and its gradient on its weight ``c_i`` too), the only
+atomics are integer counts, and every floating-point reduction runs in an order that depends
+only on ``T`` (within a row) or ``B`` (the finalize program). Offsets are int64. Everything is
+fp32 (the op layer upcasts 16-bit inputs).
 """
 
 from __future__ import annotations
@@ -41,12 +42,21 @@ from rlk_triton.common import on_device
 
 #: Tokens per program of the policy-loss kernels (one chunk of one row); chunk partials per
 #: step of the in-row sums; elements per program of the elementwise kernels; rows per step
-#: (lanes) of the combine kernel. Fixed: results never depend on the batch.
+#: (lanes) of the combine kernel. Fixed: results never depend on the batch. BLOCK_T and NUM_WARPS:
+#: the fastest token pass of tools/sweep_policy_loss.py on the H200 (BLOCK_T 512-4096 x 2-8 warps;
+#: 2048 tokens per program needed 158 registers per thread, 1024 need 68).
 BLOCK_T = 1024
 PARTS_BLOCK = 32
 BLOCK_ELEMENTWISE = 1024
-COMBINE_BLOCK = 128
+COMBINE_BLOCK = 512
 NUM_WARPS = 4
+COMBINE_WARPS = 8
+#: Mask elements per program and step of the count kernel (whole rows: several rows per program when short).
+COUNT_ELEMENTS = 8192
+COUNT_WARPS = 4
+#: L2 eviction policy of the token pass's streamed loads and gradient store ("" for the default; evict_first
+#: took 1-3 us off the [512, 8192] token pass on the H200 at every tile size swept).
+LOAD_EVICTION = "evict_first"
 
 _PPO = tl.constexpr(LOSSES.index("ppo"))
 _GSPO = tl.constexpr(LOSSES.index("gspo"))
@@ -120,16 +130,36 @@ def kl_terms(delta, clamp, EST: tl.constexpr, K3_CLAMP: tl.constexpr, HAS_CLAMP:
 
 
 @triton.jit
-def _load_row(ptr, base, offs, inb, m):
-    """``where(m, x, 0)`` of one chunk of a row (masked-out values never take part: -inf is fine)."""
-    return tl.where(m, tl.load(ptr + base + offs, mask=inb, other=0.0).to(tl.float32), 0.0)
+def _load_row(ptr, base, offs, inb, m, EVICT: tl.constexpr):
+    """``where(m, x, 0)`` of one chunk of a row (masked-out values never take part: -inf is fine); ``EVICT``: the
+    load's L2 eviction policy ("" or e.g. "evict_first")."""
+    return tl.where(m, tl.load(ptr + base + offs, mask=inb, other=0.0, eviction_policy=EVICT).to(tl.float32), 0.0)
+
+
+@triton.jit
+def _count_kernel(mask_ptr, counts_ptr, B, T, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Program ``p``: rows ``[p ROWS, (p + 1) ROWS)``. ``counts[row]`` = the row's tokens (plain stores), and two
+    int32 atomics per program: its rows' tokens added to ``counts[B]``, its non-empty rows to ``counts[B + 1]``
+    (``counts`` zeroed; integer adds: exact in any order)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_in = rows < B
+    cols = tl.arange(0, COLS).to(tl.int64)
+    n = tl.zeros((ROWS,), tl.int32)
+    for t0 in range(0, T, COLS):
+        offs = t0 + cols
+        m = tl.load(mask_ptr + rows[:, None] * T + offs[None, :], mask=row_in[:, None] & (offs < T)[None, :],
+                    other=0)
+        n += tl.sum((m != 0).to(tl.int32), axis=1)
+    tl.store(counts_ptr + rows, n, mask=row_in)
+    tl.atomic_add(counts_ptr + B, tl.sum(n, axis=0), sem="relaxed")  # ordered by the kernel boundary
+    tl.atomic_add(counts_ptr + B + 1, tl.sum(tl.where(n > 0, 1, 0), axis=0), sem="relaxed")
 
 
 @triton.jit
 def _seq_partials_kernel(
     lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, parts_ptr,
     T, n_chunks, adv_stride_b, adv_stride_t, clip_low, clip_high, clamp_low, clamp_high,
-    LOSS: tl.constexpr, HAS_IW: tl.constexpr, BLOCK: tl.constexpr,
+    LOSS: tl.constexpr, HAS_IW: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr,
 ):
     """Per-chunk partial sums of the per-sequence quantities (``gspo``, ``geo_mean``).
 
@@ -142,7 +172,7 @@ def _seq_partials_kernel(
     offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < T
     m = tl.load(mask_ptr + base + offs, mask=inb, other=0) != 0
-    d = _load_row(lp_ptr, base, offs, inb, m) - _load_row(old_ptr, base, offs, inb, m)
+    d = _load_row(lp_ptr, base, offs, inb, m, EVICT) - _load_row(old_ptr, base, offs, inb, m, EVICT)
     n = tl.where(m, 1.0, 0.0)
     a = tl.zeros((BLOCK,), tl.float32)
     i = tl.zeros((BLOCK,), tl.float32)
@@ -154,7 +184,7 @@ def _seq_partials_kernel(
         x = tl.where(m, tl.where(a > 0, tl.minimum(dc, clip_high), tl.where(a < 0, tl.maximum(dc, -clip_low), 0.0)),
                      0.0)
         if HAS_IW:
-            i = _load_row(iw_ptr, base, offs, inb, m)
+            i = _load_row(iw_ptr, base, offs, inb, m, EVICT)
     out = parts_ptr + (row * n_chunks + chunk) * 4
     tl.store(out + 0, tl.sum(n, axis=0))
     tl.store(out + 1, tl.sum(x, axis=0))
@@ -163,18 +193,65 @@ def _seq_partials_kernel(
 
 
 @triton.jit
+def _normalizer(ptr, value, FROM_PTR: tl.constexpr):
+    """A normalizer given as a one-element fp32 tensor (``FROM_PTR``) or as a number."""
+    if FROM_PTR:
+        value = tl.load(ptr).to(tl.float32)
+    return value
+
+
+@triton.jit
+def _row_weight(
+    counts_ptr, row, B, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale,
+    AGG: tl.constexpr, HAS_GTOK: tl.constexpr, GTOK_PTR: tl.constexpr, HAS_GSEQ: tl.constexpr,
+    GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr,
+):
+    """The aggregation weight ``c_i`` of row ``row`` (:func:`rlk.reference.aggregation.row_weights`): from the
+    normalizers given, else from the counts of :func:`_count_kernel` (exact in fp32 up to 2^24 tokens). The
+    divisions are correctly rounded (``div_rn``), as the reference's: the same bits."""
+    if AGG == _TOKEN_SUM:
+        c = 1.0
+    elif AGG == _TOKEN_MEAN:
+        if HAS_GTOK:
+            n_tok = _normalizer(gtok_ptr, gtok, GTOK_PTR)
+        else:
+            n_tok = tl.maximum(tl.load(counts_ptr + B).to(tl.float32), 1.0)
+        c = tl.math.div_rn(1.0, n_tok)
+    else:
+        if HAS_GSEQ:
+            n_seq = _normalizer(gseq_ptr, gseq, GSEQ_PTR)
+        else:
+            n_seq = tl.maximum(tl.load(counts_ptr + B + 1).to(tl.float32), 1.0)
+        if AGG == _SEQ_MEAN_TOKEN_SUM:
+            c = tl.math.div_rn(1.0, n_seq)
+        elif AGG == _SEQ_MEAN_TOKEN_MEAN:
+            c = tl.math.div_rn(1.0, tl.maximum(tl.load(counts_ptr + row).to(tl.float32), 1.0) * n_seq)
+        else:  # seq-mean-token-sum-norm
+            c = tl.math.div_rn(1.0, n_seq * _normalizer(scale_ptr, loss_scale, SCALE_PTR))
+    return c
+
+
+@triton.jit
+def _add_stat_tuples(a0, a1, a2, a3, a4, a5, a6, a7, a8, b0, b1, b2, b3, b4, b5, b6, b7, b8):
+    """Combine of the ``ROW_STATS`` columns reduced in one ``tl.reduce``: sums, the max for ``ratio_max``."""
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, tl.maximum(a6, b6), a7 + b7, a8 + b8
+
+
+@triton.jit
 def _policy_loss_chunk_kernel(
-    lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, ref_ptr, ent_ptr, parts_ptr,
-    coef_lp_ptr, coef_ent_ptr, chunk_stats_ptr,
-    T, n_chunks, adv_stride_b, adv_stride_t,
+    lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, ref_ptr, ent_ptr, parts_ptr, counts_ptr,
+    gtok_ptr, gseq_ptr, scale_ptr, grad_lp_ptr, grad_ent_ptr, row_weight_ptr, chunk_stats_ptr,
+    B, T, n_chunks, adv_stride_b, adv_stride_t, gtok, gseq, loss_scale,
     clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl_coef, kl_clamp, entropy_coef,
+    AGG: tl.constexpr, HAS_GTOK: tl.constexpr, GTOK_PTR: tl.constexpr, HAS_GSEQ: tl.constexpr,
+    GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr,
     LOSS: tl.constexpr, CISPO_UPPER: tl.constexpr, HAS_DUAL: tl.constexpr,
     HAS_IW: tl.constexpr, HAS_REF: tl.constexpr, KL_TERM: tl.constexpr, KL_EST: tl.constexpr,
     KL_K3_CLAMP: tl.constexpr, KL_HAS_CLAMP: tl.constexpr, KL_STRAIGHT: tl.constexpr, KL_UNBIASED: tl.constexpr,
     HAS_ENT: tl.constexpr, ENT_TERM: tl.constexpr, ENT_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PARTS_BLOCK: tl.constexpr, EVICT: tl.constexpr,
 ):
-    """Program ``(row, chunk)``: per-token terms and coefficients of ``BLOCK`` tokens, and their sums."""
+    """Program ``(row, chunk)``: per-token terms and gradients of ``BLOCK`` tokens, and their sums."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1).to(tl.int64)
     base = row * T
@@ -182,6 +259,9 @@ def _policy_loss_chunk_kernel(
     offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < T
     zeros = tl.zeros((BLOCK,), tl.float32)
+    c = _row_weight(counts_ptr, row, B, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale, AGG, HAS_GTOK,
+                    GTOK_PTR, HAS_GSEQ, GSEQ_PTR, SCALE_PTR)
+    tl.store(row_weight_ptr + row, c, mask=chunk == 0)
 
     # ---- per-sequence quantities: the row's chunk partials, summed in chunk order ----------
     # (every chunk program of the row redoes this small sum: same inputs, same order, same bits)
@@ -216,10 +296,11 @@ def _policy_loss_chunk_kernel(
                 seq_w = (seq_a / n1) * n_row
 
     # ---- per-token terms ------------------------------------------------------------------
-    m = tl.load(mask_ptr + base + offs, mask=inb, other=0) != 0
-    lp = _load_row(lp_ptr, base, offs, inb, m)
-    old = _load_row(old_ptr, base, offs, inb, m)
-    adv = tl.where(m, tl.load(adv_ptr + adv_base + offs * adv_stride_t, mask=inb, other=0.0), 0.0)
+    m = tl.load(mask_ptr + base + offs, mask=inb, other=0, eviction_policy=EVICT) != 0
+    lp = _load_row(lp_ptr, base, offs, inb, m, EVICT)
+    old = _load_row(old_ptr, base, offs, inb, m, EVICT)
+    adv = tl.where(m, tl.load(adv_ptr + adv_base + offs * adv_stride_t, mask=inb, other=0.0, eviction_policy=EVICT),
+                   0.0)
     d = lp - old
     clipped = zeros
     lower = zeros
@@ -268,7 +349,7 @@ def _policy_loss_chunk_kernel(
         clipped = tl.where((pos & (log_ratio > clip_high)) | (neg & (log_ratio < -clip_low)), 1.0, 0.0)
         ratio = zeros + seq_b
     if HAS_IW:
-        iw = _load_row(iw_ptr, base, offs, inb, m)
+        iw = _load_row(iw_ptr, base, offs, inb, m, EVICT)
         value = value * iw
         if LOSS != _GEO:
             grad = grad * iw
@@ -277,7 +358,7 @@ def _policy_loss_chunk_kernel(
     kl_value = zeros
     entropy = zeros
     if HAS_REF:
-        ref = _load_row(ref_ptr, base, offs, inb, m)
+        ref = _load_row(ref_ptr, base, offs, inb, m, EVICT)
         k, dk = kl_terms(lp - ref, kl_clamp, KL_EST, KL_K3_CLAMP, KL_HAS_CLAMP, KL_STRAIGHT)
         if KL_UNBIASED:
             wk = tl.exp(lp - old)
@@ -288,25 +369,28 @@ def _policy_loss_chunk_kernel(
             objective = objective + kl_coef * k
             coef = coef + kl_coef * dk
     if HAS_ENT:
-        entropy = _load_row(ent_ptr, base, offs, inb, m)
+        entropy = _load_row(ent_ptr, base, offs, inb, m, EVICT)
         if ENT_TERM:
             objective = objective - entropy_coef * entropy
-    tl.store(coef_lp_ptr + base + offs, tl.where(m, coef, 0.0), mask=inb)
+    tl.store(grad_lp_ptr + base + offs, tl.where(m, coef * c, 0.0), mask=inb, eviction_policy=EVICT)
     if ENT_GRAD:
-        tl.store(coef_ent_ptr + base + offs, tl.where(m, -entropy_coef, 0.0), mask=inb)
+        tl.store(grad_ent_ptr + base + offs, tl.where(m, -entropy_coef * c, 0.0), mask=inb)
     ratio = tl.where(m, ratio, 0.0)
 
-    # ---- this chunk's sums (columns of ROW_STATS) -------------------------------------------
+    # ---- this chunk's sums (columns of ROW_STATS), one reduction ----------------------------
+    s0, s1, s2, s3, s4, s5, s6, s7, s8 = tl.reduce(
+        (tl.where(m, objective, 0.0), tl.where(m, 1.0, 0.0), tl.where(m, clipped, 0.0), tl.where(m, lower, 0.0),
+         tl.where(m, -log_ratio, 0.0), ratio, ratio, entropy, kl_value), 0, _add_stat_tuples)
     out = chunk_stats_ptr + (row * n_chunks + chunk) * _NUM_STATS
-    tl.store(out + 0, tl.sum(tl.where(m, objective, 0.0), axis=0))
-    tl.store(out + 1, tl.sum(tl.where(m, 1.0, 0.0), axis=0))
-    tl.store(out + 2, tl.sum(tl.where(m, clipped, 0.0), axis=0))
-    tl.store(out + 3, tl.sum(tl.where(m, lower, 0.0), axis=0))
-    tl.store(out + 4, tl.sum(tl.where(m, -log_ratio, 0.0), axis=0))
-    tl.store(out + 5, tl.sum(ratio, axis=0))
-    tl.store(out + 6, tl.max(ratio, axis=0))
-    tl.store(out + 7, tl.sum(entropy, axis=0))
-    tl.store(out + 8, tl.sum(kl_value, axis=0))
+    tl.store(out + 0, s0)
+    tl.store(out + 1, s1)
+    tl.store(out + 2, s2)
+    tl.store(out + 3, s3)
+    tl.store(out + 4, s4)
+    tl.store(out + 5, s5)
+    tl.store(out + 6, s6)
+    tl.store(out + 7, s7)
+    tl.store(out + 8, s8)
 
 
 @triton.jit
@@ -338,62 +422,24 @@ def _row_stats_kernel(chunk_stats_ptr, stats_ptr, n_chunks, PARTS_BLOCK: tl.cons
 
 
 @triton.jit
-def _normalizer(ptr, value, FROM_PTR: tl.constexpr):
-    """A normalizer given as a one-element fp32 tensor (``FROM_PTR``) or as a number."""
-    if FROM_PTR:
-        value = tl.load(ptr).to(tl.float32)
-    return value
+def _policy_loss_finalize_kernel(stats_ptr, weight_ptr, loss_ptr, metrics_ptr, B, BLOCK: tl.constexpr,
+                                 COLS: tl.constexpr):
+    """One program: the loss and the metrics from the ``[B]`` row statistics (unweighted loss column on entry)
+    and the row weights ``c_i``.
 
-
-@triton.jit
-def _policy_loss_finalize_kernel(
-    stats_ptr, weight_ptr, loss_ptr, metrics_ptr, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale, B,
-    AGG: tl.constexpr, HAS_GTOK: tl.constexpr, GTOK_PTR: tl.constexpr, HAS_GSEQ: tl.constexpr,
-    GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
-):
-    """One program: the aggregation weights ``c_i`` (rlk.reference.aggregation), the weighted row losses, the
-    loss and the metrics, from the ``[B]`` row statistics (unweighted loss column on entry).
-
-    Pass 1 counts the call's tokens and non-empty rows (for the normalizers not given); pass 2 writes
-    ``c_i``, replaces ``row_stats[:, 0]`` by ``c_i`` times it, and sums the rows in fixed order (lane ``j``
-    takes rows ``j, j + BLOCK, ...``; one tree at the end). Counts are fp32: exact up to 2^24 tokens.
+    Replaces ``row_stats[:, 0]`` by ``c_i`` times it and sums the rows in fixed order (lane ``j`` takes rows
+    ``j, j + BLOCK, ...``; one tree at the end).
     """
     cols = tl.arange(0, COLS)
     col_in = cols < _NUM_STATS
     lanes = tl.arange(0, BLOCK).to(tl.int64)
-    tok_acc = tl.zeros((BLOCK,), tl.float32)
-    seq_acc = tl.zeros((BLOCK,), tl.float32)
-    for b0 in range(0, B, BLOCK):
-        rows = b0 + lanes
-        n = tl.load(stats_ptr + rows * _NUM_STATS + 1, mask=rows < B, other=0.0)
-        tok_acc += n
-        seq_acc += tl.where(n > 0, 1.0, 0.0)
-    if HAS_GTOK:
-        n_tok = _normalizer(gtok_ptr, gtok, GTOK_PTR)
-    else:
-        n_tok = tl.maximum(tl.sum(tok_acc, axis=0), 1.0)
-    if HAS_GSEQ:
-        n_seq = _normalizer(gseq_ptr, gseq, GSEQ_PTR)
-    else:
-        n_seq = tl.maximum(tl.sum(seq_acc, axis=0), 1.0)
     acc = tl.zeros((BLOCK, COLS), tl.float32)
     for b0 in range(0, B, BLOCK):
         rows = b0 + lanes
         inb = rows < B
         tile = tl.load(stats_ptr + rows[:, None] * _NUM_STATS + cols[None, :], mask=inb[:, None] & col_in[None, :],
                        other=0.0)
-        n = tl.sum(tl.where(cols[None, :] == 1, tile, 0.0), axis=1)
-        if AGG == _TOKEN_MEAN:
-            c = tl.zeros((BLOCK,), tl.float32) + 1.0 / n_tok
-        elif AGG == _TOKEN_SUM:
-            c = tl.zeros((BLOCK,), tl.float32) + 1.0
-        elif AGG == _SEQ_MEAN_TOKEN_SUM:
-            c = tl.zeros((BLOCK,), tl.float32) + 1.0 / n_seq
-        elif AGG == _SEQ_MEAN_TOKEN_MEAN:
-            c = 1.0 / (tl.maximum(n, 1.0) * n_seq)
-        else:  # seq-mean-token-sum-norm
-            c = tl.zeros((BLOCK,), tl.float32) + 1.0 / (n_seq * _normalizer(scale_ptr, loss_scale, SCALE_PTR))
-        tl.store(weight_ptr + rows, c, mask=inb)
+        c = tl.load(weight_ptr + rows, mask=inb, other=0.0)
         tile = tl.where(cols[None, :] == 0, c[:, None] * tile, tile)
         tl.store(stats_ptr + rows * _NUM_STATS, tl.sum(tl.where(cols[None, :] == 0, tile, 0.0), axis=1), mask=inb)
         acc = _add_stats(acc, tile, cols)
@@ -420,66 +466,84 @@ def _normalizer_args(value) -> tuple[object, float, bool, bool]:
     return None, float(value), True, False
 
 
+def _needs_counts(agg: str, has_gtok: bool, has_gseq: bool) -> bool:
+    """Whether ``c_i`` needs a mask count the normalizers given do not fix."""
+    if agg == "token-sum":
+        return False
+    if agg == "token-mean":
+        return not has_gtok
+    return agg == "seq-mean-token-mean" or not has_gseq
+
+
 def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, global_tokens,
-                    global_seqs, loss_scale, loss_out, coef_logprob_out, coef_entropy_out, row_weight_out,
+                    global_seqs, loss_scale, loss_out, grad_logprob_out, grad_entropy_out, row_weight_out,
                     row_stats_out, metrics_out, *, agg, loss, cispo_upper, clip_low, clip_high, dual_clip, clamp_low,
                     clamp_high, tau_pos, tau_neg, kl, kl_coef, kl_k3_clamp, kl_clamp, kl_straight_through,
                     kl_unbiased, entropy_coef):
-    """The fused policy loss (spec and arguments: :func:`rlk.reference.policy_loss.policy_loss_fwd`).
+    """The fused policy loss and its gradient (spec and arguments: :func:`rlk.reference.policy_loss.policy_loss_fwd`).
 
     Shapes: ``[B, T]`` fp32 inputs (``advantages`` ``[B, T]`` or ``[B, 1]``), bool ``mask``, the
-    normalizers numbers, one-element tensors or None; outputs ``loss_out[]``, ``coef_logprob_out[B, T]``,
-    ``coef_entropy_out[B, T] | None``, ``row_weight_out[B]``, ``row_stats_out[B, 9]``, ``metrics_out[8]``.
-    Programs ``(row, chunk of BLOCK_T tokens)`` (after a partial-sum pass for the sequence-level
-    losses), then one program per row for its statistics, then one program for the weights and sums.
+    normalizers numbers, one-element tensors or None; outputs ``loss_out[]``, ``grad_logprob_out[B, T]``,
+    ``grad_entropy_out[B, T] | None``, ``row_weight_out[B]``, ``row_stats_out[B, 9]``, ``metrics_out[8]``.
+    Programs ``(row, chunk of BLOCK_T tokens)`` (after a counting / partial-sum pass when the aggregation
+    or the loss needs one), then one program per row for its statistics, then one program for the sums.
     """
     n_rows, t = logprob.shape
     n_chunks = triton.cdiv(t, BLOCK_T)
     has_ref = ref_logprob is not None
     has_ent = entropy is not None
     has_iw = importance_weights is not None
-    ent_grad = coef_entropy_out is not None
+    ent_grad = grad_entropy_out is not None
     code = LOSSES.index(loss)
+    gtok_ptr, gtok, has_gtok, gtok_is_ptr = _normalizer_args(global_tokens)
+    gseq_ptr, gseq, has_gseq, gseq_is_ptr = _normalizer_args(global_seqs)
+    scale_ptr, scale, _, scale_is_ptr = _normalizer_args(loss_scale)
+    count = _needs_counts(agg, has_gtok, has_gseq)
     sequence_level = loss in ("gspo", "geo_mean")
     adv_stride_b, adv_stride_t = advantages.shape[1], 0 if advantages.shape[1] == 1 else 1
-    chunk_stats = torch.empty((n_rows, n_chunks, len(ROW_STATS)), dtype=torch.float32, device=logprob.device)
-    parts = torch.empty((n_rows, n_chunks, 4), dtype=torch.float32, device=logprob.device) if sequence_level else None
+    device = logprob.device
+    chunk_stats = torch.empty((n_rows, n_chunks, len(ROW_STATS)), dtype=torch.float32, device=device)
+    counts = torch.zeros(n_rows + 2, dtype=torch.int32, device=device) if count else None
+    parts = torch.empty((n_rows, n_chunks, 4), dtype=torch.float32, device=device) if sequence_level else None
+    mask_bytes = mask.view(torch.uint8)
     dummy = logprob
     grid = (n_rows, n_chunks)
-    with on_device(logprob.device):
+    with on_device(device):
+        if count:
+            cols = min(triton.next_power_of_2(t), COUNT_ELEMENTS)
+            rows = COUNT_ELEMENTS // cols
+            _count_kernel[(triton.cdiv(n_rows, rows),)](mask_bytes, counts, n_rows, t, ROWS=rows, COLS=cols,
+                                                         num_warps=COUNT_WARPS)
         if sequence_level:
             _seq_partials_kernel[grid](
-                logprob, old_logprob, advantages, mask.view(torch.uint8), importance_weights if has_iw else dummy,
+                logprob, old_logprob, advantages, mask_bytes, importance_weights if has_iw else dummy,
                 parts, t, n_chunks, adv_stride_b, adv_stride_t, float(clip_low), float(clip_high), float(clamp_low),
-                float(clamp_high), LOSS=code, HAS_IW=has_iw, BLOCK=BLOCK_T, num_warps=NUM_WARPS,
+                float(clamp_high), LOSS=code, HAS_IW=has_iw, BLOCK=BLOCK_T, EVICT=LOAD_EVICTION, num_warps=NUM_WARPS,
             )
         _policy_loss_chunk_kernel[grid](
-            logprob, old_logprob, advantages, mask.view(torch.uint8),
+            logprob, old_logprob, advantages, mask_bytes,
             importance_weights if has_iw else dummy, ref_logprob if has_ref else dummy, entropy if has_ent else dummy,
-            parts if sequence_level else dummy,
-            coef_logprob_out, coef_entropy_out if ent_grad else coef_logprob_out, chunk_stats,
-            t, n_chunks, adv_stride_b, adv_stride_t,
+            parts if sequence_level else dummy, counts if count else dummy,
+            gtok_ptr if gtok_is_ptr else dummy, gseq_ptr if gseq_is_ptr else dummy,
+            scale_ptr if scale_is_ptr else dummy,
+            grad_logprob_out, grad_entropy_out if ent_grad else grad_logprob_out, row_weight_out, chunk_stats,
+            n_rows, t, n_chunks, adv_stride_b, adv_stride_t, gtok, gseq, scale,
             float(clip_low), float(clip_high), float(dual_clip), float(clamp_low), float(clamp_high), float(tau_pos),
             float(tau_neg), float(kl_coef), float(kl_clamp) if kl_clamp != float("inf") else 0.0,
             float(entropy_coef),
+            AGG=AGG_MODES.index(agg), HAS_GTOK=has_gtok, GTOK_PTR=gtok_is_ptr, HAS_GSEQ=has_gseq,
+            GSEQ_PTR=gseq_is_ptr, SCALE_PTR=scale_is_ptr,
             LOSS=code, CISPO_UPPER=bool(cispo_upper), HAS_DUAL=dual_clip > 0,
             HAS_IW=has_iw, HAS_REF=has_ref, KL_TERM=has_ref and kl_coef != 0, KL_EST=KL_ESTIMATORS.index(kl),
             KL_K3_CLAMP=bool(kl_k3_clamp), KL_HAS_CLAMP=kl_clamp != float("inf"),
             KL_STRAIGHT=bool(kl_straight_through), KL_UNBIASED=bool(kl_unbiased),
             HAS_ENT=has_ent, ENT_TERM=has_ent and entropy_coef != 0, ENT_GRAD=ent_grad,
-            BLOCK=BLOCK_T, PARTS_BLOCK=PARTS_BLOCK, num_warps=NUM_WARPS,
+            BLOCK=BLOCK_T, PARTS_BLOCK=PARTS_BLOCK, EVICT=LOAD_EVICTION, num_warps=NUM_WARPS,
         )
         _row_stats_kernel[(n_rows,)](chunk_stats, row_stats_out, n_chunks, PARTS_BLOCK=PARTS_BLOCK, COLS=_STATS_COLS,
                                      num_warps=1)
-        gtok_ptr, gtok, has_gtok, gtok_is_ptr = _normalizer_args(global_tokens)
-        gseq_ptr, gseq, has_gseq, gseq_is_ptr = _normalizer_args(global_seqs)
-        scale_ptr, scale, _, scale_is_ptr = _normalizer_args(loss_scale)
-        _policy_loss_finalize_kernel[(1,)](
-            row_stats_out, row_weight_out, loss_out, metrics_out, gtok_ptr if gtok_is_ptr else dummy,
-            gseq_ptr if gseq_is_ptr else dummy, scale_ptr if scale_is_ptr else dummy, gtok, gseq, scale, n_rows,
-            AGG=AGG_MODES.index(agg), HAS_GTOK=has_gtok, GTOK_PTR=gtok_is_ptr, HAS_GSEQ=has_gseq,
-            GSEQ_PTR=gseq_is_ptr, SCALE_PTR=scale_is_ptr, BLOCK=COMBINE_BLOCK, COLS=_STATS_COLS, num_warps=NUM_WARPS,
-        )
+        _policy_loss_finalize_kernel[(1,)](row_stats_out, row_weight_out, loss_out, metrics_out, n_rows,
+                                           BLOCK=COMBINE_BLOCK, COLS=_STATS_COLS, num_warps=COMBINE_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -497,25 +561,22 @@ def _product_kernel(x_ptr, y_ptr, out_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_scale_kernel(x_ptr, c_ptr, g_ptr, out_ptr, T, BLOCK: tl.constexpr):
-    """Program ``(row, chunk)``: ``out = (x * c[row]) * g`` over ``BLOCK`` tokens of a ``[B, T]`` tensor."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    inb = offs < T
-    x = tl.load(x_ptr + row * T + offs, mask=inb, other=0.0)
-    tl.store(out_ptr + row * T + offs, (x * tl.load(c_ptr + row)) * tl.load(g_ptr), mask=inb)
+def _scale_kernel(x_ptr, g_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    """``out = x * g[0]`` elementwise."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inb = offs < N
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=inb, other=0.0) * tl.load(g_ptr), mask=inb)
 
 
-def policy_loss_bwd(grad_loss, coef_logprob, coef_entropy, row_weight, grad_logprob_out, grad_entropy_out):
-    """``grad_logprob = (coef_logprob * c_i) * grad_loss`` (``grad_loss`` ``[]``, ``row_weight`` ``[B]``), the
-    same for the entropy."""
-    b, t = coef_logprob.shape
-    grid = (b, triton.cdiv(t, BLOCK_ELEMENTWISE))
-    with on_device(coef_logprob.device):
-        for x, out in ((coef_logprob, grad_logprob_out), (coef_entropy, grad_entropy_out)):
+def policy_loss_bwd(grad_loss, grad_logprob, grad_entropy, grad_logprob_out, grad_entropy_out):
+    """``grad_logprob_out = grad_logprob * grad_loss`` (``grad_loss`` ``[]``; ``[B, T]`` contiguous tensors), the same
+    for the entropy."""
+    n = grad_logprob.numel()
+    grid = (triton.cdiv(n, BLOCK_ELEMENTWISE),)
+    with on_device(grad_logprob.device):
+        for x, out in ((grad_logprob, grad_logprob_out), (grad_entropy, grad_entropy_out)):
             if out is not None:
-                _row_scale_kernel[grid](x, row_weight, grad_loss, out, t, BLOCK=BLOCK_ELEMENTWISE,
-                                        num_warps=NUM_WARPS)
+                _scale_kernel[grid](x, grad_loss, out, n, BLOCK=BLOCK_ELEMENTWISE, num_warps=NUM_WARPS)
 
 
 @triton.jit

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: Bumped on any incompatible change of a primitive's signature or meaning.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -150,15 +150,16 @@ PRIMITIVES: dict[str, Primitive] = {
             "both rounded to fp32 by the op layer), advantages_out[B,T] fp32, returns_out[B,T] fp32) -> None",
         ),
         # Policy losses and KL (spec: rlk.reference.policy_loss): fp32 (fp64: reference only), bool mask; the
-        # aggregation weights c are computed by the primitive (rlk.reference.aggregation) and applied by the
-        # backward, so the saved coefficients of a row never depend on the other rows. Scalar attributes keyword-only.
+        # forward computes the aggregation weights c (rlk.reference.aggregation) and the loss's own gradient
+        # (upstream 1) in one pass; the backward scales it by the upstream gradient. Scalar attributes keyword-only.
         Primitive(
             "policy_loss_fwd",
             "policy_loss",
             "(logprob[B,T] fp32, old_logprob[B,T] fp32, advantages[B,T] | [B,1] fp32, mask[B,T] bool, "
             "importance_weights[B,T] fp32 | None, ref_logprob[B,T] fp32 | None, entropy[B,T] fp32 | None, "
             "global_tokens, global_seqs, loss_scale: float | [] fp32 tensor | None, loss_out[] fp32, "
-            "coef_logprob_out[B,T] fp32 (of the row sums, before c), coef_entropy_out[B,T] fp32 | None, "
+            "grad_logprob_out[B,T] fp32 (d loss / d logprob: coef of the row sum * c), "
+            "grad_entropy_out[B,T] fp32 | None, "
             "row_weight_out[B] fp32 (c), row_stats_out[B,9] fp32, metrics_out[8] fp32, *, agg: str, "
             "loss: str, cispo_upper: bool, clip_low: float, clip_high: float, dual_clip: float (0: off), "
             "clamp_low: float, clamp_high: float (+-inf: off), tau_pos: float, tau_neg: float, kl: str, "
@@ -168,8 +169,8 @@ PRIMITIVES: dict[str, Primitive] = {
         Primitive(
             "policy_loss_bwd",
             "policy_loss",
-            "(grad_loss[] fp32, coef_logprob[B,T] fp32, coef_entropy[B,T] fp32 | None, row_weight[B] fp32, "
-            "grad_logprob_out[B,T] fp32 ((coef * c_i) * grad_loss), grad_entropy_out[B,T] fp32 | None) -> None",
+            "(grad_loss[] fp32, grad_logprob[B,T] fp32 (the forward's), grad_entropy[B,T] fp32 | None, "
+            "grad_logprob_out[B,T] fp32 (grad_logprob * grad_loss), grad_entropy_out[B,T] fp32 | None) -> None",
         ),
         Primitive(
             "kl_penalty_fwd",

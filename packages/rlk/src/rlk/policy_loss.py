@@ -2,10 +2,10 @@
 
 Each op is two ``torch.library.custom_op`` primitives (``rlk::<op>_fwd``, ``rlk::<op>_bwd``)
 with fake implementations, so they trace under ``torch.compile(fullgraph=True)``, and one
-``register_autograd``. The forward primitive does all the work in one pass: the loss, the
-per-token gradient coefficients of each row's sum, the aggregation weights of the rows and
-the metrics; the backward only multiplies the saved coefficients by their row's weight and
-the upstream gradient. Backends are
+``register_autograd``. The policy-loss forward primitive does all the work in one pass over the
+tokens: the loss, its gradient (for an upstream gradient of 1), the aggregation weights of the
+rows and the metrics; the backward only multiplies the saved gradient by the upstream gradient,
+and ``policy_loss_and_grad`` returns it without a backward at all. Backends are
 chosen at run time by ``rlk.dispatch``; the backward runs on the backend that served the
 forward. The math is specified in :mod:`rlk.reference.policy_loss`; the aggregation modes
 in :mod:`rlk.reference.aggregation`.
@@ -14,6 +14,7 @@ in :mod:`rlk.reference.aggregation`.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -105,12 +106,12 @@ def _no_grad_placeholder(like: Tensor) -> Tensor:
 def _fwd_outputs(logprob: Tensor, with_entropy_grad: bool) -> tuple[Tensor, ...]:
     b, t = logprob.shape
     loss = logprob.new_empty(())
-    coef_lp = torch.empty_like(logprob)
-    coef_ent = torch.empty_like(logprob) if with_entropy_grad else _no_grad_placeholder(logprob)
+    grad_lp = torch.empty_like(logprob)
+    grad_ent = torch.empty_like(logprob) if with_entropy_grad else _no_grad_placeholder(logprob)
     row_weight = logprob.new_empty((b,))
     stats = logprob.new_empty((b, len(ROW_STATS)))
     metrics = logprob.new_empty((len(METRICS),))
-    return loss, coef_lp, coef_ent, row_weight, stats, metrics
+    return loss, grad_lp, grad_ent, row_weight, stats, metrics
 
 
 #: The scalar attributes of the forward primitive, passed to the custom op as two lists (the op's
@@ -150,11 +151,11 @@ def _policy_loss_fwd(
     with_entropy_grad = attrs.pop("with_entropy_grad")
     norms = _normalizers([global_tokens, global_seqs, loss_scale], params[len(_FLOAT_ATTRS):])
     out = _fwd_outputs(logprob, with_entropy_grad)
-    loss_out, coef_lp, coef_ent, row_weight, stats, metrics = out
+    loss_out, grad_lp, grad_ent, row_weight, stats, metrics = out
     backend = dispatch.select("policy_loss", logprob.device, logprob.dtype)
     backend.primitives["policy_loss_fwd"](
         logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, norms["global_tokens"],
-        norms["global_seqs"], norms["loss_scale"], loss_out, coef_lp, coef_ent if with_entropy_grad else None,
+        norms["global_seqs"], norms["loss_scale"], loss_out, grad_lp, grad_ent if with_entropy_grad else None,
         row_weight, stats, metrics, agg=agg, loss=loss, kl=kl, **attrs,
     )
     return out
@@ -168,20 +169,20 @@ def _(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, e
 
 @custom_op.define("rlk::policy_loss_bwd")
 def _policy_loss_bwd(
-    grad_loss: Tensor, coef_logprob: Tensor, coef_entropy: Tensor | None, row_weight: Tensor, backend: str
+    grad_loss: Tensor, grad_logprob: Tensor, grad_entropy: Tensor | None, backend: str
 ) -> tuple[Tensor, Tensor]:
-    grad_lp = torch.empty_like(coef_logprob)
-    grad_ent = torch.empty_like(coef_logprob) if coef_entropy is not None else _no_grad_placeholder(coef_logprob)
+    grad_lp = torch.empty_like(grad_logprob)
+    grad_ent = torch.empty_like(grad_logprob) if grad_entropy is not None else _no_grad_placeholder(grad_logprob)
     dispatch.backend_named(backend).primitives["policy_loss_bwd"](
-        grad_loss, coef_logprob, coef_entropy, row_weight, grad_lp, grad_ent if coef_entropy is not None else None
+        grad_loss, grad_logprob, grad_entropy, grad_lp, grad_ent if grad_entropy is not None else None
     )
     return grad_lp, grad_ent
 
 
 @_policy_loss_bwd.register_fake
-def _(grad_loss, coef_logprob, coef_entropy, row_weight, backend):
-    grad_ent = torch.empty_like(coef_logprob) if coef_entropy is not None else _no_grad_placeholder(coef_logprob)
-    return torch.empty_like(coef_logprob), grad_ent
+def _(grad_loss, grad_logprob, grad_entropy, backend):
+    grad_ent = torch.empty_like(grad_logprob) if grad_entropy is not None else _no_grad_placeholder(grad_logprob)
+    return torch.empty_like(grad_logprob), grad_ent
 
 
 _N_POLICY_INPUTS = 15
@@ -189,22 +190,21 @@ _N_POLICY_INPUTS = 15
 
 def _setup_policy(ctx, inputs, output):
     logprob, with_entropy_grad = inputs[0], inputs[13][_BOOL_ATTRS.index("with_entropy_grad")]
-    _, coef_lp, coef_ent, row_weight, stats, metrics = output
-    ctx.save_for_backward(coef_lp, coef_ent, row_weight)
+    _, grad_lp, grad_ent, row_weight, stats, metrics = output
+    ctx.save_for_backward(grad_lp, grad_ent)
     ctx.with_entropy_grad = with_entropy_grad
-    ctx.mark_non_differentiable(coef_lp, coef_ent, row_weight, stats, metrics)
+    ctx.mark_non_differentiable(grad_lp, grad_ent, row_weight, stats, metrics)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the non-differentiable outputs
     ctx.backend = dispatch.decide("policy_loss", logprob.device, logprob.dtype).backend or ""
 
 
-def _backward_policy(ctx, grad_loss, grad_coef_lp, grad_coef_ent, grad_row_weight, grad_stats, grad_metrics):
-    coef_lp, coef_ent, row_weight = ctx.saved_tensors
+def _backward_policy(ctx, grad_loss, grad_grad_lp, grad_grad_ent, grad_row_weight, grad_stats, grad_metrics):
+    grad_lp, grad_ent = ctx.saved_tensors
     grads = [None] * _N_POLICY_INPUTS
     if grad_loss is None:
         return tuple(grads)
     grad_lp, grad_ent = _policy_loss_bwd(
-        grad_loss.to(coef_lp.dtype).contiguous(), coef_lp, coef_ent if ctx.with_entropy_grad else None, row_weight,
-        ctx.backend,
+        grad_loss.to(grad_lp.dtype).contiguous(), grad_lp, grad_ent if ctx.with_entropy_grad else None, ctx.backend,
     )
     grads[0] = grad_lp
     if ctx.with_entropy_grad:
@@ -213,6 +213,15 @@ def _backward_policy(ctx, grad_loss, grad_coef_lp, grad_coef_ent, grad_row_weigh
 
 
 _policy_loss_fwd.register_autograd(_backward_policy, setup_context=_setup_policy)
+
+
+class PolicyLossAndGrad(NamedTuple):
+    """What :func:`policy_loss_and_grad` returns."""
+
+    loss: Tensor
+    grad_logprob: Tensor
+    grad_entropy: Tensor | None
+    metrics: dict[str, Tensor]
 
 
 def policy_loss(
@@ -320,10 +329,112 @@ def policy_loss(
 
     An empty mask (or an empty batch) gives loss 0 and zero gradients, never NaN.
 
-    Batch invariance: on backends that promise it (``rlk info``), a row's per-token gradient
-    coefficients are bitwise independent of the other rows, and so are its gradient and its
-    per-row partial sums whenever its aggregation weight is (``token-sum``, or global normalizers).
+    Batch invariance: on backends that promise it (``rlk info``), a row's gradient and its per-row
+    partial sums are bitwise independent of the other rows whenever its aggregation weight is
+    (``token-sum``, or global normalizers).
+
+    :func:`policy_loss_and_grad` returns the same loss with its gradient, without autograd and
+    without the backward's extra pass over the tokens.
     """
+    loss_value, _, _, metrics = _policy_loss(
+        False, logprob, old_logprob, advantages, mask,
+        loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, clamp_log_ratio=clamp_log_ratio,
+        cispo_form=cispo_form, sapo_tau=sapo_tau, importance_weights=importance_weights, agg=agg,
+        global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, ref_logprob=ref_logprob, kl=kl,
+        kl_coef=kl_coef, kl_k3_clamp=kl_k3_clamp, kl_clamp=kl_clamp, kl_unbiased=kl_unbiased, entropy=entropy,
+        entropy_coef=entropy_coef,
+    )
+    return loss_value, metrics
+
+
+def policy_loss_and_grad(
+    logprob: Tensor,
+    old_logprob: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    clamp_log_ratio: float | tuple[float | None, float | None] | None = None,
+    cispo_form: str = "clip",
+    sapo_tau: tuple[float, float] = (1.0, 1.05),
+    importance_weights: Tensor | None = None,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    loss_scale: float | Tensor | None = None,
+    ref_logprob: Tensor | None = None,
+    kl: str = "k3",
+    kl_coef: float = 0.0,
+    kl_k3_clamp: bool = True,
+    kl_clamp: float | None = None,
+    kl_unbiased: bool = False,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> PolicyLossAndGrad:
+    """The policy loss and its gradient from one pass over the tokens, without autograd.
+
+    Takes exactly the arguments of :func:`policy_loss` and computes the same loss (bit for bit, on the
+    same backend) and metrics, and the gradients ``policy_loss(...)[0].backward()`` would produce
+    (bitwise equal: the backward of :func:`policy_loss` multiplies this gradient by the upstream 1).
+    ``logprob`` (and ``entropy``) may require grad; they are read detached and nothing is recorded.
+
+    Use it where the loss is the end of the graph and the log-probs come from a differentiable
+    computation: ``out = rlk.policy_loss_and_grad(logprob, ...)`` then ``logprob.backward(out.grad_logprob)``
+    (with ``torch.autograd.backward([logprob, entropy], [out.grad_logprob, out.grad_entropy])`` when the
+    entropy term has a gradient). It moves the ``[B, T]`` inputs once and the gradient once: the autograd
+    path of :func:`policy_loss` writes the same gradient in its forward and then reads and rescales it in
+    its backward.
+
+    Returns:
+        :class:`PolicyLossAndGrad` ``(loss, grad_logprob, grad_entropy, metrics)``: ``loss`` the detached
+        0-d loss; ``grad_logprob`` ``d loss / d logprob`` in ``logprob``'s dtype and shape (0 off the mask);
+        ``grad_entropy`` ``d loss / d entropy`` in ``entropy``'s dtype when ``entropy_coef != 0``, else None;
+        ``metrics`` as :func:`policy_loss`'s.
+    """
+    loss_value, grad_lp, grad_ent, metrics = _policy_loss(
+        True, logprob, old_logprob, advantages, mask,
+        loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, clamp_log_ratio=clamp_log_ratio,
+        cispo_form=cispo_form, sapo_tau=sapo_tau, importance_weights=importance_weights, agg=agg,
+        global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, ref_logprob=ref_logprob, kl=kl,
+        kl_coef=kl_coef, kl_k3_clamp=kl_k3_clamp, kl_clamp=kl_clamp, kl_unbiased=kl_unbiased, entropy=entropy,
+        entropy_coef=entropy_coef,
+    )
+    return PolicyLossAndGrad(loss_value, grad_lp, grad_ent, metrics)
+
+
+def _policy_loss(
+    fused: bool,
+    logprob: Tensor,
+    old_logprob: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss: str,
+    clip_low: float,
+    clip_high: float | None,
+    dual_clip: float | None,
+    clamp_log_ratio: float | tuple[float | None, float | None] | None,
+    cispo_form: str,
+    sapo_tau: tuple[float, float],
+    importance_weights: Tensor | None,
+    agg: str,
+    global_tokens: float | Tensor | None,
+    global_seqs: float | Tensor | None,
+    loss_scale: float | Tensor | None,
+    ref_logprob: Tensor | None,
+    kl: str,
+    kl_coef: float,
+    kl_k3_clamp: bool,
+    kl_clamp: float | None,
+    kl_unbiased: bool,
+    entropy: Tensor | None,
+    entropy_coef: float,
+) -> tuple[Tensor, Tensor | None, Tensor | None, dict[str, Tensor]]:
+    """The body of :func:`policy_loss` (``fused=False``: the loss differentiable, no gradients returned) and
+    :func:`policy_loss_and_grad` (``fused=True``: detached loss and the gradients)."""
     # --- tensors -------------------------------------------------------------------------
     if not isinstance(logprob, Tensor):
         raise TypeError(f"logprob: expected a torch.Tensor, got {type(logprob).__name__}")
@@ -378,7 +489,7 @@ def policy_loss(
                     for x in (global_tokens, global_seqs, loss_scale)]
 
     # --- canonical inputs ----------------------------------------------------------------
-    lp = logprob.to(cdt).contiguous()
+    lp = (logprob.detach() if fused else logprob).to(cdt).contiguous()
     old = lp.detach() if old_logprob is None else old_logprob.detach().to(cdt).contiguous()
     adv = advantages.detach().to(cdt).reshape(b, 1 if advantages.dim() == 1 else advantages.shape[1]).contiguous()
 
@@ -388,17 +499,19 @@ def policy_loss(
     with_entropy_grad = entropy is not None and entropy_coef != 0
     ent = None
     if entropy is not None:
-        ent = entropy.to(cdt).contiguous() if with_entropy_grad else detached(entropy)
+        ent = entropy.to(cdt).contiguous() if with_entropy_grad and not fused else detached(entropy)
     if lp.numel() == 0:
         zero = lp.sum() * 0.0
         if with_entropy_grad:
             zero = zero + ent.sum() * 0.0
         out_loss, metrics = zero, torch.zeros(len(METRICS), dtype=cdt, device=device)
+        grad_lp = torch.zeros_like(lp)
+        grad_ent = torch.zeros_like(ent) if with_entropy_grad else None
     else:
         flags = [cispo_form == "upper", bool(kl_k3_clamp), kl_straight, bool(kl_unbiased), with_entropy_grad]
         params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos,
                   tau_neg, kl_coef, kl_clamp_value, entropy_coef, *norm_numbers]
-        out_loss, _, _, _, _, metrics = _policy_loss_fwd(
+        out_loss, grad_lp, grad_ent, _, _, metrics = _policy_loss_fwd(
             lp, old, adv, mask_bool.contiguous(), detached(importance_weights), detached(ref_logprob), ent,
             *norm_tensors, agg, loss, kl, flags, params,
         )
@@ -408,7 +521,13 @@ def policy_loss(
         names.append("entropy_mean")
     if ref_logprob is not None:
         names.append("kl_mean")
-    return out_loss, {name: values[name] for name in names}
+    metrics = {name: values[name] for name in names}
+    if not fused:
+        return out_loss, None, None, metrics
+    grad_lp = grad_lp.to(logprob.dtype)
+    grad_ent = grad_ent.to(entropy.dtype) if with_entropy_grad else None
+    return out_loss, grad_lp, grad_ent, metrics
+
 
 
 # ---------------------------------------------------------------------------

@@ -61,12 +61,15 @@ by ``w = sg(exp(d))``) and coefficients ``beta = kl_coef`` and ``eta = entropy_c
     loss = sum_i c_i sum_t m (I L + beta K - eta H)
 
 The forward computes the row weights ``c_i`` from the mask and the normalizers
-(:func:`rlk.reference.aggregation.row_weights`) and stores them with the per-token gradient
-coefficients of the row sums, which never depend on the other rows::
+(:func:`rlk.reference.aggregation.row_weights`) and, in the same pass, the gradient of the loss
+itself (for an upstream gradient of 1), the per-token coefficient of the row sum times the row's
+weight::
 
-    coef_logprob = m (I g + beta dK/dlp),    coef_entropy = -m eta
+    grad_logprob = (m (I g + beta dK/dlp)) * c_i,    grad_entropy = (-eta) * c_i on the mask
 
-so the backward of an upstream gradient ``G`` (a scalar) is ``(coef * c_i) * G``.
+so the backward of an upstream gradient ``G`` (a scalar) is ``grad * G``, and
+``rlk.policy_loss_and_grad`` returns ``grad`` itself. A row's coefficient never depends on the
+other rows; its gradient does only through ``c_i`` (not at all with the global normalizers).
 
 Metrics over the masked tokens of the call (``n = sum m``; every metric is 0 when ``n = 0``)
 -------------------------------------------------------------------------------------------
@@ -306,19 +309,20 @@ def _metrics(stats: Tensor) -> Tensor:
 
 
 def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, global_tokens,
-                    global_seqs, loss_scale, loss_out, coef_logprob_out, coef_entropy_out, row_weight_out,
+                    global_seqs, loss_scale, loss_out, grad_logprob_out, grad_entropy_out, row_weight_out,
                     row_stats_out, metrics_out, *, agg, **attrs):
-    """The fused policy loss: loss, per-token gradient coefficients, row weights, per-row partials and metrics.
+    """The fused policy loss: loss, its gradient, row weights, per-row partials and metrics, in one pass.
 
     Args (module docstring for the math):
         logprob, old_logprob: ``[B, T]``. advantages: ``[B, T]`` or ``[B, 1]`` (one per row).
         mask: ``[B, T]`` bool. importance_weights, ref_logprob, entropy: ``[B, T]`` or None.
         global_tokens, global_seqs, loss_scale: the aggregation's normalizers (numbers, one-element
             tensors or None; :mod:`rlk.reference.aggregation`).
-        loss_out: ``[]``. coef_logprob_out: ``[B, T]``, the derivative of the row's objective sum
-            ``sum_t m (I L + beta K - eta H)`` w.r.t. ``logprob`` (before the row weight).
-        coef_entropy_out: ``[B, T]`` (``-eta`` on the mask) or None. row_weight_out: ``[B]``, the
-            aggregation weights ``c`` (:func:`rlk.reference.aggregation.row_weights`).
+        loss_out: ``[]``. grad_logprob_out: ``[B, T]``, ``d loss / d logprob``: the derivative of the
+            row's objective sum ``sum_t m (I L + beta K - eta H)`` times the row weight ``c_i``
+            (computed in this order), 0 off the mask.
+        grad_entropy_out: ``[B, T]`` (``(-eta) * c_i`` on the mask) or None. row_weight_out: ``[B]``,
+            the aggregation weights ``c`` (:func:`rlk.reference.aggregation.row_weights`).
         row_stats_out: ``[B, len(ROW_STATS)]``. metrics_out: ``[len(METRICS)]``.
         agg (keyword-only): the aggregation mode.
         attrs (keyword-only): loss, cispo_upper, clip_low, clip_high, dual_clip (0: off),
@@ -327,16 +331,16 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
             when ``ref_logprob`` is given; it enters the loss when ``kl_coef != 0``);
             entropy_coef: the entropy bonus.
 
-    The gradient is ``grad_loss * c_i * coef`` (:func:`policy_loss_bwd`): the coefficients of a row
-    never depend on the other rows, whatever the aggregation.
+    The backward of an upstream gradient ``G`` is ``grad * G`` (:func:`policy_loss_bwd`).
     """
     row_weight = aggregation.row_weights(mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
                                          loss_scale=loss_scale, dtype=_compute_dtype(logprob.dtype))
     row_weight_out.copy_(row_weight)
     t = _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, **attrs)
-    coef_logprob_out.copy_(torch.where(t["m"], t["coef"], 0.0))
-    if coef_entropy_out is not None:
-        coef_entropy_out.copy_(t["m"].to(coef_entropy_out.dtype) * -attrs["entropy_coef"])
+    c = t["c"][:, None]
+    grad_logprob_out.copy_(torch.where(t["m"], t["coef"] * c, 0.0))
+    if grad_entropy_out is not None:
+        grad_entropy_out.copy_(torch.where(t["m"], -attrs["entropy_coef"] * c, 0.0))
     stats = _row_stats(t)
     row_stats_out.copy_(stats)
     loss_out.copy_(stats[:, 0].sum())
@@ -379,10 +383,9 @@ def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importanc
     return {"loss": total[0], "row_stats": stats, "metrics": metrics}
 
 
-def policy_loss_bwd(grad_loss, coef_logprob, coef_entropy, row_weight, grad_logprob_out, grad_entropy_out):
-    """``grad_logprob = (coef_logprob * c_i) * grad_loss`` (and the same for the entropy); ``grad_loss`` is ``[]``,
-    ``row_weight`` ``[B]``."""
-    c = row_weight[:, None]
-    torch.mul(coef_logprob * c, grad_loss, out=grad_logprob_out)
+def policy_loss_bwd(grad_loss, grad_logprob, grad_entropy, grad_logprob_out, grad_entropy_out):
+    """``grad_logprob_out = grad_logprob * grad_loss`` (the forward's gradient times the upstream ``[]``), and the
+    same for the entropy."""
+    torch.mul(grad_logprob, grad_loss, out=grad_logprob_out)
     if grad_entropy_out is not None:
-        torch.mul(coef_entropy * c, grad_loss, out=grad_entropy_out)
+        torch.mul(grad_entropy, grad_loss, out=grad_entropy_out)

@@ -1,0 +1,122 @@
+"""Tile sweep of the Triton policy-loss kernels on a CUDA machine: any of ``rlk_triton.policy_loss``'s constants.
+
+For each point of the grid given by ``--grid NAME=v1,v2 ...`` (constants of ``rlk_triton.policy_loss``:
+``BLOCK_T``, ``NUM_WARPS``, ``COUNT_ELEMENTS``, ``COUNT_WARPS``, ``LOAD_EVICTION``...; default
+``BLOCK_T=1024,2048,4096 NUM_WARPS=4,8``) it runs the benchmark's PPO step on ``[B, T]`` fp32 tokens (verl's
+defaults, token-mean: the mask-count kernel runs) through ``rlk.policy_loss_and_grad`` and through
+``rlk.policy_loss`` + ``autograd.grad``, and prints the GPU time of each kernel (``torch.profiler``) and the
+share of the copy bandwidth measured in the same run (17 bytes credited per token, as
+``bench_asv/benchmarks/rl_objectives.py``). The gradients must be the same bits under every configuration
+(each token's gradient depends on no tile size); the loss may differ in its last bits (the chunk sums change
+with ``BLOCK_T``).
+
+    python tools/sweep_policy_loss.py [--shape 512,8192] [--grid BLOCK_T=2048 NUM_WARPS=4 LOAD_EVICTION=,evict_first]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+from profile_policy_loss import ppo_inputs  # tools/, next to this script
+from torch.profiler import ProfilerActivity, profile
+
+import rlk
+from rlk_triton import policy_loss as tk
+
+CLIP, DUAL_CLIP, CLAMP = 0.2, 3.0, 20.0
+KWARGS = dict(loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean")
+
+
+def copy_gbps(nbytes: int = 2**30, repeats: int = 20) -> float:
+    """Device copy rate (read + write bytes per second) of ``nbytes``, median of ``repeats``."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times = sorted(times[3:])
+    return 2 * nbytes / (times[len(times) // 2] * 1e-3) / 1e9
+
+
+def kernel_us(fn, repeats: int = 20) -> dict[str, float]:
+    """Microseconds per step of each CUDA kernel ``fn()`` launches (``torch.profiler``)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name.split("(")[0].removeprefix("void ")[:40]
+            per_kernel[name] = per_kernel.get(name, 0.0) + e.device_time_total / repeats
+    return per_kernel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="512,8192")
+    parser.add_argument("--grid", nargs="*", default=["BLOCK_T=1024,2048,4096", "NUM_WARPS=4,8"],
+                        help="NAME=v1,v2 for constants of rlk_triton.policy_loss (integers or strings)")
+    args = parser.parse_args()
+    b, t = (int(x) for x in args.shape.split(","))
+    logprob, old, adv, mask = ppo_inputs(b, t, seed=1234)
+    credited = b * t * 17
+    copy = copy_gbps()
+    same_size = torch.empty(credited // 8, dtype=torch.float32, device="cuda")  # read + write = the credited bytes
+    same_size_us = sum(kernel_us(lambda: same_size.clone()).values())
+    print(f"policy-loss tile sweep, [{b}, {t}] fp32 PPO token-mean, {torch.cuda.get_device_name()}, torch "
+          f"{torch.__version__}; copy {copy:.0f} GB/s; share = {credited / 2**20:.0f} MiB / kernel time / copy")
+    print(f"a copy moving the credited bytes takes {same_size_us:.1f} us of kernel time = "
+          f"{credited / (same_size_us * 1e-6) / 1e9 / copy:.1%} of the 1 GiB copy rate")
+
+    def fused():
+        return rlk.policy_loss_and_grad(logprob, old, adv, mask, **KWARGS)
+
+    def autograd():
+        value, _ = rlk.policy_loss(logprob, old, adv, mask, **KWARGS)
+        return torch.autograd.grad(value, logprob)[0]
+
+    axes = []
+    for spec in args.grid:
+        name, values = spec.split("=", 1)
+        if not hasattr(tk, name):
+            parser.error(f"rlk_triton.policy_loss has no constant {name}")
+        axes.append([(name, int(v) if v.lstrip("-").isdigit() else v) for v in values.split(",")])
+    defaults = {name: getattr(tk, name) for name in (axis[0][0] for axis in axes)}
+    first = None
+    with rlk.use_backend("triton"):
+        for point in itertools.product(*axes):
+            for name, value in point:
+                setattr(tk, name, value)
+            label = " ".join(f"{name}={value!r}" if isinstance(value, str) else f"{name}={value}"
+                             for name, value in point)
+            out = fused()
+            grad = autograd()
+            same = torch.equal(out.grad_logprob, grad)
+            if first is None:
+                first = (out.loss, grad)
+            same_first = torch.equal(first[1], grad)
+            loss_rel = abs(float(out.loss) - float(first[0])) / max(abs(float(first[0])), 1e-30)
+            for name, fn in (("policy_loss_and_grad", fused), ("policy_loss + autograd", autograd)):
+                kernels = kernel_us(fn)
+                total = sum(kernels.values())
+                share = credited / (total * 1e-6) / 1e9 / copy
+                detail = ", ".join(f"{k} {v:.1f}" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]))
+                print(f"{label}  {name:22s} kernel {total:6.1f} us = {share:6.1%} of copy  [{detail}]")
+            print(f"    gradients: fused == autograd {same}; == first point {same_first}; "
+                  f"loss vs first point: rel {loss_rel:.1e}")
+    for name, value in defaults.items():
+        setattr(tk, name, value)
+
+if __name__ == "__main__":
+    main()
