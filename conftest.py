@@ -6,11 +6,18 @@ an error, so a GPU run can't quietly turn into a CPU run. Tests marked
 ``triton_interpreter`` are deselected unless ``TRITON_INTERPRET=1`` (CI sets it). ``multi_gpu``
 tests are deselected on machines with fewer than two GPUs, ``no_gpu`` tests (behaviour without a
 GPU) on machines with one.
+
+``RLK_RECORD_TRITON_LAUNCHES=<dir>`` (with ``TRITON_INTERPRET=1``) records the Triton kernel
+specializations the session launches into ``<dir>/launches-<worker>.json``, for
+``tools/triton_aot_check.py`` to compile them for a GPU target without a GPU (``ci/test.sh``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,3 +41,32 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get("RLK_REQUIRE_GPU") == "1":
         raise pytest.UsageError("RLK_REQUIRE_GPU=1 but torch sees no GPU")
     _deselect(config, items, "gpu")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pytest_configure(config):
+    if not os.environ.get("RLK_RECORD_TRITON_LAUNCHES") or not _interpreting():
+        return
+    spec = importlib.util.spec_from_file_location("triton_aot_check", Path(__file__).parent / "tools" /
+                                                  "triton_aot_check.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    records: list[dict] = []
+    recorder = tool.record_launches(records)
+    recorder.__enter__()
+    config._rlk_triton_launches = (tool, recorder, records)
+
+
+def pytest_unconfigure(config):
+    state = getattr(config, "_rlk_triton_launches", None)
+    if state is None:
+        return
+    tool, recorder, records = state
+    recorder.__exit__(None, None, None)
+    out = Path(os.environ["RLK_RECORD_TRITON_LAUNCHES"])
+    out.mkdir(parents=True, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    (out / f"launches-{worker}-{os.getpid()}.json").write_text(json.dumps(tool.unique(records), default=float))

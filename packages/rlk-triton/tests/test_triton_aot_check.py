@@ -1,0 +1,99 @@
+"""``tools/triton_aot_check.py``: interpreted launches are recorded and compiled for sm_90 without a GPU, and a
+kernel that only the compiler rejects is reported.
+
+The bad kernel is the bug the H200 found in session 5 and the interpreter did not: a string
+``tl.constexpr`` parameter of a device function with a default value, called without it (Triton 3.6
+cannot lower the default; Triton 3.6, the version ci/requirements-dev.txt pins).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.triton_interpreter
+
+TOOL = Path(__file__).parents[3] / "tools" / "triton_aot_check.py"
+
+PROBE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scaled(x, SCALE: tl.constexpr):
+    return x * SCALE
+
+
+@triton.jit
+def good_kernel(x_ptr, out_ptr, n, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    tl.store(out_ptr + offs, _scaled(tl.load(x_ptr + offs, mask=inb), SCALE), mask=inb)
+
+
+@triton.jit
+def _load_with_policy(ptr, offs, inb, EVICT: tl.constexpr = ""):
+    return tl.load(ptr + offs, mask=inb, eviction_policy=EVICT)
+
+
+@triton.jit
+def bad_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    tl.store(out_ptr + offs, _load_with_policy(x_ptr, offs, inb) * 2.0, mask=inb)
+'''
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check(records: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps(records))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(TOOL), str(path), "--arch", "90", "--packages", "aot_probe"],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_records_compile_and_a_compiler_only_error_is_reported(tmp_path):
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    (tmp_path / "aot_probe.py").write_text(textwrap.dedent(PROBE))
+    tool = _load(TOOL, "triton_aot_check")
+    probe = _load(tmp_path / "aot_probe.py", "aot_probe")
+    x = torch.arange(10, dtype=torch.float32)
+    good, bad = [], []
+    with tool.record_launches(good):
+        out = torch.empty_like(x)
+        probe.good_kernel[(1,)](x, out, x.numel(), SCALE=3.0, BLOCK=16, num_warps=2)
+    with tool.record_launches(bad):
+        out2 = torch.empty_like(x)
+        probe.bad_kernel[(1,)](x, out2, x.numel(), BLOCK=16)
+    # the interpreter runs both happily
+    assert torch.equal(out, x * 3.0) and torch.equal(out2, x * 2.0)
+    assert good == [{"module": "aot_probe", "kernel": "good_kernel",
+                     "signature": {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
+                     "constants": {"SCALE": 3.0, "BLOCK": 16}, "options": {"num_warps": 2}}]
+
+    done = _check(good, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "compiled 1 of 1 kernel specializations for sm_90" in done.stdout
+
+    done = _check(good + bad, tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "compiled 1 of 2" in done.stdout
+    assert "FAILED aot_probe.bad_kernel" in done.stdout

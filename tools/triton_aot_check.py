@@ -1,0 +1,155 @@
+"""Compile the Triton kernels that CPU tests launch for a real GPU target, without a GPU.
+
+Under ``TRITON_INTERPRET=1`` a kernel runs as Python and is never compiled, so an error that only the
+compiler sees (a constexpr default it cannot lower, an unsupported op, a type mismatch the
+interpreter's numpy tolerates) first shows on the GPU. This module closes that gap:
+
+* :func:`record_launches` (in the interpreting process): records every kernel launch inside the
+  ``with`` block: the kernel's module and name, each argument's Triton type (a tensor's pointer
+  type, ``i32`` / ``i64`` / ``fp32`` / ``i1`` scalars) or, for ``tl.constexpr`` parameters and ``None``,
+  its value, and ``num_warps`` / ``num_stages``. The repository's ``conftest.py`` records a whole
+  pytest session this way when ``RLK_RECORD_TRITON_LAUNCHES=<dir>`` is set (one JSON file per
+  worker); ``ci/test.sh`` does.
+* ``python tools/triton_aot_check.py RECORDS.json... [--arch 90]`` (a process WITHOUT
+  ``TRITON_INTERPRET``, where ``@triton.jit`` gives real ``JITFunction`` objects): compiles each
+  distinct record with ``triton.compile`` for ``GPUTarget("cuda", arch, 32)`` (Triton's own LLVM and
+  ptxas: no driver, no GPU) and prints one line per failure; exit status 1 if any failed.
+
+Specialization attributes (16-byte alignment, integers equal to 1) are not recorded: they change
+the generated code, not whether it compiles. Only the kernels of ``--packages`` (default rlk and
+rlk_triton) are compiled: a kernel defined in a test module is not importable by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import json
+import sys
+from collections.abc import Iterator
+
+_TORCH_TO_TRITON = {
+    "torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float64": "fp64",
+    "torch.int8": "i8", "torch.uint8": "u8", "torch.int16": "i16", "torch.int32": "i32", "torch.int64": "i64",
+    "torch.bool": "i1",
+}
+
+
+def _arg_type(value) -> tuple[str, object]:
+    """("type", Triton type) for a runtime argument, ("value", value) for one compiled in as a constant."""
+    import torch
+
+    if value is None:
+        return "value", None
+    if isinstance(value, torch.Tensor):
+        return "type", "*" + _TORCH_TO_TRITON[str(value.dtype)]
+    if isinstance(value, bool):
+        return "type", "i1"
+    if isinstance(value, int):
+        return "type", "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "type", "fp32"
+    raise TypeError(f"unsupported kernel argument {type(value).__name__}")
+
+
+@contextlib.contextmanager
+def record_launches(records: list[dict]) -> Iterator[list[dict]]:
+    """Append one dict per interpreted kernel launch inside the block to ``records`` (TRITON_INTERPRET=1)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        params = list(inspect.signature(fn).parameters.values())
+        bound = dict(zip((p.name for p in params), args))
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound.update(kwargs)
+        signature, constants = {}, {}
+        for p in params:
+            if p.name not in bound:
+                continue
+            value = bound[p.name]
+            if "constexpr" in str(p.annotation):
+                if not isinstance(value, (bool, int, float, str, type(None))):  # e.g. a tl.dtype: not recorded
+                    return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
+                constants[p.name] = value
+                continue
+            try:
+                kind, what = _arg_type(value)
+            except (TypeError, KeyError):  # an argument type this checker does not map: leave the launch out
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
+            if kind == "value":
+                constants[p.name] = what
+            else:
+                signature[p.name] = what
+        records.append({"module": fn.__module__, "kernel": fn.__name__, "signature": signature,
+                        "constants": constants, "options": options})
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
+
+    InterpretedFunction.run = run
+    try:
+        yield records
+    finally:
+        InterpretedFunction.run = original
+
+
+def unique(records: list[dict]) -> list[dict]:
+    """The distinct records, in first-seen order."""
+    seen, out = set(), []
+    for r in records:
+        key = json.dumps(r, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
+def compile_records(records: list[dict], arch: int) -> list[str]:
+    """Compile each record for ``cuda:arch``; the failures as ``module.kernel(constants): error`` lines."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    failures = []
+    for r in records:
+        fn = getattr(importlib.import_module(r["module"]), r["kernel"])
+        signature = {name: "constexpr" if name in r["constants"] else r["signature"][name]
+                     for name in fn.arg_names if name in r["signature"] or name in r["constants"]}
+        try:
+            src = ASTSource(fn=fn, signature=signature, constexprs=dict(r["constants"]))
+            triton.compile(src, target=target, options=r["options"])
+        except Exception as exc:  # report every failure, not just the first
+            first = str(exc).strip().splitlines()
+            failures.append(f"{r['module']}.{r['kernel']}({r['constants']}): {type(exc).__name__}: "
+                            f"{' | '.join(first[-3:])}")
+    return failures
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("records", nargs="+", help="JSON lists written from record_launches")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--packages", default="rlk,rlk_triton",
+                        help="top-level packages whose kernels are compiled (others, e.g. kernels defined in tests, "
+                             "are left out)")
+    args = parser.parse_args(argv)
+    packages = set(args.packages.split(","))
+    records = []
+    for path in args.records:
+        with open(path) as f:
+            records += json.load(f)
+    records = unique([r for r in records if r["module"].split(".")[0] in packages])
+    failures = compile_records(records, args.arch)
+    print(f"compiled {len(records) - len(failures)} of {len(records)} kernel specializations for sm_{args.arch}")
+    for line in failures:
+        print("FAILED", line)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
