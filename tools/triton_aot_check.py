@@ -7,7 +7,8 @@ interpreter's numpy tolerates) first shows on the GPU. This module closes that g
 * :func:`record_launches` (in the interpreting process): records every kernel launch inside the
   ``with`` block: the kernel's module and name, each argument's Triton type (a tensor's pointer
   type, ``i32`` / ``i64`` / ``fp32`` / ``i1`` scalars) or, for ``tl.constexpr`` parameters and ``None``,
-  its value, and ``num_warps`` / ``num_stages``. The repository's ``conftest.py`` records a whole
+  its value, and ``num_warps`` / ``num_stages`` (a launch with an argument it cannot type is
+  recorded as left out, and the compile step lists it). The repository's ``conftest.py`` records a whole
   pytest session this way when ``RLK_RECORD_TRITON_LAUNCHES=<dir>`` is set (one JSON file per
   worker); ``ci/test.sh`` does.
 * ``python tools/triton_aot_check.py RECORDS.json... [--arch 90]`` (a process WITHOUT
@@ -72,13 +73,17 @@ def record_launches(records: list[dict]) -> Iterator[list[dict]]:
                 continue
             value = bound[p.name]
             if "constexpr" in str(p.annotation):
-                if not isinstance(value, (bool, int, float, str, type(None))):  # e.g. a tl.dtype: not recorded
+                if not isinstance(value, (bool, int, float, str, type(None))):  # e.g. a tl.dtype
+                    records.append({"module": fn.__module__, "kernel": fn.__name__,
+                                    "left_out": f"constexpr {p.name} of type {type(value).__name__}"})
                     return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
                 constants[p.name] = value
                 continue
             try:
                 kind, what = _arg_type(value)
-            except (TypeError, KeyError):  # an argument type this checker does not map: leave the launch out
+            except (TypeError, KeyError) as exc:  # an argument type this checker does not map
+                records.append({"module": fn.__module__, "kernel": fn.__name__,
+                                "left_out": f"argument {p.name}: {type(exc).__name__} {exc}"})
                 return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
             if kind == "value":
                 constants[p.name] = what
@@ -144,8 +149,12 @@ def main(argv: list[str]) -> int:
         with open(path) as f:
             records += json.load(f)
     records = unique([r for r in records if r["module"].split(".")[0] in packages])
+    left_out = [r for r in records if "left_out" in r]
+    records = [r for r in records if "left_out" not in r]
     failures = compile_records(records, args.arch)
     print(f"compiled {len(records) - len(failures)} of {len(records)} kernel specializations for sm_{args.arch}")
+    for r in left_out:
+        print(f"left out (not typed by this checker): {r['module']}.{r['kernel']}: {r['left_out']}")
     for line in failures:
         print("FAILED", line)
     return 1 if failures else 0

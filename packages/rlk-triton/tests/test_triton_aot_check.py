@@ -41,6 +41,13 @@ def good_kernel(x_ptr, out_ptr, n, SCALE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def cast_kernel(x_ptr, out_ptr, n, OUT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=inb).to(OUT).to(tl.float32), mask=inb)
+
+
+@triton.jit
 def _load_with_policy(ptr, offs, inb, EVICT: tl.constexpr = ""):
     return tl.load(ptr + offs, mask=inb, eviction_policy=EVICT)
 
@@ -97,3 +104,21 @@ def test_records_compile_and_a_compiler_only_error_is_reported(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "compiled 1 of 2" in done.stdout
     assert "FAILED aot_probe.bad_kernel" in done.stdout
+
+
+def test_a_launch_the_checker_cannot_type_is_listed_not_dropped(tmp_path):
+    """A tl.dtype constexpr is not recorded as a specialization; the compile step names the launch it left out."""
+    import triton.language as tl
+
+    (tmp_path / "aot_probe.py").write_text(textwrap.dedent(PROBE))
+    tool = _load(TOOL, "triton_aot_check")
+    probe = _load(tmp_path / "aot_probe.py", "aot_probe")
+    x = torch.arange(10, dtype=torch.float32)
+    records: list[dict] = []
+    with tool.record_launches(records):
+        probe.cast_kernel[(1,)](x, torch.empty_like(x), x.numel(), OUT=tl.float16, BLOCK=16)
+    assert records == [{"module": "aot_probe", "kernel": "cast_kernel", "left_out": "constexpr OUT of type dtype"}]
+    done = _check(records, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "compiled 0 of 0" in done.stdout
+    assert "left out (not typed by this checker): aot_probe.cast_kernel: constexpr OUT of type dtype" in done.stdout

@@ -2,7 +2,7 @@
 
 A composition of two rlk ops, each one fused: :func:`rlk.linear_logprob` (log-prob and entropy
 straight from the last hidden states and the LM head, extra memory O(N + tile)) and
-:func:`rlk.policy_loss` (one pass over the tokens for the loss, its gradient coefficients and the
+:func:`rlk.policy_loss` (one pass over the tokens for the loss, its gradient and the
 metrics). Its memory is ``linear_logprob``'s plus a few ``[B, T]`` fp32 tensors; the only
 ``[N, V]``-sized object of the plain PyTorch path, the logits, never exists.
 """
