@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU test suite (what CI runs): lint, unit tests (reference backend, Triton kernels through
-# the Triton interpreter), every Triton kernel specialization the tests launched compiled for sm_90,
+# the Triton interpreter), every Triton kernel specialization the tests launched compiled for sm_90 and sm_80,
 # the CPU parity matrix and the quick benchmark run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +17,8 @@ export RLK_REQUIRE_INSTALLED=cuda   # built and installed above; unavailable wit
 echo "== rlk info"; python3 -m rlk info
 rm -rf "$out/triton_launches"
 echo "== pytest"; RLK_RECORD_TRITON_LAUNCHES="$out/triton_launches" python3 -m pytest -n 2 --durations=15
-echo "== the Triton kernels the tests launched, compiled for sm_90 (no GPU: Triton's LLVM and ptxas)"
-env -u TRITON_INTERPRET python3 tools/triton_aot_check.py "$out"/triton_launches/*.json --arch 90
+echo "== the Triton kernels the tests launched, compiled for sm_90 and sm_80 (no GPU: Triton's LLVM and ptxas)"
+env -u TRITON_INTERPRET python3 tools/triton_aot_check.py "$out"/triton_launches/*.json --arch 90 80
 echo "== parity (CPU matrix)"; python3 -m parity --device cpu --out "$out/parity"
 echo "== benchmarks (quick CPU mode)"; python3 bench_asv/run.py --quick --out "$out/bench"
 echo "== asv (quick CPU mode)"

@@ -11,9 +11,9 @@ interpreter's numpy tolerates) first shows on the GPU. This module closes that g
   recorded as left out, and the compile step lists it). The repository's ``conftest.py`` records a whole
   pytest session this way when ``RLK_RECORD_TRITON_LAUNCHES=<dir>`` is set (one JSON file per
   worker); ``ci/test.sh`` does.
-* ``python tools/triton_aot_check.py RECORDS.json... [--arch 90]`` (a process WITHOUT
+* ``python tools/triton_aot_check.py RECORDS.json... [--arch 90 80]`` (a process WITHOUT
   ``TRITON_INTERPRET``, where ``@triton.jit`` gives real ``JITFunction`` objects): compiles each
-  distinct record with ``triton.compile`` for ``GPUTarget("cuda", arch, 32)`` (Triton's own LLVM and
+  distinct record with ``triton.compile`` for ``GPUTarget("cuda", arch, 32)``, each arch given (Triton's own LLVM and
   ptxas: no driver, no GPU) and prints one line per failure; exit status 1 if any failed.
 
 Specialization attributes (16-byte alignment, integers equal to 1) are not recorded: they change
@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("records", nargs="+", help="JSON lists written from record_launches")
-    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--arch", type=int, nargs="+", default=[90], help="CUDA compute capabilities, e.g. 90 80")
     parser.add_argument("--packages", default="rlk,rlk_triton",
                         help="top-level packages whose kernels are compiled (others, e.g. kernels defined in tests, "
                              "are left out)")
@@ -151,13 +151,16 @@ def main(argv: list[str]) -> int:
     records = unique([r for r in records if r["module"].split(".")[0] in packages])
     left_out = [r for r in records if "left_out" in r]
     records = [r for r in records if "left_out" not in r]
-    failures = compile_records(records, args.arch)
-    print(f"compiled {len(records) - len(failures)} of {len(records)} kernel specializations for sm_{args.arch}")
+    failed = False
+    for arch in args.arch:
+        failures = compile_records(records, arch)
+        print(f"compiled {len(records) - len(failures)} of {len(records)} kernel specializations for sm_{arch}")
+        for line in failures:
+            print(f"FAILED sm_{arch}", line)
+        failed = failed or bool(failures)
     for r in left_out:
         print(f"left out (not typed by this checker): {r['module']}.{r['kernel']}: {r['left_out']}")
-    for line in failures:
-        print("FAILED", line)
-    return 1 if failures else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def test_records_compile_and_a_compiler_only_error_is_reported(tmp_path):
     done = _check(good + bad, tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "compiled 1 of 2" in done.stdout
-    assert "FAILED aot_probe.bad_kernel" in done.stdout
+    assert "FAILED sm_90 aot_probe.bad_kernel" in done.stdout
 
 
 def test_a_launch_the_checker_cannot_type_is_listed_not_dropped(tmp_path):
