@@ -52,7 +52,8 @@ pytestmark = [
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Rows of several BLOCK_T chunks (with a ragged last one), a combine over several row chunks, mask counts
-    over several steps of a row (T > 16) or several rows per program (T <= 8)."""
+    over several steps of a row (T > 16). (Several rows per count program: the default COUNT_ELEMENTS with the
+    short rows of test_matches_reference.)"""
     monkeypatch.setattr(tk, "BLOCK_T", 16)
     monkeypatch.setattr(tk, "COUNT_ELEMENTS", 16)
     monkeypatch.setattr(tk, "COMBINE_BLOCK", 4)
