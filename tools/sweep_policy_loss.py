@@ -1,7 +1,7 @@
 """Tile sweep of the Triton policy-loss kernels on a CUDA machine: any of ``rlk_triton.policy_loss``'s constants.
 
 For each point of the grid given by ``--grid NAME=v1,v2 ...`` (constants of ``rlk_triton.policy_loss``:
-``BLOCK_T``, ``NUM_WARPS``, ``COUNT_ELEMENTS``, ``COUNT_WARPS``, ``LOAD_EVICTION``...; default
+``BLOCK_T``, ``NUM_WARPS``, ``COUNT_PROGRAMS``, ``MAX_REGISTERS``, ``COMBINE_BLOCK``, ``FINISH_WARPS``...; default
 ``BLOCK_T=1024,2048,4096 NUM_WARPS=4,8``) it runs the benchmark's PPO step on ``[B, T]`` fp32 tokens (verl's
 defaults, token-mean: the mask-count kernel runs) through ``rlk.policy_loss_and_grad`` and through
 ``rlk.policy_loss`` + ``autograd.grad``, and prints the GPU time of each kernel (``torch.profiler``) and the

@@ -65,7 +65,7 @@ def record_launches(records: list[dict]) -> Iterator[list[dict]]:
         fn = self.fn
         params = list(inspect.signature(fn).parameters.values())
         bound = dict(zip((p.name for p in params), args))
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
         bound.update(kwargs)
         signature, constants = {}, {}
         for p in params:

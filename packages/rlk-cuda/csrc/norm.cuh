@@ -39,7 +39,9 @@
 //   per-element arithmetic in a different thread map.
 // The register kernels come in two instantiations, kWhole (H a multiple of P and every tensor 16-byte
 // aligned: every pack one 16-byte access) and not (alignment checked per row, partial packs element-wise):
-// the same arithmetic, so a row's bits do not depend on which one runs.
+// the same arithmetic, so a row's bits do not depend on which one runs. The one product the compiler could
+// contract with an add, the sum of squares, is written as __fmaf_rn (forward) and the backward writes every
+// rounding explicitly: the bits do not depend on the compiler's contraction choices.
 // Batch invariance: the team / block of a row and its element-to-thread map depend on H and the dtypes
 // only; each thread adds its own values in pack order and the team adds the thread sums in a fixed tree
 // (row_sum); a row runs the same instructions wherever it sits (rows past N only mask loads and stores).
@@ -313,7 +315,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 2)
       float v[P];
       unpack<T, P>(s[i], v);
 #pragma unroll
-      for (int e = 0; e < P; ++e) sum_sq += v[e] * v[e];  // values past the row are 0
+      for (int e = 0; e < P; ++e) sum_sq = __fmaf_rn(v[e], v[e], sum_sq);  // values past the row are 0
     }
     const float rstd = rsqrtf(row_sum(sum_sq, lanes, warp_sums[r & 1]) / static_cast<float>(hidden) + eps);
 
@@ -547,7 +549,7 @@ __global__ void __launch_bounds__(kNormMaxThreads)
         load_s<T, P>(xr + k * P, rr ? rr + k * P : nullptr, count, vector, v);
         if (sr != nullptr && count > 0) store_floats<P>(sr + k * P, count, vector, v);
 #pragma unroll
-        for (int e = 0; e < P; ++e) sum_sq += v[e] * v[e];  // values past the row are 0
+        for (int e = 0; e < P; ++e) sum_sq = __fmaf_rn(v[e], v[e], sum_sq);  // values past the row are 0
       }
     }
     const float rstd =

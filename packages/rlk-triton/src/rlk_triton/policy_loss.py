@@ -4,19 +4,20 @@ The math is the spec in :mod:`rlk.reference.policy_loss` (per-token losses, thei
 derivatives, the KL estimators, the metrics). Layout of the work:
 
 * ``policy_loss_fwd`` runs one program per (row, chunk of ``BLOCK_T`` tokens), so a batch of a
-  few long rows still fills the GPU. First, when needed, a count kernel writes each row's
-  tokens and adds (two int32 atomics per program: exact and order-free) the call's tokens and
-  non-empty rows: the counts behind the aggregation weights ``c_i`` of
-  :mod:`rlk.reference.aggregation` that the normalizers given do not fix. For ``gspo`` and
-  ``geo_mean`` a partial-sum kernel writes each chunk's sums of the per-sequence quantities
-  (tokens, log-ratios, advantages, weights), which the main kernel's programs add in chunk
-  order (the same small sum in every program of the row) to get ``log s_i`` or ``R_i``,
-  ``Abar_i``. The main kernel computes per token the loss terms and the gradient coefficient of
-  the row's sum, and stores the loss's gradient ``coef * c_i`` (so ``policy_loss_and_grad`` needs
-  no second pass over the tokens) and the chunk's sums (loss, tokens, clipped, ratio, ...). A row
-  kernel adds a row's chunk sums in chunk order into ``row_stats``; one finalize program weights
-  the row losses by ``c_i`` and adds the ``[B]`` rows in row order (``COMBINE_BLOCK``-wide
-  lanes, one final tree) into the loss and the metrics.
+  few long rows still fills the GPU. First, when needed, a count kernel (at most
+  ``COUNT_PROGRAMS`` programs, plain stores) writes each row's tokens and each of its programs'
+  totals of tokens and non-empty rows, which the token programs add: the counts behind the
+  aggregation weights ``c_i`` of :mod:`rlk.reference.aggregation` that the normalizers given do
+  not fix. For ``gspo`` and ``geo_mean`` a partial-sum kernel writes each chunk's sums of the
+  per-sequence quantities (tokens, log-ratios, advantages, weights), which the main kernel's
+  programs add in chunk order (the same small sum in every program of the row) to get ``log s_i``
+  or ``R_i``, ``Abar_i``. The main kernel computes per token the loss terms and the gradient
+  coefficient of the row's sum, and stores the loss's gradient ``coef * c_i`` (so
+  ``policy_loss_and_grad`` needs no second pass over the tokens) and the chunk's sums (loss,
+  tokens, clipped, ratio, ...). A finish kernel's program per row adds the row's chunk sums in
+  chunk order into ``row_stats``; the last of them to finish (an int32 counter) adds the ``[B]``
+  rows in row order (``COMBINE_BLOCK``-wide lanes, one final tree) into the loss and the metrics.
+  Which program comes last changes no order, hence no bit.
 * ``policy_loss_bwd`` is ``grad * upstream``; ``kl_penalty_bwd`` the elementwise product
   ``upstream * coef``.
 * ``kl_penalty_fwd`` is elementwise: value and derivative of the estimator, written by the
@@ -25,8 +26,8 @@ derivatives, the KL estimators, the metrics). Layout of the work:
 Batch invariance and determinism by construction: the tile sizes are fixed constants (no
 autotuning, nothing derived from ``B``), a row's coefficients and partials depend only on
 that row's data (its weighted loss and its gradient on its weight ``c_i`` too), the only
-atomics are integer counts, and every floating-point reduction runs in an order that depends
-only on ``T`` (within a row) or ``B`` (the finalize program). Offsets are int64. Everything is
+atomic is the integer rows-done counter, and every floating-point reduction runs in an order that depends
+only on ``T`` (within a row) or ``B`` (the sum over rows). Offsets are int64. Everything is
 fp32 (the op layer upcasts 16-bit inputs).
 """
 
@@ -42,18 +43,25 @@ from rlk_triton.common import on_device
 
 #: Tokens per program of the policy-loss kernels (one chunk of one row); chunk partials per
 #: step of the in-row sums; elements per program of the elementwise kernels; rows per step
-#: (lanes) of the combine kernel. Fixed: results never depend on the batch. BLOCK_T and NUM_WARPS:
+#: (lanes) of the final sum over rows. Fixed: results never depend on the batch. BLOCK_T and NUM_WARPS:
 #: the fastest token pass of tools/sweep_policy_loss.py on the H200 (BLOCK_T 512-4096 x 2-8 warps;
 #: 2048 tokens per program needed 158 registers per thread, 1024 need 68).
 BLOCK_T = 1024
 PARTS_BLOCK = 32
 BLOCK_ELEMENTWISE = 1024
-COMBINE_BLOCK = 512
+COMBINE_BLOCK = 128
 NUM_WARPS = 4
-COMBINE_WARPS = 8
-#: Mask elements per program and step of the count kernel (whole rows: several rows per program when short).
+#: Mask elements per program and step of the count kernel (whole rows: several rows per program when short), and
+#: at most this many programs (each writes its totals; the token programs add them: a power of two). H200,
+#: [512, 8192]: 3.2 us with 512 programs, 4.0 with 256, 6.2 with 128.
 COUNT_ELEMENTS = 8192
 COUNT_WARPS = 4
+COUNT_PROGRAMS = 512
+#: ptxas's register limit per thread of the token pass (``maxnreg``; None: ptxas's choice), CUDA only. H200,
+#: [512, 8192]: 56 (9 blocks per SM, no spills) 19.5 us; ptxas's own 72 (7 blocks) 20.2; 64: 20.1; 48 spills: 22.1.
+MAX_REGISTERS = 56
+#: Warps per program of the finish kernel (one program per row; the last one also sums the rows; 2-16 swept).
+FINISH_WARPS = 4
 #: L2 eviction policy of the token pass's streamed loads and gradient store ("" for the default; evict_first
 #: took 1-3 us off the [512, 8192] token pass on the H200 at every tile size swept).
 LOAD_EVICTION = "evict_first"
@@ -137,22 +145,40 @@ def _load_row(ptr, base, offs, inb, m, EVICT: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(mask_ptr, counts_ptr, B, T, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Program ``p``: rows ``[p ROWS, (p + 1) ROWS)``. ``counts[row]`` = the row's tokens (plain stores), and two
-    int32 atomics per program: its rows' tokens added to ``counts[B]``, its non-empty rows to ``counts[B + 1]``
-    (``counts`` zeroed; integer adds: exact in any order)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    row_in = rows < B
+def _count_kernel(mask_ptr, sync_ptr, B, T, n_groups, ROWS: tl.constexpr, COLS: tl.constexpr,
+                  COUNT_PROGRAMS: tl.constexpr):
+    """Program ``p`` of ``G <= COUNT_PROGRAMS``: the groups of ``ROWS`` rows ``p, p + G, ...``. Writes (plain stores,
+    no atomics, nothing to zero first; the layout of ``sync``: :func:`policy_loss_fwd`) each row's tokens, the program's
+    total tokens and non-empty rows; program 0 zeroes the rows-done counter of the finish kernel."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    lanes = tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, COLS).to(tl.int64)
-    n = tl.zeros((ROWS,), tl.int32)
-    for t0 in range(0, T, COLS):
-        offs = t0 + cols
-        m = tl.load(mask_ptr + rows[:, None] * T + offs[None, :], mask=row_in[:, None] & (offs < T)[None, :],
-                    other=0)
-        n += tl.sum((m != 0).to(tl.int32), axis=1)
-    tl.store(counts_ptr + rows, n, mask=row_in)
-    tl.atomic_add(counts_ptr + B, tl.sum(n, axis=0), sem="relaxed")  # ordered by the kernel boundary
-    tl.atomic_add(counts_ptr + B + 1, tl.sum(tl.where(n > 0, 1, 0), axis=0), sem="relaxed")
+    tokens = tl.zeros((ROWS,), tl.int32)
+    nonempty = tl.zeros((ROWS,), tl.int32)
+    for group in range(pid, n_groups, n_programs):
+        rows = group * ROWS + lanes  # < B + ROWS: no int32 overflow before the int64 lanes
+        row_in = rows < B
+        n = tl.zeros((ROWS,), tl.int32)
+        for t0 in range(0, T, COLS):
+            offs = t0 + cols
+            m = tl.load(mask_ptr + rows[:, None] * T + offs[None, :], mask=row_in[:, None] & (offs < T)[None, :],
+                        other=0)
+            n += tl.sum((m != 0).to(tl.int32), axis=1)
+        tl.store(sync_ptr + rows, n, mask=row_in)
+        tokens += n
+        nonempty += tl.where(n > 0, 1, 0)
+    tl.store(sync_ptr + B + pid, tl.sum(tokens, axis=0))
+    tl.store(sync_ptr + B + COUNT_PROGRAMS + pid, tl.sum(nonempty, axis=0))
+    tl.store(sync_ptr + B + 2 * COUNT_PROGRAMS, 0, mask=pid == 0)
+
+
+@triton.jit
+def _count_total(sync_ptr, first, n_count_programs, COUNT_PROGRAMS: tl.constexpr):
+    """Sum of the ``n_count_programs`` per-program counts at ``sync[first:]`` (integers: exact), as fp32."""
+    k = tl.arange(0, COUNT_PROGRAMS)
+    parts = tl.load(sync_ptr + first + k, mask=k < n_count_programs, other=0)
+    return tl.sum(parts, axis=0).to(tl.float32)
 
 
 @triton.jit
@@ -202,9 +228,9 @@ def _normalizer(ptr, value, FROM_PTR: tl.constexpr):
 
 @triton.jit
 def _row_weight(
-    counts_ptr, row, B, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale,
+    sync_ptr, row, B, n_count_programs, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale,
     AGG: tl.constexpr, HAS_GTOK: tl.constexpr, GTOK_PTR: tl.constexpr, HAS_GSEQ: tl.constexpr,
-    GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr,
+    GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr, COUNT_PROGRAMS: tl.constexpr,
 ):
     """The aggregation weight ``c_i`` of row ``row`` (:func:`rlk.reference.aggregation.row_weights`): from the
     normalizers given, else from the counts of :func:`_count_kernel` (exact in fp32 up to 2^24 tokens). The
@@ -215,17 +241,17 @@ def _row_weight(
         if HAS_GTOK:
             n_tok = _normalizer(gtok_ptr, gtok, GTOK_PTR)
         else:
-            n_tok = tl.maximum(tl.load(counts_ptr + B).to(tl.float32), 1.0)
+            n_tok = tl.maximum(_count_total(sync_ptr, B, n_count_programs, COUNT_PROGRAMS), 1.0)
         c = tl.math.div_rn(1.0, n_tok)
     else:
         if HAS_GSEQ:
             n_seq = _normalizer(gseq_ptr, gseq, GSEQ_PTR)
         else:
-            n_seq = tl.maximum(tl.load(counts_ptr + B + 1).to(tl.float32), 1.0)
+            n_seq = tl.maximum(_count_total(sync_ptr, B + COUNT_PROGRAMS, n_count_programs, COUNT_PROGRAMS), 1.0)
         if AGG == _SEQ_MEAN_TOKEN_SUM:
             c = tl.math.div_rn(1.0, n_seq)
         elif AGG == _SEQ_MEAN_TOKEN_MEAN:
-            c = tl.math.div_rn(1.0, tl.maximum(tl.load(counts_ptr + row).to(tl.float32), 1.0) * n_seq)
+            c = tl.math.div_rn(1.0, tl.maximum(tl.load(sync_ptr + row).to(tl.float32), 1.0) * n_seq)
         else:  # seq-mean-token-sum-norm
             c = tl.math.div_rn(1.0, n_seq * _normalizer(scale_ptr, loss_scale, SCALE_PTR))
     return c
@@ -239,9 +265,9 @@ def _add_stat_tuples(a0, a1, a2, a3, a4, a5, a6, a7, a8, b0, b1, b2, b3, b4, b5,
 
 @triton.jit
 def _policy_loss_chunk_kernel(
-    lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, ref_ptr, ent_ptr, parts_ptr, counts_ptr,
-    gtok_ptr, gseq_ptr, scale_ptr, grad_lp_ptr, grad_ent_ptr, row_weight_ptr, chunk_stats_ptr,
-    B, T, n_chunks, adv_stride_b, adv_stride_t, gtok, gseq, loss_scale,
+    lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, ref_ptr, ent_ptr, parts_ptr, sync_ptr,
+    gtok_ptr, gseq_ptr, scale_ptr, grad_lp_ptr, grad_ent_ptr, chunk_stats_ptr,
+    B, T, n_chunks, n_count_programs, adv_stride_b, adv_stride_t, gtok, gseq, loss_scale,
     clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl_coef, kl_clamp, entropy_coef,
     AGG: tl.constexpr, HAS_GTOK: tl.constexpr, GTOK_PTR: tl.constexpr, HAS_GSEQ: tl.constexpr,
     GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr,
@@ -249,7 +275,7 @@ def _policy_loss_chunk_kernel(
     HAS_IW: tl.constexpr, HAS_REF: tl.constexpr, KL_TERM: tl.constexpr, KL_EST: tl.constexpr,
     KL_K3_CLAMP: tl.constexpr, KL_HAS_CLAMP: tl.constexpr, KL_STRAIGHT: tl.constexpr, KL_UNBIASED: tl.constexpr,
     HAS_ENT: tl.constexpr, ENT_TERM: tl.constexpr, ENT_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr, PARTS_BLOCK: tl.constexpr, EVICT: tl.constexpr,
+    BLOCK: tl.constexpr, PARTS_BLOCK: tl.constexpr, EVICT: tl.constexpr, COUNT_PROGRAMS: tl.constexpr,
 ):
     """Program ``(row, chunk)``: per-token terms and gradients of ``BLOCK`` tokens, and their sums."""
     row = tl.program_id(0).to(tl.int64)
@@ -259,9 +285,8 @@ def _policy_loss_chunk_kernel(
     offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < T
     zeros = tl.zeros((BLOCK,), tl.float32)
-    c = _row_weight(counts_ptr, row, B, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale, AGG, HAS_GTOK,
-                    GTOK_PTR, HAS_GSEQ, GSEQ_PTR, SCALE_PTR)
-    tl.store(row_weight_ptr + row, c, mask=chunk == 0)
+    c = _row_weight(sync_ptr, row, B, n_count_programs, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale, AGG,
+                    HAS_GTOK, GTOK_PTR, HAS_GSEQ, GSEQ_PTR, SCALE_PTR, COUNT_PROGRAMS)
 
     # ---- per-sequence quantities: the row's chunk partials, summed in chunk order ----------
     # (every chunk program of the row redoes this small sum: same inputs, same order, same bits)
@@ -406,9 +431,33 @@ def _total_stats(acc, cols):
 
 
 @triton.jit
-def _row_stats_kernel(chunk_stats_ptr, stats_ptr, n_chunks, PARTS_BLOCK: tl.constexpr, COLS: tl.constexpr):
-    """Program ``row``: ``row_stats[row] = `` its chunks' sums in chunk order (the max for ``ratio_max``)."""
+def _row_stats_tile(stats_ptr, rows, B, cols, col_in):
+    """``row_stats[rows]`` as a ``[lanes, COLS]`` tile (0 past ``B`` and past the columns), loaded past L1."""
+    return tl.load(stats_ptr + rows[:, None] * _NUM_STATS + cols[None, :], mask=(rows < B)[:, None] & col_in[None, :],
+                   other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _finish_kernel(chunk_stats_ptr, stats_ptr, row_weight_ptr, loss_ptr, metrics_ptr, sync_ptr, B, n_chunks,
+                   n_count_programs, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale,
+                   AGG: tl.constexpr, HAS_GTOK: tl.constexpr, GTOK_PTR: tl.constexpr, HAS_GSEQ: tl.constexpr,
+                   GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr, COUNT_PROGRAMS: tl.constexpr,
+                   PARTS_BLOCK: tl.constexpr, COMBINE_BLOCK: tl.constexpr, COLS: tl.constexpr):
+    """Program ``row``: the row's statistics; the last program to finish its row: the loss and the metrics.
+
+    ``row_stats[row]`` = the row's chunk sums added in chunk order (lanes ``PARTS_BLOCK`` wide, one tree; the max
+    for ``ratio_max``), its loss column times ``c_i``; ``row_weight[row] = c_i``. Then each program adds 1 to the
+    rows-done counter (zeroed before the kernel); the one that brings it to ``B`` adds the ``[B]`` rows in row
+    order (lane ``j`` takes rows ``j, j + COMBINE_BLOCK, ...``; one tree at the end) into the loss and the
+    metrics. Every order depends on ``n_chunks`` or ``B`` only, never on which program came last.
+
+    Visibility: the CTA barrier orders every thread's row-statistics stores before the one thread's
+    release-acquire atomic (the pattern of a grid-wide semaphore); the last program's threads follow the
+    atomic's acquire through the barrier Triton puts behind a scalar atomic, and load with ``.cg`` (not L1).
+    """
     row = tl.program_id(0).to(tl.int64)
+    c = _row_weight(sync_ptr, row, B, n_count_programs, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale, AGG,
+                    HAS_GTOK, GTOK_PTR, HAS_GSEQ, GSEQ_PTR, SCALE_PTR, COUNT_PROGRAMS)
     cols = tl.arange(0, COLS)
     col_in = cols < _NUM_STATS
     acc = tl.zeros((PARTS_BLOCK, COLS), tl.float32)
@@ -418,43 +467,31 @@ def _row_stats_kernel(chunk_stats_ptr, stats_ptr, n_chunks, PARTS_BLOCK: tl.cons
                        mask=(ks < n_chunks)[:, None] & col_in[None, :], other=0.0)
         acc = _add_stats(acc, tile, cols)
     total = _total_stats(acc, cols)
+    total = tl.where(cols == 0, c * total, total)
     tl.store(stats_ptr + row * _NUM_STATS + cols, total, mask=col_in)
-
-
-@triton.jit
-def _policy_loss_finalize_kernel(stats_ptr, weight_ptr, loss_ptr, metrics_ptr, B, BLOCK: tl.constexpr,
-                                 COLS: tl.constexpr):
-    """One program: the loss and the metrics from the ``[B]`` row statistics (unweighted loss column on entry)
-    and the row weights ``c_i``.
-
-    Replaces ``row_stats[:, 0]`` by ``c_i`` times it and sums the rows in fixed order (lane ``j`` takes rows
-    ``j, j + BLOCK, ...``; one tree at the end).
-    """
-    cols = tl.arange(0, COLS)
-    col_in = cols < _NUM_STATS
-    lanes = tl.arange(0, BLOCK).to(tl.int64)
-    acc = tl.zeros((BLOCK, COLS), tl.float32)
-    for b0 in range(0, B, BLOCK):
-        rows = b0 + lanes
-        inb = rows < B
-        tile = tl.load(stats_ptr + rows[:, None] * _NUM_STATS + cols[None, :], mask=inb[:, None] & col_in[None, :],
-                       other=0.0)
-        c = tl.load(weight_ptr + rows, mask=inb, other=0.0)
-        tile = tl.where(cols[None, :] == 0, c[:, None] * tile, tile)
-        tl.store(stats_ptr + rows * _NUM_STATS, tl.sum(tl.where(cols[None, :] == 0, tile, 0.0), axis=1), mask=inb)
-        acc = _add_stats(acc, tile, cols)
-    total = _total_stats(acc, cols)
-    loss = tl.sum(tl.where(cols == 0, total, 0.0), axis=0)
-    tokens = tl.sum(tl.where(cols == 1, total, 0.0), axis=0)
-    inv = tl.where(tokens > 0, 1.0 / tl.maximum(tokens, 1.0), 0.0)
-    tl.store(loss_ptr, loss)
-    # metrics_out: clip, lower clip, approx KL, ratio mean <- stats 2..5 (means); ratio max <- 6;
-    # entropy, kl <- 7, 8 (means); tokens <- 1
-    mean = total * inv
-    tl.store(metrics_ptr + cols - 2, mean, mask=(cols >= 2) & (cols <= 5))
-    tl.store(metrics_ptr + cols - 2, total, mask=cols == 6)
-    tl.store(metrics_ptr + cols - 2, mean, mask=(cols >= 7) & col_in)
-    tl.store(metrics_ptr + 7, tokens)
+    tl.store(row_weight_ptr + row, c)
+    tl.debug_barrier()
+    if tl.atomic_add(sync_ptr + B + 2 * COUNT_PROGRAMS, 1, sem="acq_rel", scope="gpu") == B - 1:
+        lanes = tl.arange(0, COMBINE_BLOCK).to(tl.int64)
+        acc_rows = tl.zeros((COMBINE_BLOCK, COLS), tl.float32)
+        for b0 in range(0, B, 4 * COMBINE_BLOCK):  # four tiles loaded at once (one wait), added in row order
+            t0 = _row_stats_tile(stats_ptr, b0 + lanes, B, cols, col_in)
+            t1 = _row_stats_tile(stats_ptr, b0 + COMBINE_BLOCK + lanes, B, cols, col_in)
+            t2 = _row_stats_tile(stats_ptr, b0 + 2 * COMBINE_BLOCK + lanes, B, cols, col_in)
+            t3 = _row_stats_tile(stats_ptr, b0 + 3 * COMBINE_BLOCK + lanes, B, cols, col_in)
+            acc_rows = _add_stats(_add_stats(_add_stats(_add_stats(acc_rows, t0, cols), t1, cols), t2, cols), t3, cols)
+        sums = _total_stats(acc_rows, cols)
+        loss = tl.sum(tl.where(cols == 0, sums, 0.0), axis=0)
+        tokens = tl.sum(tl.where(cols == 1, sums, 0.0), axis=0)
+        inv = tl.where(tokens > 0, 1.0 / tl.maximum(tokens, 1.0), 0.0)
+        tl.store(loss_ptr, loss)
+        # metrics_out: clip, lower clip, approx KL, ratio mean <- stats 2..5 (means); ratio max <- 6;
+        # entropy, kl <- 7, 8 (means); tokens <- 1
+        mean = sums * inv
+        tl.store(metrics_ptr + cols - 2, mean, mask=(cols >= 2) & (cols <= 5))
+        tl.store(metrics_ptr + cols - 2, sums, mask=cols == 6)
+        tl.store(metrics_ptr + cols - 2, mean, mask=(cols >= 7) & col_in)
+        tl.store(metrics_ptr + 7, tokens)
 
 
 def _normalizer_args(value) -> tuple[object, float, bool, bool]:
@@ -464,6 +501,11 @@ def _normalizer_args(value) -> tuple[object, float, bool, bool]:
     if isinstance(value, torch.Tensor):
         return value.reshape(1).to(torch.float32), 0.0, True, True
     return None, float(value), True, False
+
+
+def _register_limit() -> dict:
+    """``maxnreg=MAX_REGISTERS`` on CUDA when set (a launch option of Triton's NVIDIA backend only)."""
+    return {"maxnreg": MAX_REGISTERS} if MAX_REGISTERS and torch.version.hip is None else {}
 
 
 def _needs_counts(agg: str, has_gtok: bool, has_gseq: bool) -> bool:
@@ -486,7 +528,8 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
     normalizers numbers, one-element tensors or None; outputs ``loss_out[]``, ``grad_logprob_out[B, T]``,
     ``grad_entropy_out[B, T] | None``, ``row_weight_out[B]``, ``row_stats_out[B, 9]``, ``metrics_out[8]``.
     Programs ``(row, chunk of BLOCK_T tokens)`` (after a counting / partial-sum pass when the aggregation
-    or the loss needs one), then one program per row for its statistics, then one program for the sums.
+    or the loss needs one), then one program per row for its statistics, the last of which to finish also
+    sums the rows.
     """
     n_rows, t = logprob.shape
     n_chunks = triton.cdiv(t, BLOCK_T)
@@ -503,17 +546,27 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
     adv_stride_b, adv_stride_t = advantages.shape[1], 0 if advantages.shape[1] == 1 else 1
     device = logprob.device
     chunk_stats = torch.empty((n_rows, n_chunks, len(ROW_STATS)), dtype=torch.float32, device=device)
-    counts = torch.zeros(n_rows + 2, dtype=torch.int32, device=device) if count else None
+    # int32 [row tokens (B) | per count program: tokens, non-empty rows (2 COUNT_PROGRAMS) | rows done (1)]; the
+    # count kernel writes all of it, else the counter starts from zero
+    sync_size = n_rows + 2 * COUNT_PROGRAMS + 1
+    sync = (torch.empty if count else torch.zeros)(sync_size, dtype=torch.int32, device=device)
     parts = torch.empty((n_rows, n_chunks, 4), dtype=torch.float32, device=device) if sequence_level else None
     mask_bytes = mask.view(torch.uint8)
     dummy = logprob
     grid = (n_rows, n_chunks)
+    normalizers = dict(AGG=AGG_MODES.index(agg), HAS_GTOK=has_gtok, GTOK_PTR=gtok_is_ptr, HAS_GSEQ=has_gseq,
+                       GSEQ_PTR=gseq_is_ptr, SCALE_PTR=scale_is_ptr, COUNT_PROGRAMS=COUNT_PROGRAMS)
+    normalizer_ptrs = (gtok_ptr if gtok_is_ptr else dummy, gseq_ptr if gseq_is_ptr else dummy,
+                       scale_ptr if scale_is_ptr else dummy)
+    n_count_programs = 0
     with on_device(device):
         if count:
             cols = min(triton.next_power_of_2(t), COUNT_ELEMENTS)
             rows = COUNT_ELEMENTS // cols
-            _count_kernel[(triton.cdiv(n_rows, rows),)](mask_bytes, counts, n_rows, t, ROWS=rows, COLS=cols,
-                                                         num_warps=COUNT_WARPS)
+            n_groups = triton.cdiv(n_rows, rows)
+            n_count_programs = min(n_groups, COUNT_PROGRAMS)
+            _count_kernel[(n_count_programs,)](mask_bytes, sync, n_rows, t, n_groups, ROWS=rows, COLS=cols,
+                                               COUNT_PROGRAMS=COUNT_PROGRAMS, num_warps=COUNT_WARPS)
         if sequence_level:
             _seq_partials_kernel[grid](
                 logprob, old_logprob, advantages, mask_bytes, importance_weights if has_iw else dummy,
@@ -523,27 +576,27 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
         _policy_loss_chunk_kernel[grid](
             logprob, old_logprob, advantages, mask_bytes,
             importance_weights if has_iw else dummy, ref_logprob if has_ref else dummy, entropy if has_ent else dummy,
-            parts if sequence_level else dummy, counts if count else dummy,
-            gtok_ptr if gtok_is_ptr else dummy, gseq_ptr if gseq_is_ptr else dummy,
-            scale_ptr if scale_is_ptr else dummy,
-            grad_logprob_out, grad_entropy_out if ent_grad else grad_logprob_out, row_weight_out, chunk_stats,
-            n_rows, t, n_chunks, adv_stride_b, adv_stride_t, gtok, gseq, scale,
+            parts if sequence_level else dummy, sync, *normalizer_ptrs,
+            grad_logprob_out, grad_entropy_out if ent_grad else grad_logprob_out, chunk_stats,
+            n_rows, t, n_chunks, n_count_programs, adv_stride_b, adv_stride_t,
+            gtok, gseq, scale,
             float(clip_low), float(clip_high), float(dual_clip), float(clamp_low), float(clamp_high), float(tau_pos),
             float(tau_neg), float(kl_coef), float(kl_clamp) if kl_clamp != float("inf") else 0.0,
             float(entropy_coef),
-            AGG=AGG_MODES.index(agg), HAS_GTOK=has_gtok, GTOK_PTR=gtok_is_ptr, HAS_GSEQ=has_gseq,
-            GSEQ_PTR=gseq_is_ptr, SCALE_PTR=scale_is_ptr,
             LOSS=code, CISPO_UPPER=bool(cispo_upper), HAS_DUAL=dual_clip > 0,
             HAS_IW=has_iw, HAS_REF=has_ref, KL_TERM=has_ref and kl_coef != 0, KL_EST=KL_ESTIMATORS.index(kl),
             KL_K3_CLAMP=bool(kl_k3_clamp), KL_HAS_CLAMP=kl_clamp != float("inf"),
             KL_STRAIGHT=bool(kl_straight_through), KL_UNBIASED=bool(kl_unbiased),
             HAS_ENT=has_ent, ENT_TERM=has_ent and entropy_coef != 0, ENT_GRAD=ent_grad,
-            BLOCK=BLOCK_T, PARTS_BLOCK=PARTS_BLOCK, EVICT=LOAD_EVICTION, num_warps=NUM_WARPS,
+            BLOCK=BLOCK_T, PARTS_BLOCK=PARTS_BLOCK, EVICT=LOAD_EVICTION, num_warps=NUM_WARPS, **normalizers,
+            **_register_limit(),
         )
-        _row_stats_kernel[(n_rows,)](chunk_stats, row_stats_out, n_chunks, PARTS_BLOCK=PARTS_BLOCK, COLS=_STATS_COLS,
-                                     num_warps=1)
-        _policy_loss_finalize_kernel[(1,)](row_stats_out, row_weight_out, loss_out, metrics_out, n_rows,
-                                           BLOCK=COMBINE_BLOCK, COLS=_STATS_COLS, num_warps=COMBINE_WARPS)
+        _finish_kernel[(n_rows,)](
+            chunk_stats, row_stats_out, row_weight_out, loss_out, metrics_out, sync, n_rows, n_chunks,
+            n_count_programs, *normalizer_ptrs, gtok, gseq, scale, PARTS_BLOCK=PARTS_BLOCK,
+            COMBINE_BLOCK=COMBINE_BLOCK, COLS=_STATS_COLS, num_warps=FINISH_WARPS,
+            **normalizers,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
