@@ -10,7 +10,9 @@ share of the copy bandwidth measured in the same run (17 bytes credited per toke
 (each token's gradient depends on no tile size); the loss may differ in its last bits (the chunk sums change
 with ``BLOCK_T``).
 
-    python tools/sweep_policy_loss.py [--shape 512,8192] [--grid BLOCK_T=2048 NUM_WARPS=4 LOAD_EVICTION=,evict_first]
+``--global-tokens`` passes the batch's token count as ``global_tokens`` (what verl passes per step): no count kernel.
+
+    python tools/sweep_policy_loss.py [--shape 512,8192] [--global-tokens] [--grid BLOCK_T=2048 NUM_WARPS=4]
 """
 
 from __future__ import annotations
@@ -65,25 +67,28 @@ def kernel_us(fn, repeats: int = 20) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="512,8192")
+    parser.add_argument("--global-tokens", action="store_true", help="pass the token count as global_tokens")
     parser.add_argument("--grid", nargs="*", default=["BLOCK_T=1024,2048,4096", "NUM_WARPS=4,8"],
                         help="NAME=v1,v2 for constants of rlk_triton.policy_loss (integers or strings)")
     args = parser.parse_args()
     b, t = (int(x) for x in args.shape.split(","))
     logprob, old, adv, mask = ppo_inputs(b, t, seed=1234)
+    kwargs = dict(KWARGS, global_tokens=float(mask.sum())) if args.global_tokens else KWARGS
     credited = b * t * 17
     copy = copy_gbps()
     same_size = torch.empty(credited // 8, dtype=torch.float32, device="cuda")  # read + write = the credited bytes
     same_size_us = sum(kernel_us(lambda: same_size.clone()).values())
-    print(f"policy-loss tile sweep, [{b}, {t}] fp32 PPO token-mean, {torch.cuda.get_device_name()}, torch "
+    given = " (global_tokens given)" if args.global_tokens else ""
+    print(f"policy-loss tile sweep, [{b}, {t}] fp32 PPO token-mean{given}, {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}; copy {copy:.0f} GB/s; share = {credited / 2**20:.0f} MiB / kernel time / copy")
     print(f"a copy moving the credited bytes takes {same_size_us:.1f} us of kernel time = "
           f"{credited / (same_size_us * 1e-6) / 1e9 / copy:.1%} of the 1 GiB copy rate")
 
     def fused():
-        return rlk.policy_loss_and_grad(logprob, old, adv, mask, **KWARGS)
+        return rlk.policy_loss_and_grad(logprob, old, adv, mask, **kwargs)
 
     def autograd():
-        value, _ = rlk.policy_loss(logprob, old, adv, mask, **KWARGS)
+        value, _ = rlk.policy_loss(logprob, old, adv, mask, **kwargs)
         return torch.autograd.grad(value, logprob)[0]
 
     axes = []

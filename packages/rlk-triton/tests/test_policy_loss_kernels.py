@@ -488,8 +488,8 @@ def test_realistic_shape_gpu(loss):
 @pytest.mark.parametrize("agg", ["token-mean", "token-sum"])
 def test_repeated_runs_give_the_same_bits_gpu(agg):
     """On the GPU the last program of the finish kernel (the one that sums the rows) differs from run to run: 20
-    runs at [512, 8192] (token-mean: the count kernel zeroes its counter; token-sum: a fill does), every output the
-    same bits as the first run's."""
+    runs at [512, 8192] (token-mean: after the count kernel; token-sum: without it), every output the same bits as
+    the first run's (the token pass zeroes the finish kernel's counter: nothing left over from the run before)."""
     inputs = make_inputs(512, 8192, seed=17)
     first = run_fwd(tk, inputs, loss="ppo", dual_clip=3.0, agg=agg)
     for _ in range(20):

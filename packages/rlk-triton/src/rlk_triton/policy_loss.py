@@ -149,7 +149,7 @@ def _count_kernel(mask_ptr, sync_ptr, B, T, n_groups, ROWS: tl.constexpr, COLS: 
                   COUNT_PROGRAMS: tl.constexpr):
     """Program ``p`` of ``G <= COUNT_PROGRAMS``: the groups of ``ROWS`` rows ``p, p + G, ...``. Writes (plain stores,
     no atomics, nothing to zero first; the layout of ``sync``: :func:`policy_loss_fwd`) each row's tokens, the program's
-    total tokens and non-empty rows; program 0 zeroes the rows-done counter of the finish kernel."""
+    total tokens and non-empty rows."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     lanes = tl.arange(0, ROWS).to(tl.int64)
@@ -170,7 +170,6 @@ def _count_kernel(mask_ptr, sync_ptr, B, T, n_groups, ROWS: tl.constexpr, COLS: 
         nonempty += tl.where(n > 0, 1, 0)
     tl.store(sync_ptr + B + pid, tl.sum(tokens, axis=0))
     tl.store(sync_ptr + B + COUNT_PROGRAMS + pid, tl.sum(nonempty, axis=0))
-    tl.store(sync_ptr + B + 2 * COUNT_PROGRAMS, 0, mask=pid == 0)
 
 
 @triton.jit
@@ -287,6 +286,7 @@ def _policy_loss_chunk_kernel(
     zeros = tl.zeros((BLOCK,), tl.float32)
     c = _row_weight(sync_ptr, row, B, n_count_programs, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale, AGG,
                     HAS_GTOK, GTOK_PTR, HAS_GSEQ, GSEQ_PTR, SCALE_PTR, COUNT_PROGRAMS)
+    tl.store(sync_ptr + B + 2 * COUNT_PROGRAMS, 0, mask=(row == 0) & (chunk == 0))  # the finish kernel's counter
 
     # ---- per-sequence quantities: the row's chunk partials, summed in chunk order ----------
     # (every chunk program of the row redoes this small sum: same inputs, same order, same bits)
@@ -447,7 +447,7 @@ def _finish_kernel(chunk_stats_ptr, stats_ptr, row_weight_ptr, loss_ptr, metrics
 
     ``row_stats[row]`` = the row's chunk sums added in chunk order (lanes ``PARTS_BLOCK`` wide, one tree; the max
     for ``ratio_max``), its loss column times ``c_i``; ``row_weight[row] = c_i``. Then each program adds 1 to the
-    rows-done counter (zeroed before the kernel); the one that brings it to ``B`` adds the ``[B]`` rows in row
+    rows-done counter (zeroed by the token pass); the one that brings it to ``B`` adds the ``[B]`` rows in row
     order (lane ``j`` takes rows ``j, j + COMBINE_BLOCK, ...``; one tree at the end) into the loss and the
     metrics. Every order depends on ``n_chunks`` or ``B`` only, never on which program came last.
 
@@ -546,10 +546,9 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
     adv_stride_b, adv_stride_t = advantages.shape[1], 0 if advantages.shape[1] == 1 else 1
     device = logprob.device
     chunk_stats = torch.empty((n_rows, n_chunks, len(ROW_STATS)), dtype=torch.float32, device=device)
-    # int32 [row tokens (B) | per count program: tokens, non-empty rows (2 COUNT_PROGRAMS) | rows done (1)]; the
-    # count kernel writes all of it, else the counter starts from zero
-    sync_size = n_rows + 2 * COUNT_PROGRAMS + 1
-    sync = (torch.empty if count else torch.zeros)(sync_size, dtype=torch.int32, device=device)
+    # int32 [row tokens (B) | per count program: tokens, non-empty rows (2 COUNT_PROGRAMS) | rows done (1)]: the
+    # count kernel writes the counts it is run for, the token pass zeroes the finish kernel's counter (no fill)
+    sync = torch.empty(n_rows + 2 * COUNT_PROGRAMS + 1, dtype=torch.int32, device=device)
     parts = torch.empty((n_rows, n_chunks, 4), dtype=torch.float32, device=device) if sequence_level else None
     mask_bytes = mask.view(torch.uint8)
     dummy = logprob
