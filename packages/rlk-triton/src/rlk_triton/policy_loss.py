@@ -44,8 +44,8 @@ from rlk_triton.common import on_device
 #: Tokens per program of the policy-loss kernels (one chunk of one row); chunk partials per
 #: step of the in-row sums; elements per program of the elementwise kernels; rows per step
 #: (lanes) of the final sum over rows. Fixed: results never depend on the batch. BLOCK_T and NUM_WARPS:
-#: the fastest token pass of tools/sweep_policy_loss.py on the H200 (BLOCK_T 512-4096 x 2-8 warps;
-#: 2048 tokens per program needed 158 registers per thread, 1024 need 68).
+#: the fastest token pass of tools/sweep_policy_loss.py on the H200 (BLOCK_T 512-4096 x 2-8 warps; again
+#: in session 6 under register limits of 40-64 per thread, see MAX_REGISTERS).
 BLOCK_T = 1024
 PARTS_BLOCK = 32
 BLOCK_ELEMENTWISE = 1024
