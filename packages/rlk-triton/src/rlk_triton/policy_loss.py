@@ -58,7 +58,8 @@ COUNT_ELEMENTS = 8192
 COUNT_WARPS = 4
 COUNT_PROGRAMS = 512
 #: ptxas's register limit per thread of the token pass (``maxnreg``; None: ptxas's choice), CUDA only. H200,
-#: [512, 8192]: 56 (9 blocks per SM, no spills) 19.5 us; ptxas's own 72 (7 blocks) 20.2; 64: 20.1; 48 spills: 22.1.
+#: [512, 8192]: 56 (no spills; 9 blocks per SM by register count) 19.5 us; ptxas's own choice (72 registers in an
+#: offline sm_90 compile, 7 blocks) 20.2; 64: 20.1; 48 spills: 22.1.
 MAX_REGISTERS = 56
 #: Warps per program of the finish kernel (one program per row; the last one also sums the rows; 2-16 swept).
 FINISH_WARPS = 4
@@ -144,12 +145,34 @@ def _load_row(ptr, base, offs, inb, m, EVICT: tl.constexpr):
     return tl.where(m, tl.load(ptr + base + offs, mask=inb, other=0.0, eviction_policy=EVICT).to(tl.float32), 0.0)
 
 
+# The int32 scratch ``sync`` of one call: [row tokens (B) | per count program: tokens (COUNT_PROGRAMS), non-empty
+# rows (COUNT_PROGRAMS) | the finish kernel's rows-done counter (1)]. Its regions, named once:
+
+
+@triton.jit
+def _program_tokens(sync_ptr, B):
+    """Where the count kernel's per-program token totals start."""
+    return sync_ptr + B
+
+
+@triton.jit
+def _program_nonempty_rows(sync_ptr, B, COUNT_PROGRAMS: tl.constexpr):
+    """Where the count kernel's per-program non-empty-row totals start."""
+    return sync_ptr + B + COUNT_PROGRAMS
+
+
+@triton.jit
+def _rows_done(sync_ptr, B, COUNT_PROGRAMS: tl.constexpr):
+    """The finish kernel's rows-done counter (zeroed by the token pass)."""
+    return sync_ptr + B + 2 * COUNT_PROGRAMS
+
+
 @triton.jit
 def _count_kernel(mask_ptr, sync_ptr, B, T, n_groups, ROWS: tl.constexpr, COLS: tl.constexpr,
                   COUNT_PROGRAMS: tl.constexpr):
     """Program ``p`` of ``G <= COUNT_PROGRAMS``: the groups of ``ROWS`` rows ``p, p + G, ...``. Writes (plain stores,
-    no atomics, nothing to zero first; the layout of ``sync``: :func:`policy_loss_fwd`) each row's tokens, the program's
-    total tokens and non-empty rows."""
+    no atomics, nothing to zero first) each row's tokens at ``sync[row]``, the program's total tokens and non-empty
+    rows."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     lanes = tl.arange(0, ROWS).to(tl.int64)
@@ -168,15 +191,15 @@ def _count_kernel(mask_ptr, sync_ptr, B, T, n_groups, ROWS: tl.constexpr, COLS: 
         tl.store(sync_ptr + rows, n, mask=row_in)
         tokens += n
         nonempty += tl.where(n > 0, 1, 0)
-    tl.store(sync_ptr + B + pid, tl.sum(tokens, axis=0))
-    tl.store(sync_ptr + B + COUNT_PROGRAMS + pid, tl.sum(nonempty, axis=0))
+    tl.store(_program_tokens(sync_ptr, B) + pid, tl.sum(tokens, axis=0))
+    tl.store(_program_nonempty_rows(sync_ptr, B, COUNT_PROGRAMS) + pid, tl.sum(nonempty, axis=0))
 
 
 @triton.jit
-def _count_total(sync_ptr, first, n_count_programs, COUNT_PROGRAMS: tl.constexpr):
-    """Sum of the ``n_count_programs`` per-program counts at ``sync[first:]`` (integers: exact), as fp32."""
+def _count_total(first_ptr, n_count_programs, COUNT_PROGRAMS: tl.constexpr):
+    """Sum of the ``n_count_programs`` per-program counts from ``first_ptr`` on (integers: exact), as fp32."""
     k = tl.arange(0, COUNT_PROGRAMS)
-    parts = tl.load(sync_ptr + first + k, mask=k < n_count_programs, other=0)
+    parts = tl.load(first_ptr + k, mask=k < n_count_programs, other=0)
     return tl.sum(parts, axis=0).to(tl.float32)
 
 
@@ -240,13 +263,15 @@ def _row_weight(
         if HAS_GTOK:
             n_tok = _normalizer(gtok_ptr, gtok, GTOK_PTR)
         else:
-            n_tok = tl.maximum(_count_total(sync_ptr, B, n_count_programs, COUNT_PROGRAMS), 1.0)
+            n_tok = tl.maximum(_count_total(_program_tokens(sync_ptr, B), n_count_programs, COUNT_PROGRAMS), 1.0)
         c = tl.math.div_rn(1.0, n_tok)
     else:
         if HAS_GSEQ:
             n_seq = _normalizer(gseq_ptr, gseq, GSEQ_PTR)
         else:
-            n_seq = tl.maximum(_count_total(sync_ptr, B + COUNT_PROGRAMS, n_count_programs, COUNT_PROGRAMS), 1.0)
+            nonempty = _count_total(_program_nonempty_rows(sync_ptr, B, COUNT_PROGRAMS), n_count_programs,
+                                    COUNT_PROGRAMS)
+            n_seq = tl.maximum(nonempty, 1.0)
         if AGG == _SEQ_MEAN_TOKEN_SUM:
             c = tl.math.div_rn(1.0, n_seq)
         elif AGG == _SEQ_MEAN_TOKEN_MEAN:
@@ -286,7 +311,7 @@ def _policy_loss_chunk_kernel(
     zeros = tl.zeros((BLOCK,), tl.float32)
     c = _row_weight(sync_ptr, row, B, n_count_programs, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale, AGG,
                     HAS_GTOK, GTOK_PTR, HAS_GSEQ, GSEQ_PTR, SCALE_PTR, COUNT_PROGRAMS)
-    tl.store(sync_ptr + B + 2 * COUNT_PROGRAMS, 0, mask=(row == 0) & (chunk == 0))  # the finish kernel's counter
+    tl.store(_rows_done(sync_ptr, B, COUNT_PROGRAMS), 0, mask=(row == 0) & (chunk == 0))
 
     # ---- per-sequence quantities: the row's chunk partials, summed in chunk order ----------
     # (every chunk program of the row redoes this small sum: same inputs, same order, same bits)
@@ -471,7 +496,7 @@ def _finish_kernel(chunk_stats_ptr, stats_ptr, row_weight_ptr, loss_ptr, metrics
     tl.store(stats_ptr + row * _NUM_STATS + cols, total, mask=col_in)
     tl.store(row_weight_ptr + row, c)
     tl.debug_barrier()
-    if tl.atomic_add(sync_ptr + B + 2 * COUNT_PROGRAMS, 1, sem="acq_rel", scope="gpu") == B - 1:
+    if tl.atomic_add(_rows_done(sync_ptr, B, COUNT_PROGRAMS), 1, sem="acq_rel", scope="gpu") == B - 1:
         lanes = tl.arange(0, COMBINE_BLOCK).to(tl.int64)
         acc_rows = tl.zeros((COMBINE_BLOCK, COLS), tl.float32)
         for b0 in range(0, B, 4 * COMBINE_BLOCK):  # four tiles loaded at once (one wait), added in row order
@@ -546,8 +571,8 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
     adv_stride_b, adv_stride_t = advantages.shape[1], 0 if advantages.shape[1] == 1 else 1
     device = logprob.device
     chunk_stats = torch.empty((n_rows, n_chunks, len(ROW_STATS)), dtype=torch.float32, device=device)
-    # int32 [row tokens (B) | per count program: tokens, non-empty rows (2 COUNT_PROGRAMS) | rows done (1)]: the
-    # count kernel writes the counts it is run for, the token pass zeroes the finish kernel's counter (no fill)
+    # int32 scratch (layout: above _program_tokens): the count kernel writes the counts it is run for, the token
+    # pass zeroes the finish kernel's counter (no fill)
     sync = torch.empty(n_rows + 2 * COUNT_PROGRAMS + 1, dtype=torch.int32, device=device)
     parts = torch.empty((n_rows, n_chunks, 4), dtype=torch.float32, device=device) if sequence_level else None
     mask_bytes = mask.view(torch.uint8)
