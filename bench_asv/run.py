@@ -181,7 +181,8 @@ def markdown(rows: list[dict], ceilings: dict, env: dict) -> str:
         "gives it: linear_logprob 8NHV FLOPs although the torch baselines do 6NHV; selected_logprob 3NV*itemsize "
         "bytes); time x = baseline ms / row ms (above 1: faster); memory x = row MiB / baseline MiB. "
         "ms: one step timed by CUDA events on an idle device (includes the host time the GPU waits for); "
-        "kernel ms: the GPU time of the step's kernels (torch.profiler), which the kernel columns use",
+        "kernel ms: the GPU time of the step's kernels (torch.profiler; time in which two overlap counted once), "
+        "which the kernel columns use",
         "",
         "| op | impl | shape | option | ms | rate | of ceiling | kernel ms | kernel of ceiling | peak extra MiB "
         "| time x vs baselines | kernel time x vs baselines | memory x vs baselines |",

@@ -24,11 +24,12 @@ region; 2 warmup repetitions (Triton compiles there), then ``--reps``; median an
 ``overhead = t_on / t_off - 1`` of the medians (and of the mins), target ``overhead <= 0.20``.
 
 GPU kernel time (CUDA only; ``None`` on the CPU): after the timed repetitions, one more repetition (setup untimed,
-outside) runs under ``torch.profiler`` (activities CPU + CUDA); ``kernel_ms`` is the summed device time of the CUDA
-kernels and memory operations (memcpy, memset) it ran (``device_ms`` of ``bench_asv/benchmarks/common.py``, the
-helper the asv suite's ``kernel_ms`` uses), per timed unit (per step for decode); ``kernel_overhead =
-kernel_ms_on / kernel_ms_off - 1``. The wall time minus the kernel time is what the host adds (Python, launches,
-GPU idle between kernels): a host-bound scenario (decode) has ``kernel_ms`` far below its wall time.
+outside) runs under ``torch.profiler`` (activities CPU + CUDA); ``kernel_ms`` is the device busy time of the CUDA
+kernels and memory operations (memcpy, memset) it ran: their summed durations, overlaps counted once (``device_ms``
+of ``bench_asv/benchmarks/common.py``, the helper the asv suite's ``kernel_ms`` uses), per timed unit (per step for
+decode); ``kernel_overhead = kernel_ms_on / kernel_ms_off - 1``. The wall time minus the kernel time is what the
+host adds (Python, launches, GPU idle between kernels): a host-bound scenario (decode) has ``kernel_ms`` far below
+its wall time.
 ``rlk_aten_calls`` counts the warmup and timed repetitions only, not the profiled one.
 
 Host profile (``--host-profile N``, off by default): after the scenarios, one unit of work of
@@ -249,7 +250,7 @@ def time_scenario(scenario: Scenario, device: torch.device, reps: int, warmup: i
 
 def kernel_ms_per_unit(scenario: Scenario, device: torch.device) -> float | None:
     """GPU ms per timed unit of one repetition under ``torch.profiler`` (activities CPU + CUDA): ``setup()``
-    outside the profile, ``body(state)`` and a synchronize inside; the summed device time of the CUDA kernels,
+    outside the profile, ``body(state)`` and a synchronize inside; the device busy time of the CUDA kernels,
     memcpys and memsets it recorded (``bench_common.device_ms``) / ``units``. ``None`` off CUDA."""
     if device.type != "cuda":
         return None
@@ -452,7 +453,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {**sizes, "warmup": WARMUP, "seed": args.seed, "num_layers": args.num_layers,
                      "scenarios": names, "target_overhead": TARGET_OVERHEAD,
                      "overhead": "ms_on_median / ms_off_median - 1 (overhead_min: of the mins)",
-                     "kernel_ms": "device time of the CUDA kernels + memcpy/memset of one extra repetition under "
+                     "kernel_ms": "device busy time of the CUDA kernels + memcpy/memset of one extra repetition under "
                                   "torch.profiler, per unit (None off CUDA); kernel_overhead: kernel_ms_on / "
                                   "kernel_ms_off - 1",
                      "host_profile": args.host_profile, "host_profile_scenario": args.host_profile_scenario},

@@ -111,15 +111,29 @@ def unique(records: list[dict]) -> list[dict]:
     return out
 
 
+def with_programmatic_launch(records: list[dict]) -> list[dict]:
+    """``records`` and, for each with ``PDL_*`` constexprs (the switches of programmatic dependent launch, off under
+    the interpreter, which cannot run ``griddepcontrol``), the specialization a GPU of compute capability 9.0 or
+    later launches: each switch on, launched with ``launch_pdl``."""
+    out = list(records)
+    for r in records:
+        switches = [name for name in r["constants"] if name.startswith("PDL_")]
+        if switches:
+            constants = dict(r["constants"], **{name: True for name in switches})
+            out.append(dict(r, constants=constants, options=dict(r["options"], launch_pdl=True)))
+    return unique(out)
+
+
 def compile_records(records: list[dict], arch: int) -> list[str]:
-    """Compile each record for ``cuda:arch``; the failures as ``module.kernel(constants): error`` lines."""
+    """Compile each record for ``cuda:arch`` (from sm_90 on also :func:`with_programmatic_launch`'s variants); the
+    failures as ``module.kernel(constants): error`` lines."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", arch, 32)
     failures = []
-    for r in records:
+    for r in with_programmatic_launch(records) if arch >= 90 else records:
         fn = getattr(importlib.import_module(r["module"]), r["kernel"])
         signature = {name: "constexpr" if name in r["constants"] else r["signature"][name]
                      for name in fn.arg_names if name in r["signature"] or name in r["constants"]}
@@ -154,7 +168,8 @@ def main(argv: list[str]) -> int:
     failed = False
     for arch in args.arch:
         failures = compile_records(records, arch)
-        print(f"compiled {len(records) - len(failures)} of {len(records)} kernel specializations for sm_{arch}")
+        n = len(with_programmatic_launch(records) if arch >= 90 else records)
+        print(f"compiled {n - len(failures)} of {n} kernel specializations for sm_{arch}")
         for line in failures:
             print(f"FAILED sm_{arch}", line)
         failed = failed or bool(failures)

@@ -56,22 +56,34 @@ def median_ms(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REP
 
 
 def device_ms(prof) -> float:
-    """Milliseconds of GPU work a finished ``torch.profiler.profile`` recorded: the sum of the device
-    durations of its CUDA events (kernels and memory operations: memcpy, memset).
+    """Milliseconds the GPU was busy with the work a finished ``torch.profiler.profile`` recorded: the
+    union of the device intervals ``[start, end]`` of its CUDA events (kernels and memory operations:
+    memcpy, memset), so time in which two of them overlap counts once.
 
+    Kernels that run one after the other (the usual stream order) never overlap: the union is the sum of
+    their durations. A kernel launched by programmatic dependent launch may start before the one ahead
+    of it ends (and wait inside for it): the sum of durations would count that time twice.
     CPU events (ops, runtime calls), recorded when the profile also has ``ProfilerActivity.CPU``,
     are left out: an op's ``device_time_total`` counts its kernels a second time.
     """
-    return sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy_us, covered_to = 0.0, float("-inf")
+    for start, end in intervals:
+        if end > covered_to:
+            busy_us += end - max(start, covered_to)
+            covered_to = end
+    return busy_us / 1e3
 
 
 def kernel_ms(fn: Callable[[], object], repeats: int = REPEATS) -> float | None:
     """GPU time of the kernels ``fn()`` launches, per run, from ``torch.profiler`` (CUDA only, else None).
 
-    The sum of the device durations of every kernel and memory operation of ``repeats`` runs
-    (:func:`device_ms`), divided by ``repeats``. Unlike :func:`median_ms` it excludes the host-side
-    time (Python, launch overhead) the GPU spends waiting, so it is the time that bandwidth and FLOP
-    rates of a kernel should be judged by; :func:`median_ms` is what a caller waits.
+    The time the device was busy with the kernels and memory operations of ``repeats`` runs
+    (:func:`device_ms`: the sum of their durations, overlaps counted once), divided by ``repeats``.
+    Unlike :func:`median_ms` it excludes the host-side time (Python, launch overhead) the GPU spends
+    waiting, so it is the time that bandwidth and FLOP rates of a kernel should be judged by;
+    :func:`median_ms` is what a caller waits.
     """
     if DEVICE.type != "cuda":
         return None

@@ -8,7 +8,10 @@ Implementations (the ``impl`` parameter):
   (the same loss, metrics and gradient from one pass, no autograd); ``torch_eager``, the composition RL
   code writes by hand; ``torch_compile``, the same through ``torch.compile(dynamic=False)``. Bytes
   credited per step: ``B*T*(4+4+4+1)`` read (logprob, old logprob, advantages, bool mask) and
-  ``B*T*4`` written (the gradient).
+  ``B*T*4`` written (the gradient). The ``loss`` parameter: ``ppo``, token-mean over the batch's own tokens
+  (counted from the mask in the step); ``ppo/global_tokens``, token-mean over a token count the caller passes
+  (``global_tokens``: what a trainer with micro-batches or data-parallel ranks passes, RL_MATH's "global
+  normalizers"; here the batch's own count, computed once before timing), in every implementation.
 * ``gae`` on ``[B, T]`` fp32 (gamma 0.99, lambda 0.95), not differentiable: ``rlk``; ``python_loop``,
   the reverse loop over time with vectorized ``[B]`` steps that frameworks use; ``compiled_step``,
   the same loop whose body is ``torch.compile``'d (compiling the whole 8192-step loop would unroll it).
@@ -41,8 +44,10 @@ LINEAR_DTYPE = torch.float32 if QUICK else torch.bfloat16
 # ---------------------------------------------------------------------------
 
 
-def torch_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
-    """verl-style PPO loss, token-mean, with clip fraction and approx KL, as eager PyTorch."""
+def torch_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
+                   global_tokens: float | None = None) -> tuple[Tensor, ...]:
+    """verl-style PPO loss, token-mean (over ``global_tokens`` when given), with clip fraction and approx KL (means
+    over the batch's tokens, as ``rlk.policy_loss``'s metrics), as eager PyTorch."""
     m = mask.float()
     n = m.sum().clamp(min=1)
     d = (logprob - old_logprob).clamp(-CLAMP, CLAMP)
@@ -52,21 +57,25 @@ def torch_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mas
     clipped = torch.maximum(loss1, loss2)
     loss3 = -advantages * DUAL_CLIP
     per_token = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
-    loss = (per_token * m).sum() / n
+    loss = (per_token * m).sum() / (n if global_tokens is None else global_tokens)
     clip_fraction = ((loss2 > loss1).float() * m).sum() / n
     approx_kl = (-d * m).sum() / n
     return loss, clip_fraction.detach(), approx_kl.detach()
 
 
-def rlk_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, ...]:
+def rlk_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
+                 global_tokens: float | None = None) -> tuple[Tensor, ...]:
     loss, metrics = rlk.policy_loss(logprob, old_logprob, advantages, mask, loss="ppo", clip_low=CLIP,
-                                    dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean")
+                                    dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean",
+                                    global_tokens=global_tokens)
     return loss, metrics["clip_fraction"], metrics["approx_kl"]
 
 
-def rlk_ppo_loss_and_grad(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor) -> tuple:
+def rlk_ppo_loss_and_grad(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
+                          global_tokens: float | None = None) -> tuple:
     out = rlk.policy_loss_and_grad(logprob, old_logprob, advantages, mask, loss="ppo", clip_low=CLIP,
-                                   dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean")
+                                   dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean",
+                                   global_tokens=global_tokens)
     return out.loss, out.grad_logprob, out.metrics["clip_fraction"], out.metrics["approx_kl"]
 
 
@@ -106,12 +115,16 @@ def _token_inputs(batch: int, length: int, gen: torch.Generator) -> tuple[Tensor
 
 
 class PolicyLossCase(CaseBase):
-    """``policy_loss`` fwd+bwd, PPO with verl's defaults, on ``[B, T]`` tokens."""
+    """``policy_loss`` fwd+bwd, PPO with verl's defaults, on ``[B, T]`` tokens (``loss``: ``ppo`` or
+    ``ppo/global_tokens``)."""
 
     def __init__(self, op: str, impl: str, loss: str, shape: tuple[int, int]):
         gen = torch.Generator(DEVICE).manual_seed(SEED)
         logprob, self.old, self.advantages, self.mask = _token_inputs(*shape, gen)
         self.logprob = logprob.requires_grad_()
+        if loss not in ("ppo", "ppo/global_tokens"):
+            raise ValueError(f"unknown loss {loss!r}")
+        self.global_tokens = float(self.mask.sum()) if loss == "ppo/global_tokens" else None
         self.work, self.unit = shape[0] * shape[1] * (4 + 4 + 4 + 1 + 4), "GB/s"
         fn = {"rlk": rlk_ppo_loss, "rlk_loss_and_grad": rlk_ppo_loss_and_grad}.get(impl, torch_ppo_loss)
         if impl == "torch_compile":
@@ -125,8 +138,8 @@ class PolicyLossCase(CaseBase):
 
     def step(self) -> object:
         if self.fused:
-            return self.fn(self.logprob, self.old, self.advantages, self.mask)[1]
-        loss, *_ = self.fn(self.logprob, self.old, self.advantages, self.mask)
+            return self.fn(self.logprob, self.old, self.advantages, self.mask, self.global_tokens)[1]
+        loss, *_ = self.fn(self.logprob, self.old, self.advantages, self.mask, self.global_tokens)
         return torch.autograd.grad(loss, self.logprob)
 
 
@@ -197,7 +210,7 @@ class PolicyLoss(_CaseSetup):
 
     op, case_type, shape_names = "policy_loss", PolicyLossCase, "BT"
     param_names = ["impl", "loss", "shape"]
-    params = [["rlk", "rlk_loss_and_grad", "torch_eager", "torch_compile"], ["ppo"], TOKEN_SHAPES]
+    params = [["rlk", "rlk_loss_and_grad", "torch_eager", "torch_compile"], ["ppo", "ppo/global_tokens"], TOKEN_SHAPES]
 
     def track_ms(self, impl: str, loss: str, shape: tuple[int, int]) -> float:
         return self.case.ms()

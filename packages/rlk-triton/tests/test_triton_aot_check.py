@@ -26,6 +26,7 @@ TOOL = Path(__file__).parents[3] / "tools" / "triton_aot_check.py"
 PROBE = '''
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
@@ -57,6 +58,16 @@ def bad_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
     tl.store(out_ptr + offs, _load_with_policy(x_ptr, offs, inb) * 2.0, mask=inb)
+
+
+@triton.jit
+def pdl_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL_WAIT: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    x = tl.load(x_ptr + offs, mask=inb)
+    if PDL_WAIT:
+        gdc_wait()
+    tl.store(out_ptr + offs, x + 1.0, mask=inb)
 '''
 
 
@@ -68,21 +79,25 @@ def _load(path: Path, name: str):
     return module
 
 
-def _check(records: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
+def _tool_and_probe(tmp_path: Path):
+    """The checker and the probe kernels as modules, and a small input."""
+    (tmp_path / "aot_probe.py").write_text(textwrap.dedent(PROBE))
+    return _load(TOOL, "triton_aot_check"), _load(tmp_path / "aot_probe.py", "aot_probe"), torch.arange(
+        10, dtype=torch.float32)
+
+
+def _check(records: list[dict], tmp_path: Path, archs: tuple[str, ...] = ("90",)) -> subprocess.CompletedProcess:
     path = tmp_path / "records.json"
     path.write_text(json.dumps(records))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(TOOL), str(path), "--arch", "90", "--packages", "aot_probe"],
+    return subprocess.run([sys.executable, str(TOOL), str(path), "--arch", *archs, "--packages", "aot_probe"],
                           capture_output=True, text=True, env=env, timeout=600)
 
 
 def test_records_compile_and_a_compiler_only_error_is_reported(tmp_path):
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    (tmp_path / "aot_probe.py").write_text(textwrap.dedent(PROBE))
-    tool = _load(TOOL, "triton_aot_check")
-    probe = _load(tmp_path / "aot_probe.py", "aot_probe")
-    x = torch.arange(10, dtype=torch.float32)
+    tool, probe, x = _tool_and_probe(tmp_path)
     good, bad = [], []
     with tool.record_launches(good):
         out = torch.empty_like(x)
@@ -110,10 +125,7 @@ def test_a_launch_the_checker_cannot_type_is_listed_not_dropped(tmp_path):
     """A tl.dtype constexpr is not recorded as a specialization; the compile step names the launch it left out."""
     import triton.language as tl
 
-    (tmp_path / "aot_probe.py").write_text(textwrap.dedent(PROBE))
-    tool = _load(TOOL, "triton_aot_check")
-    probe = _load(tmp_path / "aot_probe.py", "aot_probe")
-    x = torch.arange(10, dtype=torch.float32)
+    tool, probe, x = _tool_and_probe(tmp_path)
     records: list[dict] = []
     with tool.record_launches(records):
         probe.cast_kernel[(1,)](x, torch.empty_like(x), x.numel(), OUT=tl.float16, BLOCK=16)
@@ -122,3 +134,21 @@ def test_a_launch_the_checker_cannot_type_is_listed_not_dropped(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "compiled 0 of 0" in done.stdout
     assert "left out (not typed by this checker): aot_probe.cast_kernel: constexpr OUT of type dtype" in done.stdout
+
+
+def test_programmatic_launch_switches_are_compiled_on_from_sm_90(tmp_path):
+    """The interpreter runs ``PDL_*`` switches off (it cannot run ``griddepcontrol``); the checker also compiles the
+    switched-on specialization (launched with ``launch_pdl``) for sm_90, and only the recorded one for sm_80."""
+    tool, probe, x = _tool_and_probe(tmp_path)
+    records: list[dict] = []
+    with tool.record_launches(records):
+        out = torch.empty_like(x)
+        probe.pdl_kernel[(1,)](x, out, x.numel(), BLOCK=16, PDL_WAIT=False)
+    assert torch.equal(out, x + 1.0)
+    variants = tool.with_programmatic_launch(records)
+    assert [v["constants"]["PDL_WAIT"] for v in variants] == [False, True]
+    assert variants[1]["options"] == {"launch_pdl": True}
+    done = _check(records, tmp_path, ("90", "80"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "compiled 2 of 2 kernel specializations for sm_90" in done.stdout
+    assert "compiled 1 of 1 kernel specializations for sm_80" in done.stdout

@@ -42,23 +42,33 @@ def test_unknown_scenario_and_bad_sizes_are_refused():
         tool.main(["--host-profile", "3", "--host-profile-scenario", "backward"])
 
 
-def test_kernel_time_is_the_device_time_of_cuda_events_only():
+def test_kernel_time_is_the_busy_time_of_cuda_events_only():
     """The tool reuses bench_asv's ``device_ms``: CPU events (whose ``device_time_total`` repeats their kernels')
-    are left out, CUDA kernels / memcpys / memsets summed, in ms."""
+    are left out; the CUDA kernels / memcpys / memsets count by their device intervals, time in which two overlap
+    (programmatic dependent launch) once, in ms."""
     import torch
+    from torch.autograd.profiler_util import Interval
 
     tool = _tool()
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
     class Event:
-        def __init__(self, device_type, us):
-            self.device_type, self.device_time_total = device_type, us
+        def __init__(self, device_type, start, end):
+            self.device_type, self.time_range = device_type, Interval(start, end)
 
     class Prof:
-        def events(self):
-            return [Event(cpu, 500.0), Event(cuda, 120.0), Event(cuda, 30.0), Event(cpu, 150.0)]
+        def __init__(self, events):
+            self._events = events
 
-    assert tool.bench_common.device_ms(Prof()) == pytest.approx(0.15, rel=1e-12)
+        def events(self):
+            return self._events
+
+    apart = [Event(cpu, 0.0, 500.0), Event(cuda, 10.0, 130.0), Event(cuda, 200.0, 230.0), Event(cpu, 0.0, 150.0)]
+    assert tool.bench_common.device_ms(Prof(apart)) == pytest.approx(0.15, rel=1e-12)
+    # [10, 130] and [100, 160] overlap by 30 us; [150, 155] lies inside [100, 160]; [300, 301] apart
+    overlapping = [Event(cuda, 100.0, 160.0), Event(cuda, 10.0, 130.0), Event(cuda, 150.0, 155.0),
+                   Event(cuda, 300.0, 301.0), Event(cpu, 0.0, 1000.0)]
+    assert tool.bench_common.device_ms(Prof(overlapping)) == pytest.approx(0.151, rel=1e-12)
 
 
 @pytest.mark.triton_interpreter

@@ -1,0 +1,38 @@
+"""The PyTorch baselines of ``bench_asv/benchmarks/rl_objectives.py`` compute what the rlk implementations they are
+timed against compute: a speedup over a baseline that does something else would mean nothing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench_asv"))
+from benchmarks import rl_objectives as bench  # noqa: E402
+
+
+@pytest.mark.parametrize("global_tokens", [None, 1000.0])
+def test_ppo_baseline_matches_rlk(global_tokens):
+    """Loss, clip fraction, approx KL and the gradient of the eager composition against ``rlk.policy_loss`` (autograd)
+    and ``rlk.policy_loss_and_grad``, token-mean over the mask's count or over ``global_tokens`` (not the count: the
+    loss must use it, the metrics must not)."""
+    gen = torch.Generator(bench.DEVICE).manual_seed(3)
+    logprob, old, advantages, mask = bench._token_inputs(4, 50, gen)
+    assert global_tokens is None or global_tokens != float(mask.sum())
+    logprob.requires_grad_()
+    base = bench.torch_ppo_loss(logprob, old, advantages, mask, global_tokens)
+    base_grad, = torch.autograd.grad(base[0], logprob)
+    with rlk.use_backend("reference"):
+        ours = bench.rlk_ppo_loss(logprob, old, advantages, mask, global_tokens)
+        ours_grad, = torch.autograd.grad(ours[0], logprob)
+        loss, grad, clip_fraction, approx_kl = bench.rlk_ppo_loss_and_grad(logprob, old, advantages, mask,
+                                                                           global_tokens)
+    for got in (ours, (loss, clip_fraction, approx_kl)):
+        for a, b in zip(got, base):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)
+    for g in (ours_grad, grad):
+        torch.testing.assert_close(g, base_grad, rtol=1e-5, atol=1e-9)
