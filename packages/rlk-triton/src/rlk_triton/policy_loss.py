@@ -42,11 +42,22 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rlk.reference.aggregation import AGG_MODES
 from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
 from rlk_triton.common import on_device
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton built without its CUDA backend (ROCm): programmatic launch is never on there
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
 
 #: Tokens per program of the policy-loss kernels (one chunk of one row); chunk partials per
 #: step of the in-row sums; elements per program of the elementwise kernels; rows per step
@@ -76,8 +87,8 @@ LOAD_EVICTION = "evict_first"
 #: Programmatic dependent launch between the kernels of one call (CUDA, compute capability 9.0 and up; see
 #: :func:`_programmatic_launch`): each kernel after the first of a call may start while the one before it
 #: finishes, and waits for it (``griddepcontrol.wait``) before it reads what that one wrote. H200, [512, 8192]
-#: token-mean, steps queued behind a busy GPU (the host ahead, as in training): 29.1-29.2 us per step against
-#: 30.4-30.6 without (global_tokens given: 24.2-24.4 against 25.2-25.4); when the GPU waits for each launch, the
+#: token-mean, steps queued behind a busy GPU (the host ahead, as in training): 28.6-29.2 us per step against
+#: 30.0-30.6 without (global_tokens given: 24.0-24.4 against 25.1-25.4); when the GPU waits for each launch, the
 #: kernel before has ended and nothing changes.
 PROGRAMMATIC_LAUNCH = True
 
