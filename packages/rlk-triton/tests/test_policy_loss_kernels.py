@@ -508,7 +508,8 @@ def test_repeated_runs_give_the_same_bits_gpu(agg):
 def test_programmatic_launch_changes_no_bit_gpu(loss, agg, monkeypatch):
     """Programmatic dependent launch (on from compute capability 9.0) lets each kernel of a call start before the one
     ahead of it ends: [512, 8192] with it and without it, every output the same bits (10 runs with it: a kernel that
-    read its predecessor's counts or partials before they were written would differ in some run). The chains:
+    read its predecessor's counts or partials before they were written would read the uninitialized scratch and
+    most likely differ). The chains:
     count -> token pass -> finish; token pass -> finish; count -> partial sums -> token pass -> finish."""
     inputs = make_inputs(512, 8192, seed=19, per_seq_adv=loss != "geo_mean")
     attrs = {"loss": loss, "agg": agg, "dual_clip": 3.0 if loss == "ppo" else 0.0}
