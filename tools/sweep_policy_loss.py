@@ -31,29 +31,13 @@ from profile_policy_loss import ppo_inputs  # tools/, next to this script
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench_asv"))
-from benchmarks.common import device_ms  # noqa: E402  (the benchmark's kernel time)
+from benchmarks.common import copy_gbps, device_ms  # noqa: E402  (the benchmark's copy rate and kernel time)
 
 import rlk
 from rlk_triton import policy_loss as tk
 
 CLIP, DUAL_CLIP, CLAMP = 0.2, 3.0, 20.0
 KWARGS = dict(loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean")
-
-
-def copy_gbps(nbytes: int = 2**30, repeats: int = 20) -> float:
-    """Device copy rate (read + write bytes per second) of ``nbytes``, median of ``repeats``."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times = sorted(times[3:])
-    return 2 * nbytes / (times[len(times) // 2] * 1e-3) / 1e9
 
 
 GRAPH_STEPS = 20

@@ -82,8 +82,8 @@ def _load(path: Path, name: str):
 def _tool_and_probe(tmp_path: Path):
     """The checker and the probe kernels as modules, and a small input."""
     (tmp_path / "aot_probe.py").write_text(textwrap.dedent(PROBE))
-    return _load(TOOL, "triton_aot_check"), _load(tmp_path / "aot_probe.py", "aot_probe"), torch.arange(
-        10, dtype=torch.float32)
+    tool, probe = _load(TOOL, "triton_aot_check"), _load(tmp_path / "aot_probe.py", "aot_probe")
+    return tool, probe, torch.arange(10, dtype=torch.float32)
 
 
 def _check(records: list[dict], tmp_path: Path, archs: tuple[str, ...] = ("90",)) -> subprocess.CompletedProcess:
