@@ -1,0 +1,209 @@
+"""The RL-objective ops never synchronize the host with the GPU, and replay from a CUDA graph.
+
+Issue 5 asks for policy-loss metrics "with no host synchronization" and for advantages and GAE "as GPU
+parallel scans (no Python loop over time, no host sync)". Two checks per op, on the backend rlk selects
+(forward, and the backward through ``torch.autograd.grad`` where the op is differentiable):
+
+* run under ``torch.cuda.set_sync_debug_mode("error")``: any synchronizing call torch makes (``.item()``,
+  ``nonzero``, a device-to-host copy, ...) raises. Value checks (``RLK_CHECK_VALUES``: on by default,
+  documented to cost one synchronization each) stay on, except in the two tests whose ops have one, which turn
+  them off: ``group_advantages`` mode ``opo`` (``lengths`` finite and >= 0) and ``fused_linear_policy_loss``
+  (targets in ``[0, V)``, temperature > 0: ``linear_logprob``'s checks);
+* captured in a CUDA graph (which fails on any synchronization or host read of device data), new inputs
+  copied into the captured ones, the graph replayed: every output the same bits as an eager call on the new
+  inputs (``torch.equal``), so nothing was baked into the graph from the first inputs.
+
+GPU only (marker ``gpu``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import rlk
+
+pytestmark = pytest.mark.gpu
+
+Inputs = dict[str, torch.Tensor]
+
+
+def _flat(out) -> list[torch.Tensor]:
+    """The tensors of an op's result (tensors, tuples, dicts of metrics), in a fixed order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for k in sorted(out) for t in _flat(out[k])]
+    if isinstance(out, (tuple, list)):
+        return [t for x in out for t in _flat(x)]
+    return []
+
+
+def _with_grads(out, inputs: Inputs, wrt: tuple[str, ...]) -> list[torch.Tensor]:
+    """The result's tensors, then the gradients of its first tensor (the loss, summed if not 0-d) w.r.t. ``wrt``."""
+    tensors = _flat(out)
+    if wrt:
+        loss = tensors[0] if tensors[0].dim() == 0 else tensors[0].sum()
+        tensors += list(torch.autograd.grad(loss, [inputs[k] for k in wrt]))
+    return [t.detach() for t in tensors]
+
+
+def check_no_sync_and_graph_replay(make: Callable[[int], Inputs], op: Callable[[Inputs], object],
+                                   wrt: tuple[str, ...] = ()) -> None:
+    """``make(seed)`` builds the inputs (those named in ``wrt`` require grad); ``op(inputs)`` calls the op."""
+    static = make(1)
+
+    def step(inputs: Inputs) -> list[torch.Tensor]:
+        return _with_grads(op(inputs), inputs, wrt)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(static)  # compiles and warms up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = step(static)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(static)
+    fresh = make(2)
+    with torch.no_grad():
+        for name, tensor in static.items():
+            tensor.copy_(fresh[name])
+    graph.replay()
+    eager = step(fresh)
+    torch.cuda.synchronize()
+    assert len(captured) == len(eager)
+    for i, (a, b) in enumerate(zip(captured, eager)):
+        assert torch.equal(a, b), f"output {i} of {len(eager)}"
+    assert not all(torch.equal(a, b) for a, b in zip(first, eager)), "the new inputs changed no output"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator("cuda").manual_seed(seed)
+
+
+def token_inputs(seed: int, b: int = 64, t: int = 1024, grad: tuple[str, ...] = ()) -> Inputs:
+    """fp32 ``[B, T]`` log-probs / values / rewards, a ragged bool mask, per-sequence advantages."""
+    g = _gen(seed)
+    old = -torch.rand(b, t, generator=g, device="cuda") * 4
+    lengths = torch.randint(1, t + 1, (b,), generator=g, device="cuda")
+    inputs = {
+        "logprob": old + 0.2 * torch.randn(b, t, generator=g, device="cuda"),
+        "old_logprob": old,
+        "ref_logprob": old + 0.3 * torch.randn(b, t, generator=g, device="cuda"),
+        "advantages": torch.randn(b, 1, generator=g, device="cuda"),
+        "mask": torch.arange(t, device="cuda")[None, :] < lengths[:, None],
+        "values": torch.randn(b, t, generator=g, device="cuda"),
+        "old_values": torch.randn(b, t, generator=g, device="cuda"),
+        "returns": torch.randn(b, t, generator=g, device="cuda"),
+        "rewards": torch.randn(b, t, generator=g, device="cuda"),
+    }
+    for name in grad:
+        inputs[name].requires_grad_()
+    return inputs
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss", ["ppo", "gspo"])
+def test_policy_loss_gpu(loss, agg):
+    def op(x):
+        return rlk.policy_loss(x["logprob"], x["old_logprob"], x["advantages"], x["mask"], loss=loss, agg=agg,
+                               ref_logprob=x["ref_logprob"], kl_coef=0.05)
+
+    check_no_sync_and_graph_replay(lambda s: token_inputs(s, grad=("logprob",)), op, wrt=("logprob",))
+
+
+def test_kl_penalty_gpu():
+    def op(x):
+        return rlk.kl_penalty(x["logprob"], x["ref_logprob"], "k3")
+
+    check_no_sync_and_graph_replay(lambda s: token_inputs(s, grad=("logprob",)), op, wrt=("logprob",))
+
+
+def test_value_loss_gpu():
+    def op(x):
+        return rlk.value_loss(x["values"], x["old_values"], x["returns"], x["mask"], clip=0.2)
+
+    check_no_sync_and_graph_replay(lambda s: token_inputs(s, grad=("values",)), op, wrt=("values",))
+
+
+def test_gae_and_discounted_returns_gpu():
+    def op(x):
+        return (rlk.gae(x["rewards"], x["values"], x["mask"], gamma=0.99, lam=0.95),
+                rlk.discounted_returns(x["rewards"], x["mask"], 0.99))
+
+    check_no_sync_and_graph_replay(token_inputs, op)
+
+
+def test_masked_whiten_gpu():
+    check_no_sync_and_graph_replay(token_inputs, lambda x: rlk.masked_whiten(x["rewards"], x["mask"]))
+
+
+def score_inputs(seed: int, groups: int = 64, group_size: int = 8) -> Inputs:
+    """``[B]`` fp32 scores (some groups all equal), a shuffled group index, lengths."""
+    g = _gen(seed)
+    n = groups * group_size
+    scores = torch.randint(0, 3, (n,), generator=g, device="cuda").float()
+    scores[:group_size] = 1.0
+    return {
+        "scores": scores,
+        "group_index": torch.randperm(n, generator=g, device="cuda") % groups,
+        "lengths": torch.randint(1, 500, (n,), generator=g, device="cuda").float(),
+    }
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg"])
+def test_group_advantages_gpu(mode, monkeypatch):
+    if mode == "opo":  # the check that lengths are finite and >= 0 reads them (documented; off for capture)
+        monkeypatch.setenv("RLK_CHECK_VALUES", "0")
+
+    def op(x):
+        lengths = x["lengths"] if mode == "opo" else None
+        return (rlk.group_advantages(x["scores"], group_size=8, mode=mode, lengths=lengths),
+                rlk.group_advantages(x["scores"], group_index=x["group_index"], mode=mode, lengths=lengths))
+
+    check_no_sync_and_graph_replay(score_inputs, op)
+
+
+def test_dpo_loss_gpu():
+    def make(seed):
+        g = _gen(seed)
+        names = ("chosen", "rejected", "ref_chosen", "ref_rejected")
+        x = {k: -torch.rand(256, generator=g, device="cuda") * 50 for k in names}
+        for k in ("chosen", "rejected"):
+            x[k].requires_grad_()
+        return x
+
+    def op(x):
+        return rlk.dpo_loss(x["chosen"], x["rejected"], x["ref_chosen"], x["ref_rejected"], beta=0.1)
+
+    check_no_sync_and_graph_replay(make, op, wrt=("chosen", "rejected"))
+
+
+def test_fused_linear_policy_loss_gpu(monkeypatch):
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")  # linear_logprob reads the targets and temperature to check them
+    b, t, h, v = 4, 256, 512, 4096
+
+    def make(seed):
+        g = _gen(seed)
+        x = token_inputs(seed, b=b, t=t)
+        x["hidden"] = (torch.randn(b, t, h, generator=g, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_()
+        x["weight"] = (torch.randn(v, h, generator=g, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
+        x["targets"] = torch.randint(0, v, (b, t), generator=g, device="cuda")
+        return x
+
+    def op(x):
+        return rlk.fused_linear_policy_loss(x["hidden"], x["weight"], x["targets"], x["old_logprob"],
+                                            x["advantages"], x["mask"])
+
+    check_no_sync_and_graph_replay(make, op, wrt=("hidden", "weight"))
