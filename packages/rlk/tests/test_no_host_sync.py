@@ -1,14 +1,16 @@
-"""The RL-objective ops never synchronize the host with the GPU, and replay from a CUDA graph.
+"""rlk's ops never synchronize the host with the GPU, and replay from a CUDA graph.
 
 Issue 5 asks for policy-loss metrics "with no host synchronization" and for advantages and GAE "as GPU
-parallel scans (no Python loop over time, no host sync)". Two checks per op, on the backend rlk selects
-(forward, and the backward through ``torch.autograd.grad`` where the op is differentiable):
+parallel scans (no Python loop over time, no host sync)"; the batch-invariant forward chain (norm, matmul,
+attention, RoPE, softmax, embedding, log-probs) is what an inference engine captures in CUDA graphs. Two checks
+per op, on the backend rlk selects (forward, and the backward through ``torch.autograd.grad`` where the op is
+differentiable):
 
 * run under ``torch.cuda.set_sync_debug_mode("error")``: any synchronizing call torch makes (``.item()``,
   ``nonzero``, a device-to-host copy, ...) raises. Value checks (``RLK_CHECK_VALUES``: on by default,
-  documented to cost one synchronization each) stay on, except in the two tests whose ops have one, which turn
-  them off: ``group_advantages`` mode ``opo`` (``lengths`` finite and >= 0) and ``fused_linear_policy_loss``
-  (targets in ``[0, V)``, temperature > 0: ``linear_logprob``'s checks);
+  documented to cost one synchronization each) stay on, except in the tests whose ops have one, which turn
+  them off: ``group_advantages`` mode ``opo`` (``lengths`` finite and >= 0), the log-prob ops (targets in
+  ``[0, V)``, temperature > 0), ``attention`` (``cu_seqlens``) and ``embedding`` (ids in ``[0, V)``);
 * captured in a CUDA graph (which fails on any synchronization or host read of device data), new inputs
   copied into the captured ones, the graph replayed: every output the same bits as an eager call on the new
   inputs (``torch.equal``), so nothing was baked into the graph from the first inputs.
@@ -42,11 +44,11 @@ def _flat(out) -> list[torch.Tensor]:
 
 
 def _with_grads(out, inputs: Inputs, wrt: tuple[str, ...]) -> list[torch.Tensor]:
-    """The result's tensors, then the gradients of its first tensor (the loss, summed if not 0-d) w.r.t. ``wrt``."""
+    """The result's tensors, then the gradients w.r.t. ``wrt`` of the sum of every result that requires grad."""
     tensors = _flat(out)
     if wrt:
-        loss = tensors[0] if tensors[0].dim() == 0 else tensors[0].sum()
-        tensors += list(torch.autograd.grad(loss, [inputs[k] for k in wrt]))
+        total = sum(t.float().sum() for t in tensors if t.requires_grad)
+        tensors += list(torch.autograd.grad(total, [inputs[k] for k in wrt]))
     return [t.detach() for t in tensors]
 
 
@@ -207,3 +209,105 @@ def test_fused_linear_policy_loss_gpu(monkeypatch):
                                             x["advantages"], x["mask"])
 
     check_no_sync_and_graph_replay(make, op, wrt=("hidden", "weight"))
+
+
+# ----------------------------------------------------------------------------------------------
+# the batch-invariant forward chain
+# ----------------------------------------------------------------------------------------------
+
+
+def _randn(g: torch.Generator, *shape: int, scale: float = 1.0, dtype=torch.bfloat16, grad: bool = False):
+    x = (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+    return x.requires_grad_() if grad else x
+
+
+def test_rms_norm_gpu():
+    def make(seed):
+        g = _gen(seed)
+        return {"x": _randn(g, 64, 1024, grad=True), "residual": _randn(g, 64, 1024, grad=True),
+                "weight": _randn(g, 1024, scale=0.1, grad=True)}
+
+    def op(x):
+        return (rlk.rms_norm(x["x"], x["weight"]), rlk.rms_norm(x["x"], x["weight"], residual=x["residual"]))
+
+    check_no_sync_and_graph_replay(make, op, wrt=("x", "weight"))
+
+
+def test_linear_and_matmul_gpu():
+    def make(seed):
+        g = _gen(seed)
+        return {"x": _randn(g, 96, 512, grad=True), "weight": _randn(g, 384, 512, scale=0.05, grad=True),
+                "bias": _randn(g, 384, grad=True)}
+
+    def op(x):
+        return rlk.linear(x["x"], x["weight"], x["bias"]), rlk.matmul(x["x"], x["weight"].t())
+
+    check_no_sync_and_graph_replay(make, op, wrt=("x", "weight", "bias"))
+
+
+def test_attention_gpu(monkeypatch):
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")  # the cu_seqlens checks read them
+    lengths = [37, 128, 5, 200]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+
+    def make(seed):
+        g = _gen(seed)
+        return {"q": _randn(g, total, 8, 64, grad=True), "k": _randn(g, total, 2, 64, grad=True),
+                "v": _randn(g, total, 2, 64, grad=True)}
+
+    def op(x):
+        return rlk.attention(x["q"], x["k"], x["v"], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                             max_seqlen_k=max(lengths), return_lse=True)
+
+    check_no_sync_and_graph_replay(make, op, wrt=("q", "k", "v"))
+
+
+def test_apply_rope_gpu():
+    def make(seed):
+        g = _gen(seed)
+        angles = torch.rand(2, 96, 32, generator=g, device="cuda") * 6
+        angles = torch.cat([angles, angles], dim=-1)
+        return {"q": _randn(g, 2, 8, 96, 64, grad=True), "k": _randn(g, 2, 2, 96, 64, grad=True),
+                "cos": angles.cos().to(torch.bfloat16), "sin": angles.sin().to(torch.bfloat16)}
+
+    def op(x):
+        return rlk.apply_rope(x["q"], x["k"], x["cos"], x["sin"])
+
+    check_no_sync_and_graph_replay(make, op, wrt=("q", "k"))
+
+
+def test_softmax_and_log_softmax_gpu():
+    def make(seed):
+        return {"x": _randn(_gen(seed), 64, 1000, scale=3.0, grad=True)}
+
+    check_no_sync_and_graph_replay(make, lambda x: (rlk.softmax(x["x"]), rlk.log_softmax(x["x"])), wrt=("x",))
+
+
+def test_embedding_gpu(monkeypatch):
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")  # the range check reads the ids
+
+    def make(seed):
+        g = _gen(seed)
+        return {"ids": torch.randint(0, 1000, (4, 64), generator=g, device="cuda"),
+                "weight": _randn(g, 1000, 256, grad=True)}
+
+    check_no_sync_and_graph_replay(make, lambda x: rlk.embedding(x["ids"], x["weight"]), wrt=("weight",))
+
+
+def test_logprob_ops_gpu(monkeypatch):
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")  # the checks read the targets and the temperature
+    n, h, v = 256, 512, 4096
+
+    def make(seed):
+        g = _gen(seed)
+        targets = torch.randint(0, v, (n,), generator=g, device="cuda")
+        targets[::17] = -100
+        return {"logits": _randn(g, n, v, scale=2.0, grad=True), "hidden": _randn(g, n, h, grad=True),
+                "weight": _randn(g, v, h, scale=0.05, grad=True), "targets": targets}
+
+    def op(x):
+        return (rlk.selected_logprob(x["logits"], x["targets"], return_entropy=True),
+                rlk.linear_logprob(x["hidden"], x["weight"], x["targets"], return_entropy=True))
+
+    check_no_sync_and_graph_replay(make, op, wrt=("logits", "hidden", "weight"))
