@@ -14,7 +14,8 @@ up behind a busy GPU (as in training), each next to the same measurement of same
 be the same bits under every configuration (each token's gradient depends on no tile size); the loss may differ in
 its last bits (the chunk sums change with ``BLOCK_T``).
 
-``--global-tokens`` passes the batch's token count as ``global_tokens`` (what verl passes per step): no count kernel.
+``--global-tokens`` passes the batch's token count as ``global_tokens`` (what a trainer with micro-batches or
+data-parallel ranks passes: RL_MATH.md's global normalizers): no count kernel.
 
     python tools/sweep_policy_loss.py [--shape 512,8192] [--global-tokens] [--grid BLOCK_T=2048 NUM_WARPS=4]
 """
