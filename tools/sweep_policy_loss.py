@@ -32,7 +32,7 @@ from profile_policy_loss import ppo_inputs  # tools/, next to this script
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench_asv"))
-from benchmarks.common import copy_gbps, device_ms  # noqa: E402  (the benchmark's copy rate and kernel time)
+from benchmarks.common import copy_gbps, device_ms, median_ms  # noqa: E402  (the benchmark's measurements)
 
 import rlk
 from rlk_triton import policy_loss as tk
@@ -96,16 +96,7 @@ def graph_us(fn, repeats: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(GRAPH_STEPS):
             fn()
-    times = []
-    for _ in range(repeats + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / GRAPH_STEPS)
-    times = sorted(times[2:])
-    return times[len(times) // 2]
+    return median_ms(graph.replay, warmup=2, repeats=repeats) * 1e3 / GRAPH_STEPS
 
 
 def main() -> None:

@@ -125,6 +125,18 @@ def test_policy_loss_gpu(loss, agg):
     check_no_sync_and_graph_replay(lambda s: token_inputs(s, grad=("logprob",)), op, wrt=("logprob",))
 
 
+@pytest.mark.parametrize("loss,agg", [("ppo", "token-mean"), ("gspo", "seq-mean-token-mean")])
+def test_policy_loss_and_grad_gpu(loss, agg):
+    """At [512, 8192], the kernel chains of one call (count -> token pass -> finish; count -> partial sums -> token
+    pass -> finish), chained by programmatic dependent launch on compute capability 9.0 and later."""
+    def op(x):
+        out = rlk.policy_loss_and_grad(x["logprob"], x["old_logprob"], x["advantages"], x["mask"], loss=loss,
+                                       agg=agg, dual_clip=3.0 if loss == "ppo" else None)
+        return out.loss, out.grad_logprob, out.metrics
+
+    check_no_sync_and_graph_replay(lambda s: token_inputs(s, b=512, t=8192), op)
+
+
 def test_kl_penalty_gpu():
     def op(x):
         return rlk.kl_penalty(x["logprob"], x["ref_logprob"], "k3")
