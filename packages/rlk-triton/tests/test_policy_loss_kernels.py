@@ -231,6 +231,34 @@ def test_extreme_log_ratios(loss):
 
 
 @pytest.mark.parametrize("loss", LOSSES)
+def test_log_ratios_beyond_the_fp32_range_of_exp(loss):
+    """d = +-90 and +-200 without a clamp (exp overflows or underflows fp32), zero advantages in some rows, zero
+    importance weights, the unbiased KL: every output has NaN exactly where the reference's fp32 outputs have it
+    (nowhere: ``0 * inf`` counts as 0) and the same infinities; the finite ones within the contract."""
+    inputs = make_inputs(4, 12, seed=5, per_seq_adv=False)
+    inputs["old_logprob"][:, ::2] = inputs["logprob"][:, ::2] - 90.0
+    inputs["old_logprob"][:, 1::4] = inputs["logprob"][:, 1::4] + 200.0
+    inputs["advantages"] = inputs["advantages"].abs()
+    inputs["advantages"][1] = 0.0
+    inputs["importance_weights"][:, ::3] = 0.0
+    inputs["ref_logprob"] = inputs["logprob"] + 100.0
+    for attrs in ({"loss": loss}, {"loss": loss, "kl_unbiased": True, "kl_k3_clamp": False}):
+        got = run_fwd(tk, inputs, **attrs)
+        want = run_fwd(ref, inputs, **attrs)
+        truth = run_fwd(ref, inputs, dtype=torch.float64, **attrs)
+        scale = scales(inputs, **attrs)
+        for name, value in got.items():
+            assert not bool(value.isnan().any()), (attrs, name)
+            assert not bool(want[name].isnan().any()), (attrs, name)
+            assert torch.equal(torch.isinf(value), torch.isinf(want[name])), (attrs, name)
+            finite = torch.isfinite(value).reshape(-1)
+            expected = truth[name].reshape(-1)[finite]
+            bound = 1.0 + expected.abs() + (scale[name].reshape(-1)[finite] if name in scale else 0.0)
+            dev = contract.compare_outputs(ENTRY, name, value.reshape(-1)[finite], expected, bound)
+            assert dev.ok, (attrs, name, dev)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
 def test_minus_inf_at_masked_positions(loss):
     """-inf / NaN where the mask is off: the same bits as with clean values there."""
     inputs = make_inputs(5, 21, seed=5, per_seq_adv=False)

@@ -150,6 +150,30 @@ def test_eager_path_equals_the_custom_op_path_bitwise(name):
             assert torch.equal(a, b), f"{name}: the eager and custom-op paths differ"
 
 
+DIFFERENTIABLE = sorted(name for name, case in CASES.items() if case(_gen())[0])
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.triton_interpreter)])
+@pytest.mark.parametrize("through_dispatcher", [False, True])
+@pytest.mark.parametrize("name", DIFFERENTIABLE)
+def test_double_backward_is_refused_with_the_op_name(name, through_dispatcher, backend):
+    """A backward with create_graph=True (second-order gradients) raises at once, naming the public op: rlk's
+    backward kernels are first order, so a graph through them would be wrong (reference) or detached (Triton)."""
+    leaves, fn = CASES[name](_gen())
+    with rlk.use_backend(backend):
+        if through_dispatcher:
+            with _PassThrough():
+                outputs = _flat(fn())
+        else:
+            outputs = _flat(fn())
+        total = sum(o.float().sum() for o in outputs if o.requires_grad)
+        with pytest.raises(custom_op.DoubleBackwardError, match=r"rlk\.\w+: double backward is not supported"):
+            torch.autograd.grad(total, leaves, create_graph=True, allow_unused=True)
+        grads = torch.autograd.grad(sum(o.float().sum() for o in _flat(fn()) if o.requires_grad), leaves,
+                                    allow_unused=True)
+    assert any(g is not None for g in grads)
+
+
 def _norm_op():
     return importlib.import_module("rlk.norm")._rms_norm_fwd
 

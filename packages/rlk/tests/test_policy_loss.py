@@ -645,6 +645,43 @@ def test_log_ratios_of_plus_minus_50(loss, clamp):
         check_value(f"{loss} +-50 {name}", metrics[name], metrics64[name])
 
 
+def test_sapo_at_a_log_ratio_of_90_has_the_right_gradient():
+    """exp(90) overflows fp32: the gradient -4 A f (1 - f) r is 0 there (f = 1), not 0 * inf = NaN."""
+    batch = make_batch(b=3, t=5, seed=21)
+    batch["old"] = batch["lp"] - 90.0
+    value, _, grad, _ = run_rlk(batch, loss="sapo")
+    truth = f64(batch)
+    value64, _, grad64, _ = run_rlk(truth, loss="sapo")
+    assert bool(torch.isfinite(grad).all())
+    check_value("sapo d=90 loss", value, value64)
+    check_grad("sapo d=90 grad", grad, grad64)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("d", [90.0, -90.0, 100.0, -100.0, 200.0, -200.0])
+def test_log_ratios_beyond_the_fp32_range_of_exp_give_no_nan(loss, d):
+    """|d| >= 90 without a clamp: r = exp(d) is inf or 0 in fp32. No NaN anywhere (loss, gradient, metrics),
+    also with zero advantages, zero importance weights and the unbiased KL (``0 * inf`` counts as 0); values
+    whose exact result exceeds fp32 are +-inf. Advantages have one sign per call, so rows of +inf and -inf never
+    meet in the sum (that sum has no fp32 value)."""
+    batch = make_batch(b=4, t=6, seed=22)
+    batch["old"] = batch["lp"] - d
+    batch["ref"] = batch["lp"] + d
+    batch["iw"][:, ::2] = 0.0
+    for adv in (torch.zeros(4), batch["adv"].abs() + 0.1, -batch["adv"].abs() - 0.1):
+        for extra in ({}, {"importance_weights": batch["iw"]},
+                      {"ref_logprob": batch["ref"], "kl_coef": 0.1, "kl_unbiased": True}):
+            value, metrics, grad, _ = run_rlk(batch, loss=loss, adv=adv, **extra)
+            what = (loss, d, float(adv[0]), list(extra))
+            assert not bool(value.isnan()), what
+            assert not bool(grad.isnan().any()), what
+            assert not any(bool(v.isnan()) for v in metrics.values()), what
+            if float(adv[0]) == 0.0 and not extra:
+                assert float(value) == 0.0 and bool((grad == 0).all()), what
+    kl = rlk.kl_penalty(batch["lp"], batch["ref"], "k3", k3_clamp=False, old_logprob=batch["old"])
+    assert not bool(kl.isnan().any())
+
+
 @pytest.mark.parametrize("agg", AGGS)
 @pytest.mark.parametrize("loss", LOSSES)
 def test_minus_inf_at_masked_positions(loss, agg):
@@ -789,23 +826,24 @@ def _pl(*args, **kwargs):
         (lambda: _pl(agg="mean"), ValueError, "agg: expected one of"),
         (lambda: _pl(kl="k4", ref_logprob=_B["ref"]), ValueError, "kl: expected one of"),
         (lambda: _pl(agg="seq-mean-token-sum-norm"), ValueError, "loss_scale: agg='seq-mean-token-sum-norm' needs"),
-        (lambda: _pl(clip_low=-0.1), ValueError, "clip_low: must be >= 0, got -0.1"),
-        (lambda: _pl(clip_high=-0.2), ValueError, "clip_high: must be >= 0, got -0.2"),
-        (lambda: _pl(dual_clip=0.5), ValueError, "dual_clip: must be > 1, got 0.5"),
+        (lambda: _pl(clip_low=-0.1), ValueError, "clip_low: must be a finite number >= 0, got -0.1"),
+        (lambda: _pl(clip_high=-0.2), ValueError, "clip_high: must be a finite number >= 0, got -0.2"),
+        (lambda: _pl(dual_clip=0.5), ValueError, "dual_clip: must be a finite number > 1, got 0.5"),
         (lambda: _pl(loss="gspo", dual_clip=3.0), ValueError, "dual_clip: only loss='ppo'"),
-        (lambda: _pl(clamp_log_ratio=-1.0), ValueError, "clamp_log_ratio: must be > 0"),
+        (lambda: _pl(clamp_log_ratio=-1.0), ValueError, "clamp_log_ratio: must be a finite number > 0"),
         (lambda: _pl(clamp_log_ratio=(5.0, 1.0)), ValueError, "clamp_log_ratio: expected low < high"),
         (lambda: _pl(loss="cispo", cispo_form="upper"), ValueError, "clip_high: cispo_form='upper'"),
         (lambda: _pl(cispo_form="lower"), ValueError, "cispo_form: expected 'clip' or 'upper'"),
-        (lambda: _pl(sapo_tau=(1.0, -1.0)), ValueError, "sapo_tau: must be > 0"),
+        (lambda: _pl(sapo_tau=(1.0, -1.0)), ValueError, "sapo_tau: must be a finite number > 0"),
         (lambda: _pl(kl_coef=0.1), ValueError, "ref_logprob: required when kl_coef != 0"),
         (lambda: _pl(entropy_coef=0.1), ValueError, "entropy: required when entropy_coef != 0"),
-        (lambda: _pl(kl_clamp=0.0, ref_logprob=_B["ref"]), ValueError, "kl_clamp: must be > 0"),
+        (lambda: _pl(kl_clamp=0.0, ref_logprob=_B["ref"]), ValueError, "kl_clamp: must be a finite number > 0"),
         (lambda: _pl(global_tokens=-3), ValueError, "global_tokens"),
         (lambda: _pl(clip_low="0.2"), TypeError, "clip_low: expected a number"),
         (lambda: rlk.kl_penalty(_B["lp"], _B["ref"], "k5"), ValueError, "estimator: expected one of"),
         (lambda: rlk.kl_penalty(_B["lp"], _B["ref"][:2], "k3"), ValueError, "ref_logprob: expected shape"),
-        (lambda: rlk.kl_penalty(_B["lp"], _B["ref"], "k3", clamp=-1.0), ValueError, "clamp: must be > 0"),
+        (lambda: rlk.kl_penalty(_B["lp"], _B["ref"], "k3", clamp=-1.0), ValueError,
+         "clamp: must be a finite number > 0"),
         (lambda: rlk.kl_penalty(_B["lp"], _B["ref"], "k3", old_logprob=_B["old"][0]), ValueError,
          "old_logprob: expected shape"),
     ],
@@ -988,7 +1026,7 @@ def test_policy_loss_and_grad_edge_cases():
     batch["mask"][:] = False
     out = rlk.policy_loss_and_grad(batch["lp"], batch["old"], batch["adv"], batch["mask"])
     assert float(out.loss) == 0.0 and torch.all(out.grad_logprob == 0)
-    with pytest.raises(ValueError, match="dual_clip: must be > 1"):
+    with pytest.raises(ValueError, match="dual_clip: must be a finite number > 1"):
         rlk.policy_loss_and_grad(batch["lp"], batch["old"], batch["adv"], batch["mask"], dual_clip=0.5)
     with pytest.raises(TypeError):
         rlk.policy_loss_and_grad(batch["lp"], batch["old"], batch["adv"], batch["mask"], clip=0.2)

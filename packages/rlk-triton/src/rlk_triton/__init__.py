@@ -66,4 +66,5 @@ def backend():
         device_types=_device_types,
         supports=_supports,
         batch_invariant=True,
+        limits={name: {"head_dim": attention.MAX_HEAD_DIM} for name in ("attention_fwd", "attention_bwd")},
     )

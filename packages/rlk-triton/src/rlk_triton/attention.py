@@ -96,13 +96,13 @@ TILE_CONFIGS: dict[str, dict[torch.dtype, dict[int, dict[str, int]]]] = {
 
 #: Rows per program of the backward's ``delta`` kernel (per-row work: any value gives the same bits).
 _DELTA_ROWS = 64
-_MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 
 
 def _block_d(head_dim: int) -> int:
-    if head_dim > _MAX_HEAD_DIM:
-        raise ValueError(f"the Triton attention kernels support head_dim <= {_MAX_HEAD_DIM}, got {head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton attention kernels support head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
     return max(16, triton.next_power_of_2(head_dim))
 
 

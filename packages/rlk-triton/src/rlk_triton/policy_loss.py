@@ -122,6 +122,12 @@ def _clamp(x, low, high):
 
 
 @triton.jit
+def _times(a, b):
+    """``a * b``, and 0 wherever either factor is 0 (:func:`rlk.reference.policy_loss.times`: ``0 * inf`` is 0)."""
+    return tl.where((a == 0.0) | (b == 0.0), 0.0, a * b)
+
+
+@triton.jit
 def kl_terms(delta, clamp, EST: tl.constexpr, K3_CLAMP: tl.constexpr, HAS_CLAMP: tl.constexpr, STRAIGHT: tl.constexpr):
     """Value of the KL estimator at ``delta = lp - ref`` and its derivative w.r.t. ``lp``.
 
@@ -389,9 +395,9 @@ def _policy_loss_chunk_kernel(
             seq_a = _clamp(log_s, clamp_low, clamp_high)
         else:
             seq_b = tl.exp(tl.sum(acc_x, axis=0) / n1)
-            seq_a = -(tl.sum(acc_a, axis=0) / n1) * seq_b
+            seq_a = _times(-(tl.sum(acc_a, axis=0) / n1), seq_b)
             if HAS_IW:
-                seq_w = (seq_a / n1) * tl.sum(acc_i, axis=0)
+                seq_w = _times(seq_a / n1, tl.sum(acc_i, axis=0))
             else:
                 seq_w = (seq_a / n1) * n_row
 
@@ -408,10 +414,10 @@ def _policy_loss_chunk_kernel(
         passes = (d >= clamp_low) & (d <= clamp_high)
         ratio = tl.exp(log_ratio)
     if LOSS == _PPO or LOSS == _GSPO:
-        l1 = -adv * ratio
+        l1 = _times(-adv, ratio)
         l2 = -adv * _clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
         value = tl.maximum(l1, l2)
-        grad = tl.where((l1 >= l2) & passes, -adv * ratio, 0.0)
+        grad = tl.where((l1 >= l2) & passes, l1, 0.0)
         clipped = tl.where(l2 > l1, 1.0, 0.0)
         if HAS_DUAL:
             dual = -adv * dual_clip
@@ -434,7 +440,7 @@ def _policy_loss_chunk_kernel(
         tau = tl.where(adv > 0, tau_pos, tau_neg)
         f = tl.sigmoid(tau * (ratio - 1.0))
         value = -adv * f * (4.0 / tau)
-        grad = tl.where(passes, -4.0 * adv * f * (1.0 - f) * ratio, 0.0)
+        grad = tl.where(passes, -4.0 * adv * _times(f * (1.0 - f), ratio), 0.0)
     else:  # geo_mean
         pos = adv > 0
         neg = adv < 0
@@ -445,9 +451,9 @@ def _policy_loss_chunk_kernel(
         ratio = zeros + seq_b
     if HAS_IW:
         iw = _load_row(iw_ptr, base, offs, inb, m, EVICT)
-        value = value * iw
+        value = _times(iw, value)
         if LOSS != _GEO:
-            grad = grad * iw
+            grad = _times(iw, grad)
     objective = value
     coef = grad
     kl_value = zeros
@@ -457,8 +463,8 @@ def _policy_loss_chunk_kernel(
         k, dk = kl_terms(lp - ref, kl_clamp, KL_EST, KL_K3_CLAMP, KL_HAS_CLAMP, KL_STRAIGHT)
         if KL_UNBIASED:
             wk = tl.exp(lp - old)
-            k = wk * k
-            dk = wk * dk
+            k = _times(k, wk)
+            dk = _times(dk, wk)
         kl_value = tl.where(m, k, 0.0)
         if KL_TERM:
             objective = objective + kl_coef * k
@@ -725,8 +731,8 @@ def _kl_penalty_kernel(
     value, grad = kl_terms(lp - ref, clamp, EST, K3_CLAMP, HAS_CLAMP, STRAIGHT)
     if HAS_OLD:
         w = tl.exp(lp - tl.load(old_ptr + offs, mask=inb, other=0.0))
-        value = w * value
-        grad = w * grad
+        value = _times(value, w)
+        grad = _times(grad, w)
     tl.store(kl_ptr + offs, value, mask=inb)
     tl.store(coef_ptr + offs, grad, mask=inb)
 

@@ -21,8 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk import custom_op, dispatch
-from rlk.checks import values_checked
+from rlk import checks, custom_op, dispatch
 from rlk.reference.advantages import EPS_MODES, GROUP_MODES, RETURN_MASK_MODES, recurrence_constants
 
 _UPCAST = (torch.float16, torch.bfloat16)
@@ -65,37 +64,11 @@ def _mask_input(mask: Tensor, like: Tensor, like_name: str) -> Tensor:
     return mask.detach().contiguous()
 
 
-def _unit_interval(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a number in [0, 1], got {type(value).__name__}")
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name}: must lie in [0, 1], got {value}")
-    return float(value)
-
-
-def _positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a number > 0, got {type(value).__name__}")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name}: must be a finite number > 0, got {value}")
-    return float(value)
-
-
-def _choice(name: str, value, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
-    return value
-
-
-def _checks_on() -> bool:
-    return values_checked()
-
-
 def _bool_mask(mask: Tensor) -> Tensor:
     """The ABI's bool mask; inside the custom op, so the value check may synchronize."""
     if mask.dtype == torch.bool:
         return mask
-    if _checks_on():
+    if checks.values_checked():
         bad = (mask != 0) & (mask != 1)
         if bool(bad.any()):
             i = int(bad.reshape(-1).nonzero()[0, 0])
@@ -119,7 +92,7 @@ def _group_advantages_fwd(
     out = torch.empty_like(scores)
     if scores.shape[0] == 0:
         return out
-    if lengths is not None and _checks_on():
+    if lengths is not None and checks.values_checked():
         bad = ~((lengths >= 0) & torch.isfinite(lengths))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -187,15 +160,14 @@ def group_advantages(
     if x.dim() != 1:
         raise ValueError(f"scores: expected shape [B] (one score per sequence), got {tuple(x.shape)}")
     n_rows = x.shape[0]
-    mode = _choice("mode", mode, GROUP_MODES)
-    eps = _positive("eps", eps)
+    mode = checks.choice("mode", mode, GROUP_MODES)
+    eps = checks.number("eps", eps, above=0.0, dtype=torch.float32)
     if (group_size is None) == (group_index is None):
         raise ValueError("group_size, group_index: pass exactly one of them")
     index = None
     size = 0
     if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
+        group_size = checks.integer("group_size", group_size, minimum=1)
         if n_rows % group_size:
             raise ValueError(f"group_size: {group_size} does not divide the batch size B = {n_rows}")
         size = group_size
@@ -277,8 +249,8 @@ def masked_whiten(
         raise TypeError(f"unbiased: expected a bool, got {type(unbiased).__name__}")
     if not isinstance(shift_mean, bool):
         raise TypeError(f"shift_mean: expected a bool, got {type(shift_mean).__name__}")
-    eps = _positive("eps", eps)
-    eps_mode = _choice("eps_mode", eps_mode, EPS_MODES)
+    eps = checks.number("eps", eps, above=0.0, dtype=torch.float32)
+    eps_mode = checks.choice("eps_mode", eps_mode, EPS_MODES)
     return _masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean)
 
 
@@ -338,8 +310,8 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float, *, mask_mode
     """
     x = _float_input("rewards", rewards)
     mask = _mask_input(mask, x, "rewards")
-    gamma = _unit_interval("gamma", gamma)
-    mask_mode = _choice("mask_mode", mask_mode, RETURN_MASK_MODES)
+    gamma = checks.number("gamma", gamma, minimum=0.0, maximum=1.0)
+    mask_mode = checks.choice("mask_mode", mask_mode, RETURN_MASK_MODES)
     out = _discounted_returns_fwd(_rows("rewards", x), _rows("mask", mask), gamma, mask_mode)
     return out.view(x.shape)
 
@@ -402,7 +374,7 @@ def gae(
         raise TypeError(f"values: expected float64 exactly when rewards are float64, got {values.dtype} "
                         f"with rewards {rewards.dtype}")
     mask = _mask_input(mask, x, "rewards")
-    gamma = _unit_interval("gamma", gamma)
-    lam = _unit_interval("lam", lam)
+    gamma = checks.number("gamma", gamma, minimum=0.0, maximum=1.0)
+    lam = checks.number("lam", lam, minimum=0.0, maximum=1.0)
     adv, ret = _gae_fwd(_rows("rewards", x), _rows("values", v), _rows("mask", mask), gamma, lam)
     return adv.view(x.shape), ret.view(x.shape)

@@ -9,13 +9,12 @@ The math is specified in ``rlk.reference.attention``.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 from torch import Tensor
 
-from rlk import custom_op, dispatch
-from rlk.checks import check_float, values_checked
+from rlk import checks, custom_op, dispatch
+from rlk.checks import check_float
 
 # ---------------------------------------------------------------------------
 # argument checks (shape and dtype at call time; values inside the custom op)
@@ -28,83 +27,16 @@ def _check_float(name: str, x: Tensor) -> None:
         raise ValueError(f"{name}: expected shape [tokens, heads, head_dim], got {tuple(x.shape)}")
 
 
-def _check_cu_seqlens(name: str, cu: Tensor, device: torch.device) -> None:
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name}: expected dtype int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 1:
-        raise ValueError(f"{name}: expected shape [B + 1] (B >= 0 sequences), got {tuple(cu.shape)}")
-    if cu.device != device:
-        raise ValueError(f"{name}: expected device {device} (the device of q), got {cu.device}")
-
-
-def _check_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected a Python int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name}: must be >= 0, got {value}")
-    return value
-
-
 def _check_values(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int,
                   max_seqlen_q: int, max_seqlen_k: int) -> None:
-    """Value checks of ``cu_seqlens`` that need the data; run inside the custom op.
+    """Value checks of ``cu_seqlens`` that need the data (one host synchronization); run inside the custom op.
 
-    They cost one host synchronization, once per distinct argument set: a model calls attention in
-    every layer with the same ``cu_seqlens`` tensors, so the last validated set is remembered
-    (by tensor identity, storage, version counter and the sizes it was checked against) and not
-    checked again. ``RLK_CHECK_VALUES=0`` skips them (for CUDA graph capture, or once a pipeline is
-    known to be clean): bad offsets then read out of bounds in the kernels, and a length above
-    ``max_seqlen_*`` leaves rows unwritten, instead of raising.
+    ``RLK_CHECK_VALUES=0`` skips them (for CUDA graph capture, or once a pipeline is known to be clean): bad
+    offsets then read out of bounds in the kernels, and a length above ``max_seqlen_*`` leaves rows unwritten,
+    instead of raising. ``rlk.patch_model``'s attention builds its offsets itself and skips them.
     """
-    if not values_checked():
-        return
-    key = (_tensor_key(cu_seqlens_q), _tensor_key(cu_seqlens_k), total_q, total_k, max_seqlen_q, max_seqlen_k)
-    refs = _last_checked.get("refs")
-    if (_last_checked.get("key") == key and refs is not None
-            and refs[0]() is cu_seqlens_q and refs[1]() is cu_seqlens_k):
-        return
-    _check_values_now(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
-    _last_checked["key"] = key
-    _last_checked["refs"] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k))
-
-
-#: The argument set :func:`_check_values` validated last (per process): its key and weak references to the
-#: two tensors (a tensor freed and another allocated at the same address never matches).
-_last_checked: dict[str, tuple] = {}
-
-
-def _tensor_key(x: Tensor) -> tuple:
-    """Identity of a tensor's current contents: storage, offset, version counter (bumped by in-place writes)."""
-    return (x.data_ptr(), x.storage_offset(), x._version, x.device, x.numel())
-
-
-def _check_values_now(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int,
-                      max_seqlen_q: int, max_seqlen_k: int) -> None:
-    checks = []
-    for cu, total, max_len in ((cu_seqlens_q, total_q, max_seqlen_q), (cu_seqlens_k, total_k, max_seqlen_k)):
-        lengths = cu[1:] - cu[:-1]
-        checks += [cu[0] != 0, cu[-1] != total, (lengths < 0).any(),
-                   lengths.max() > max_len if lengths.numel() else cu[0] != cu[0]]
-    flags = torch.stack(checks).tolist()
-    for side, offset, total, max_len in (("q", 0, total_q, max_seqlen_q), ("k", 4, total_k, max_seqlen_k)):
-        cu = cu_seqlens_q if side == "q" else cu_seqlens_k
-        name = f"cu_seqlens_{side}"
-        if flags[offset]:
-            raise ValueError(f"{name}: must start at 0, starts at {int(cu[0])}")
-        if flags[offset + 1]:
-            raise ValueError(f"{name}: must end at the number of tokens of {'q' if side == 'q' else 'k and v'} "
-                             f"({total}), ends at {int(cu[-1])}")
-        if flags[offset + 2]:
-            b = int(((cu[1:] - cu[:-1]) < 0).nonzero()[0, 0])
-            raise ValueError(f"{name}: must be non-decreasing; sequence {b} has offsets {int(cu[b])} -> "
-                             f"{int(cu[b + 1])}")
-        if flags[offset + 3]:
-            lengths = cu[1:] - cu[:-1]
-            b = int(lengths.argmax())
-            raise ValueError(f"max_seqlen_{side}: sequence {b} has {int(lengths[b])} tokens, more than "
-                             f"max_seqlen_{side}={max_len}")
+    checks.check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, total_q, "q", max_seqlen_q),
+                                    ("cu_seqlens_k", cu_seqlens_k, total_k, "k and v", max_seqlen_k)])
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -124,14 +56,14 @@ def _attention_fwd(
 ) -> tuple[Tensor, Tensor]:
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    _check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if q.shape[0] == 0:
         return out, lse
-    _check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if k.shape[0] == 0:  # no keys anywhere: every query sees nothing
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    backend = dispatch.select("attention", q.device, q.dtype)
+    backend = dispatch.select("attention", q.device, q.dtype, {"head_dim": q.shape[2]})
     backend.primitives["attention_fwd"](
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, lse
     )
@@ -170,7 +102,7 @@ def _setup(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.attrs = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
-    ctx.backend = dispatch.decide("attention", q.device, q.dtype).backend or ""
+    ctx.backend = dispatch.decide("attention", q.device, q.dtype, {"head_dim": q.shape[2]}).backend or ""
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -260,21 +192,17 @@ def attention(
     n_kv_heads = k.shape[1]
     if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
         raise ValueError(f"k: its number of heads Hkv = {n_kv_heads} must divide q's Hq = {n_heads}")
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_seqlens_q.shape)} "
                          f"(one entry per sequence + 1), got {tuple(cu_seqlens_k.shape)}")
-    max_seqlen_q = _check_int("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    max_seqlen_q = checks.integer("max_seqlen_q", max_seqlen_q, minimum=0)
+    max_seqlen_k = checks.integer("max_seqlen_k", max_seqlen_k, minimum=0)
+    causal = checks.flag("causal", causal)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
-    if not (0 < softmax_scale < math.inf):
-        raise ValueError(f"softmax_scale: must be a finite number > 0, got {softmax_scale}")
+    softmax_scale = checks.number("softmax_scale", softmax_scale, above=0.0, dtype=torch.float32)
     out, lse = _attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
         max_seqlen_q, max_seqlen_k, causal, float(softmax_scale),

@@ -41,6 +41,9 @@ class Backend:
             for dtypes or devices the backend declines.
         batch_invariant: whether the backend promises that a row's outputs (and
             per-row gradients) are bitwise independent of the other rows.
+        limits: primitive name -> {size feature: the largest value served}, e.g.
+            ``{"attention_fwd": {"head_dim": 256}}``; a call above a limit is declined
+            with its reason and falls to the next backend of the chain.
     """
 
     name: str
@@ -51,3 +54,4 @@ class Backend:
     device_types: Callable[[], tuple[str, ...]]
     supports: Callable[[str, torch.device, torch.dtype], str | None] = field(default=_no_reason)
     batch_invariant: bool = False
+    limits: Mapping[str, Mapping[str, int]] = field(default_factory=dict)

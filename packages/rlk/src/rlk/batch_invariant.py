@@ -96,19 +96,20 @@ _state = _State()
 _backend_cache: dict[tuple, Backend | None] = {}
 
 
-def _invariant_backend(op: str, device: torch.device, dtype: torch.dtype) -> Backend | None:
-    """The batch-invariant backend that serves ``op`` here: the pinned one, else the first of the device's
-    chain, else any other installed one that serves the device (the triton backend on the CPU under
-    ``TRITON_INTERPRET=1``, which the CPU chain does not list); None if none does (the caller then runs
-    the stock kernel)."""
-    key = (op, device, dtype, dispatch.pinned_backend())
+def _invariant_backend(op: str, device: torch.device, dtype: torch.dtype, **features: int) -> Backend | None:
+    """The batch-invariant backend that serves ``op`` here (at sizes ``features``, see ``Backend.limits``): the
+    pinned one, else the first of the device's chain, else any other installed one that serves the device (the
+    triton backend on the CPU under ``TRITON_INTERPRET=1``, which the CPU chain does not list); None if none
+    does (the caller then runs the stock kernel)."""
+    key = (op, device, dtype, dispatch.pinned_backend(), tuple(sorted(features.items())))
     if key not in _backend_cache:
-        _backend_cache[key] = _find_invariant_backend(op, device, dtype)
+        _backend_cache[key] = _find_invariant_backend(op, device, dtype, features)
     return _backend_cache[key]
 
 
-def _find_invariant_backend(op: str, device: torch.device, dtype: torch.dtype) -> Backend | None:
-    decision = dispatch.decide(op, device, dtype)
+def _find_invariant_backend(op: str, device: torch.device, dtype: torch.dtype,
+                            features: dict[str, int]) -> Backend | None:
+    decision = dispatch.decide(op, device, dtype, features)
     statuses = dispatch.discover()
     chain = dispatch.chain_for(device)
     names = (decision.pinned,) if decision.pinned else (*chain, *sorted(set(statuses) - set(chain)))
@@ -116,7 +117,7 @@ def _find_invariant_backend(op: str, device: torch.device, dtype: torch.dtype) -
         status = statuses.get(name)
         if status is None or status.backend is None or not status.backend.batch_invariant:
             continue
-        if dispatch.why_not(name, abi.OPS[op], device, dtype) is None:
+        if dispatch.why_not(name, abi.OPS[op], device, dtype, features) is None:
             return status.backend
     return None
 
@@ -369,7 +370,7 @@ def _sdpa_backend(query, key, value, dropout_p, is_causal) -> Backend | None:
         return None
     if is_causal and seq_q != key.shape[2]:  # aten's causal mask is top-left aligned, rlk's bottom-right
         return None
-    return _invariant_backend("attention", query.device, query.dtype)
+    return _invariant_backend("attention", query.device, query.dtype, head_dim=head_dim)
 
 
 def _to_varlen(x: Tensor) -> Tensor:

@@ -12,6 +12,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 
 from rlk.consistency.harness import MODELS as MODEL_NAMES  # any existing directory is a local checkpoint
 
@@ -45,7 +46,24 @@ def _device_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(f"{value!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
     if device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"{value!r}: rlk consistency runs on cpu or cuda devices")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"{value!r}: torch sees no CUDA GPU here (torch {torch.__version__}, "
+                                             "torch.cuda.is_available() is False); use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{value!r}: torch sees {count} GPU(s) (cuda:0 to cuda:{count - 1})")
     return value
+
+
+def _check_out(parser: argparse.ArgumentParser, out: str) -> None:
+    """``--out`` names a folder that exists or can be made, and can be written: checked before a long run."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        parser.error(f"--out {out}: cannot write there ({exc.strerror or exc})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "consistency" and _device_of(args).startswith("cpu") and args.dtype not in (None, "float32"):
         parser.error(f"--dtype {args.dtype} on the CPU: rlk's chain runs in the Triton interpreter there, "
                      "which serves float32 only")
+    if args.command == "consistency":
+        args.out = args.out or "rlk-consistency"
+    elif args.command == "demo":
+        args.out = args.out or "rlk-demo"
+    if args.command != "info" and not (args.command == "demo" and args.skip_consistency):
+        _check_out(parser, args.out)
     if _needs_interpreter(args) and os.environ.get("TRITON_INTERPRET") != "1":
         if "triton" in sys.modules:
             # too late to switch triton to its interpreter in this process: run the command in a child
@@ -126,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report = run_consistency(args.model, device=args.device, dtype=args.dtype, prompts=args.prompts,
                                      max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                     out=args.out or "rlk-consistency", progress=not args.no_progress,
+                                     out=args.out, progress=not args.no_progress,
                                      timing=not args.no_timing)
         except (ValueError, BackendError) as exc:
             print(f"rlk consistency: error: {exc}", file=sys.stderr)
@@ -134,4 +158,4 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report["passed"] else 1
     from rlk.demo import run_demo
 
-    return run_demo(args.device, out=args.out or "rlk-demo", consistency=not args.skip_consistency)
+    return run_demo(args.device, out=args.out, consistency=not args.skip_consistency)

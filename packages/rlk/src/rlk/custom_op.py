@@ -29,12 +29,13 @@ _PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
 
 
 def _plain_eager(args: tuple[Any, ...]) -> bool:
-    """True when nothing traces or transforms this call: no compile, no dispatch mode, no functorch, plain tensors."""
+    """True when nothing traces or transforms this call: no compile, no dispatch mode, no functorch, plain tensors
+    with data (meta tensors take the dispatcher, which runs the fake implementation: shapes, no values)."""
     if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:  # inside vmap / grad / jvp
         return False
-    return all(type(a) in _PLAIN_TENSOR_TYPES for a in args if isinstance(a, Tensor))
+    return all(type(a) in _PLAIN_TENSOR_TYPES and not a.is_meta for a in args if isinstance(a, Tensor))
 
 
 class Op:
@@ -52,7 +53,13 @@ class Op:
         return fake
 
     def register_autograd(self, backward: Callable[..., Any], *, setup_context: Callable[..., Any]) -> None:
-        """The autograd formula, as ``CustomOpDef.register_autograd``; also builds the eager path's Function."""
+        """The autograd formula, as ``CustomOpDef.register_autograd``; also builds the eager path's Function.
+
+        The backward primitives are not differentiable themselves, so a backward that builds a graph
+        (``create_graph=True``: second-order gradients, ``torch.func.grad``) is refused with an error naming
+        the op instead of returning a gradient whose own gradient is silently wrong or missing.
+        """
+        backward = first_order_only(self.name, backward)
         self.custom_op.register_autograd(backward, setup_context=setup_context)
         impl = self.impl
 
@@ -78,6 +85,31 @@ class Op:
         ):
             return self._function.apply(*args)
         return self.impl(*args)
+
+
+class DoubleBackwardError(RuntimeError):
+    """A backward with ``create_graph=True`` reached an rlk op, whose gradients are first order only."""
+
+
+def first_order_only(name: str, backward: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """``backward`` (of the op ``name``, e.g. ``"rlk::rms_norm_fwd"``) that raises :class:`DoubleBackwardError`
+    when it would have to record a graph; without ``backward``, a decorator."""
+    if backward is None:
+        return lambda fn: first_order_only(name, fn)
+    public = "rlk." + name.removeprefix("rlk::").removesuffix("_fwd")
+
+    def checked(ctx, *grads):
+        # The autograd engine runs a backward under grad mode exactly when create_graph=True.
+        if torch.is_grad_enabled():
+            raise DoubleBackwardError(
+                f"{public}: double backward is not supported (a backward with create_graph=True, as for "
+                "second-order gradients, gradient penalties or torch.func.grad): rlk's backward kernels compute "
+                "first-order gradients only. Run this backward without create_graph, or use a PyTorch "
+                "implementation for the part that needs higher-order gradients."
+            )
+        return backward(ctx, *grads)
+
+    return checked
 
 
 def define(name: str) -> Callable[[Callable[..., Any]], Op]:

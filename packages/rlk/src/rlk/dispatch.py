@@ -26,7 +26,7 @@ import contextvars
 import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 
@@ -170,8 +170,10 @@ def use_backend(name: str | None) -> Iterator[None]:
         _pinned_scope.reset(token)
 
 
-def why_not(name: str, op: abi.Op, device: torch.device, dtype: torch.dtype) -> str | None:
-    """None if backend ``name`` can run ``op`` on this device and dtype, else why not."""
+def why_not(name: str, op: abi.Op, device: torch.device, dtype: torch.dtype,
+            features: Mapping[str, int] | None = None) -> str | None:
+    """None if backend ``name`` can run ``op`` on this device and dtype (and sizes ``features``, checked
+    against :attr:`Backend.limits`), else why not."""
     status = discover().get(name)
     if status is None:
         return "not installed"
@@ -189,30 +191,37 @@ def why_not(name: str, op: abi.Op, device: torch.device, dtype: torch.dtype) -> 
         reason = backend.supports(primitive, device, dtype)
         if reason is not None:
             return reason
+        for feature, limit in backend.limits.get(primitive, {}).items():
+            value = (features or {}).get(feature)
+            if value is not None and value > limit:
+                return f"{feature} = {value} is above its limit of {limit}"
     return None
 
 
-def decide(op_name: str, device: torch.device, dtype: torch.dtype) -> Decision:
-    """Choose the backend for one call (see the module docstring)."""
+def decide(op_name: str, device: torch.device, dtype: torch.dtype,
+           features: Mapping[str, int] | None = None) -> Decision:
+    """Choose the backend for one call (see the module docstring); ``features``: sizes that backends may
+    limit (:attr:`Backend.limits`), e.g. ``{"head_dim": 128}``."""
     op = abi.OPS[op_name]
     pinned = _pinned()
     if pinned:
-        reason = why_not(pinned, op, device, dtype)
+        reason = why_not(pinned, op, device, dtype, features)
         skipped = () if reason is None else ((pinned, reason),)
         return Decision(op_name, device, dtype, pinned if reason is None else None, pinned, (pinned,), skipped)
     chain = chain_for(device)
     skipped = []
     for name in chain:
-        reason = why_not(name, op, device, dtype)
+        reason = why_not(name, op, device, dtype, features)
         if reason is None:
             return Decision(op_name, device, dtype, name, None, chain, tuple(skipped))
         skipped.append((name, reason))
     return Decision(op_name, device, dtype, None, None, chain, tuple(skipped))
 
 
-def select(op_name: str, device: torch.device, dtype: torch.dtype) -> Backend:
+def select(op_name: str, device: torch.device, dtype: torch.dtype,
+           features: Mapping[str, int] | None = None) -> Backend:
     """The backend that runs ``op_name`` now; raises :class:`BackendError` if none can."""
-    decision = decide(op_name, device, dtype)
+    decision = decide(op_name, device, dtype, features)
     if decision.backend is None:
         raise BackendError(str(decision))
     for name, reason in decision.skipped:

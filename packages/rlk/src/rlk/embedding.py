@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk import custom_op, dispatch
+from rlk import checks, custom_op, dispatch
 from rlk.checks import INPUT_DTYPES, values_checked
 
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -41,9 +41,11 @@ def _check_values(ids: Tensor, vocab: int) -> None:
 def _embedding_fwd(weight: Tensor, ids: Tensor, padding_idx: int) -> Tensor:
     """The gather; ``padding_idx`` (-1: none) is only carried to the backward."""
     out = weight.new_empty((ids.shape[0], weight.shape[1]))
-    if out.numel() == 0:
+    if ids.numel() == 0:
         return out
     _check_values(ids, weight.shape[0])
+    if out.numel() == 0:
+        return out
     backend = dispatch.select("embedding", weight.device, weight.dtype)
     backend.primitives["embedding_fwd"](weight, ids, out)
     return out
@@ -130,11 +132,12 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
     vocab = weight.shape[0]
     if padding_idx is None:
         padding = -1
-    elif isinstance(padding_idx, int) and not isinstance(padding_idx, bool) and -vocab <= padding_idx < vocab:
-        padding = padding_idx % vocab
     else:
-        raise ValueError(f"padding_idx: expected None or an int in [-{vocab}, {vocab}) (V = {vocab}), "
-                         f"got {padding_idx!r}")
+        padding_idx = checks.integer("padding_idx", padding_idx)
+        if not -vocab <= padding_idx < vocab:
+            raise ValueError(f"padding_idx: expected None or an int in [-{vocab}, {vocab}) (V = {vocab}), "
+                             f"got {padding_idx!r}")
+        padding = padding_idx % vocab
     flat_ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = _embedding_fwd(weight.contiguous(), flat_ids, padding)
     return out.view(*ids.shape, weight.shape[1])

@@ -36,7 +36,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from rlk import dispatch
+from rlk import checks, custom_op, dispatch
 from rlk.batch_invariant import _invariant_backend
 
 ATTENTION_NAME = "rlk"
@@ -69,6 +69,7 @@ class _RMSNorm(torch.autograd.Function):
         return out
 
     @staticmethod
+    @custom_op.first_order_only("rlk::rms_norm_fwd")
     def backward(ctx, grad_out: Tensor):
         x, weight, rstd = ctx.saved_tensors
         grad_x = torch.empty_like(x)
@@ -186,9 +187,9 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
         if layout is None:
             why = f"an attention mask of shape {tuple(attention_mask.shape)}"
         else:
-            backend = _invariant_backend("attention", query.device, query.dtype)
+            backend = _invariant_backend("attention", query.device, query.dtype, head_dim=head_dim)
             if backend is None:
-                why = f"no batch-invariant attention for {query.dtype} on {query.device.type}"
+                why = f"no batch-invariant attention for {query.dtype} on {query.device.type} (head dim {head_dim})"
     if why is not None:
         _warn_once(why)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -205,7 +206,7 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
 
     causal = bool(getattr(module, "is_causal", True))
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
-    with dispatch.use_backend(backend.name):
+    with dispatch.use_backend(backend.name), checks.trusted_values():  # offsets built above from the mask
         out = attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                         causal=causal, softmax_scale=scale)
     if q_rows is not None:
@@ -258,6 +259,8 @@ def patch_model(model):
     nothing. :func:`unpatch_model` restores the stock behaviour exactly. Use together with
     ``rlk.batch_invariant()`` for the matmuls and softmaxes.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module (a transformers causal LM), got {type(model).__name__}")
     if getattr(model, "_rlk_patch", None) is not None:
         return model
     _register_attention()
@@ -276,6 +279,8 @@ def patch_model(model):
 
 def unpatch_model(model):
     """Undo :func:`patch_model` (a no-op on a model that is not patched); returns ``model``."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module (a transformers causal LM), got {type(model).__name__}")
     state = getattr(model, "_rlk_patch", None)
     if state is None:
         return model

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk import custom_op, dispatch
-from rlk.checks import check_float, values_checked
+from rlk import checks, custom_op, dispatch
+from rlk.checks import check_float
 
 _TARGET_DTYPES = (torch.int32, torch.int64)
 
@@ -22,7 +22,6 @@ _TARGET_DTYPES = (torch.int32, torch.int64)
 # ---------------------------------------------------------------------------
 # argument checks (shape and dtype at call time; values inside the custom op)
 # ---------------------------------------------------------------------------
-
 
 
 def _check_targets(targets: Tensor, lead: torch.Size, lead_name: str, device: torch.device) -> None:
@@ -39,9 +38,8 @@ def _check_targets(targets: Tensor, lead: torch.Size, lead_name: str, device: to
 
 def _inv_temperature(temperature: float | Tensor, lead: torch.Size, device: torch.device, dtype: torch.dtype) -> Tensor:
     """Per-row ``1 / T`` in ``dtype`` (fp32; fp64 for reference runs), shape ``[N]`` (N = prod(lead))."""
+    temperature = checks.positive_scalar_or_tensor("temperature", temperature, dtype)
     if isinstance(temperature, Tensor):
-        if not temperature.is_floating_point():
-            raise TypeError(f"temperature: expected a float or a floating tensor, got dtype {temperature.dtype}")
         if temperature.device != device:
             raise ValueError(f"temperature: expected device {device}, got {temperature.device}")
         try:
@@ -51,12 +49,8 @@ def _inv_temperature(temperature: float | Tensor, lead: torch.Size, device: torc
                              f"shape {tuple(lead)} (for one temperature per sequence of targets [B, T], pass "
                              "shape [B, 1])") from None
         t = t.to(dtype)
-    elif isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
-        if not temperature > 0 or temperature == float("inf"):
-            raise ValueError(f"temperature: must be a finite number > 0, got {temperature}")
-        t = torch.full(lead, float(temperature), dtype=dtype, device=device)
     else:
-        raise TypeError(f"temperature: expected a float or a tensor, got {type(temperature).__name__}")
+        t = torch.full(lead, temperature, dtype=dtype, device=device)
     return torch.reciprocal(t.reshape(-1)).contiguous()
 
 
@@ -67,7 +61,7 @@ def _check_values(targets: Tensor, inv_temperature: Tensor, vocab: int, ignore_i
     CUDA graph capture, or once a pipeline is known to be clean): a target outside
     ``[0, V)`` then reads out of bounds in the kernels instead of raising.
     """
-    if not values_checked():
+    if not checks.values_checked():
         return
     bad_target = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
     bad_temperature = ~(inv_temperature > 0) | torch.isinf(inv_temperature)
@@ -77,14 +71,7 @@ def _check_values(targets: Tensor, inv_temperature: Tensor, vocab: int, ignore_i
         raise ValueError(f"targets: values must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
                          f"found {int(targets[i])} at flat position {i}")
     if flags[1]:
-        i = int(bad_temperature.nonzero()[0, 0])
-        raise ValueError(f"temperature: must be finite and > 0; found {1.0 / float(inv_temperature[i])} "
-                         f"at flat position {i}")
-
-
-def _stat_dtype(x: Tensor) -> torch.dtype:
-    """Dtype of log-prob, entropy and lse: fp32, or fp64 for fp64 inputs (reference runs)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+        checks.check_positive_values("temperature", inv_temperature, reciprocal=True)
 
 
 def _no_grad_placeholder(like: Tensor) -> Tensor:
@@ -101,9 +88,9 @@ def _selected_logprob_fwd(
     logits: Tensor, targets: Tensor, inv_temperature: Tensor, ignore_index: int, with_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     n_rows, vocab = logits.shape
-    logprob = logits.new_empty((n_rows,), dtype=_stat_dtype(logits))
-    entropy = logits.new_empty((n_rows if with_entropy else 0,), dtype=_stat_dtype(logits))
-    lse = logits.new_empty((n_rows,), dtype=_stat_dtype(logits))
+    logprob = logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
+    entropy = logits.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(logits))
+    lse = logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
     if n_rows == 0:
         return logprob, entropy, lse
     _check_values(targets, inv_temperature, vocab, ignore_index)
@@ -117,9 +104,9 @@ def _selected_logprob_fwd(
 @_selected_logprob_fwd.register_fake
 def _(logits, targets, inv_temperature, ignore_index, with_entropy):
     n_rows = logits.shape[0]
-    logprob = logits.new_empty((n_rows,), dtype=_stat_dtype(logits))
-    entropy = logits.new_empty((n_rows if with_entropy else 0,), dtype=_stat_dtype(logits))
-    return logprob, entropy, logits.new_empty((n_rows,), dtype=_stat_dtype(logits))
+    logprob = logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
+    entropy = logits.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(logits))
+    return logprob, entropy, logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
 
 
 @custom_op.define("rlk::selected_logprob_bwd")
@@ -159,7 +146,7 @@ def _setup_selected(ctx, inputs, output):
 
 def _backward_grads(ctx, grad_logprob, grad_entropy, like: Tensor) -> tuple[Tensor, Tensor | None]:
     """fp32 contiguous output gradients; a missing one is zeros (logprob) or None (entropy)."""
-    dtype = _stat_dtype(like)
+    dtype = checks.stat_dtype(like)
     if grad_logprob is None:
         grad_logprob = like.new_zeros((like.shape[0],), dtype=dtype)
     grad_logprob = grad_logprob.to(dtype).contiguous()
@@ -217,14 +204,13 @@ def selected_logprob(
     check_float("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits: expected shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    ignore_index = checks.integer("ignore_index", ignore_index)
     lead = logits.shape[:-1]
     _check_targets(targets, lead, "logits", logits.device)
     flat_logits = logits.reshape(-1, logits.shape[-1]).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
-    inv_t = _inv_temperature(temperature, lead, logits.device, _stat_dtype(logits))
-    logprob, entropy, _ = _selected_logprob_fwd(
-        flat_logits, flat_targets, inv_t, int(ignore_index), bool(return_entropy)
-    )
+    inv_t = _inv_temperature(temperature, lead, logits.device, checks.stat_dtype(logits))
+    logprob, entropy, _ = _selected_logprob_fwd(flat_logits, flat_targets, inv_t, ignore_index, bool(return_entropy))
     if return_entropy:
         return logprob.view(lead), entropy.view(lead)
     return logprob.view(lead)
@@ -240,9 +226,9 @@ def _linear_logprob_fwd(
     hidden: Tensor, weight: Tensor, targets: Tensor, inv_temperature: Tensor, ignore_index: int, with_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    logprob = hidden.new_empty((n_rows,), dtype=_stat_dtype(hidden))
-    entropy = hidden.new_empty((n_rows if with_entropy else 0,), dtype=_stat_dtype(hidden))
-    lse = hidden.new_empty((n_rows,), dtype=_stat_dtype(hidden))
+    logprob = hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
+    entropy = hidden.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(hidden))
+    lse = hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
     if n_rows == 0:
         return logprob, entropy, lse
     _check_values(targets, inv_temperature, vocab, ignore_index)
@@ -256,9 +242,9 @@ def _linear_logprob_fwd(
 @_linear_logprob_fwd.register_fake
 def _(hidden, weight, targets, inv_temperature, ignore_index, with_entropy):
     n_rows = hidden.shape[0]
-    logprob = hidden.new_empty((n_rows,), dtype=_stat_dtype(hidden))
-    entropy = hidden.new_empty((n_rows if with_entropy else 0,), dtype=_stat_dtype(hidden))
-    return logprob, entropy, hidden.new_empty((n_rows,), dtype=_stat_dtype(hidden))
+    logprob = hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
+    entropy = hidden.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(hidden))
+    return logprob, entropy, hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
 
 
 @custom_op.define("rlk::linear_logprob_bwd")
@@ -354,8 +340,8 @@ def linear_logprob(
     """
     check_float("hidden", hidden)
     check_float("weight", weight)
-    if hidden.dim() < 1:
-        raise ValueError(f"hidden: expected shape [..., H], got {tuple(hidden.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        raise ValueError(f"hidden: expected shape [..., H] with H >= 1, got {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight: expected shape [V, H] with V >= 1 and H = {hidden.shape[-1]} "
                          f"(hidden's last dim), got {tuple(weight.shape)}")
@@ -363,13 +349,14 @@ def linear_logprob(
         raise TypeError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
     if weight.device != hidden.device:
         raise ValueError(f"weight: expected device {hidden.device} (the device of hidden), got {weight.device}")
+    ignore_index = checks.integer("ignore_index", ignore_index)
     lead = hidden.shape[:-1]
     _check_targets(targets, lead, "hidden", hidden.device)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
-    inv_t = _inv_temperature(temperature, lead, hidden.device, _stat_dtype(hidden))
+    inv_t = _inv_temperature(temperature, lead, hidden.device, checks.stat_dtype(hidden))
     logprob, entropy, _ = _linear_logprob_fwd(
-        flat_hidden, weight.contiguous(), flat_targets, inv_t, int(ignore_index), bool(return_entropy)
+        flat_hidden, weight.contiguous(), flat_targets, inv_t, ignore_index, bool(return_entropy)
     )
     if return_entropy:
         return logprob.view(lead), entropy.view(lead)

@@ -14,12 +14,10 @@ device: normalizers may be tensors, metrics come back as device tensors.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from rlk import custom_op, dispatch
+from rlk import checks, custom_op, dispatch
 from rlk.reference import aggregation
 from rlk.reference.losses import DPO_LOSSES
 
@@ -56,14 +54,6 @@ def _check_mask(mask, shape: torch.Size, device: torch.device) -> None:
     _check_like("mask", mask, shape, device, "values")
 
 
-def _check_positive(name: str, value, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-    ok = value >= 0 if allow_zero else value > 0
-    if not (math.isfinite(value) and ok):
-        raise ValueError(f"{name}: must be finite and {'>=' if allow_zero else '>'} 0, got {value}")
-
-
 def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 if any input is float64 (ground-truth runs), else float32."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
@@ -82,6 +72,8 @@ def _value_loss_fwd(
     metrics = values.new_zeros((2,))
     if values.numel() == 0:
         return loss, metrics
+    checks.check_positive_values("global_tokens / global_seqs / loss_scale (the aggregation weights they give)",
+                                 row_weight)
     backend = dispatch.select("value_loss", values.device, values.dtype)
     backend.primitives["value_loss_fwd"](values, old_values, returns, mask, row_weight, clip, loss, metrics)
     return loss, metrics
@@ -187,7 +179,7 @@ def value_loss(
     _check_tensor("returns", returns, values.shape, values.device, "values")
     _check_mask(mask, values.shape, values.device)
     if clip is not None:
-        _check_positive("clip", clip, allow_zero=True)
+        clip = checks.number("clip", clip, minimum=0.0)
         if old_values is None:
             raise ValueError("old_values: needed when clip is set (pass clip=None for the unclipped loss)")
     if old_values is not None:
@@ -362,10 +354,10 @@ def dpo_loss(
     for name, x in (("rejected_logprob", rejected_logprob), ("ref_chosen_logprob", ref_chosen_logprob),
                     ("ref_rejected_logprob", ref_rejected_logprob)):
         _check_tensor(name, x, shape, device, "chosen_logprob")
-    _check_positive("beta", beta)
+    beta = checks.number("beta", beta, above=0.0)
     if loss not in DPO_LOSSES:
         raise ValueError(f"loss: expected one of {', '.join(repr(v) for v in DPO_LOSSES)}, got {loss!r}")
-    _check_positive("label_smoothing", label_smoothing, allow_zero=True)
+    label_smoothing = checks.number("label_smoothing", label_smoothing, minimum=0.0)
     if loss in ("hinge", "ipo") and label_smoothing != 0:
         raise ValueError(f"label_smoothing: loss={loss!r} has no label smoothing; got {label_smoothing}")
     if loss == "sigmoid" and label_smoothing > 0.5:

@@ -9,12 +9,10 @@ The math is specified in :mod:`rlk.reference.norm`.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from rlk import custom_op, dispatch
+from rlk import checks, custom_op, dispatch
 from rlk.checks import check_float
 
 # ---------------------------------------------------------------------------
@@ -36,15 +34,6 @@ def output_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, gemma: bool) -
     """
     return x_dtype if gemma else torch.promote_types(x_dtype, weight_dtype)
 
-
-
-def _check_eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps: expected a number, got {type(eps).__name__}")
-    eps = float(eps)
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps: must be a finite number >= 0, got {eps}")
-    return eps
 
 
 def _check_inputs(x, weight, residual) -> None:
@@ -206,7 +195,7 @@ def rms_norm(
     order (deterministic run to run).
     """
     _check_inputs(x, weight, residual)
-    eps = _check_eps(eps)
+    eps = checks.number("eps", eps, minimum=0.0)
     hidden = x.shape[-1]
     flat_x = x.reshape(-1, hidden).contiguous()
     flat_res = None if residual is None else residual.reshape(-1, hidden).contiguous()

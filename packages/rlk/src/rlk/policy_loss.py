@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rlk import custom_op, dispatch
+from rlk import checks, custom_op, dispatch
 from rlk.checks import INPUT_DTYPES
 from rlk.reference import aggregation
 from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
@@ -53,17 +53,6 @@ def _check_tensor(name: str, x, shapes: tuple[tuple[int, ...], ...], device: tor
         raise ValueError(f"{name}: expected device {device} (the device of logprob), got {x.device}")
 
 
-def _number(name: str, value, *, minimum: float | None = None, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: must be finite, got {value}")
-    if minimum is not None and (value <= minimum if strict else value < minimum):
-        raise ValueError(f"{name}: must be {'>' if strict else '>='} {minimum:g}, got {value:g}")
-    return value
-
-
 def _kl_spec(name: str, estimator) -> tuple[str, bool]:
     """Canonical estimator name and the straight-through flag (a trailing ``+``, verl's ``"k3+"``)."""
     if not isinstance(estimator, str):
@@ -85,12 +74,12 @@ def _clamp_bounds(clamp_log_ratio) -> tuple[float, float]:
         if len(clamp_log_ratio) != 2:
             raise ValueError(f"clamp_log_ratio: expected a number c or a pair (low, high), got {clamp_log_ratio!r}")
         low, high = clamp_log_ratio
-        low = -_INF if low is None else _number("clamp_log_ratio", low)
-        high = _INF if high is None else _number("clamp_log_ratio", high)
+        low = -_INF if low is None else checks.number("clamp_log_ratio", low)
+        high = _INF if high is None else checks.number("clamp_log_ratio", high)
         if not low < high:
             raise ValueError(f"clamp_log_ratio: expected low < high, got ({low:g}, {high:g})")
         return low, high
-    c = _number("clamp_log_ratio", clamp_log_ratio, minimum=0.0, strict=True)
+    c = checks.number("clamp_log_ratio", clamp_log_ratio, above=0.0)
     return -c, c
 
 
@@ -149,6 +138,7 @@ def _policy_loss_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     attrs = dict(zip(_BOOL_ATTRS, flags)) | dict(zip(_FLOAT_ATTRS, params))
     with_entropy_grad = attrs.pop("with_entropy_grad")
+    checks.check_normalizer_values(dict(zip(_NORMALIZERS, (global_tokens, global_seqs, loss_scale))))
     norms = _normalizers([global_tokens, global_seqs, loss_scale], params[len(_FLOAT_ATTRS):])
     out = _fwd_outputs(logprob, with_entropy_grad)
     loss_out, grad_lp, grad_ent, row_weight, stats, metrics = out
@@ -456,28 +446,28 @@ def _policy_loss(
         raise ValueError(f"loss: expected one of {', '.join(repr(x) for x in LOSSES)}, got {loss!r}")
     if cispo_form not in _CISPO_FORMS:
         raise ValueError(f"cispo_form: expected 'clip' or 'upper', got {cispo_form!r}")
-    clip_low = _number("clip_low", clip_low, minimum=0.0)
+    clip_low = checks.number("clip_low", clip_low, minimum=0.0)
     if clip_high is None:
         if loss == "cispo" and cispo_form == "upper":
             raise ValueError("clip_high: cispo_form='upper' caps the ratio at clip_high itself (TRL's epsilon_high, "
                              "e.g. 5.0); pass it explicitly")
         clip_high = clip_low
-    clip_high = _number("clip_high", clip_high, minimum=0.0)
+    clip_high = checks.number("clip_high", clip_high, minimum=0.0)
     if dual_clip is not None:
         if loss != "ppo":
             raise ValueError(f"dual_clip: only loss='ppo' has a dual clip (loss is {loss!r})")
-        dual_clip = _number("dual_clip", dual_clip, minimum=1.0, strict=True)
+        dual_clip = checks.number("dual_clip", dual_clip, above=1.0)
     clamp_low, clamp_high = _clamp_bounds(clamp_log_ratio)
     if not isinstance(sapo_tau, (tuple, list)) or len(sapo_tau) != 2:
         raise ValueError(f"sapo_tau: expected a pair (tau_pos, tau_neg), got {sapo_tau!r}")
-    tau_pos = _number("sapo_tau", sapo_tau[0], minimum=0.0, strict=True)
-    tau_neg = _number("sapo_tau", sapo_tau[1], minimum=0.0, strict=True)
+    tau_pos = checks.number("sapo_tau", sapo_tau[0], above=0.0)
+    tau_neg = checks.number("sapo_tau", sapo_tau[1], above=0.0)
     kl, kl_straight = _kl_spec("kl", kl)
-    kl_coef = _number("kl_coef", kl_coef)
+    kl_coef = checks.number("kl_coef", kl_coef)
     if kl_coef != 0 and ref_logprob is None:
         raise ValueError("ref_logprob: required when kl_coef != 0 (the KL term needs the reference log-probs)")
-    kl_clamp_value = _INF if kl_clamp is None else _number("kl_clamp", kl_clamp, minimum=0.0, strict=True)
-    entropy_coef = _number("entropy_coef", entropy_coef)
+    kl_clamp_value = _INF if kl_clamp is None else checks.number("kl_clamp", kl_clamp, above=0.0)
+    entropy_coef = checks.number("entropy_coef", entropy_coef)
     if entropy_coef != 0 and entropy is None:
         raise ValueError("entropy: required when entropy_coef != 0")
     mask_bool = mask if mask.dtype == torch.bool else mask != 0
@@ -637,7 +627,7 @@ def kl_penalty(
     if old_logprob is not None:
         _check_tensor("old_logprob", old_logprob, (shape,), device)
     name, straight = _kl_spec("estimator", estimator)
-    clamp_value = _INF if clamp is None else _number("clamp", clamp, minimum=0.0, strict=True)
+    clamp_value = _INF if clamp is None else checks.number("clamp", clamp, above=0.0)
     cdt = _compute_dtype(logprob)
     lp = logprob.to(cdt).reshape(-1).contiguous()
     ref = ref_logprob.detach().to(cdt).reshape(-1).contiguous()

@@ -41,38 +41,21 @@ ignored, so callers may pass both.
 An empty mask gives loss 0 (never NaN) in every mode.
 
 Normalizers are Python numbers (checked: finite, > 0) or one-element tensors on the mask's
-device, for instance the result of an all-reduce; tensor values are not checked, since that
-would synchronize with the device.
+device, for instance the result of an all-reduce; the ops check tensor values inside the op
+(finite, > 0: one host synchronization, skipped with ``RLK_CHECK_VALUES=0``).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
+
+from rlk import checks
 
 #: The aggregation modes, in the order of the table above.
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 Normalizer = int | float | Tensor | None
-
-
-def _check_normalizer(name: str, value: Normalizer, device: torch.device) -> None:
-    if value is None:
-        return
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name}: expected a number or a one-element tensor, got shape {tuple(value.shape)}")
-        if value.dtype == torch.bool or value.is_complex():
-            raise TypeError(f"{name}: expected a real numeric tensor, got dtype {value.dtype}")
-        if value.device != device:
-            raise ValueError(f"{name}: expected device {device} (the device of mask), got {value.device}")
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a number or a one-element tensor, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}: must be finite and > 0, got {value}")
 
 
 def check_agg(
@@ -85,9 +68,9 @@ def check_agg(
     """Validate the aggregation arguments; errors name the argument at fault."""
     if agg not in AGG_MODES:
         raise ValueError(f"agg: expected one of {', '.join(repr(a) for a in AGG_MODES)}, got {agg!r}")
-    _check_normalizer("global_tokens", global_tokens, device)
-    _check_normalizer("global_seqs", global_seqs, device)
-    _check_normalizer("loss_scale", loss_scale, device)
+    checks.normalizer("global_tokens", global_tokens, device)
+    checks.normalizer("global_seqs", global_seqs, device)
+    checks.normalizer("loss_scale", loss_scale, device)
     if agg == "seq-mean-token-sum-norm" and loss_scale is None:
         raise ValueError("loss_scale: agg='seq-mean-token-sum-norm' needs loss_scale, a constant such as the "
                          "maximum response length (never the padded length of the micro-batch)")

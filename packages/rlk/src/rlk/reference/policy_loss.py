@@ -50,6 +50,11 @@ Per-token losses ``L`` (minimized) and their derivatives ``g = dL / d lp``
     d l_i / d lp_t = -Abar_i R_i p_t / n1_i,   p_t = 1 where dt follows dc (A > 0 and dc <= eps_h,
                                                or A < 0 and dc >= -eps_l) and d is not clamped
 
+Overflow: ``r = exp(dc)`` is ``inf`` in fp32 for ``dc > 88.7``. Every product with such a factor
+is taken as 0 where its other factor is exactly 0 (``A = 0``, ``f (1 - f) = 0``, ``Abar_i = 0``, ``I = 0``,
+``w = 0``): ``0 * inf`` counts as 0, never NaN. A value whose exact result exceeds the fp32 range (``-A r``
+with ``A < 0`` and ``r = inf``, say) is ``+-inf``, its correctly rounded value.
+
 Importance weights multiply ``L`` and ``g`` (for ``geo_mean``: ``sum_t m c I l_i``, so the row's
 gradient carries ``SI_i = sum_t m I``).
 
@@ -123,6 +128,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def times(a: Tensor, b: Tensor) -> Tensor:
+    """``a * b``, and 0 wherever either factor is 0 (an overflowed ``inf`` times an exact 0 gives 0, not NaN)."""
+    return torch.where((a == 0) | (b == 0), 0.0, a * b)
+
+
 def _clamp_with_pass(x: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
     """``clamp(x, low, high)`` and where its derivative is 1 (``low <= x <= high``, as ``torch.clamp``)."""
     return x.clamp(low, high), (x >= low) & (x <= high)
@@ -176,7 +186,7 @@ def kl_penalty_fwd(logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estim
                               straight_through=straight_through)
     if old_logprob is not None:
         w = torch.exp(lp - old_logprob.to(cdt))
-        value, grad = w * value, w * grad
+        value, grad = times(value, w), times(grad, w)
     kl_out.copy_(value)
     coef_out.copy_(grad)
 
@@ -205,10 +215,10 @@ def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high
         log_ratio, passes = _clamp_with_pass(d, clamp_low, clamp_high)
         ratio = torch.exp(log_ratio)
     if loss in ("ppo", "gspo"):
-        l1 = -adv * ratio
+        l1 = times(-adv, ratio)
         l2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
         value = torch.maximum(l1, l2)
-        grad = torch.where((l1 >= l2) & passes, -adv * ratio, 0.0)
+        grad = torch.where((l1 >= l2) & passes, l1, 0.0)
         clipped, lower = l2 > l1, no
         if dual_clip > 0:
             dual = -adv * dual_clip
@@ -226,7 +236,7 @@ def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high
         tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
         f = torch.sigmoid(tau * (ratio - 1.0))
         value = -adv * f * (4.0 / tau)
-        grad = torch.where(passes, -4.0 * adv * f * (1.0 - f) * ratio, 0.0)
+        grad = torch.where(passes, -4.0 * adv * times(f * (1.0 - f), ratio), 0.0)
         return value, grad, ratio, no, no, log_ratio
     if loss == "geo_mean":
         pos, neg = adv > 0, adv < 0
@@ -234,7 +244,7 @@ def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high
         follows = (pos & (log_ratio <= clip_high)) | (neg & (log_ratio >= -clip_low))
         seq_ratio = torch.exp(torch.where(m, dt, 0.0).sum(dim=1) / n1)
         adv_bar = torch.where(m, adv, 0.0).sum(dim=1) / n1
-        seq_loss = -adv_bar * seq_ratio
+        seq_loss = times(-adv_bar, seq_ratio)
         grad = torch.where(follows & passes, (seq_loss / n1)[:, None], 0.0)
         clipped = (pos & (log_ratio > clip_high)) | (neg & (log_ratio < -clip_low))
         ratio = seq_ratio[:, None].expand_as(d)
@@ -261,8 +271,8 @@ def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weight
         tau_neg=tau_neg)
     if importance_weights is not None:
         iw = masked(importance_weights)
-        value = value * iw
-        grad = grad * iw if loss != "geo_mean" else grad * iw.sum(dim=1, keepdim=True)
+        value = times(iw, value)
+        grad = times(iw, grad) if loss != "geo_mean" else times(iw.sum(dim=1, keepdim=True), grad)
     elif loss == "geo_mean":
         grad = grad * n[:, None]
     t = {"m": m, "c": row_weight.to(cdt), "n": n, "policy": value, "objective": value, "coef": grad,
@@ -274,7 +284,7 @@ def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weight
         k, dk = kl_estimate(delta, kl, k3_clamp=kl_k3_clamp, clamp=kl_clamp, straight_through=kl_straight_through)
         if kl_unbiased:
             w = torch.exp(lp - old)
-            k, dk = w * k, w * dk
+            k, dk = times(k, w), times(dk, w)
         t["kl"], t["kl_log_ratio"] = k, delta
         if kl_coef != 0:
             t["objective"] = t["objective"] + kl_coef * k
