@@ -12,9 +12,11 @@
 // Forward: block (row tile of kBM = 128 rows, vocab split of kVocabSplit = 4096 columns) walks its
 // split in 32 vocab tiles of kBN = 128 columns; each tile's logits come from a K loop over H in kBK
 // steps. Each thread keeps an online softmax state (m, s, b) for each of the 8 rows it holds in the
-// accumulator layout, folding its 8 columns of each vocab tile (fold_pack of logprob.cuh). At the end
-// of the split the 4 lanes of a row (xor-shuffle merge) and then the 4 warps along N (fixed order 0..3,
-// through shared memory) are merged; the split's state goes to part_{m,s,b}[split, row]. The target
+// accumulator layout (s and b relative to the max m: SoftmaxState of logprob.cuh, so entropy =
+// log s - b / s has no |z|-sized cancellation), folding its 8 columns of each vocab tile (fold_pack of
+// logprob.cuh). At the end of the split the 4 lanes of a row (xor-shuffle merge) and then the 4 warps
+// along N (fixed order 0..3, through shared memory) are merged; the split's state goes to
+// part_{m,s,b}[split, row] (merge of logprob.cuh: each state moved to the common max). The target
 // logit is written to z_target[row] by the one thread that computes it. A combine kernel then merges
 // the splits of a row in split order. Every row goes through the same instruction sequence whatever
 // its position and the batch size (fixed tiles, fixed split size, fixed merge order): batch invariant.
@@ -229,7 +231,7 @@ static __global__ void __launch_bounds__(kCombineThreads)
   const float z_t = (target >= 0 && target < vocab) ? z_target[row] : NAN;
   logprob_out[row] = z_t - lse;
   lse_out[row] = lse;
-  if (entropy) entropy_out[row] = lse - st.b / st.s;
+  if (entropy) entropy_out[row] = entropy_of(st);
 }
 
 // ---- backward ----------------------------------------------------------------------------------

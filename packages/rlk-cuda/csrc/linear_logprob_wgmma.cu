@@ -11,7 +11,7 @@
 //     x_v = hidden[n] . weight[v] (fp32 accumulation, K = H in increasing 64-wide steps, k16 in order)
 //     z_v = x_v * inv_t (one rounded fp32 multiply, __fmul_rn)
 // and per (row, vocab split of kVocabSplit = 4096 columns) an online state (m = max z, s = sum exp(z - m),
-// b = sum z exp(z - m)) written to part_{m,s,b}[split, row]; z_target[row] from the one thread holding the
+// b = sum (z - m) exp(z - m)) written to part_{m,s,b}[split, row]; z_target[row] from the one thread holding the
 // target column; then the existing combine kernel merges the splits of each row in split order.
 //
 // Block: 128 rows x one vocab split, 3 warpgroups (384 threads):

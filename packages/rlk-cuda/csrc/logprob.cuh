@@ -4,6 +4,9 @@
 // Spec (rlk.reference.logprob), per row with target y:
 //     lse = logsumexp_v z_v,   logprob = z_y - lse,   entropy = lse - sum_v p_v z_v,   p = softmax(z)
 //     d/dx_v = inv_t * ( g_lp * (onehot(y)_v - p_v) + g_ent * p_v * (lse - entropy - z_v) )
+// The entropy is computed relative to the max m, entropy = log s - b / s with s = sum_v exp(z_v - m) >= 1
+// and b = sum_v (z_v - m) exp(z_v - m) <= 0: two terms >= 0, so it is >= 0 and its rounding follows the
+// entropy, not |z| (lse - sum_v p_v z_v would subtract two numbers of size |z|).
 // Rows whose target equals ignore_index give 0 (and a zero gradient); their lse is written 0
 // (the ABI leaves it unspecified) and their logits are not read.
 //
@@ -20,7 +23,7 @@
 // every summation order depend on V and the dtype only):
 //
 // * fp32 logits (selected_logprob_fwd_kernel / _bwd_kernel): expf (full fp32 accuracy: the fp32
-//   gradient contract is tight), an online state (max m, s = sum exp(z - m), b = sum z exp(z - m))
+//   gradient contract is tight), an online state (max m, s = sum exp(z - m), b = sum (z - m) exp(z - m))
 //   rescaled once per pack (fold_pack, shared with linear_logprob), merged in a fixed tree.
 //
 // * 16-bit logits (selected_logprob_fwd_16_kernel / _bwd_16_kernel), built to issue few instructions
@@ -30,9 +33,9 @@
 //   half an instruction per element) and scaled once: round(max x * inv_t) = max round(x * inv_t) for
 //   inv_t >= 0 (the ABI's T > 0), so it is the exact max of z. exp runs in log2 units on MUFU.EX2
 //   (ex2.approx.ftz: a few ulp, results below 2^-126 flushed to 0): the forward's exponent is one FMA,
-//   z * log2(e) - round(m * log2(e)), whose constant rounding offset is removed once per row at the
-//   end; the backward keeps p = 2^((z - lse) * log2(e)) (the subtraction first: p <= 1 wherever
-//   z <= lse). Details at the kernels.
+//   a = z * log2(e) - round(m * log2(e)), whose constant rounding offset is removed once per row at the
+//   end (the entropy sums a * 2^a, one FMA: relative to the max, like the fp32 state); the backward keeps
+//   p = 2^((z - lse) * log2(e)) (the subtraction first: p <= 1 wherever z <= lse). Details at the kernels.
 #pragma once
 
 #include <cmath>
@@ -53,7 +56,9 @@ __device__ __forceinline__ float exp_of(float x) {
   }
 }
 
-// Online softmax state of part of a row: m = max z, s = sum exp(z - m), b = sum z exp(z - m).
+// Online softmax state of part of a row, relative to its max: m = max z, s = sum exp(z - m) (>= 1 once a
+// finite z is in: the max's own term is exp(0) = 1), b = sum (z - m) exp(z - m) (<= 0; entropy only).
+// Empty: {-inf, 0, 0}. The entropy of a row's state is log s - b / s (entropy_of).
 struct SoftmaxState {
   float m;
   float s;
@@ -63,14 +68,24 @@ struct SoftmaxState {
 // The shift subtracted before exp: m, or 0 while m is -inf (so no exp sees (-inf) - (-inf)).
 __device__ __forceinline__ float shift_of(float m) { return m == -INFINITY ? 0.0f : m; }
 
+// b of a state with max m moved to the larger max `shift`, given its factor c = exp(m - shift):
+// (b + (m - shift) s) c, as every exponent z - m becomes z - shift = (z - m) + (m - shift). 0 where c = 0
+// (so an empty state, m = -inf and s = 0, gives no (-inf) * 0).
+__device__ __forceinline__ float moved_b(float b, float s, float m, float shift, float c) {
+  return c > 0.0f ? fmaf(m - shift, s, b) * c : 0.0f;
+}
+
 // Merge two states (accurate expf: a handful per row).
 __device__ __forceinline__ SoftmaxState merge(SoftmaxState a, SoftmaxState o) {
   const float m = fmaxf(a.m, o.m);
   const float shift = shift_of(m);
   const float ca = expf(a.m - shift);
   const float co = expf(o.m - shift);
-  return {m, a.s * ca + o.s * co, a.b * ca + o.b * co};
+  return {m, a.s * ca + o.s * co, moved_b(a.b, a.s, a.m, shift, ca) + moved_b(o.b, o.s, o.m, shift, co)};
 }
+
+// log s - b / s: the entropy of a row's whole state (both terms >= 0). An all -inf row (s = 0) gives NaN.
+__device__ __forceinline__ float entropy_of(const SoftmaxState& st) { return logf(st.s) - st.b / st.s; }
 
 // Fold one pack of scaled logits z[0, N) into the state (masked lanes hold -inf).
 template <int N, bool kEntropy, bool kFast>
@@ -78,18 +93,19 @@ __device__ __forceinline__ void fold_pack(SoftmaxState& st, const float (&z)[N])
   float pack_max = z[0];
 #pragma unroll
   for (int i = 1; i < N; ++i) pack_max = fmaxf(pack_max, z[i]);
-  if (pack_max > st.m) {
-    const float rescale = exp_of<kFast>(st.m - shift_of(pack_max));
+  if (pack_max > st.m) {  // (then pack_max is finite or +inf: shift_of(pack_max) = pack_max)
+    const float rescale = exp_of<kFast>(st.m - pack_max);
+    if constexpr (kEntropy) st.b = moved_b(st.b, st.s, st.m, pack_max, rescale);
     st.s *= rescale;
-    st.b *= rescale;
     st.m = pack_max;
   }
   const float shift = shift_of(st.m);
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const float e = exp_of<kFast>(z[i] - shift);
+    const float d = z[i] - shift;  // <= 0
+    const float e = exp_of<kFast>(d);
     st.s += e;
-    if constexpr (kEntropy) st.b += e > 0.0f ? z[i] * e : 0.0f;  // 0 * -inf counts as 0
+    if constexpr (kEntropy) st.b += e > 0.0f ? d * e : 0.0f;  // 0 * -inf counts as 0
   }
 }
 
@@ -202,7 +218,7 @@ __global__ void __launch_bounds__(kLogprobThreads)
     const float lse = st.m + logf(st.s);
     logprob_out[row] = target_z(x, target, vocab, inv_t) - lse;
     lse_out[row] = lse;
-    if constexpr (kEntropy) entropy_out[row] = lse - st.b / st.s;
+    if constexpr (kEntropy) entropy_out[row] = entropy_of(st);
   }
 }
 
@@ -445,14 +461,20 @@ __device__ __forceinline__ float max_of_words(const uint32_t (&w)[NP][4]) {
   return fmaxf(Word16<T>::lo(pack_max[0]), Word16<T>::hi(pack_max[0]));
 }
 
+// x where x >= 0 (or NaN), else 0: for a quantity that is >= 0 exactly but may round below.
+__device__ __forceinline__ float clamp_rounding(float x) { return x < 0.0f ? 0.0f : x; }
+
 // Online softmax state of part of a row in log2 units, relative to the shift round(m log2e):
 //   m    max z seen (-inf: none yet),
 //   nml  -round(m * log2e), the exponent offset (0 while m = -inf, so no exponent is (-inf) - (-inf)),
-//   s    sum_v 2^(z_v log2e + nml),
-//   b    sum_v z_v 2^(z_v log2e + nml)   (entropy only).
-// The exponent z log2e + nml is one FMA (exact product, one rounding of a number near 0 for the
-// terms that matter). The offset's own rounding, round(m log2e) - m log2e, is one constant factor
-// 2^(m log2e + nml) on s and b, which the forward takes out once at the end.
+//   s    sum_v 2^a_v,      a_v = z_v log2e + nml  (the exponent, <= c = m log2e + nml),
+//   b    sum_v a_v 2^a_v   (entropy only).
+// The exponent a = z log2e + nml is one FMA (exact product, one rounding of a number near 0 for the
+// terms that matter), and b one more FMA with the same a: b is relative to the max as the fp32 state's
+// (z - m) exp(z - m), so no term of size |z| enters it. The offset's own rounding c = m log2e - round(m log2e)
+// (|c| <= half an ulp of m log2e, exact in fp32) is one constant factor 2^c on s and b and a constant c
+// added to every a, which the forward takes out once at the end. When the offset moves by dn (a larger m),
+// every a becomes a + dn: s' = s 2^dn and b' = (b + dn s) 2^dn.
 struct Exp2State {
   float m;
   float nml;
@@ -461,7 +483,7 @@ struct Exp2State {
 };
 
 // s and b of the 4 * NP values in w for the state's offset nml, as (lo half, hi half) accumulators in
-// element order. kGuard: a term whose exp is 0 adds nothing to b (a -inf logit: z * e = -inf * 0 = NaN).
+// element order. kGuard: a term whose exp is 0 adds nothing to b (a -inf logit: a * e = -inf * 0 = NaN).
 template <typename T, int NP, bool kEntropy, bool kGuard>
 __device__ __forceinline__ void exp_sums(const uint32_t (&w)[NP][4], float inv_t, float nml, float& s, float& b) {
   using W = Word16<T>;
@@ -473,17 +495,19 @@ __device__ __forceinline__ void exp_sums(const uint32_t (&w)[NP][4], float inv_t
     for (int j = 0; j < 4; ++j) {
       const float z_lo = __fmul_rn(W::lo(w[u][j]), inv_t);
       const float z_hi = __fmul_rn(W::hi(w[u][j]), inv_t);
-      const float e_lo = ex2_ftz(fmaf(z_lo, kLog2e, nml));
-      const float e_hi = ex2_ftz(fmaf(z_hi, kLog2e, nml));
+      const float a_lo = fmaf(z_lo, kLog2e, nml);
+      const float a_hi = fmaf(z_hi, kLog2e, nml);
+      const float e_lo = ex2_ftz(a_lo);
+      const float e_hi = ex2_ftz(a_hi);
       s_lo += e_lo;
       s_hi += e_hi;
       if constexpr (kEntropy) {
         if constexpr (kGuard) {
-          b_lo = e_lo > 0.0f ? fmaf(z_lo, e_lo, b_lo) : b_lo;
-          b_hi = e_hi > 0.0f ? fmaf(z_hi, e_hi, b_hi) : b_hi;
+          b_lo = e_lo > 0.0f ? fmaf(a_lo, e_lo, b_lo) : b_lo;
+          b_hi = e_hi > 0.0f ? fmaf(a_hi, e_hi, b_hi) : b_hi;
         } else {
-          b_lo = fmaf(z_lo, e_lo, b_lo);
-          b_hi = fmaf(z_hi, e_hi, b_hi);
+          b_lo = fmaf(a_lo, e_lo, b_lo);
+          b_hi = fmaf(a_hi, e_hi, b_hi);
         }
       }
     }
@@ -503,9 +527,10 @@ __device__ __forceinline__ void fold_step(Exp2State& st, const T* __restrict__ s
   if (z_max > st.m) {
     const float nml = -__fmul_rn(z_max, kLog2e);
     if (st.m != -INFINITY) {  // (s and b are 0 while m = -inf)
-      const float rescale = exp2f(nml - st.nml);
+      const float dn = nml - st.nml;  // <= 0: every exponent a becomes a + dn
+      const float rescale = exp2f(dn);
+      if constexpr (kEntropy) st.b = rescale > 0.0f ? fmaf(dn, st.s, st.b) * rescale : 0.0f;
       st.s *= rescale;
-      st.b *= rescale;
     }
     st.m = z_max;
     st.nml = nml;
@@ -551,8 +576,10 @@ __device__ __forceinline__ Exp2State fold_row_16(const T* __restrict__ x, int64_
 // and would lower the occupancy of every row). Both give the same bits.
 // After the threads' loops, the row max M; each thread scales its s and b to the common offset
 // round(M log2e) (a factor 1 for the threads that hold M), and the block sums them (block_sum's fixed
-// tree). Then s = 2^(M log2e - round(M log2e)) * sum_v exp(z_v - M):
-//     lse = M + ln2 * (log2 s - (M log2e - round(M log2e))),  entropy = lse - b / s.
+// tree). Then with c = M log2e - round(M log2e), s = 2^c S and b = 2^c (log2e B + c S), where
+// S = sum_v exp(z_v - M) and B = sum_v (z_v - M) exp(z_v - M):
+//     lse = M + ln2 * (log2 s - c),    entropy = log S - B / S = ln2 * ((log2 s - c) + (c - b / s)),
+// two terms >= 0 (each clamped at 0 against rounding), so entropy >= 0.
 // lse is raised to M where rounding puts it below (lse >= max z exactly, so logprob <= 0).
 template <typename T, bool kEntropy, bool kAligned>
 __global__ void __launch_bounds__(kLogprobThreads)
@@ -573,9 +600,10 @@ __global__ void __launch_bounds__(kLogprobThreads)
                                                   : fold_row_16<T, kEntropy, false>(x, vocab, inv_t);
   const float m = block_max(st.m);
   const float nml = m == -INFINITY ? 0.0f : -__fmul_rn(m, kLog2e);
-  const float to_common = st.m == -INFINITY ? 0.0f : exp2f(nml - st.nml);
+  const float dn = nml - st.nml;  // the thread's exponents move by dn to the common offset
+  const float to_common = st.m == -INFINITY ? 0.0f : exp2f(dn);
   const float s = block_sum(st.s * to_common);
-  const float b = kEntropy ? block_sum(st.b * to_common) : 0.0f;
+  const float b = kEntropy ? block_sum(to_common > 0.0f ? fmaf(dn, st.s, st.b) * to_common : 0.0f) : 0.0f;
   if (threadIdx.x == 0) {
     float lse = m + logf(s);  // m = -inf: -inf (or NaN), as the fp32 kernel
     if (m != -INFINITY) {
@@ -584,7 +612,14 @@ __global__ void __launch_bounds__(kLogprobThreads)
     }
     logprob_out[row] = target_z(x, target, vocab, inv_t) - lse;
     lse_out[row] = lse;
-    if constexpr (kEntropy) entropy_out[row] = lse - b / s;
+    if constexpr (kEntropy) {
+      float entropy = logf(s) - b / s;  // m = -inf (s = 0): NaN, as the fp32 kernel
+      if (m != -INFINITY) {
+        const float c = fmaf(m, kLog2e, nml);  // exact
+        entropy = kLn2 * (clamp_rounding(log2f(s) - c) + clamp_rounding(c - b / s));
+      }
+      entropy_out[row] = entropy;
+    }
   }
 }
 

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 
-from test_logprob_cuda import check_row_outputs  # noqa: E402  (the sibling test module's helper)
+from test_logprob_cuda import check_entropy_of_large_logits, check_row_outputs  # noqa: E402  (sibling's helpers)
 
 import rlk  # noqa: E402
 from rlk import contract, dispatch  # noqa: E402
@@ -168,6 +168,30 @@ def test_optional_gradients(dtype, want_hidden, want_weight):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extreme_logits(dtype):
     check_against_reference("extreme", *make_inputs(37, 3000, 128, dtype, seed=3, extreme=True))
+
+
+@pytest.mark.parametrize(("offset", "temperature"), [(30.0, 0.05), (1e5, 1.0)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_entropy_of_large_logits(dtype, offset, temperature):
+    """An offset column (hidden[:, 0] * weight[:, 0] = offset) and multiples of 1/4 in [-0.5, 0.5] elsewhere:
+    every logit is ``offset`` plus a multiple of 1/16, which the fp32 accumulation computes exactly (as z = x * 20),
+    so the fp64 reference sees the kernels' z (1e5, not 1e6: 3 bits to spare in the tensor cores' fp32
+    accumulation). The entropy (relative to the running max, merged over the lanes,
+    warps and 3 vocab splits of a row) is >= 0 and accurate on its own scale; one-hot-like rows at T = 0.05."""
+    n, v, h = 133, 9000, 64
+    _, _, targets, inv_t, grad_lp, grad_ent = make_inputs(n, v, h, dtype, seed=13)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    hidden = torch.randint(-2, 3, (n, h), generator=g, device="cuda") / 4
+    weight = torch.randint(-2, 3, (v, h), generator=g, device="cuda") / 4
+    hidden[:, 0], weight[:, 0] = (1000.0, offset / 1000) if offset > 1000 else (offset, 1.0)
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    inv_t = torch.full_like(inv_t, 1.0 / temperature)
+    args = (hidden, weight, targets, inv_t, grad_lp, grad_ent)
+    check_against_reference("large_logits", *args)
+    got = run(_cuda(), *args, want_weight=False)
+    truth = run(ref, hidden.double(), weight.double(), targets, inv_t, grad_lp, grad_ent, want_weight=False)
+    check_entropy_of_large_logits("large_logits", contract.entry("linear_logprob", dtype), got["entropy"],
+                                  truth["entropy"])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

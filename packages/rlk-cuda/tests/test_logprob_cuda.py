@@ -108,6 +108,55 @@ def test_without_entropy_and_extreme_logits(dtype):
     check_against_reference("extreme", *make_inputs(9, 3000, dtype, seed=4, extreme=True))
 
 
+# Logits far from 0 (the offset) with an O(1) spread, where entropy = lse - E_p[z] would subtract two numbers
+# of size |z|. float16 cannot hold the 1e6 and 3e38 offsets (6e4 stands in for them); bfloat16 stops at 1e6: the
+# 16-bit kernels' fp32 exponent offset round(m * log2(e)) bounds the |z| they take (near 1e9).
+LARGE_LOGITS = [(torch.float32, 30.0, 0.05), (torch.float32, 1e6, 1.0), (torch.float32, 3e38, 1.0),
+                (torch.bfloat16, 30.0, 0.05), (torch.bfloat16, 1e6, 1.0),
+                (torch.float16, 30.0, 0.05), (torch.float16, 6e4, 1.0)]
+
+
+def large_logit_inputs(n: int, v: int, dtype: torch.dtype, offset: float, temperature: float, seed: int = 8):
+    """``offset + N(0, 1)`` logits on a 1/64 grid, so that ``z = x * (1 / T)`` is exact in fp32 for T = 1 and
+    0.05 (``1 / 0.05`` rounds to 20) and the fp64 reference sees the kernels' z; row 0 has -inf entries (not its
+    target), row 1 is one-hot-like (its target ``20 / T`` above the other logits), row 2 is ignored."""
+    g = torch.Generator().manual_seed(seed)
+    x = offset + torch.round(torch.randn(n, v, generator=g) * 64) / 64
+    targets = torch.randint(0, v, (n,), generator=g)
+    x[0, 0::3] = -torch.inf
+    targets[0], targets[2] = 1, IGNORE
+    x[1] = offset - 20 * temperature
+    x[1, targets[1]] = offset
+    inv_t = torch.full((n,), 1.0 / temperature)
+    grad_lp, grad_ent = torch.randn(2, n, generator=g)
+    dev = {"device": "cuda"}
+    return x.to(dtype).to(**dev), targets.to(**dev), inv_t.to(**dev), grad_lp.to(**dev), grad_ent.to(**dev)
+
+
+def check_entropy_of_large_logits(name: str, e, entropy: torch.Tensor, truth: torch.Tensor) -> None:
+    """Entropy finite and >= 0, and (z being exact) within the contract's atol / rtol on the entropy's own scale
+    ``1 + |H|``: no error of the size of ``|z| * 2^-24``, which the contract's row scale would allow."""
+    assert bool(torch.isfinite(entropy).all()) and bool((entropy >= 0).all()), entropy.min()
+    dev = contract.compare_outputs(e, "entropy", entropy, truth, 1.0 + truth.abs())
+    print(f"RATIO {name} entropy_own_scale {e.dtype} {dev.ratio:.3g}")
+    assert dev.ok, dev
+
+
+@pytest.mark.parametrize(("dtype", "offset", "temperature"), LARGE_LOGITS)
+def test_entropy_of_large_logits(dtype, offset, temperature):
+    """The entropy is accumulated relative to the running max (log s - b / s; the 16-bit kernels: the exponent
+    times its exp): a logit offset of 30 / 0.05 = 600 (one-hot-like rows below 0), 1e6 (errors of ulp(1e6)) or
+    3e38 (z * exp(z - m) summed to inf: entropy -inf) costs it no accuracy; the gradient stays within the
+    contract."""
+    args = large_logit_inputs(37, 32003, dtype, offset, temperature)
+    check_against_reference("large_logits", *args)
+    x, targets, inv_t, grad_lp, grad_ent = args
+    got = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
+    truth = run(ref, x.double(), targets, inv_t, grad_lp, grad_ent)
+    check_entropy_of_large_logits("large_logits", contract.entry("selected_logprob", dtype), got["entropy"],
+                                  truth["entropy"])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_confident_rows_use_the_rounded_z(dtype):
     """A target about 30 above every other scaled logit: logprob <= 0 and the target's gradient

@@ -209,6 +209,52 @@ def test_selected_batch_invariance(dtype):
             assert torch.equal(grad[pos:pos + 1], alone_grad), (n, pos)
 
 
+# Logits far from 0 (the offset) with an O(1) spread, where entropy = lse - E_p[z] would subtract two numbers
+# of size |z|. float16 cannot hold the 1e6 and 3e38 offsets (6e4 stands in for them).
+LARGE_LOGITS = [(torch.float32, 30.0, 0.05), (torch.float32, 1e6, 1.0), (torch.float32, 3e38, 1.0),
+                (torch.bfloat16, 30.0, 0.05), (torch.bfloat16, 1e6, 1.0), (torch.bfloat16, 3e38, 1.0),
+                (torch.float16, 30.0, 0.05), (torch.float16, 6e4, 1.0)]
+
+
+def large_logit_inputs(n: int, v: int, dtype: torch.dtype, offset: float, temperature: float, seed: int = 8):
+    """``offset + N(0, 1)`` logits on a 1/64 grid, so that ``z = x * (1 / T)`` is exact in fp32 for T = 1 and
+    0.05 (``1 / 0.05`` rounds to 20) and the fp64 reference sees the kernels' z; row 0 has -inf entries (not its
+    target), row 1 is one-hot-like (its target ``20 / T`` above the other logits), row 2 is ignored."""
+    targets, _, grad_lp, grad_ent = _row_inputs(n, v, seed)
+    x = offset + torch.round(torch.randn(n, v, generator=_gen(seed + 1)) * 64) / 64
+    x[0, 0::3] = -torch.inf
+    targets[0], targets[2] = 1, IGNORE
+    x[1] = offset - 20 * temperature
+    x[1, targets[1]] = offset
+    inv_t = torch.full((n,), 1.0 / temperature)
+    to = {"device": DEVICE}
+    return x.to(dtype).to(**to), targets.to(**to), inv_t.to(**to), grad_lp.to(**to), grad_ent.to(**to)
+
+
+def check_entropy_of_large_logits(op: str, dtype: torch.dtype, entropy: torch.Tensor, truth: torch.Tensor):
+    """Entropy finite and >= 0, and (z being exact) within the contract's atol / rtol on the entropy's own scale
+    ``1 + |H|``: no error of the size of ``|z| * 2^-24``, which the contract's row scale would allow."""
+    assert bool(torch.isfinite(entropy).all()) and bool((entropy >= 0).all()), entropy.min()
+    dev = contract.compare_outputs(contract.entry(op, dtype), "entropy", entropy, truth, 1.0 + truth.abs())
+    assert dev.ok, dev
+
+
+@pytest.mark.parametrize(("dtype", "offset", "temperature"), LARGE_LOGITS)
+def test_selected_entropy_of_large_logits(dtype, offset, temperature):
+    """The entropy is accumulated relative to the running max (log s - b / s): a logit offset of 30 / 0.05 = 600
+    (one-hot-like rows came out below 0), 1e6 (errors of ulp(1e6)) or 3e38 (the sum of z * exp(z - m) overflowed:
+    entropy -inf) costs it no accuracy. V = 5000: several vocab tiles, so the state is moved to a larger max."""
+    n, v = 6, 5000
+    x, targets, inv_t, grad_lp, grad_ent = large_logit_inputs(n, v, dtype, offset, temperature)
+    got = run_fwd(tk, "selected_logprob", (x,), targets, inv_t, True)
+    truth = run_fwd(ref, "selected_logprob", _f64(x), targets, inv_t.double(), True)
+    max_scale = check_stats("selected_logprob", dtype, got, truth, targets)
+    check_entropy_of_large_logits("selected_logprob", dtype, got["entropy"], truth["entropy"])
+    grad = run_selected_bwd(tk, x, targets, inv_t, got, grad_lp, grad_ent)
+    grad_truth = run_selected_bwd(ref, *_f64(x), targets, inv_t.double(), truth, grad_lp.double(), grad_ent.double())
+    check_grad("selected_logprob", dtype, "grad_logits", grad, grad_truth, max_scale)
+
+
 # ----------------------------------------------------------------------------------------------
 # linear_logprob
 # ----------------------------------------------------------------------------------------------
@@ -252,6 +298,33 @@ def test_linear_small_tiles_match_reference(small_tiles, dtype, shape, entropy_m
 def test_linear_extreme_logits(small_tiles, dtype):
     """A hidden row scaled x500 (logits in the thousands) next to ordinary rows."""
     _linear_case(dtype, (37, 200, 40), "fwd_and_grad", extreme=True)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # ignored rows (lse 0): masked
+@pytest.mark.parametrize(("offset", "temperature"), [(30.0, 0.05), (1e5, 1.0)])
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES)
+def test_linear_entropy_of_large_logits(small_tiles, dtype, offset, temperature):
+    """An offset column (hidden[:, 0] * weight[:, 0] = offset) and multiples of 1/4 in [-0.5, 0.5] elsewhere:
+    every logit is ``offset`` plus a multiple of 1/16, which the fp32 dot products compute exactly (as z = x * 20),
+    so the fp64 reference sees the kernels' z (1e5, not 1e6: 3 bits to spare in the tensor cores' fp32
+    accumulation). Small tiles: several vocab splits, merged in the combine kernel."""
+    n, v, h = 37, 200, 40
+    _, _, targets, inv_t, grad_lp, grad_ent = linear_inputs(n, v, h, torch.float32)
+    g = _gen(12)
+    hidden = torch.randint(-2, 3, (n, h), generator=g) / 4
+    weight = torch.randint(-2, 3, (v, h), generator=g) / 4
+    hidden[:, 0], weight[:, 0] = (1000.0, offset / 1000) if offset > 1000 else (offset, 1.0)
+    hidden, weight = hidden.to(dtype).to(DEVICE), weight.to(dtype).to(DEVICE)
+    inv_t = torch.full_like(inv_t, 1.0 / temperature)
+    got = run_fwd(tk, "linear_logprob", (hidden, weight), targets, inv_t, True)
+    truth = run_fwd(ref, "linear_logprob", _f64(hidden, weight), targets, inv_t.double(), True)
+    max_scale = check_stats("linear_logprob", dtype, got, truth, targets)
+    check_entropy_of_large_logits("linear_logprob", dtype, got["entropy"], truth["entropy"])
+    gh, gw = run_linear_bwd(tk, hidden, weight, targets, inv_t, got, grad_lp, grad_ent)
+    gh_truth, gw_truth = run_linear_bwd(ref, *_f64(hidden, weight), targets, inv_t.double(), truth,
+                                        grad_lp.double(), grad_ent.double())
+    check_grad("linear_logprob", dtype, "grad_hidden", gh, gh_truth, max_scale)
+    check_grad("linear_logprob", dtype, "grad_weight", gw, gw_truth, max_scale)
 
 
 @pytest.mark.parametrize("dtype", LINEAR_DTYPES)

@@ -10,6 +10,7 @@ from compile_check import assert_compiled_matches_eager
 
 import rlk
 from rlk import contract
+from rlk.reference import logprob as reference_logprob
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -85,6 +86,75 @@ def test_extreme_and_minus_inf_logits():
     _check("selected_logprob", torch.float32, lp, ent, logits, targets, 1.0)
     (lp[[0, 1, 3, 4]].sum() + ent.sum()).backward()
     assert torch.isfinite(x.grad).all()
+
+
+# Logits far from 0 (the offset) with an O(1) spread: entropy = lse - E_p[z] would subtract two numbers of
+# size |z|. float16 cannot hold the 1e6 and 3e38 offsets (6e4 stands in for them).
+LARGE_LOGITS = [(torch.float32, 30.0, 0.05), (torch.float32, 1e6, 1.0), (torch.float32, 3e38, 1.0),
+                (torch.bfloat16, 30.0, 0.05), (torch.bfloat16, 1e6, 1.0), (torch.bfloat16, 3e38, 1.0),
+                (torch.float16, 30.0, 0.05), (torch.float16, 6e4, 1.0)]
+
+
+def _large_logits(offset, temperature, dtype, n=24, v=1000, seed=8):
+    """``offset + N(0, 1)`` logits on a 1/64 grid, so that ``z = x * (1 / T)`` is exact in fp32 for T = 1 and 0.05
+    (``1 / 0.05`` rounds to 20): the fp64 truth sees the kernels' z. Row 0 has -inf entries (not its target); row 1
+    is one-hot-like, its target ``20 / T`` above the other logits (entropy ~4e-5: 999 terms ``e^-20 * 20``)."""
+    g = torch.Generator().manual_seed(seed)
+    x = offset + torch.round(torch.randn(n, v, generator=g) * 64) / 64
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[::7] = -100
+    x[0, 0::3] = -torch.inf
+    targets[0] = 1
+    x[1] = offset - 20 * temperature
+    x[1, targets[1]] = offset
+    return x.to(dtype), targets
+
+
+def _check_entropy_of_large_logits(op, dtype, ent, ref_ent):
+    """entropy finite and >= 0, and (z being exact) within the contract's atol / rtol on the entropy's own scale
+    ``1 + |H|``: no error of the size of ``|z| * 2^-24``, which the contract's row scale would allow."""
+    assert torch.isfinite(ent).all() and bool((ent >= 0).all()), ent.min()
+    dev = contract.compare_outputs(contract.entry(op, dtype), "entropy", ent, ref_ent, 1.0 + ref_ent.abs())
+    assert dev.ok, dev
+
+
+@pytest.mark.parametrize(("dtype", "offset", "temperature"), LARGE_LOGITS)
+def test_entropy_of_large_logits_is_accurate_and_never_negative(monkeypatch, dtype, offset, temperature):
+    """The online entropy is accumulated relative to the running max (log s - b / s), so neither a logit
+    offset of 30 / 0.05 = 600 (one-hot-like rows came out below 0), 1e6 (an error of ulp(1e6)) nor 3e38 (the
+    sum of z * exp(z - m) overflowed: entropy -inf) costs it accuracy; the gradient stays within the contract.
+    Vocab chunks of 96 columns: the state is moved to a larger max many times per row."""
+    monkeypatch.setattr(reference_logprob, "VOCAB_CHUNK", 96)
+    logits, targets = _large_logits(offset, temperature, dtype)
+    x = logits.clone().requires_grad_(True)
+    lp, ent = rlk.selected_logprob(x, targets, temperature=temperature, return_entropy=True)
+    scale = _check("selected_logprob", dtype, lp, ent, logits, targets, temperature)
+    _check_entropy_of_large_logits("selected_logprob", dtype, ent, _truth(logits, targets, temperature)[1])
+    c1, c2 = torch.randn(2, targets.shape[0], generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    (c1.float() * lp + c2.float() * ent).sum().backward()
+    x64 = logits.double().requires_grad_(True)  # the fp64 op (autograd of _truth gives NaN next to -inf logits)
+    ref_lp, ref_ent = rlk.selected_logprob(x64, targets, temperature=temperature, return_entropy=True)
+    (c1 * ref_lp + c2 * ref_ent).sum().backward()
+    e = contract.entry("selected_logprob", dtype)
+    assert contract.compare_grad(e, "grad_logits", x.grad, x64.grad, float(scale.max())).ok
+
+
+@pytest.mark.parametrize(("offset", "temperature"), [(30.0, 0.05), (1e6, 1.0)])
+def test_linear_logprob_entropy_of_large_logits(monkeypatch, offset, temperature):
+    """linear_logprob with an offset column (hidden[..., 0] * weight[:, 0] = offset) and multiples of 1/4 in
+    [-0.5, 0.5] elsewhere: every logit is ``offset`` plus a multiple of 1/16, which the fp32 dot products compute
+    exactly (as z = x * 20), so the fp64 truth sees the same z. Vocab chunks of 96 columns, as above."""
+    monkeypatch.setattr(reference_logprob, "VOCAB_CHUNK", 96)
+    g = torch.Generator().manual_seed(10)
+    hidden = torch.randint(-2, 3, (2, 9, 16), generator=g) / 4
+    weight = torch.randint(-2, 3, (700, 16), generator=g) / 4
+    hidden[..., 0], weight[:, 0] = (1000.0, offset / 1000) if offset > 1000 else (offset, 1.0)
+    targets = torch.randint(0, 700, (2, 9), generator=g)
+    targets[1, -2:] = -100
+    lp, ent = rlk.linear_logprob(hidden, weight, targets, temperature=temperature, return_entropy=True)
+    _check("linear_logprob", torch.float32, lp, ent, hidden @ weight.T, targets, temperature)
+    ref_ent = _truth(hidden.double() @ weight.double().T, targets, temperature)[1]
+    _check_entropy_of_large_logits("linear_logprob", torch.float32, ent.reshape(-1), ref_ent.reshape(-1))
 
 
 def test_linear_logprob_matches_materialized_logits():

@@ -8,7 +8,11 @@ logits ``z = x * inv_temperature`` over ``V`` vocab entries and target ``y``::
     entropy = lse - sum_v p_v z_v,            p = softmax(z)
 
 computed online over vocab tiles with a running max ``m`` (starts at -inf),
-sum ``s`` and weighted sum ``b``; ``lse = m + log s``, ``entropy = lse - b / s``.
+``s = sum_v exp(z_v - m)`` and ``b = sum_v (z_v - m) exp(z_v - m)`` (<= 0, kept
+relative to ``m``: when ``m`` grows to ``m'``, ``b' = (b + (m - m') s) exp(m - m')``);
+``lse = m + log s``, ``entropy = log s - b / s`` (two terms >= 0: no cancellation
+of two numbers of size ``|z|``, and never negative). The vocab-split partials merge
+the same way.
 Gradients with respect to the unscaled logits ``x``::
 
     dx_v = inv_t * (g_lp * (onehot(y)_v - p_v) + g_H * p_v * ((lse - H) - z_v))
@@ -113,29 +117,44 @@ _COMBINE_ROWS = 128
 
 
 @triton.jit
+def _moved(m, s, b, shift):
+    """A state ``(m, s, b)`` moved to the max ``shift >= m``: ``(s * r, (b + (m - shift) * s) * r)``,
+    ``r = exp(m - shift)``; 0 where ``r`` is 0 (``m = -inf``, ``s = 0``: no ``0 * -inf``)."""
+    r = tl.exp(m - shift)
+    return s * r, tl.where(r > 0, (b + (m - shift) * s) * r, 0.0)
+
+
+@triton.jit
 def _online_update(m, s, b, z):
-    """One tile of the reference's online ``(m, s, b)`` update.
+    """One tile of the reference's online ``(m, s, b)`` update, ``s`` and ``b`` relative to ``m``.
 
     ``z`` is ``[R, C]`` fp32 (-inf in masked columns); ``m, s, b`` are ``[R]``. While a
     row's max is -inf the shift is 0, so no ``exp((-inf) - (-inf))``; ``0 * -inf`` is 0.
     """
     m_new = tl.maximum(m, tl.max(z, axis=1))
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    rescale = tl.exp(m - shift)
-    e = tl.exp(z - shift[:, None])
-    s = s * rescale + tl.sum(e, axis=1)
-    b = b * rescale + tl.sum(tl.where(e > 0, z * e, 0.0), axis=1)
+    s, b = _moved(m, s, b, shift)
+    d = z - shift[:, None]  # <= 0
+    e = tl.exp(d)
+    s = s + tl.sum(e, axis=1)
+    b = b + tl.sum(tl.where(e > 0, d * e, 0.0), axis=1)
     return m_new, s, b
 
 
 @triton.jit
 def _merge(m, s, b, m2, s2, b2):
-    """Merge two online states (same -inf convention as :func:`_online_update`)."""
+    """Merge two online states, each moved to the common max (same -inf convention as :func:`_online_update`)."""
     m_new = tl.maximum(m, m2)
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    r1 = tl.exp(m - shift)
-    r2 = tl.exp(m2 - shift)
-    return m_new, s * r1 + s2 * r2, b * r1 + b2 * r2
+    s_a, b_a = _moved(m, s, b, shift)
+    s_b, b_b = _moved(m2, s2, b2, shift)
+    return m_new, s_a + s_b, b_a + b_b
+
+
+@triton.jit
+def _entropy(s, b):
+    """``log s - b / s`` of a final state (``s >= 1``, ``b <= 0``: both terms >= 0)."""
+    return tl.log(s) - b / s
 
 
 @triton.jit
@@ -204,7 +223,7 @@ def _selected_fwd_kernel(
     tl.store(logprob_ptr + rows, tl.where(valid, z_tgt - lse, 0.0))
     tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0))
     if HAS_ENTROPY:
-        tl.store(entropy_ptr + rows, tl.where(valid, lse - b / s, 0.0))
+        tl.store(entropy_ptr + rows, tl.where(valid, _entropy(s, b), 0.0))
 
 
 @triton.jit
@@ -361,7 +380,7 @@ def _linear_fwd_combine_kernel(
     tl.store(logprob_ptr + rows, tl.where(valid, z_tgt - lse, 0.0), mask=row_mask)
     tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_mask)
     if HAS_ENTROPY:
-        tl.store(entropy_ptr + rows, tl.where(valid, lse - b / s, 0.0), mask=row_mask)
+        tl.store(entropy_ptr + rows, tl.where(valid, _entropy(s, b), 0.0), mask=row_mask)
 
 
 def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):

@@ -8,17 +8,26 @@ size ``V`` and target ``y``::
     entropy  = lse - sum_v p_v z_v,        p = softmax(z)
 
 computed online over vocab tiles with a running max ``m``, sum ``s`` and
-weighted sum ``b``::
+weighted sum ``b``, both relative to ``m``::
+
+    s = sum_v exp(z_v - m),    b = sum_v (z_v - m) * exp(z_v - m)   (<= 0)
 
     m' = max(m, max_tile z)
-    s  = s * exp(m - m') + sum_tile exp(z - m')
-    b  = b * exp(m - m') + sum_tile z * exp(z - m')
-    lse = m + log(s),  entropy = lse - b / s
+    s' = s * exp(m - m') + sum_tile exp(z - m')
+    b' = (b + (m - m') * s) * exp(m - m') + sum_tile (z - m') * exp(z - m')
+    lse = m + log(s),  entropy = log(s) - b / s
 
-The running max starts at ``-inf``; ``-inf`` logits contribute nothing (the
-product ``0 * -inf`` counts as 0), so rows with some ``-inf`` logits give
-finite entropy. A row whose logits are all ``-inf`` has no distribution and
-gives NaN, as ``torch.log_softmax`` does.
+``log(s) >= 0`` (the max term is ``exp(0) = 1``) and ``-b / s >= 0``, so the
+entropy is ``>= 0`` by construction and its rounding follows the entropy, not
+the size of the logits (``lse - sum_v p_v z_v`` would cancel two numbers of size
+``|z|``). Two partial states merge the same way: each is moved to the common max
+``m' = max(m1, m2)`` by ``b + (m - m') * s`` and the factor ``exp(m - m')``.
+
+The running max starts at ``-inf`` with ``s = b = 0``; a state or a logit whose
+factor ``exp(.)`` is 0 contributes nothing (the products ``0 * -inf`` count as
+0), so rows with some ``-inf`` logits give finite entropy. A row whose logits
+are all ``-inf`` has no distribution and gives NaN, as ``torch.log_softmax``
+does.
 
 Gradients with respect to ``z`` (then multiplied by ``inv_temperature`` for
 ``x``)::
@@ -96,10 +105,15 @@ def _forward(
             m_new = torch.maximum(m, z.amax(dim=1))
             # Shift by 0 while a row has seen only -inf, so no exp sees (-inf) - (-inf).
             shift = torch.where(m_new == -torch.inf, 0.0, m_new)
+            # The old state moved to the new max: exp(m - m') and b + (m - m') s (0 where the factor is 0:
+            # m = -inf, s = 0 at the start).
             rescale = torch.exp(m - shift)
-            e = torch.exp(z - shift[:, None])
-            s = s * rescale + e.sum(dim=1)
-            b = b * rescale + torch.where(e > 0, z * e, 0.0).sum(dim=1)
+            b = torch.where(rescale > 0, (b + (m - shift) * s) * rescale, 0.0)
+            s = s * rescale
+            d = z - shift[:, None]  # <= 0
+            e = torch.exp(d)
+            s = s + e.sum(dim=1)
+            b = b + torch.where(e > 0, d * e, 0.0).sum(dim=1)
             m = m_new
             in_tile = (t >= v0) & (t < v1)
             local = (t - v0).clamp(0, v1 - v0 - 1)
@@ -109,7 +123,7 @@ def _forward(
         logprob_out[r0:r1] = torch.where(valid, z_target - lse, 0.0)
         lse_out[r0:r1] = lse
         if entropy_out is not None:
-            entropy_out[r0:r1] = torch.where(valid, lse - b / s, 0.0)
+            entropy_out[r0:r1] = torch.where(valid, torch.log(s) - b / s, 0.0)
 
 
 def _grad_z(
