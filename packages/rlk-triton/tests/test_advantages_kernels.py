@@ -9,6 +9,7 @@ invariance and determinism are checked bit for bit (``torch.equal``).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -141,6 +142,59 @@ def test_group_eps_is_used(small_tiles):
     check_group(scores, ids, 0, lengths, "grpo", eps=1e-4)
 
 
+# Spreads whose squares (or differences) overflow fp32, with representable advantages: the 1e20
+# example, +-3e38, equal scores near the fp32 maximum, an ordinary group; rloo and gpg (whose
+# factors n / (n - 1) and alpha grow the values) get a +-1e38 group instead of +-3e38.
+HUGE_SCORES = [0.0, 1e20, -1e20, 3e19, 3e38, -3e38, 1e38, 0.0, 3e38, 3e38, 3e38, 3e38, 0.5, -1.0, 2.0, 0.25]
+HUGE_SCORES_RLOO = [0.0, 1e20, -1e20, 3e19, 1e38, -1e38, 5e37, 0.0, 3e38, 3e38, 3e38, 3e38, 0.5, -1.0, 2.0, 0.25]
+HUGE_LENGTHS = [3.0, 1.0, 0.0, 7.0, 2.0, 2.0, 1.0, 1.0, 3.0, 1.0, 0.0, 7.0, 3.0, 1.0, 0.0, 7.0]
+
+
+@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+def test_group_huge_spread(tiles, mode):
+    """A spread above ~1e19 overflowed the fp32 variance (advantages 0, or NaN at +-3e38); against the
+    fp64 reference, with group_size and with shuffled group_index."""
+    scores = torch.tensor(HUGE_SCORES_RLOO if mode in ("rloo", "gpg") else HUGE_SCORES, device=DEVICE)
+    lengths = torch.tensor(HUGE_LENGTHS, device=DEVICE)
+    got, _ = check_group(scores, None, 4, lengths, mode)
+    assert torch.all(got[8:12] == 0)  # equal scores of 3e38: exactly 0
+    perm = torch.randperm(16, generator=_gen(13)).to(DEVICE)
+    ids = torch.arange(16, device=DEVICE) // 4 * 3 - 2
+    shuffled, _ = check_group(scores[perm], ids[perm], 0, lengths[perm], mode)
+    assert torch.all(shuffled[(ids[perm] == 4)] == 0)
+    single = torch.tensor([3e38, -2e38, 1.0], device=DEVICE)
+    got = run_group(tk, single, None, 1, torch.ones(3, device=DEVICE), mode)
+    if mode != "gpg":
+        assert torch.equal(got, single / torch.full_like(single, 1 + 1e-6) if mode == "grpo" else single)
+
+
+@pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+def test_group_non_finite_scores_stay_in_their_group(small_tiles, mode, fill):
+    """Every row is in a group, and a group reads only its own scores and lengths: a NaN / inf there
+    leaves the other groups bitwise as with finite values (distinct ones, so that gpg's count of
+    non-zero advantages, where NaN counts, is the same)."""
+    scores, ids, lengths = group_inputs([3, 9, 1, 6, 5], seed=14, equal_group=None)
+    bad = ids == ids[(ids.unsqueeze(1) == ids).sum(1) == 9][0]  # the group of 9 (over two chunks of 4)
+    dirty = scores.clone()
+    dirty[bad] = fill
+    dirty[bad.nonzero()[-1]] = 1.5
+    dirty_len = lengths.clone()
+    dirty_len[bad] = fill
+    for group_ids, size, mask in ((ids, 0, bad), (None, 3, torch.arange(24, device=DEVICE) // 3 == 2)):
+        if group_ids is None:  # group_size 3: garbage in the third group
+            dirty = scores.clone()
+            dirty[mask] = fill
+            dirty_len = lengths.clone()
+            dirty_len[mask] = fill
+        finite = run_group(tk, scores, group_ids, size, lengths, mode)
+        got = run_group(tk, dirty, group_ids, size, lengths, mode)
+        assert torch.equal(got[~mask], finite[~mask])
+        assert not bool(torch.isfinite(got[mask]).all())
+        if mode == "opo":
+            assert torch.equal(run_group(tk, scores, group_ids, size, dirty_len, mode)[~mask], finite[~mask])
+
+
 def test_group_segments():
     ids = torch.tensor([4, -1, 4, 7, -1, 4, 9], device=DEVICE)
     perm, seg_len = tk.group_segments(ids)
@@ -244,6 +298,47 @@ def test_whiten_large_values_and_determinism(small_tiles):
     assert torch.equal(run_whiten(tk, x, mask, True, "add", True), first)
 
 
+@pytest.mark.parametrize("shift_mean", [True, False])
+@pytest.mark.parametrize("unbiased, eps_mode", [(True, "add"), (False, "clamp")])
+@pytest.mark.parametrize("tiles, n", [("default", 37), ("small", 150)])
+def test_whiten_huge_spread(monkeypatch, tiles, n, unbiased, eps_mode, shift_mean):
+    """Squares of 1e20 and sums of values near 3e38 overflowed fp32 (output 0 or NaN); the partials of
+    small tiles carry different power-of-two scales (blocks of ordinary values next to huge ones)."""
+    _use_tiles(monkeypatch, tiles)
+    g = _gen(15)
+    x = torch.randn(n, generator=g) * 3
+    x[n // 3: n // 3 + 5] = torch.tensor([1e20, -1e20, 3e19, 2e38, 3e38])
+    x[-4:] = torch.tensor([3e38, 3e38, -1e38, 3e38])
+    mask = torch.rand(n, generator=g) > 0.3
+    mask[n // 3: n // 3 + 5] = True
+    mask[-4:] = True
+    x[~mask] = math.nan
+    got = check_whiten(x.to(DEVICE), mask.to(DEVICE), unbiased, eps_mode, shift_mean)
+    assert bool(torch.isfinite(got).all())
+
+
+def test_whiten_equal_huge_values(small_tiles):
+    """Equal entries near the fp32 maximum: eps * 2^-2k underflows to 0, the output is still 0 (or mu)."""
+    x = torch.full((40,), 3e38, device=DEVICE)
+    mask = torch.ones(40, dtype=torch.bool, device=DEVICE)
+    mask[7] = False
+    for eps_mode in ref.EPS_MODES:
+        assert torch.equal(run_whiten(tk, x, mask, True, eps_mode, True), torch.zeros(40, device=DEVICE))
+        assert torch.equal(run_whiten(tk, x, mask, True, eps_mode, False), torch.where(mask, x, 0.0))
+
+
+@pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
+def test_whiten_masked_garbage_does_not_leak(small_tiles, fill):
+    g = _gen(16)
+    x = (torch.randn(100, generator=g) * 2 + 3).to(DEVICE)
+    mask = (torch.rand(100, generator=g) > 0.3).to(DEVICE)
+    mask[16:32] = False  # a whole partial of masked-out entries
+    for unbiased, eps_mode, shift_mean in ((True, "add", True), (False, "clamp", False)):
+        want = run_whiten(tk, torch.where(mask, x, 0.0), mask, unbiased, eps_mode, shift_mean)
+        got = run_whiten(tk, torch.where(mask, x, fill), mask, unbiased, eps_mode, shift_mean)
+        assert torch.equal(got, want)
+
+
 # ----------------------------------------------------------------------------------------------
 # discounted_returns and gae
 # ----------------------------------------------------------------------------------------------
@@ -328,6 +423,62 @@ def test_scans_large_values(small_tiles):
     for mode in ref.RETURN_MASK_MODES:
         check_returns(rewards, mask, 0.99, mode)
     check_gae(rewards, values, mask, 0.99, 0.95)
+
+
+def test_returns_reset_nan_example():
+    """A NaN reward at a masked position made every position to its left NaN (0 * NaN in the scan)."""
+    rewards = torch.tensor([[1.0, 2.0, math.nan, 3.0, 4.0]], device=DEVICE)
+    mask = torch.tensor([[1, 1, 0, 1, 1]], dtype=torch.bool, device=DEVICE)
+    with rlk.use_backend("triton"):
+        got = rlk.discounted_returns(rewards, mask, gamma=0.9, mask_mode="reset")
+        want = rlk.discounted_returns(torch.nan_to_num(rewards), mask, gamma=0.9, mask_mode="reset")
+    assert torch.equal(got[mask], want[mask]) and bool(torch.isnan(got[0, 2]))
+    truth = run_returns(ref, torch.nan_to_num(rewards).double(), mask, 0.9, "reset")
+    _check("discounted_returns", "reset", got[mask], truth[mask],
+           ref.returns_contract_scale(torch.nan_to_num(rewards), mask, 0.9, "reset")[mask])
+
+
+def _garbage_mask(b: int, t: int, seed: int) -> torch.Tensor:
+    """row_masks plus masked positions at chunk starts and ends of the small and the default BLOCK_T
+    (8 and 1024), where a state is carried from one chunk to the next."""
+    mask = row_masks(b, t, seed)
+    mask[0, [p for p in (0, 7, 8, 15, 16, 17, 24, 1023, 1024, 1025, 2047, 2048) if p < t]] = False
+    return mask
+
+
+# The interpreter's scan costs about BLOCK_T per chunk: the default BLOCK_T runs on the GPU only here.
+@pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("tiles, shape", [("small", (6, 37)), ("small", (2, 70)),
+                                          pytest.param("default", (6, 2100), marks=pytest.mark.gpu)])
+def test_scans_masked_garbage_does_not_leak(monkeypatch, tiles, shape, fill):
+    """NaN / inf rewards and values at masked positions: every mode's returns and GAE's advantages at
+    the unmasked positions are bitwise those with 0 there; carry, zero and the advantages do not read
+    a masked reward at all (their masked positions match too); reset and the returns of GAE put it
+    in their own masked position's output, as the reference does."""
+    _use_tiles(monkeypatch, tiles)
+    b, t = shape
+    g = _gen(17)
+    rewards = torch.randn(b, t, generator=g).to(DEVICE)
+    values = torch.randn(b, t, generator=g).to(DEVICE)
+    mask = _garbage_mask(b, t, 18)
+    clean_r, clean_v = torch.where(mask, rewards, 0.0), torch.where(mask, values, 0.0)
+    dirty_r, dirty_v = torch.where(mask, rewards, fill), torch.where(mask, values, fill)
+    for mode in ref.RETURN_MASK_MODES:
+        want = run_returns(tk, clean_r, mask, 0.99, mode)
+        got = run_returns(tk, dirty_r, mask, 0.99, mode)
+        assert torch.equal(got[mask], want[mask]), mode
+        if mode == "reset":
+            expected = run_returns(ref, dirty_r, mask, 0.99, mode)
+            assert torch.equal(got[~mask].isnan(), expected[~mask].isnan())
+            assert torch.equal(got[~mask].isinf(), expected[~mask].isinf())
+        else:
+            assert torch.equal(got, want), mode
+    clean_adv, clean_ret = run_gae(tk, clean_r, clean_v, mask, 0.99, 0.95)
+    adv, ret = run_gae(tk, dirty_r, clean_v, mask, 0.99, 0.95)
+    assert torch.equal(adv, clean_adv) and torch.equal(ret, clean_ret)
+    adv, ret = run_gae(tk, dirty_r, dirty_v, mask, 0.99, 0.95)
+    assert torch.equal(adv, clean_adv) and torch.equal(ret[mask], clean_ret[mask])
+    assert not bool(torch.isfinite(ret[~mask]).any())
 
 
 def _scan_outputs(rewards, values, mask):

@@ -138,6 +138,25 @@ def test_value_masked_garbage_and_empty_mask(small_blocks):
     assert float(loss) == 0.0 and bool((metrics == 0).all()) and bool((grad == 0).all())
 
 
+@pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dirty", [0, 1, 2])
+@pytest.mark.parametrize("clip", [0.2, None])
+def test_value_masked_garbage_in_each_input(small_blocks, dirty, fill, clip):
+    """NaN / inf at the masked positions of values, old_values or returns: loss, metrics and gradient
+    are bitwise those of the same call with 0 there."""
+    inputs = value_inputs(9, 40, seed=3)
+    mask = inputs[3]
+    weights = aggregation.row_weights(mask, "seq-mean-token-mean")
+    grad_loss = torch.tensor(1.3, device=DEVICE)
+    clean = [torch.where(mask, t, 0.0) for t in inputs[:3]]
+    garbage = list(clean)
+    garbage[dirty] = torch.where(mask, inputs[dirty], fill)
+    want = run_value(tk, *clean, mask, weights, clip, grad_loss)
+    got = run_value(tk, *garbage, mask, weights, clip, grad_loss)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert bool((got[2][~mask] == 0).all())
+
+
 def test_value_clipping_branches():
     """Hand-made tokens: inside the range, clipped larger (zero gradient), clipped smaller (unclipped gradient)."""
     values = torch.tensor([[1.0, 2.0, -1.0, 0.3]], device=DEVICE)

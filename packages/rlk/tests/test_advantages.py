@@ -304,6 +304,67 @@ def test_large_scores_with_a_small_spread():
         _assert_contract("group_advantages", mode, adv, truth, ref.group_contract_scale(truth, None, 8))
 
 
+# Spreads whose squares (or whose differences) overflow fp32, and the rloo / gpg values of each
+# stay representable: group 0 is the 1e20 example, group 1 spans +-3e38, group 2 is equal scores
+# near the fp32 maximum, group 3 an ordinary group next to them, and a huge singleton.
+HUGE_SCORES = [0.0, 1e20, -1e20, 3e19, 3e38, -3e38, 1e38, 0.0, 3e38, 3e38, 3e38, 3e38, 0.5, -1.0, 2.0, 0.25]
+HUGE_IDS = [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+HUGE_SCORES_RLOO = [0.0, 1e20, -1e20, 3e19, 1e38, -1e38, 5e37, 0.0, 3e38, 3e38, 3e38, 3e38, 0.5, -1.0, 2.0, 0.25]
+HUGE_LENGTHS = [3.0, 1.0, 0.0, 7.0, 2.0, 2.0, 1.0, 1.0, 3.0, 1.0, 0.0, 7.0, 3.0, 1.0, 0.0, 7.0]
+
+
+@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+def test_group_advantages_with_a_huge_spread(mode):
+    """The variance of a spread above ~1e19 overflows fp32 (it returned 0, or NaN at +-3e38); the
+    scores are scaled by a power of two first, so the advantages match fp64."""
+    scores = torch.tensor(HUGE_SCORES_RLOO if mode in ("rloo", "gpg") else HUGE_SCORES)
+    ids = torch.tensor(HUGE_IDS)
+    lengths = torch.tensor(HUGE_LENGTHS) if mode == "opo" else None
+    by_size = rlk.group_advantages(scores, group_size=4, mode=mode, lengths=lengths)
+    truth = _group_truth(mode, scores, ids, lengths)
+    assert float(truth.abs().max()) < torch.finfo(torch.float32).max  # representable advantages
+    _assert_contract("group_advantages", mode, by_size, truth, ref.group_contract_scale(truth, None, 4))
+    assert torch.all(by_size[8:12] == 0)  # equal scores of 3e38: exactly 0
+    assert torch.equal(rlk.group_advantages(scores, group_index=ids * 3, mode=mode, lengths=lengths), by_size)
+    single = rlk.group_advantages(torch.tensor([3e38, 1.0]), group_index=torch.tensor([0, 1]), mode=mode,
+                                  lengths=torch.ones(2) if mode == "opo" else None)
+    if mode != "gpg":
+        expected = torch.tensor([3e38, 1.0]) / torch.full((2,), 1 + 1e-6) if mode == "grpo" else torch.tensor([3e38, 1])
+        assert torch.equal(single, expected)
+
+
+def test_group_advantages_the_1e20_example():
+    adv = rlk.group_advantages(torch.tensor([0.0, 1e20, -1e20, 3e19]), group_size=4, mode="grpo")
+    s = torch.tensor([0.0, 1e20, -1e20, 3e19], dtype=torch.float64)
+    truth = (s - s.mean()) / (s.std() + 1e-6)
+    _assert_contract("group_advantages", "grpo", adv, truth, ref.group_contract_scale(truth, None, 4))
+
+
+@pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+def test_group_advantages_non_finite_scores_stay_in_their_group(monkeypatch, mode, fill):
+    """Every row is in a group; a NaN / inf score (or, unchecked, OPO length) changes its own group
+    only: the other groups are bitwise those of the same call with finite values there (distinct
+    values, so that gpg's count of non-zero advantages, where NaN counts, is the same)."""
+    scores, ids = _group_case(seed=21)
+    lengths = torch.randint(1, 50, ids.shape, generator=_gen(22)).float() if mode == "opo" else None
+    bad = ids == torch.mode(ids).values  # a group of several members
+    assert int(bad.sum()) > 2
+    finite = rlk.group_advantages(scores, group_index=ids, mode=mode, lengths=lengths)
+    dirty = scores.clone()
+    dirty[bad] = fill
+    dirty[bad.nonzero()[-1]] = 1.5  # a group of a non-finite score and finite ones
+    got = rlk.group_advantages(dirty, group_index=ids, mode=mode, lengths=lengths)
+    assert torch.equal(got[~bad], finite[~bad])
+    assert not bool(torch.isfinite(got[bad]).all())
+    if mode == "opo":
+        monkeypatch.setenv("RLK_CHECK_VALUES", "0")
+        dirty_len = lengths.clone()
+        dirty_len[bad] = fill
+        got = rlk.group_advantages(scores, group_index=ids, mode=mode, lengths=dirty_len)
+        assert torch.equal(got[~bad], finite[~bad])
+
+
 def test_reinforce_pp_baseline_then_whiten_matches_verl():
     scores, ids = _group_case(seed=5)
     b, t = scores.shape[0], 9
@@ -371,15 +432,95 @@ def test_masked_whiten_large_values():
     x = 1e6 + torch.randn(4, 50, generator=_gen(9))
     mask = _row_masks(4, 50, 9)
     out = rlk.masked_whiten(x, mask)
-    x64 = x.double()
-    _, _, mu, rstd = ref._whiten_stats(x64, mask, True, 1e-8, "add")
-    truth = torch.where(mask, (x64 - mu) * rstd, 0.0)
+    centered, _, rstd, _ = ref._whiten_stats(x.double(), mask, True, 1e-8, "add")
+    truth = torch.where(mask, centered * rstd, 0.0)
     _assert_contract("masked_whiten", "white", out, truth, ref.whiten_contract_scale(x, mask, True, 1e-8, "add", truth))
+
+
+@pytest.mark.parametrize("unbiased, eps_mode, shift_mean", [(True, "add", True), (False, "clamp", True),
+                                                         (True, "add", False)])
+def test_masked_whiten_huge_spread(unbiased, eps_mode, shift_mean):
+    """Squares of 1e20 (and sums of values near 3e38) overflow fp32: the statistics are computed on
+    values scaled by a power of two, and the output matches fp64."""
+    x = torch.tensor([[1e20, -1e20, 3e19, 5.0, 7.0, -2.0], [3e38, 2e38, -1e38, 3e38, 0.0, math.nan]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 1], [1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    for rows in ([0], [1], [0, 1]):
+        xs, ms = x[rows], mask[rows]
+        out = rlk.masked_whiten(xs, ms, unbiased=unbiased, eps_mode=eps_mode, shift_mean=shift_mean)
+        flat_x, flat_m = torch.where(ms, xs, 0.0).double().reshape(-1).tolist(), ms.reshape(-1).tolist()
+        if unbiased:
+            truth = verl_masked_whiten(flat_x, flat_m, shift_mean)
+        else:
+            truth = openrlhf_normalize(flat_x, flat_m)
+        truth = torch.where(ms, torch.tensor(truth, dtype=torch.float64).view(ms.shape), 0.0)
+        assert bool(torch.isfinite(truth).all())
+        scale = ref.whiten_contract_scale(xs, ms, unbiased, 1e-8, eps_mode, truth)
+        _assert_contract("masked_whiten", "white", out, truth, scale)
+
+
+def test_masked_whiten_equal_huge_values():
+    """Equal entries near the fp32 maximum: the scaled eps underflows, the output is still 0 (or mu)."""
+    x = torch.full((3, 4), 3e38)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[0, 0] = False
+    for eps_mode in ref.EPS_MODES:
+        assert torch.equal(rlk.masked_whiten(x, mask, eps_mode=eps_mode), torch.zeros(3, 4))
+        assert torch.equal(rlk.masked_whiten(x, mask, eps_mode=eps_mode, shift_mean=False), torch.where(mask, x, 0.0))
+
+
+GARBAGE = [math.nan, math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("fill", GARBAGE)
+def test_masked_whiten_masked_garbage_does_not_leak(fill):
+    x = torch.randn(5, 9, generator=_gen(23)) * 3 + 1
+    mask = _row_masks(5, 9, 23)
+    dirty = torch.where(mask, x, fill)
+    for unbiased, eps_mode, shift_mean in ((True, "add", True), (False, "clamp", False)):
+        want = rlk.masked_whiten(torch.where(mask, x, 0.0), mask, unbiased=unbiased, eps_mode=eps_mode,
+                                 shift_mean=shift_mean)
+        got = rlk.masked_whiten(dirty, mask, unbiased=unbiased, eps_mode=eps_mode, shift_mean=shift_mean)
+        assert torch.equal(got, want)  # masked-out entries are 0 in both
 
 
 # ----------------------------------------------------------------------------------------------
 # discounted_returns and gae
 # ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fill", GARBAGE)
+@pytest.mark.parametrize("mask_mode", ref.RETURN_MASK_MODES)
+def test_discounted_returns_masked_garbage_does_not_leak(mask_mode, fill):
+    """NaN / inf rewards at masked positions: the unmasked returns are bitwise those with 0 there;
+    carry and zero do not read a masked reward at all, reset puts it in its own position's output."""
+    rewards = torch.randn(6, 17, generator=_gen(24))
+    mask = _row_masks(6, 17, 24)
+    mask[0, 5:8] = False  # an interior gap
+    want = rlk.discounted_returns(torch.where(mask, rewards, 0.0), mask, 0.9, mask_mode=mask_mode)
+    got = rlk.discounted_returns(torch.where(mask, rewards, fill), mask, 0.9, mask_mode=mask_mode)
+    assert torch.equal(got[mask], want[mask])
+    if mask_mode == "reset":
+        assert not bool(torch.isfinite(got[~mask]).any())
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fill", GARBAGE)
+def test_gae_masked_garbage_does_not_leak(fill):
+    """NaN / inf rewards and values at masked positions: the advantages (all of them) and the unmasked
+    returns are bitwise those with 0 there; a masked return is a + V_t, as documented."""
+    g = _gen(25)
+    rewards, values = torch.randn(6, 19, generator=g), torch.randn(6, 19, generator=g) * 2
+    mask = _row_masks(6, 19, 25)
+    clean_r, clean_v = torch.where(mask, rewards, 0.0), torch.where(mask, values, 0.0)
+    clean_adv, clean_ret = rlk.gae(clean_r, clean_v, mask, gamma=0.99, lam=0.95)
+    dirty_r, dirty_v = torch.where(mask, rewards, fill), torch.where(mask, values, fill)
+    adv, ret = rlk.gae(dirty_r, clean_v, mask, gamma=0.99, lam=0.95)
+    assert torch.equal(adv, clean_adv) and torch.equal(ret, clean_ret)  # a masked reward is never read
+    for r in (clean_r, dirty_r):
+        adv, ret = rlk.gae(r, dirty_v, mask, gamma=0.99, lam=0.95)
+        assert torch.equal(adv, clean_adv) and torch.equal(ret[mask], clean_ret[mask])
+        assert not bool(torch.isfinite(ret[~mask]).any())
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.99])

@@ -260,6 +260,28 @@ def test_value_loss_masked_garbage_does_not_leak():
     assert bool(torch.isfinite(v.grad).all()) and bool((v.grad[~mask] == 0).all())
 
 
+@pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dirty", ["values", "old_values", "returns"])
+@pytest.mark.parametrize("clip, agg", [(0.2, "token-mean"), (None, "seq-mean-token-mean"), (0.5, "token-sum")])
+def test_value_loss_masked_garbage_in_each_input(dirty, fill, clip, agg):
+    """NaN / inf at the masked positions of any one input: loss, metrics and gradient are bitwise those
+    of the same call with 0 there (the gradient is 0 at masked positions, as documented)."""
+    inputs = dict(zip(("values", "old_values", "returns"), _value_inputs(seed=9)[:3]))
+    mask = _value_inputs(seed=9)[3]
+    mask[0, 3:6] = False  # interior holes, as multi-turn masks have
+    outs = []
+    for value in (0.0, fill):
+        x = {k: torch.where(mask, t, value) if k == dirty else torch.where(mask, t, 0.0) for k, t in inputs.items()}
+        v = x["values"].requires_grad_(True)
+        loss, metrics = rlk.value_loss(v, x["old_values"], x["returns"], mask, clip=clip, agg=agg)
+        loss.backward()
+        outs.append((loss.detach(), metrics, v.grad))
+    (loss0, metrics0, grad0), (loss1, metrics1, grad1) = outs
+    assert torch.equal(loss1, loss0) and torch.equal(grad1, grad0)
+    assert all(torch.equal(metrics1[k], metrics0[k]) for k in metrics0)
+    assert bool((grad1[~mask] == 0).all()) and bool(torch.isfinite(loss1))
+
+
 def test_value_loss_float_and_int_masks_and_16_bit_inputs():
     values, old_values, returns, mask = _value_inputs(seed=8)
     expected = rlk.value_loss(values, old_values, returns, mask)[0]

@@ -7,20 +7,26 @@ run to run; the per-group and per-row kernels are also batch-invariant (a group'
 result is computed by the same instruction sequence whatever the other groups / rows).
 
 * ``group_advantages``: one program per group, looping over the group's members in chunks of
-  ``BLOCK`` (fixed) and accumulating each chunk's ``tl.sum`` in chunk order: pass 1 the sum of
-  ``d = s - pivot`` (the pivot is the group's first score), pass 2 (``grpo``) the sum of
-  ``(d - mean_d)^2`` around the mean, pass 3 the advantages. For ``group_size`` groups program
-  ``g`` owns positions ``[g * size, (g + 1) * size)``. For ``group_index`` a CSR of the groups
-  is built on the device with deterministic torch ops (a stable sort of the ids, segment heads,
-  a reverse ``cummin`` for the segment lengths: no host synchronization); one program per
-  sorted position runs, and only segment heads do any work. Members keep their batch order
-  inside a group (stable sort), so a group's chunks, lanes and sums are the same wherever the
-  group sits and whatever the other groups are. ``gpg``'s ``alpha`` sums exact integer counts
-  of non-zero advantages per group (``torch.sum`` of int32: order-independent).
+  ``BLOCK`` (fixed) and accumulating each chunk's reduction in chunk order: pass 0 the largest
+  ``|s|`` (a max: exact, order-free), whose exponent ``k`` gives the exact power-of-two scale
+  ``2^-k`` applied to every score (so no sum or square overflows, whatever the spread), pass 1
+  the sum of ``d = s * 2^-k - pivot`` (the pivot is the group's first score, scaled), pass 2
+  (``grpo``) the sum of ``(d - mean_d)^2`` around the mean, pass 3 the advantages (scaled back by
+  ``2^k``). For ``group_size`` groups program ``g`` owns positions ``[g * size, (g + 1) * size)``.
+  For ``group_index`` a CSR of the groups is built on the device with deterministic torch ops (a
+  stable sort of the ids, segment heads, a reverse ``cummin`` for the segment lengths: no host
+  synchronization); one program per sorted position runs, and only segment heads do any work.
+  Members keep their batch order inside a group (stable sort), so a group's chunks, lanes and sums
+  are the same wherever the group sits and whatever the other groups are. ``gpg``'s ``alpha`` sums
+  exact integer counts of non-zero advantages per group (``torch.sum`` of int32: order-independent).
 * ``masked_whiten``: two passes, each a fixed partition of the flattened input into ``BLOCK``
   element partials followed by a one-program combine of the partials in index order: pass 1
-  gives ``n`` (exact int) and ``mu``, pass 2 ``sum (x - mu)^2`` and ``rstd``; a fifth launch
-  applies them. The statistics span the whole call by definition (no batch invariance).
+  gives per block the exponent ``k_p`` of its largest masked ``|x|`` and its sum of ``x * 2^-k_p``
+  (exact scaling: no overflow); the combine takes ``k = max k_p``, rescales each partial by
+  ``2^(k_p - k)`` (exact) and gives ``n`` (exact int) and ``mu' = mu * 2^-k``; pass 2 gives
+  ``sum (x * 2^-k - mu')^2`` and ``rstd' = rstd * 2^k``; a fifth launch applies them. The
+  statistics span the whole call by definition (no batch invariance). Masked-out entries are
+  loaded but only ever selected away (``tl.where``), never multiplied by 0.
 * ``discounted_returns`` and ``gae``: one program per row; the recurrences are linear, so
   each position is an affine map ``x -> a * x + b`` of the state coming from its right, and a
   chunk of ``BLOCK_T`` positions (fixed, aligned to position 0) is solved at once by
@@ -28,7 +34,10 @@ result is computed by the same instruction sequence whatever the other groups / 
   left). Chunks run from the last to the first, carrying the state (a scalar) in that fixed
   order: no Python loop over time, no host synchronization. A masked position of ``carry``
   (and of GAE) is the identity map ``(1, 0)``, which composes exactly, so trailing padding
-  does not change a row's values either.
+  does not change a row's values either. A map with ``a = 0`` (``reset`` after a masked
+  position) is the constant ``b``: composition and application select ``b`` there instead of
+  computing ``0 * x + b``, so a NaN or inf state coming from a masked position (its reward)
+  does not reach the positions to its left.
 
 Divisions and square roots are correctly rounded (``tl.div_rn``, ``tl.sqrt_rn``), as in torch, so a
 singleton group's ``s / (1 + eps)`` is the same bits on every device.
@@ -65,6 +74,20 @@ _RETURN_MASK_MODE_IDS = {"carry": 0, "reset": 1, "zero": 2}
 
 
 @triton.jit
+def _scale_exponent(m):
+    """``k = floor(log2 m)`` clamped to ``[0, 126]`` (int32), for fp32 ``m >= 0`` (a largest ``|x|``): read
+    from the exponent bits (spec: :func:`rlk.reference.advantages.pow2_scale`)."""
+    k = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return tl.minimum(tl.maximum(k, 0), 126)
+
+
+@triton.jit
+def _pow2(k):
+    """``2^k`` in fp32 for int32 ``-126 <= k <= 127``, built from bits: exact."""
+    return ((127 + k) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _group_chunk(scores_ptr, perm_ptr, start, offs, valid, BY_SIZE: tl.constexpr):
     """Batch positions and scores of the members ``offs`` (int64) of the group starting at ``start``."""
     if BY_SIZE:
@@ -93,10 +116,21 @@ def _group_advantages_kernel(
         first = start
     else:
         first = tl.load(perm_ptr + start, mask=n > 0, other=0)
-    pivot = tl.load(scores_ptr + first, mask=n > 0, other=0.0)
     n_f = tl.maximum(n, 1).to(tl.float32)
 
-    # pass 1: sum of d = s - pivot (and of w * d, w for opo), chunk by chunk in order
+    # pass 0: the group's largest |s|, whose exponent k scales every score by 2^-k (exact)
+    acc_max = 0.0
+    for j0 in range(0, n, BLOCK):
+        offs = j0 + lane
+        valid = offs < n
+        idx, s = _group_chunk(scores_ptr, perm_ptr, start, offs, valid, BY_SIZE)
+        acc_max = tl.maximum(acc_max, tl.max(tl.where(valid, tl.abs(s), 0.0)))
+    k = _scale_exponent(acc_max)
+    down = _pow2(-k)
+    up = _pow2(k)
+    pivot = tl.load(scores_ptr + first, mask=n > 0, other=0.0) * down
+
+    # pass 1: sum of d = s * 2^-k - pivot (and of w * d, w for opo), chunk by chunk in order
     acc_d = 0.0
     acc_wd = 0.0
     acc_w = 0.0
@@ -104,7 +138,7 @@ def _group_advantages_kernel(
         offs = j0 + lane
         valid = offs < n
         idx, s = _group_chunk(scores_ptr, perm_ptr, start, offs, valid, BY_SIZE)
-        d = tl.where(valid, s - pivot, 0.0)
+        d = tl.where(valid, s * down - pivot, 0.0)
         acc_d += tl.sum(d)
         if MODE == 3:
             w = tl.load(lengths_ptr + idx, mask=valid, other=0.0)
@@ -114,17 +148,18 @@ def _group_advantages_kernel(
     if MODE == 3:
         base = tl.where(acc_w > 0, tl.div_rn(acc_wd, tl.where(acc_w > 0, acc_w, 1.0)), base)
 
-    # pass 2 (grpo): sum of squared deviations around the mean
-    std = 0.0
+    # pass 2 (grpo): sum of squared deviations around the mean, and the denominator std' + eps * 2^-k
+    den = 1.0
     if MODE == 0:
         acc_ss = 0.0
         for j0 in range(0, n, BLOCK):
             offs = j0 + lane
             valid = offs < n
             idx, s = _group_chunk(scores_ptr, perm_ptr, start, offs, valid, BY_SIZE)
-            c = tl.where(valid, (s - pivot) - base, 0.0)
+            c = tl.where(valid, (s * down - pivot) - base, 0.0)
             acc_ss += tl.sum(c * c)
-        std = tl.sqrt_rn(tl.div_rn(acc_ss, tl.maximum(n_f - 1.0, 1.0)))
+        den = tl.sqrt_rn(tl.div_rn(acc_ss, tl.maximum(n_f - 1.0, 1.0))) + eps * down
+        den = tl.where(den > 0, den, 1.0)  # equal huge scores: c = 0 and eps * 2^-k underflowed
     factor = tl.div_rn(n_f, tl.maximum(n_f - 1.0, 1.0))
 
     # pass 3: the advantages
@@ -134,13 +169,13 @@ def _group_advantages_kernel(
         offs = j0 + lane
         valid = offs < n
         idx, s = _group_chunk(scores_ptr, perm_ptr, start, offs, valid, BY_SIZE)
-        c = (s - pivot) - base
+        c = (s * down - pivot) - base
         if MODE == 0:
-            a = tl.where(single, tl.div_rn(s, 1.0 + eps), tl.div_rn(c, std + eps))
+            a = tl.where(single, tl.div_rn(s, 1.0 + eps), tl.div_rn(c, den))
         elif MODE == 2:
-            a = tl.where(single, s, c * factor)
+            a = tl.where(single, s, (c * factor) * up)
         else:
-            a = tl.where(single, s, c)
+            a = tl.where(single, s, c * up)
         if GPG:
             nonzero += tl.sum((valid & (a != 0.0)).to(tl.int32))
         tl.store(out_ptr + idx, a, mask=valid)
@@ -201,67 +236,89 @@ def group_advantages_fwd(scores, group_index, group_size, lengths, mode, eps, ou
 
 @triton.jit
 def _whiten_partial_kernel(
-    x_ptr, mask_ptr, stats_ptr, part_ptr, count_ptr, N,
+    x_ptr, mask_ptr, stats_ptr, part_ptr, count_ptr, exp_ptr, N,
     CENTERED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """``part[p] = sum over block p of x`` (and ``count[p]`` = masked entries), or with ``CENTERED``
-    of ``(x - mu)^2``, ``mu = stats[0]``; masked-out entries contribute 0."""
+    """Block ``p``'s partials; masked-out entries contribute 0 and are never used in arithmetic.
+
+    Pass 1: ``exp[p] = k_p`` (the exponent of the block's largest masked ``|x|``, clamped as in
+    :func:`_scale_exponent`), ``part[p] = sum x * 2^-k_p`` and ``count[p]`` (masked entries).
+    Pass 2 (``CENTERED``): ``part[p] = sum (x * 2^-k - mu')^2``, ``mu' = stats[0]``, ``2^-k = stats[2]``.
+    """
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < N
     m = tl.load(mask_ptr + offs, mask=inb, other=0) != 0
     x = tl.load(x_ptr + offs, mask=inb, other=0.0)
     if CENTERED:
-        mu = tl.load(stats_ptr)
-        c = x - mu
+        c = x * tl.load(stats_ptr + 2) - tl.load(stats_ptr)
         tl.store(part_ptr + pid, tl.sum(tl.where(m, c * c, 0.0)))
     else:
-        tl.store(part_ptr + pid, tl.sum(tl.where(m, x, 0.0)))
+        k = _scale_exponent(tl.max(tl.where(m, tl.abs(x), 0.0)))
+        tl.store(exp_ptr + pid, k)
+        tl.store(part_ptr + pid, tl.sum(tl.where(m, x * _pow2(-k), 0.0)))
         tl.store(count_ptr + pid, tl.sum(m.to(tl.int32)))
 
 
 @triton.jit
 def _whiten_combine_kernel(
-    part_ptr, count_ptr, stats_ptr, total_ptr, n_parts, eps,
+    part_ptr, count_ptr, exp_ptr, stats_ptr, total_ptr, n_parts, eps,
     STAGE: tl.constexpr, UNBIASED: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Sum the partials in index order (``BLOCK`` at a time). Stage 0: ``total = n``, ``stats[0] = mu``;
-    stage 1: ``stats[1] = rstd``."""
+    """Combine the partials in index order (``BLOCK`` at a time).
+
+    Stage 0: ``k = max_p k_p``; ``total = n``; ``stats = (mu', -, 2^-k, mu)`` with ``mu' = sum_p part_p *
+    2^(k_p - k) / n`` (each rescale exact: ``k_p - k >= -126``) and ``mu = mu' * 2^k``.
+    Stage 1: ``stats[1] = rstd' = 1 / sqrt(var' + eps')`` (``max(var', eps')`` with ``CLAMP``),
+    ``eps' = eps * 2^-k * 2^-k``; 0 when that is 0 (every ``x' - mu'`` is 0 then).
+    """
     lane = tl.arange(0, BLOCK)
-    acc = 0.0
-    n = tl.zeros((), tl.int64)
-    for p0 in range(0, n_parts, BLOCK):
-        offs = p0 + lane
-        inb = offs < n_parts
-        acc += tl.sum(tl.load(part_ptr + offs, mask=inb, other=0.0))
-        if STAGE == 0:
-            n += tl.sum(tl.load(count_ptr + offs, mask=inb, other=0).to(tl.int64))
     if STAGE == 0:
+        k = tl.zeros((), tl.int32)
+        for p0 in range(0, n_parts, BLOCK):
+            offs = p0 + lane
+            k = tl.maximum(k, tl.max(tl.load(exp_ptr + offs, mask=offs < n_parts, other=0)))
+        acc = 0.0
+        n = tl.zeros((), tl.int64)
+        for p0 in range(0, n_parts, BLOCK):
+            offs = p0 + lane
+            inb = offs < n_parts
+            rescale = _pow2(tl.load(exp_ptr + offs, mask=inb, other=0) - k)
+            acc += tl.sum(tl.load(part_ptr + offs, mask=inb, other=0.0) * rescale)
+            n += tl.sum(tl.load(count_ptr + offs, mask=inb, other=0).to(tl.int64))
         tl.store(total_ptr, n)
-        tl.store(stats_ptr, tl.div_rn(acc, tl.maximum(n, 1).to(tl.float32)))
+        mu_scaled = tl.div_rn(acc, tl.maximum(n, 1).to(tl.float32))
+        tl.store(stats_ptr, mu_scaled)
+        tl.store(stats_ptr + 2, _pow2(-k))
+        tl.store(stats_ptr + 3, mu_scaled * _pow2(k))
     else:
+        acc = 0.0
+        for p0 in range(0, n_parts, BLOCK):
+            offs = p0 + lane
+            acc += tl.sum(tl.load(part_ptr + offs, mask=offs < n_parts, other=0.0))
         n = tl.load(total_ptr)
         if UNBIASED:
             n = n - 1
         var = tl.div_rn(acc, tl.maximum(n, 1).to(tl.float32))
+        down = tl.load(stats_ptr + 2)
+        eps_scaled = eps * down * down
         if CLAMP:
-            var = tl.maximum(var, eps)
+            var = tl.maximum(var, eps_scaled)
         else:
-            var = var + eps
-        tl.store(stats_ptr + 1, tl.div_rn(1.0, tl.sqrt_rn(var)))
+            var = var + eps_scaled
+        tl.store(stats_ptr + 1, tl.where(var > 0, tl.div_rn(1.0, tl.sqrt_rn(tl.where(var > 0, var, 1.0))), 0.0))
 
 
 @triton.jit
 def _whiten_apply_kernel(x_ptr, mask_ptr, stats_ptr, out_ptr, N, SHIFT_MEAN: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = (x * 2^-k - mu') * rstd' (+ mu)`` where mask, else 0."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < N
     m = tl.load(mask_ptr + offs, mask=inb, other=0) != 0
     x = tl.load(x_ptr + offs, mask=inb, other=0.0)
-    mu = tl.load(stats_ptr)
-    rstd = tl.load(stats_ptr + 1)
-    y = (x - mu) * rstd
+    y = (x * tl.load(stats_ptr + 2) - tl.load(stats_ptr)) * tl.load(stats_ptr + 1)
     if not SHIFT_MEAN:
-        y = y + mu
+        y = y + tl.load(stats_ptr + 3)
     tl.store(out_ptr + offs, tl.where(m, y, 0.0), mask=inb)
 
 
@@ -269,23 +326,24 @@ def masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean, out):
     """Whiten ``x`` ``[N]`` fp32 over ``mask`` ``[N]`` bool into ``out`` ``[N]`` fp32.
 
     Args and math: :func:`rlk.reference.advantages.masked_whiten_fwd`. Five launches (partials,
-    combine, centred partials, combine, apply); scratch: ``cdiv(N, BLOCK)`` floats and int32 counts.
+    combine, centred partials, combine, apply); scratch: ``cdiv(N, BLOCK)`` floats and two int32s each.
     """
     n = x.numel()
     cfg = TILE_CONFIGS["whiten"]
     n_parts = triton.cdiv(n, cfg["BLOCK"])
     part = torch.empty(n_parts, dtype=torch.float32, device=x.device)
     count = torch.empty(n_parts, dtype=torch.int32, device=x.device)
-    stats = torch.empty(2, dtype=torch.float32, device=x.device)
+    exps = torch.empty(n_parts, dtype=torch.int32, device=x.device)
+    stats = torch.empty(4, dtype=torch.float32, device=x.device)  # mu', rstd', 2^-k, mu
     total = torch.empty(1, dtype=torch.int64, device=x.device)
     block, combine, warps = cfg["BLOCK"], cfg["COMBINE_BLOCK"], cfg["num_warps"]
     clamp = eps_mode == "clamp"
     with on_device(x.device):
         for stage in (0, 1):
-            _whiten_partial_kernel[(n_parts,)](x, mask, stats, part, count, n, CENTERED=stage == 1, BLOCK=block,
-                                               num_warps=warps)
-            _whiten_combine_kernel[(1,)](part, count, stats, total, n_parts, eps, STAGE=stage, UNBIASED=unbiased,
-                                         CLAMP=clamp, BLOCK=combine, num_warps=warps)
+            _whiten_partial_kernel[(n_parts,)](x, mask, stats, part, count, exps, n, CENTERED=stage == 1,
+                                               BLOCK=block, num_warps=warps)
+            _whiten_combine_kernel[(1,)](part, count, exps, stats, total, n_parts, eps, STAGE=stage,
+                                         UNBIASED=unbiased, CLAMP=clamp, BLOCK=combine, num_warps=warps)
         _whiten_apply_kernel[(n_parts,)](x, mask, stats, out, n, SHIFT_MEAN=shift_mean, BLOCK=block,
                                          num_warps=warps)
 
@@ -296,16 +354,24 @@ def masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean, out):
 
 
 @triton.jit
+def _affine(a, x, b):
+    """``a * x + b``, and exactly ``b`` where ``a == 0``: a zero coefficient drops ``x`` by a select, so a
+    NaN or inf state (from a masked position) cannot turn into NaN through ``0 * x``. For finite ``x``
+    the value is the same (up to the sign of a zero)."""
+    return tl.where(a == 0.0, b, a * x + b)
+
+
+@triton.jit
 def _compose(a1, b1, a2, b2):
-    """Map ``(a1, b1)`` then map ``(a2, b2)``: ``x -> a2 * (a1 * x + b1) + b2``."""
-    return a2 * a1, a2 * b1 + b2
+    """Map ``(a1, b1)`` then map ``(a2, b2)``: ``x -> a2 * (a1 * x + b1) + b2`` (``a2 == 0``: constant ``b2``)."""
+    return a2 * a1, _affine(a2, b1, b2)
 
 
 @triton.jit
 def _apply_scan(a, b, carry):
     """Each lane's state after its position: the maps of lanes ``0..j`` composed, applied to ``carry``."""
     acc_a, acc_b = tl.associative_scan((a, b), 0, _compose)
-    return acc_a * carry + acc_b
+    return _affine(acc_a, carry, acc_b)
 
 
 @triton.jit

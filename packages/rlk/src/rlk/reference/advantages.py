@@ -5,22 +5,34 @@ gradient in RL training):
 
 ``group_advantages_fwd``
     One score ``s_i`` per sequence, sequences grouped by prompt. For a group ``g`` of ``n``
-    members, in group order (ascending batch position), let ``p`` be the score of the first
-    member (the *pivot*) and ``d_i = s_i - p``. Then::
+    members, in group order (ascending batch position), the scores are first scaled by an
+    exact power of two, ``s'_i = s_i * 2^-k`` with ``k`` the exponent of the group's largest
+    ``|s|`` (:func:`pow2_scale`: ``2^k <= max_g |s| < 2^(k+1)``, ``k`` clamped to ``[0, 126]``
+    in fp32), so ``|s'| < 4`` and no sum or square below can overflow (a spread of 1e20
+    squares to 1e40, past fp32's 3.4e38). Let ``p`` be the scaled score of the first member
+    (the *pivot*) and ``d_i = s'_i - p``. Then::
 
-        mean_g = p + base_d,     base_d = sum_g d / n
-        c_i    = d_i - base_d                       (= s_i - mean_g)
-        var_g  = sum_g c^2 / (n - 1)                (Bessel, around the mean: never E[s^2] - E[s]^2)
+        mean'_g = p + base_d,     base_d = sum_g d / n
+        c_i     = d_i - base_d                      (= (s_i - mean_g) * 2^-k)
+        var'_g  = sum_g c^2 / (n - 1)               (Bessel, around the mean: never E[s^2] - E[s]^2)
+        std'_g  = sqrt(var'_g)                      (= std_g * 2^-k)
 
     and per mode::
 
-        grpo                   c_i / (sqrt(var_g) + eps)
-        dr_grpo                c_i
-        reinforce_pp_baseline  c_i        (the caller then whitens it per token: masked_whiten)
-        rloo                   c_i * (n / (n - 1))                  (= s_i - mean of the others)
-        opo                    d_i - sum_g(w d) / sum_g(w),  w = lengths (the length-weighted
-                               baseline sum_g(w s) / sum_g(w); the plain mean if sum_g(w) == 0)
-        gpg                    alpha * c_i,  alpha = B / max(#{i : a_i != 0}, 1)
+        grpo                   c_i / (std'_g + eps * 2^-k)        (= (s_i - mean_g) / (std_g + eps))
+        dr_grpo                c_i * 2^k
+        reinforce_pp_baseline  c_i * 2^k  (the caller then whitens it per token: masked_whiten)
+        rloo                   (c_i * (n / (n - 1))) * 2^k         (= s_i - mean of the others)
+        opo                    (d_i - sum_g(w d) / sum_g(w)) * 2^k,  w = lengths (the length-
+                               weighted baseline sum_g(w s) / sum_g(w); the plain mean if
+                               sum_g(w) == 0)
+        gpg                    alpha * c_i * 2^k,  alpha = B / max(#{i : a_i != 0}, 1)
+
+    Scaling by a power of two is exact (barring underflow of terms far below the group's
+    largest score), so the results are the bits of the unscaled formulas wherever those do
+    not overflow. In ``grpo`` a group of equal scores has ``c = 0`` and ``std' = 0``; its
+    denominator ``eps * 2^-k`` can underflow to 0 for huge scores, so a zero denominator is
+    taken as 1 (the advantages are 0 either way).
 
     A singleton group (``n == 1``) has mean 0 and std 1 (verl's convention): its advantage
     is ``s / (1 + eps)`` for ``grpo`` and ``s`` for every other mode. The pivot makes a
@@ -28,20 +40,29 @@ gradient in RL training):
     conditioned for large scores with a small spread. ``gpg`` (GPG, arXiv 2504.02546) is
     the Dr.GRPO advantage scaled by GPG's gradient-estimation correction
     ``alpha = B / B_valid``, where ``B_valid`` counts the sequences of the call whose
-    unscaled advantage (``c_i``, or ``s_i`` for a singleton) is non-zero: it depends on the
-    whole call, not just on the group.
+    advantage before ``alpha`` (``c_i * 2^k``, or ``s_i`` for a singleton) is non-zero: it
+    depends on the whole call, not just on the group. Every row belongs to a group, and a
+    group reads only its own scores (and lengths): a NaN or inf score gives NaN / inf
+    advantages in its own group only (and counts as non-zero for ``gpg``'s ``alpha``).
 
 ``masked_whiten_fwd``
-    Over the entries with ``mask`` true (``n`` of them)::
+    Over the entries with ``mask`` true (``n`` of them), scaled like the groups above by
+    ``2^-k``, ``k`` the exponent of the largest masked ``|x|`` (:func:`pow2_scale`), so that
+    neither the sum nor the squares overflow (``x' = x * 2^-k``, ``|x'| < 4``)::
 
-        mu   = sum_m x / max(n, 1)
-        var  = sum_m (x - mu)^2 / max(n - 1, 1)      (unbiased, verl)
-             = sum_m (x - mu)^2 / max(n, 1)          (biased, OpenRLHF)
-        rstd = 1 / sqrt(var + eps)                   (eps_mode "add", verl)
-             = 1 / sqrt(max(var, eps))               (eps_mode "clamp", OpenRLHF)
-        out  = (x - mu) * rstd (+ mu unless shift_mean)   where mask, else 0
+        mu'   = sum_m x' / max(n, 1)                 (mu = mu' * 2^k)
+        var'  = sum_m (x' - mu')^2 / max(n - 1, 1)   (unbiased, verl)
+              = sum_m (x' - mu')^2 / max(n, 1)       (biased, OpenRLHF)
+        eps'  = eps * 2^-k * 2^-k
+        rstd' = 1 / sqrt(var' + eps')                (eps_mode "add", verl)
+              = 1 / sqrt(max(var', eps'))            (eps_mode "clamp", OpenRLHF)
+        out   = (x' - mu') * rstd' (+ mu unless shift_mean)   where mask, else 0
 
-    An empty mask gives all zeros; a single masked entry gives 0 (``mu`` when not shifting).
+    which is ``(x - mu) * rstd`` with ``rstd = 1 / sqrt(var + eps)`` (``max(var, eps)``):
+    the same bits wherever the unscaled formulas do not overflow. When ``var' + eps'`` is 0
+    (equal entries so large that ``eps'`` underflows to 0: above ~5e18 for ``eps = 1e-8``)
+    ``rstd'`` is taken as 0: every ``x' - mu'`` is 0 then. An empty mask gives all zeros; a single masked entry
+    gives 0 (``mu`` when not shifting). Entries with mask false never enter the statistics.
 
 ``discounted_returns_fwd``
     Per row, right to left, from ``G = 0`` after the last position; ``mask_mode`` says what
@@ -56,7 +77,10 @@ gradient in RL training):
             (masked rewards count as 0; discounting continues through masked positions)
 
     All three agree on the unmasked positions when the mask is 1 then 0 (trailing padding)
-    and the padding rewards are 0; they differ for interior masked spans (multi-turn).
+    and the padding rewards are 0; they differ for interior masked spans (multi-turn). The
+    mask acts through selects, never through a multiplication by 0 or 1, so a masked reward
+    (NaN, inf, anything) never reaches an unmasked position; in ``reset`` it is in the output
+    at its own position (``G_t = r_t + ...``), in ``carry`` and ``zero`` it is not read.
 
 ``gae_fwd``
     Per row, right to left from ``nv = 0`` (the next value) and ``a = 0`` (verl's
@@ -68,7 +92,9 @@ gradient in RL training):
         advantages_t = a (after position t),   returns_t = advantages_t + V_t
 
     so a masked position's advantage is the one of the next unmasked position to its
-    right (0 if none), and ``nv`` is the value of the next unmasked position.
+    right (0 if none), and ``nv`` is the value of the next unmasked position. A masked
+    position's reward and value never reach the advantages or the unmasked returns (selects,
+    not multiplications by the mask); its own return is ``a + V_t`` (NaN for a NaN ``V_t``).
 
 The recurrences' constants ``gamma`` and ``gamma_lam`` come rounded to the compute dtype
 (:func:`recurrence_constants`; fp32 torch code such as verl's multiplies by exactly these), so
@@ -103,6 +129,24 @@ def recurrence_constants(gamma: float, lam: float, dtype: torch.dtype) -> tuple[
     cdt = _compute_dtype(dtype)
     return (float(torch.tensor(gamma, dtype=torch.float64).to(cdt)),
             float(torch.tensor(gamma * lam, dtype=torch.float64).to(cdt)))
+
+
+#: Per compute dtype: (int view, mantissa bits, exponent bias, largest k of :func:`pow2_scale`).
+_FLOAT_BITS = {torch.float32: (torch.int32, 23, 127, 126), torch.float64: (torch.int64, 52, 1023, 1022)}
+
+
+def pow2_scale(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2^-k, 2^k)`` for ``m >= 0`` (fp32 or fp64, any shape), ``k = floor(log2 m)`` clamped to
+    ``[0, k_max]`` (126 in fp32, 1022 in fp64; ``k = 0`` for ``m < 2``, so small inputs are not
+    scaled at all).
+
+    ``k`` is read from ``m``'s exponent bits and both powers are built from bits, so they are
+    exact and multiplying by them is exact (barring underflow): ``|x| <= m`` gives ``|x * 2^-k| < 4``.
+    """
+    int_dtype, mantissa, bias, k_max = _FLOAT_BITS[m.dtype]
+    k = ((m.contiguous().view(int_dtype) >> mantissa) & (2 * bias + 1)) - bias
+    k = k.clamp(0, k_max)
+    return ((bias - k) << mantissa).view(m.dtype), ((bias + k) << mantissa).view(m.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,7 +193,9 @@ def group_advantages_fwd(scores, group_index, group_size, lengths, mode, eps, ou
     safe = members.clamp(min=0)
     s = torch.where(valid, scores[safe].to(cdt), 0.0)
     n = valid.sum(1).to(cdt)
-    d = torch.where(valid, s - s[:, :1], 0.0)
+    down, up = pow2_scale(torch.where(valid, s.abs(), 0.0).amax(1))  # per group: 2^-k, 2^k
+    s_scaled = s * down[:, None]
+    d = torch.where(valid, s_scaled - s_scaled[:, :1], 0.0)
     base = d.sum(1) / n
     if mode == "opo":
         w = torch.where(valid, lengths[safe].to(cdt), 0.0)
@@ -159,12 +205,14 @@ def group_advantages_fwd(scores, group_index, group_size, lengths, mode, eps, ou
     single = (n == 1)[:, None]
     if mode == "grpo":
         var = (c * c).sum(1) / (n - 1).clamp(min=1)
-        adv = torch.where(single, s / (1.0 + eps), c / (torch.sqrt(var)[:, None] + eps))
+        den = torch.sqrt(var) + eps * down
+        den = torch.where(den > 0, den, 1.0)  # equal huge scores: c = 0 and eps * 2^-k underflowed
+        adv = torch.where(single, s / (1.0 + eps), c / den[:, None])
     elif mode == "rloo":
         factor = n / (n - 1).clamp(min=1)
-        adv = torch.where(single, s, c * factor[:, None])
+        adv = torch.where(single, s, (c * factor[:, None]) * up[:, None])
     elif mode in ("dr_grpo", "reinforce_pp_baseline", "opo", "gpg"):
-        adv = torch.where(single, s, c)
+        adv = torch.where(single, s, c * up[:, None])
     else:
         raise ValueError(f"mode: expected one of {', '.join(GROUP_MODES)}, got {mode!r}")
     if mode == "gpg":
@@ -192,20 +240,27 @@ def group_contract_scale(ref: torch.Tensor, group_index: torch.Tensor | None, gr
 
 
 def _whiten_stats(x: torch.Tensor, mask: torch.Tensor, unbiased: bool, eps: float, eps_mode: str):
+    """The scaled statistics of the module docstring: ``(centered', mu, rstd', down)`` with
+    ``centered' = (x' - mu')`` where mask (0 elsewhere), ``mu`` unscaled, ``rstd'`` and ``down = 2^-k``
+    (so ``rstd = rstd' * down``)."""
     cdt = _compute_dtype(x.dtype)
     x = x.to(cdt)
     count = mask.sum()
-    mu = torch.where(mask, x, 0.0).sum() / count.clamp(min=1).to(cdt)
-    centered = torch.where(mask, x - mu, 0.0)
+    down, up = pow2_scale(torch.where(mask, x.abs(), 0.0).amax() if x.numel() else x.new_zeros(()))
+    x_scaled = x * down
+    mu_scaled = torch.where(mask, x_scaled, 0.0).sum() / count.clamp(min=1).to(cdt)
+    centered = torch.where(mask, x_scaled - mu_scaled, 0.0)
     denom = (count - 1 if unbiased else count).clamp(min=1).to(cdt)
     var = (centered * centered).sum() / denom
+    eps_scaled = eps * down * down
     if eps_mode == "add":
-        rstd = torch.rsqrt(var + eps)
+        var = var + eps_scaled
     elif eps_mode == "clamp":
-        rstd = torch.rsqrt(var.clamp(min=eps))
+        var = var.clamp(min=eps_scaled)
     else:
         raise ValueError(f"eps_mode: expected one of {', '.join(EPS_MODES)}, got {eps_mode!r}")
-    return x, centered, mu, rstd
+    rstd = torch.where(var > 0, torch.rsqrt(torch.where(var > 0, var, 1.0)), 0.0)
+    return centered, mu_scaled * up, rstd, down
 
 
 def masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean, out):
@@ -220,7 +275,7 @@ def masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean, out):
         shift_mean: when False, the mean is added back.
         out: ``[N]``, ``x.dtype``: written; 0 where ``mask`` is false.
     """
-    _, centered, mu, rstd = _whiten_stats(x, mask, unbiased, eps, eps_mode)
+    centered, mu, rstd, _ = _whiten_stats(x, mask, unbiased, eps, eps_mode)
     white = centered * rstd
     if not shift_mean:
         white = white + mu
@@ -229,9 +284,11 @@ def masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean, out):
 
 def whiten_contract_scale(x, mask, unbiased, eps, eps_mode, ref) -> torch.Tensor:
     """``1 + |ref| + (|x| + |mu|) * rstd`` per entry (fp64): ``x - mu`` is exact to about
-    ``(|x| + |mu|) * 2^-24`` in fp32, and is then multiplied by ``rstd``."""
-    x64, _, mu, rstd = _whiten_stats(x.double(), mask, unbiased, eps, eps_mode)
-    return 1.0 + ref.double().abs() + (x64.abs() + mu.abs()) * rstd
+    ``(|x| + |mu|) * 2^-24`` in fp32, and is then multiplied by ``rstd``. Masked-out entries
+    (which may hold anything) count as 0."""
+    x64 = torch.where(mask, x.double(), 0.0)
+    _, mu, rstd, down = _whiten_stats(x64, mask, unbiased, eps, eps_mode)
+    return 1.0 + ref.double().abs() + (x64.abs() + mu.abs()) * (rstd * down)
 
 
 # ----------------------------------------------------------------------------------------------
