@@ -316,7 +316,7 @@ def test_patch_model_without_transformers_models_is_harmless():
 def test_the_varlen_layout_is_computed_once_per_forward(monkeypatch):
     """Every layer gets the same padding mask: its varlen layout (host synchronizations) is computed once per
     forward, and again for a new mask."""
-    import rlk.hf as hf
+    import rlk.hf.patch as hf
 
     _transformers()
     calls = []

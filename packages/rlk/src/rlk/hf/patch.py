@@ -1,4 +1,4 @@
-"""Hugging Face transformers integration: :func:`patch_model` / :func:`unpatch_model`.
+"""The batch-invariant patch of a transformers causal LM: :func:`patch_model` / :func:`unpatch_model`.
 
 The aten overrides of :mod:`rlk.batch_invariant` cannot reach two things in a transformers causal LM:
 
