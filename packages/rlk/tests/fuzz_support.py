@@ -6,8 +6,9 @@ Profiles (environment variable ``RLK_FUZZ``):
 * ``ci`` (the default): a few examples per property and small shapes, from a seed fixed per property
   and backend (every run draws the same examples); the CPU suite runs the Triton kernels through the
   interpreter (``TRITON_INTERPRET=1``), where every program is slow, so they get the fewest.
-* ``long``: many examples and larger shapes, drawn at random on every run; on a GPU machine the ops
-  run on CUDA tensors with every backend installed there (triton, cuda, reference).
+* ``long``: many examples (200 per property, ``RLK_FUZZ_EXAMPLES=N`` for another number) and larger
+  shapes, drawn at random on every run; on a GPU machine the ops run on CUDA tensors with every backend
+  installed there (triton, cuda, reference).
 
 Neither profile writes a hypothesis database (``database=None``). A failure prints hypothesis's
 falsifying example (the drawn case, a frozen dataclass whose ``repr`` is Python; shrunk to a minimal one
@@ -42,6 +43,8 @@ PROFILE = os.environ.get("RLK_FUZZ", "ci")
 if PROFILE not in ("ci", "long"):
     raise ValueError(f"RLK_FUZZ: expected 'ci' or 'long', got {PROFILE!r}")
 LONG = PROFILE == "long"
+#: Examples per property in the long profile.
+LONG_EXAMPLES = int(os.environ.get("RLK_FUZZ_EXAMPLES", "200"))
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 
@@ -67,16 +70,18 @@ FILTERS = [
 ]
 
 
-def fuzz_run(check, backend: str, cases: st.SearchStrategy, ci: int, long: int = 200) -> None:
+def fuzz_run(check, backend: str, cases: st.SearchStrategy, ci: int) -> None:
     """Run ``check(backend, case)`` on examples of ``cases`` (a strategy of frozen dataclasses).
 
     The ``ci`` profile draws ``ci`` examples on a backend running in the Triton interpreter and three times as
     many elsewhere, from a seed fixed per check and backend (the same examples every run); the ``long`` profile
-    draws ``long`` examples at random. A failure prints hypothesis's falsifying case (shrunk, see :data:`PHASES`)
+    draws :data:`LONG_EXAMPLES` at random. A failure prints hypothesis's falsifying case (shrunk, see :data:`PHASES`)
     and a repro line.
     """
-    @settings(max_examples=long if LONG else (ci if interpreted(backend) else 3 * ci), database=None, deadline=None,
-              print_blob=False, phases=PHASES, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    examples = LONG_EXAMPLES if LONG else (ci if interpreted(backend) else 3 * ci)
+
+    @settings(max_examples=examples, database=None, deadline=None, print_blob=False, phases=PHASES,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(case=cases)
     def run(case):
         env = "TRITON_INTERPRET=1 " if interpreted(backend) else ""

@@ -21,7 +21,9 @@ of magnitude 80-100 are drawn only where the loss and gradient stay bounded (``c
 or ``clamp_log_ratio`` at most 60), and then the ``ratio_mean`` / ``ratio_max`` metrics are not compared
 when a masked token's ratio overflows; elsewhere log-ratios stay within +-50. ``kl_unbiased`` weighs the
 KL by the unclamped ratio: log-ratios within +-50 there. The plain k3 estimator (``k3_clamp=False``)
-computes ``exp(-delta)``: KL log-ratios within +-20 there (within +-100 otherwise).
+computes ``exp(-delta)``: KL log-ratios within +-20 there (within +-100 otherwise). ``kl_penalty``'s contract
+scale is ``1 + |ref|`` (no allowance for the rounding of a log-ratio that ``exp`` amplifies, unlike
+``policy_loss``'s): its importance-weight log-ratios stay within +-5.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ KL_NAMES = ("k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl", "k3+", "k1+")
 #: Losses whose value and gradient stay bounded whatever the ratio.
 BOUNDED_LOSSES = ("cispo", "gpg", "sapo")
 OPTIONAL = ("importance_weights", "ref_logprob", "entropy")
+
+
 # =============================================================================================
 # policy_loss and policy_loss_and_grad
 # =============================================================================================
@@ -171,7 +175,7 @@ def policy_cases(draw, backend: str, invariant: bool = False, one_row: bool = Fa
         b=b, t=draw(sizes(1 if one_row else 0, limit(backend, 129, 300))), seed=draw(seeds),
         kwargs=tuple(sorted(kw.items())),
         dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
-        adv=draw(st.sampled_from(["token", "seq", "seq1"] if kw["loss"] != "geo_mean" else ["token", "seq"])),
+        adv=draw(st.sampled_from(["token", "seq", "seq1"])),
         mask=draw(st.sampled_from(MASK_KINDS)), float_mask=draw(st.booleans()), on_policy=draw(st.booleans()),
         tensors=tensors, norm_tensors=draw(st.booleans()), spread=draw(st.sampled_from([0.3, 1e-5, 2.0])),
         extreme=draw(st.sampled_from(extremes)), kl_extreme=draw(st.sampled_from(kl_extremes)),
@@ -401,7 +405,7 @@ def kl_cases(draw, backend: str, one_row: bool = False) -> KlCase:
                   clamp=draw(st.sampled_from([None, 10.0, 0.5])), k3_clamp=k3_clamp, unbiased=draw(st.booleans()),
                   dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
                   extreme=draw(st.sampled_from([0.0, 20.0] if plain_k3 else [0.0, 20.0, 100.0])),
-                  ratio_extreme=draw(st.sampled_from([0.0, 20.0])))
+                  ratio_extreme=draw(st.sampled_from([0.0, 5.0])))
 
 
 def kl_inputs(case: KlCase) -> dict[str, torch.Tensor]:
@@ -754,8 +758,8 @@ def fused_cases(draw, backend: str) -> FusedCase:
     if draw(st.booleans()):
         kw["entropy_coef"] = draw(st.sampled_from([0.01, -0.5]))
     one_sequence = draw(st.booleans())
-    return FusedCase(b=1 if one_sequence else draw(sizes(1, limit(backend, 2, 8))), t=draw(sizes(1, limit(backend, 17,
-                                                                                                        129))),
+    b = 1 if one_sequence else draw(sizes(1, limit(backend, 1, 8)))
+    return FusedCase(b=b, t=draw(sizes(1, limit(backend, 17, 129))),
                      h=draw(sizes(1, limit(backend, 17, 256))), v=draw(sizes(1, limit(backend, 129, 4097))),
                      seed=draw(seeds), kwargs=tuple(sorted(kw.items())),
                      dtype=draw(st.sampled_from(dtype_names(backend, "linear_logprob"))),
@@ -850,9 +854,9 @@ def check_fused_linear_policy_loss_masked_positions(backend: str, case: FusedCas
 
 @pytest.mark.parametrize("backend", backends("linear_logprob", "policy_loss"))
 def test_fused_linear_policy_loss_is_the_composition(backend):
-    fuzz_run(check_fused_linear_policy_loss_is_the_composition, backend, fused_cases(backend), ci=3)
+    fuzz_run(check_fused_linear_policy_loss_is_the_composition, backend, fused_cases(backend), ci=2)
 
 
 @pytest.mark.parametrize("backend", backends("linear_logprob", "policy_loss"))
 def test_fused_linear_policy_loss_masked_positions_never_matter(backend):
-    fuzz_run(check_fused_linear_policy_loss_masked_positions, backend, fused_cases(backend), ci=3)
+    fuzz_run(check_fused_linear_policy_loss_masked_positions, backend, fused_cases(backend), ci=2)
