@@ -324,16 +324,19 @@ def check_finite(what: str, x: torch.Tensor | None, where: torch.Tensor | None =
 
 
 def check_equal(what: str, got, want) -> None:
-    """Bit-for-bit equality (``torch.equal``), with where the first difference is."""
+    """Bit-for-bit equality (``torch.equal``), with where the first difference is. A NaN matches a NaN at the same
+    position (whether an output may be NaN at all is the agreement properties' business)."""
     if got is None or want is None:
         assert got is None and want is None, f"{what}: one side is None"
         return
     if torch.equal(got, want):
         return
-    differs = ~((got == want) | (torch.isnan(got) & torch.isnan(want))) if got.shape == want.shape else None
-    if differs is None:
-        raise AssertionError(f"{what}: shapes differ, {tuple(got.shape)} vs {tuple(want.shape)}")
-    i = differs.reshape(-1).nonzero()[0, 0].item() if bool(differs.any()) else 0
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{what}: {tuple(got.shape)} {got.dtype} vs {tuple(want.shape)} {want.dtype}")
+    differs = ~((got == want) | (torch.isnan(got) & torch.isnan(want)))
+    if not bool(differs.any()):
+        return
+    i = differs.reshape(-1).nonzero()[0, 0].item()
     raise AssertionError(f"{what}: not bitwise equal; first difference at flat position {i}: "
                          f"{got.reshape(-1)[i].item()!r} vs {want.reshape(-1)[i].item()!r} "
                          f"({int(differs.sum())} of {differs.numel()} entries differ)")

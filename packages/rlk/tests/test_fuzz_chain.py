@@ -281,7 +281,7 @@ def matmul_scale(exact: dict, case: MatmulCase) -> torch.Tensor:
     """``(|a| @ |b|) + |bias|`` per output element (``rlk.reference.matmul.error_scale``)."""
     a, b = exact["a"], exact["b"]
     if case.form == "linear":
-        flat = a.reshape(-1, case.k)
+        flat = a.reshape(math.prod(a.shape[:-1]), case.k)
         return ref_matmul.error_scale(flat, b.T, exact.get("bias")).reshape(*a.shape[:-1], case.n)
     if case.form == "matmul":
         return ref_matmul.error_scale(a, b)
@@ -568,7 +568,10 @@ def rope_inputs(case: RopeCase) -> tuple[dict, dict, dict]:
     else:
         x = {name: (v if case.layout == "bshd" else v.transpose(1, 2).contiguous()) for name, v in bshd.items()}
         kind = case.tables if b else "batch"
-        tables = {"batch": (cos, sin), "one": (cos[:1], sin[:1]), "shared": (cos[0], sin[0])}[kind]
+        if kind == "batch":
+            tables = (cos, sin)
+        else:
+            tables = (cos[:1], sin[:1]) if kind == "one" else (cos[0], sin[0])
         if case.tables != "batch" and b:  # tables shared over the batch: every row has row 0's positions
             for t in (packed["cos"], packed["sin"]):
                 t.copy_(t.view(b, s, r)[:1].expand(b, s, r).reshape(b * s, r))

@@ -8,6 +8,7 @@ Properties (each a test; every backend that implements the op, batch invariance 
   reference backend) under the numerical contract, forward and gradient, with the scales each op's
   contract entry describes; finite outputs and gradients where the exact result is finite in fp32;
   16-bit inputs give the bits of their fp32 upcast (the op layer upcasts them);
+* the same at extreme log-ratios (90 to 100, unclamped where the loss stays bounded);
 * ``policy_loss_and_grad`` returns ``policy_loss``'s loss, metrics and backward gradients bit for bit;
 * masked positions never influence a result: NaN / +-inf there versus 0 give bitwise equal outputs;
 * batch invariance: a row alone versus at a random position of a batch of other rows, padded to a
@@ -147,9 +148,11 @@ def policy_kwargs(draw, invariant: bool = False) -> dict:
 
 
 @st.composite
-def policy_cases(draw, backend: str, invariant: bool = False, one_row: bool = False) -> PolicyCase:
+def policy_cases(draw, backend: str, invariant: bool = False, one_row: bool = False,
+                 extreme: bool = False) -> PolicyCase:
     """A ``policy_loss`` case (``one_row``: a single row of at least one position, the probe of an invariance
-    check)."""
+    check; ``extreme``: log-ratios of magnitude 90 or 100, unclamped for the bounded losses and clamped at most at 60
+    for the others, 50 with ``kl_unbiased``)."""
     kw = draw(policy_kwargs(invariant))
     tensors = tuple(name for name in OPTIONAL if draw(st.booleans()))
     if "ref_logprob" in tensors:
@@ -161,12 +164,18 @@ def policy_cases(draw, backend: str, invariant: bool = False, one_row: bool = Fa
     if "entropy" in tensors:
         kw["entropy_coef"] = draw(st.sampled_from([0.01, 0.0, -0.5]))
     unbiased = kw.get("kl_unbiased", False)
+    if extreme:  # the edge of the exclusions: no clamp for the bounded losses, a clamp of at most 60 for the others
+        kw.pop("clamp_log_ratio", None)
+        if kw["loss"] not in BOUNDED_LOSSES:
+            kw["clamp_log_ratio"] = draw(st.sampled_from([20.0, 60.0, (None, 10.0)]))
     _, clamp_high = _clamp_bounds(kw.get("clamp_log_ratio"))
     extremes = [0.0, 20.0, 50.0]
     if not unbiased and kw["loss"] in BOUNDED_LOSSES:
         extremes += [80.0, 90.0, 100.0]
     elif not unbiased and clamp_high <= 60.0:
         extremes += [90.0, 100.0]
+    if extreme:
+        extremes = [e for e in extremes if e >= 90.0] or [50.0]
     kl_extremes = [0.0, 20.0]
     if "ref_logprob" in tensors and (_kl_spec("kl", kw["kl"])[0] != "k3" or kw["kl_k3_clamp"]):
         kl_extremes.append(100.0)
@@ -358,6 +367,11 @@ def check_policy_loss_batch_invariance(backend: str, case: RowInBatch) -> None:
 @pytest.mark.parametrize("backend", backends("policy_loss"))
 def test_policy_loss_matches_reference(backend):
     fuzz_run(check_policy_loss_matches_reference, backend, policy_cases(backend), ci=3)
+
+
+@pytest.mark.parametrize("backend", backends("policy_loss"))
+def test_policy_loss_matches_reference_at_extreme_log_ratios(backend):
+    fuzz_run(check_policy_loss_matches_reference, backend, policy_cases(backend, extreme=True), ci=2)
 
 
 @pytest.mark.parametrize("backend", backends("policy_loss"))
