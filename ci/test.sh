@@ -19,6 +19,26 @@ rm -rf "$out/triton_launches"
 echo "== pytest"; RLK_RECORD_TRITON_LAUNCHES="$out/triton_launches" python3 -m pytest -n 2 --durations=15
 echo "== the Triton kernels the tests launched, compiled for sm_90 and sm_80 (no GPU: Triton's LLVM and ptxas)"
 env -u TRITON_INTERPRET python3 tools/triton_aot_check.py "$out"/triton_launches/*.json --arch 90 80
+# The declared ranges, not only the pins: the same checkout in second environments (system site-packages, so torch
+# and the editable rlk come along, plus another version of one dependency).
+second_env() {  # second_env DIR PIP_REQUIREMENT...
+  python3 -m venv --system-site-packages "$1"
+  local dir=$1; shift
+  "$dir/bin/python" -m pip install -q --disable-pip-version-check "$@"
+}
+echo "== transformers 4.57.6 (the oldest supported): the Hugging Face paths in a second environment"
+second_env "$out/venv-transformers" transformers==4.57.6
+"$out/venv-transformers/bin/python" -m pytest -n 2 packages/rlk/tests/test_hf_compat.py \
+  packages/rlk/tests/test_consistency_paths.py packages/rlk/tests/test_consistency_probe.py \
+  packages/rlk/tests/test_batch_invariant.py
+echo "== triton 3.9.0 + numpy 2.4.6 (what the newest torch brings): the Triton kernels under its interpreter"
+second_env "$out/venv-triton" triton==3.9.0 numpy==2.4.6
+rm -rf "$out/triton39_launches"
+RLK_RECORD_TRITON_LAUNCHES="$out/triton39_launches" "$out/venv-triton/bin/python" -m pytest -n 2 \
+  packages/rlk-triton/tests
+echo "== the Triton kernels those tests launched, compiled for sm_90 and sm_80 by triton 3.9.0"
+env -u TRITON_INTERPRET "$out/venv-triton/bin/python" tools/triton_aot_check.py "$out"/triton39_launches/*.json \
+  --arch 90 80
 echo "== parity (CPU matrix)"; python3 -m parity --device cpu --out "$out/parity"
 echo "== benchmarks (quick CPU mode)"; python3 bench_asv/run.py --quick --out "$out/bench"
 echo "== asv (quick CPU mode)"

@@ -169,23 +169,23 @@ def _training(model, args, gen, device) -> Scenario:
 
 
 def _prefill(model, args, gen, device) -> Scenario:
-    from transformers import DynamicCache
+    from rlk.hf import compat
 
     lengths = _row_lengths(args.prefill_batch, args.prefill_len, gen)
     ids, mask, position_ids = _left_padded(lengths, args.prefill_len, model.config.vocab_size, gen, device)
 
     def body(cache):
-        model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True,
-              logits_to_keep=1)
+        compat.cached_forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                              logits_to_keep=1)
 
-    return Scenario(lambda: DynamicCache(config=model.config), body, sum(lengths), 1, "forward",
+    return Scenario(lambda: compat.new_cache(model), body, sum(lengths), 1, "forward",
                     {"input_ids": list(ids.shape), "row_lengths": lengths,
                      "layout": "left-padded, attention_mask + position_ids, fresh DynamicCache",
                      "logits": "last position (logits_to_keep=1)"})
 
 
 def _decode(model, args, gen, device) -> Scenario:
-    from transformers import DynamicCache
+    from rlk.hf import compat
 
     n, steps = args.decode_batch, args.decode_steps
     lengths = _row_lengths(n, args.decode_len, gen)
@@ -195,15 +195,15 @@ def _decode(model, args, gen, device) -> Scenario:
     step_pos = [position_ids[:, -1:] + 1 + k for k in range(steps)]
 
     def setup():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True,
-              logits_to_keep=1)
+        cache = compat.new_cache(model)
+        compat.cached_forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                              logits_to_keep=1)
         return cache
 
     def body(cache):
         for k in range(steps):
-            model(input_ids=step_ids[k], attention_mask=step_masks[k], position_ids=step_pos[k], cache=cache,
-                  use_cache=True, logits_to_keep=1)
+            compat.cached_forward(model, cache, input_ids=step_ids[k], attention_mask=step_masks[k],
+                                  position_ids=step_pos[k], logits_to_keep=1)
 
     return Scenario(setup, body, n, steps, "decode step",
                     {"prompt_ids": list(ids.shape), "row_lengths": lengths, "steps": steps,

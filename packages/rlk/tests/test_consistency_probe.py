@@ -195,14 +195,16 @@ def test_one_batch_vs_two_batches_with_padding_and_packing(kind):
 def test_decode_steps_of_one_token(kind):
     """Left-padded prefill of the first tokens into a DynamicCache, then S = 1 decode steps (teacher-forced, the
     batch shrinking as sequences end) vs one full forward per sequence."""
-    transformers = _transformers()
+    _transformers()
+    from rlk.hf import compat
+
     model, seqs = tiny_model(kind), sequences()
     prompt = 2
     with Probe(model) as full:
         for i, s in enumerate(seqs):
             run_padded(model, full, [s], [i])
     with Probe(model) as step:
-        cache = transformers.DynamicCache()
+        cache = compat.new_cache(model)
         live = list(range(len(seqs)))
         ids = torch.stack([s[:prompt] for s in seqs])
         mask = torch.ones(len(seqs), prompt, dtype=torch.int64)
@@ -210,8 +212,8 @@ def test_decode_steps_of_one_token(kind):
                                                                                                          -1)], -1)
         step.on_forward(slots)
         with torch.no_grad():
-            model(ids, attention_mask=mask, position_ids=torch.arange(prompt).expand(len(seqs), -1), cache=cache,
-                  use_cache=True)
+            compat.cached_forward(model, cache, input_ids=ids, attention_mask=mask,
+                                  position_ids=torch.arange(prompt).expand(len(seqs), -1))
         for pos in range(prompt, max(LENGTHS)):
             keep = [row for row, i in enumerate(live) if len(seqs[i]) > pos]
             if len(keep) < len(live):  # drop the finished rows from the batch and the cache
@@ -222,8 +224,8 @@ def test_decode_steps_of_one_token(kind):
             ids = torch.stack([seqs[i][pos:pos + 1] for i in live])
             step.on_forward(torch.tensor([[[i, pos]] for i in live]))  # [B, 1, 2]
             with torch.no_grad():
-                model(ids, attention_mask=mask, position_ids=torch.full((len(live), 1), pos), cache=cache,
-                      use_cache=True)
+                compat.cached_forward(model, cache, input_ids=ids, attention_mask=mask,
+                                      position_ids=torch.full((len(live), 1), pos))
     assert step.unannounced == 0 and step.duplicates == 0
     for (layer, op), states in step.states().items():
         assert set(states) == all_keys(seqs), (layer, op)

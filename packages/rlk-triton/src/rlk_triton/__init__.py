@@ -21,11 +21,24 @@ _NO_BF16_ON_CPU = ("linear_", "matmul_", "attention_", "rms_norm_", "softmax_", 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+#: The triton releases this backend is tested with (CI: the pinned 3.6 and 3.9, what torch 2.15 brings, under the
+#: interpreter and compiled ahead of time for sm_90 / sm_80). Older ones are refused by the probe; newer ones run.
+TESTED_TRITON = ("3.6", "3.9")
+_MINIMUM_TRITON = (3, 6)
+
+
 def _probe() -> str | None:
     try:
-        import triton  # noqa: F401
+        import triton
     except Exception as exc:
         return f"triton not importable: {type(exc).__name__}: {exc}"
+    try:
+        release = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        release = _MINIMUM_TRITON  # an unusual version string (a source build): let it run
+    if release < _MINIMUM_TRITON:
+        return (f"triton {triton.__version__} is older than rlk-triton supports (>= 3.6; tested with "
+                f"{', '.join(TESTED_TRITON)})")
     if _INTERPRET:
         return None
     if not torch.cuda.is_available():

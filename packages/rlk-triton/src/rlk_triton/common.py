@@ -1,12 +1,49 @@
-"""Helpers every Triton op family of rlk shares: the launch device, the dot product and tile scheduling."""
+"""Helpers every Triton op family of rlk shares: the launch device, the dot product and tile scheduling, and one
+fix to Triton's CPU interpreter (tests only)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+
+def _type_interpreter_comparisons_as_int1() -> bool:
+    """Make the CPU interpreter type a comparison's result as ``int1``, as compiled Triton does; True if it had to.
+
+    Triton's interpreter types ``a < b`` with the dtype of ``a`` (seen in 3.6 and 3.9), so a scalar comparison
+    broadcast into a block mask (``col_mask & (row < N)``) comes out as an int32 mask. 3.6's load takes it; 3.9's
+    refuses it ("mask has unsupported dtype"). Compiled kernels are not affected (the compiler types comparisons
+    itself): this touches only ``TRITON_INTERPRET=1`` runs, where the probe below sees the mistyped mask.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    b = builder()
+    cols = interpreter.TensorHandle(np.arange(4, dtype=np.int32), tl.int32)
+    row = interpreter.TensorHandle(np.array(1, dtype=np.int64), tl.int64)
+    col_mask = b.create_icmpSLT(cols, cols)  # as cols < H
+    row_mask = b.create_splat(tl.block_type(tl.int1, [4]), b.create_icmpSLT(row, row))  # as (row < N), broadcast
+    if b.create_and(col_mask, row_mask).data.dtype == np.bool_:
+        return False
+    for name in dir(builder):
+        if name.startswith(("create_icmp", "create_fcmp")):
+            compare = getattr(builder, name)
+
+            def as_int1(self, lhs, rhs, _compare=compare):
+                out = _compare(self, lhs, rhs)
+                return interpreter.TensorHandle(out.data.astype(np.bool_), tl.int1)
+
+            setattr(builder, name, as_int1)
+    return True
+
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    INTERPRETER_COMPARISONS_RETYPED = _type_interpreter_comparisons_as_int1()
 
 
 def on_device(device: torch.device):

@@ -16,7 +16,8 @@ Observers: every model forward of a path is announced right BEFORE it runs with 
 ``slots`` int64 ``[B, S, 2]`` on the model's device, the (sequence index, position in that sequence) of each
 input slot ``[b, s]`` of this forward, ``(-1, -1)`` for padding.
 
-Needs transformers >= 5 (the ``cache=`` keyword of the model forward, ``DynamicCache.batch_select_indices``).
+The KV cache goes through :mod:`rlk.hf.compat` (the forward's own cache keyword, checked to advance at every
+forward), so every transformers release of :data:`rlk.hf.compat.SUPPORTED` runs the same computation.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chu
         raise ValueError(f"prefill_chunk must be None or a positive int, got {prefill_chunk!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    from transformers import DynamicCache
+    from rlk.hf import compat
 
     device = _device(model)
     n = len(prompts)
@@ -184,15 +185,15 @@ def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chu
     active = list(range(n))  # sequence index of each batch row
     responses: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[Tensor]] = [[] for _ in range(n)]
-    cache = DynamicCache(config=model.config)
+    cache = compat.new_cache(model)
 
     def forward(step_ids: Tensor, step_mask: Tensor, step_pos: Tensor, slot_valid: Tensor) -> Tensor:
         if on_forward is not None:
             seq = torch.tensor(active, dtype=torch.int64, device=device)[:, None].expand_as(step_pos)
             slots = torch.stack([seq, step_pos.to(torch.int64)], -1)
             on_forward(torch.where(slot_valid[..., None], slots, torch.full_like(slots, -1)))
-        out = model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_pos, cache=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = compat.cached_forward(model, cache, input_ids=step_ids, attention_mask=step_mask, position_ids=step_pos,
+                                    logits_to_keep=1)
         return out.logits[:, -1]  # [B, V]
 
     with torch.no_grad():
@@ -255,7 +256,7 @@ def training_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     is one forward on ONE packed row: ``inputs_embeds [1, T, H]`` = the embeddings of the micro-batch's
     sequences concatenated in the given order (``T`` = their total length), ``position_ids [1, T]`` restarting
     at 0 per sequence, no attention mask, no cache. The same input serves both chains: rlk's patched attention
-    splits a packed row at ``position_ids == 0`` (varlen ``cu_seqlens``); stock transformers (>= 5) detects the
+    splits a packed row at ``position_ids == 0`` (varlen ``cu_seqlens``); stock transformers detects the
     packing from the ``position_ids`` when there is no mask and no cache and builds a block-diagonal causal
     mask for SDPA (checked against :func:`rlk.consistency.harness.reference_logprobs` in the tests).
 
