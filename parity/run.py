@@ -222,11 +222,38 @@ def reference_lse(op: str, inputs: cs.Inputs) -> torch.Tensor:
 
 @dataclass
 class GroundTruth:
-    """fp64 reference outputs and gradients of one case, with the contract's row scales."""
+    """fp64 reference outputs and gradients of one case, with the contract's row scales and, for the linear
+    log-prob's gradients, their terms' magnitudes (``rlk.contract.compare_grad``)."""
 
     outputs: Outputs
     scale: torch.Tensor
     max_scale: float
+    magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+#: Rows per step, and the largest ``N * V``, of :func:`linear_grad_magnitudes` (bounded fp64 memory and time).
+_MAGNITUDE_ROWS = 256
+_MAGNITUDE_MAX_ELEMENTS = 1 << 28
+
+
+def linear_grad_magnitudes(exact: cs.Inputs, with_entropy: bool) -> dict[str, torch.Tensor]:
+    """``|G| @ |W|`` and ``|G|^T @ |h|`` of fp64 inputs, ``G = d loss / d logits`` (the loss of
+    :func:`forward_backward`): the size of the terms ``linear_logprob``'s gradients sum. Empty when the logits
+    would exceed ``_MAGNITUDE_MAX_ELEMENTS``."""
+    h, w = exact.x, exact.weight
+    if h.shape[0] * w.shape[0] > _MAGNITUDE_MAX_ELEMENTS:
+        return {}
+    mag_h, mag_w = torch.zeros_like(h), torch.zeros_like(w)
+    t = exact.temperature
+    for r0 in range(0, h.shape[0], _MAGNITUDE_ROWS):
+        rows = slice(r0, r0 + _MAGNITUDE_ROWS)
+        temperature = t[rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+        part = cs.Inputs(h[rows] @ w.T, None, exact.targets[rows], temperature, exact.c1[rows], exact.c2[rows])
+        with rlk.use_backend("reference"):
+            g = forward_backward("selected_logprob", part, with_entropy).grads["grad_logits"].abs()
+        mag_h[rows] = g @ w.abs()
+        mag_w += g.T @ h[rows].abs()
+    return {"grad_hidden": mag_h, "grad_weight": mag_w}
 
 
 def ground_truth(op: str, low: cs.Inputs, with_entropy: bool) -> GroundTruth:
@@ -237,7 +264,8 @@ def ground_truth(op: str, low: cs.Inputs, with_entropy: bool) -> GroundTruth:
     scale = contract.row_scale(outputs.logprob, reference_lse(op, exact))
     valid = exact.targets != cs.IGNORE_INDEX
     max_scale = float(scale[valid].max()) if bool(valid.any()) else 0.0
-    return GroundTruth(outputs, scale, max_scale)
+    magnitudes = linear_grad_magnitudes(exact, with_entropy) if op == "linear_logprob" else {}
+    return GroundTruth(outputs, scale, max_scale, magnitudes)
 
 
 def compare(op: str, dtype: torch.dtype, got: Outputs, truth: GroundTruth) -> list[contract.Deviation]:
@@ -248,7 +276,8 @@ def compare(op: str, dtype: torch.dtype, got: Outputs, truth: GroundTruth) -> li
     if ref.entropy is not None:
         deviations.append(contract.compare_outputs(entry, "entropy", got.entropy, ref.entropy, truth.scale))
     for name, grad in got.grads.items():
-        deviations.append(contract.compare_grad(entry, name, grad, ref.grads[name], truth.max_scale))
+        deviations.append(contract.compare_grad(entry, name, grad, ref.grads[name], truth.max_scale,
+                                                truth.magnitudes.get(name)))
     return deviations
 
 

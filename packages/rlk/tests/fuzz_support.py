@@ -302,11 +302,13 @@ def check_value(entry: contract.Entry, name: str, got: torch.Tensor, truth: torc
     assert dev.ok, f"{entry.op} {name}: {dev} (worst |got - truth| / allowed = {dev.ratio:.3g})"
 
 
-def check_grad(entry: contract.Entry, name: str, got: torch.Tensor, truth: torch.Tensor, max_scale: float) -> None:
-    """A gradient against the fp64 ground truth under the contract (``rlk.contract.compare_grad``)."""
+def check_grad(entry: contract.Entry, name: str, got: torch.Tensor, truth: torch.Tensor, max_scale: float,
+               magnitude: torch.Tensor | None = None) -> None:
+    """A gradient against the fp64 ground truth under the contract (``rlk.contract.compare_grad``; ``magnitude``:
+    its terms by absolute value, where they may cancel)."""
     assert got is not None, f"{entry.op} {name}: no gradient"
     assert got.shape == truth.shape, f"{entry.op} {name}: shape {tuple(got.shape)}, expected {tuple(truth.shape)}"
-    dev = contract.compare_grad(entry, name, got, truth, max_scale)
+    dev = contract.compare_grad(entry, name, got, truth, max_scale, magnitude)
     assert dev.ok, f"{entry.op} {name}: {dev} (relative L2 error / allowed = {dev.ratio:.3g})"
 
 

@@ -79,8 +79,9 @@ def low_and_exact(x: dict[str, torch.Tensor], dtype: str, keep: tuple[str, ...] 
 
 
 def check_against_truth(op: str, dtype: str, got: tuple[dict, dict], truth: tuple[dict, dict], scales: dict,
-                        grad_scale: float = 0.0) -> None:
-    """Every output (``scales[name]``) and gradient (relative L2, ``max_scale = grad_scale``) under the contract."""
+                        grad_scale: float = 0.0, magnitudes: dict | None = None) -> None:
+    """Every output (``scales[name]``) and gradient (relative L2, ``max_scale = grad_scale``; ``magnitudes[name]``:
+    the gradient's terms by absolute value, where they may cancel) under the contract."""
     entry = contract.entry(op, DTYPES[dtype])
     (values, gradients), (ref_values, ref_gradients) = got, truth
     for name, ref in ref_values.items():
@@ -88,7 +89,7 @@ def check_against_truth(op: str, dtype: str, got: tuple[dict, dict], truth: tupl
         check_value(entry, name, values[name], ref, scales[name])
     for name, ref in ref_gradients.items():
         check_finite(name, gradients[name])
-        check_grad(entry, name, gradients[name], ref, grad_scale)
+        check_grad(entry, name, gradients[name], ref, grad_scale, (magnitudes or {}).get(name))
 
 
 # =============================================================================================
@@ -165,7 +166,24 @@ def check_rms_norm_matches_reference(backend: str, case: NormCase) -> None:
     if case.residual:
         check_equal("residual vs torch's x + residual", got[0]["residual"], low["x"] + low["residual"])
     scales = {name: 1.0 + ref.abs() for name, ref in truth[0].items()}
-    check_against_truth("rms_norm", case.dtype, got, truth, scales)
+    check_against_truth("rms_norm", case.dtype, got, truth, scales, magnitudes=rms_norm_grad_magnitudes(exact, case))
+
+
+def rms_norm_grad_magnitudes(x: dict, case: NormCase) -> dict[str, torch.Tensor]:
+    """The terms of rms_norm's gradients by absolute value (fp64): with ``n = s rstd`` and ``w' = w`` (Gemma:
+    ``1 + w``), ``grad_s = rstd (w' g - n mean(w' g n))`` sums ``rstd (|w' g| + |n| mean(|w' g n|))`` (they cancel
+    almost exactly at one feature), ``grad_w = sum_rows g n`` sums ``|g n|``."""
+    s = x["x"] + x["residual"] if case.residual else x["x"]
+    rstd = torch.rsqrt((s * s).mean(-1, keepdim=True) + case.eps)
+    n, w = s * rstd, (1.0 + x["weight"]) if case.gemma else x["weight"]
+    wg = (w * x["cot_y"]).abs()
+    grad_s = rstd * (wg + n.abs() * (wg * n.abs()).mean(-1, keepdim=True))
+    if case.residual:
+        grad_s = grad_s + x["cot_residual"].abs()
+    out = {"grad_x": grad_s, "grad_weight": (x["cot_y"] * n).abs().reshape(-1, s.shape[-1]).sum(0)}
+    if case.residual:
+        out["grad_residual"] = grad_s
+    return out
 
 
 def check_rms_norm_batch_invariance(backend: str, case) -> None:
@@ -706,6 +724,18 @@ def softmax_call(x: dict, case: SoftmaxCase) -> tuple[dict, dict]:
     return {"y": y.detach()}, grads(leaf)
 
 
+def softmax_grad_magnitude(x: dict, y: torch.Tensor, case: SoftmaxCase) -> torch.Tensor:
+    """The terms of the gradient by absolute value (fp64): softmax's ``y (g - sum g y)`` sums
+    ``y (|g| + sum |g y|)`` (they cancel at a dominant entry), log_softmax's ``g - p sum g`` sums
+    ``|g| + p sum |g|``; ``-inf`` outputs carry no cotangent."""
+    finite = torch.isfinite(y)
+    g = torch.where(finite, x["cot"].abs(), 0.0)
+    if case.log:
+        p = torch.where(finite, y, -math.inf).exp()
+        return g + p * g.sum(case.dim, keepdim=True)
+    return y * (g + (g * y).sum(case.dim, keepdim=True))
+
+
 def check_softmax_matches_reference(backend: str, case: SoftmaxCase) -> None:
     """The output and its gradient against the fp64 ground truth under the contract (``1 + |ref|``, log_softmax
     ``1 + |ref| + |x|``; the gradient by relative L2 with ``max_scale`` the largest output scale, as the softmax
@@ -719,7 +749,8 @@ def check_softmax_matches_reference(backend: str, case: SoftmaxCase) -> None:
     scale = 1.0 + ref.abs() + (exact["x"].abs() if case.log else 0.0)
     finite_scale = scale[torch.isfinite(scale)]
     check_against_truth("softmax", case.dtype, got, truth, {"y": scale},
-                        float(finite_scale.max()) if finite_scale.numel() else 0.0)
+                        float(finite_scale.max()) if finite_scale.numel() else 0.0,
+                        {"grad_x": softmax_grad_magnitude(exact, ref, case)})
     y = got[0]["y"]
     if case.log:
         assert bool((y <= 0).all()), f"log_softmax > 0: max {y.max().item()!r}"

@@ -74,6 +74,7 @@ from parity import rl as parity_rl
 from rlk import contract
 from rlk.policy_loss import _clamp_bounds, _kl_spec
 from rlk.reference import aggregation
+from rlk.reference import losses as ref_losses
 from rlk.reference import policy_loss as ref_pl
 
 pytestmark = FILTERS
@@ -419,7 +420,7 @@ def kl_cases(draw, backend: str, one_row: bool = False) -> KlCase:
                   clamp=draw(st.sampled_from([None, 10.0, 0.5])), k3_clamp=k3_clamp, unbiased=draw(st.booleans()),
                   dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
                   extreme=draw(st.sampled_from([0.0, 20.0] if plain_k3 else [0.0, 20.0, 100.0])),
-                  ratio_extreme=draw(st.sampled_from([0.0, 5.0])))
+                  ratio_extreme=draw(st.sampled_from([0.0, 5.0, 20.0])))
 
 
 def kl_inputs(case: KlCase) -> dict[str, torch.Tensor]:
@@ -454,10 +455,14 @@ def check_kl_penalty_matches_reference(backend: str, case: KlCase) -> None:
     with on_reference():
         truth_kl, truth_grad = kl_call(as64(x), case)
     entry = contract.entry("kl_penalty", torch.float32)
+    x64 = as64(x)
+    value_scale, grad_magnitude = ref_pl.kl_contract_scale(
+        x64["logprob"], x64["ref_logprob"], x64.get("old_logprob"), estimator=_kl_spec("estimator", case.estimator)[0],
+        k3_clamp=case.k3_clamp)
     check_finite("kl", exact[0])
-    check_value(entry, "kl", exact[0], truth_kl, 1.0 + truth_kl.abs())
+    check_value(entry, "kl", exact[0], truth_kl, value_scale)
     check_finite("grad_logprob", exact[1])
-    check_grad(entry, "grad_logprob", exact[1], truth_grad, 1.0)
+    check_grad(entry, "grad_logprob", exact[1], truth_grad, 1.0, x["c"].double().abs() * grad_magnitude)
 
 
 def check_kl_penalty_batch_invariance(backend: str, case: RowInBatch) -> None:
@@ -708,9 +713,27 @@ def check_dpo_loss_matches_reference(backend: str, case: DpoCase) -> None:
     for name, value in truth[1].items():
         check_finite(name, exact[1][name])
         check_value(entry, name, exact[1][name], value, scales[name])
+    magnitude = dpo_grad_magnitude(x64, case)
     for k, name in ((2, "grad_chosen"), (3, "grad_rejected")):
         check_finite(name, exact[k])
-        check_grad(entry, name, exact[k], truth[k], max_scale)
+        check_grad(entry, name, exact[k], truth[k], max_scale, magnitude)
+
+
+def dpo_grad_magnitude(x: dict[str, torch.Tensor], case: DpoCase) -> torch.Tensor:
+    """Per pair, the terms of ``d loss / d chosen`` by absolute value (fp64): the smoothed sigmoid loss's
+    ``beta (-(1 - eps) sigmoid(-u) + eps sigmoid(u))`` cancels near ``u = 0`` at ``eps = 0.5``; ``dl/dx`` otherwise;
+    times the upstream weight (``c``, or ``1 / P`` for the mean) and ``|dx / d chosen|``."""
+    loss, dl_dx, dx_dc, *_ = ref_losses._dpo_terms(x["chosen"], x["rejected"], x["ref_chosen"], x["ref_rejected"],
+                                                   x["len_chosen"], x["len_rejected"], case.beta, case.loss,
+                                                   case.label_smoothing)
+    terms = dl_dx.abs()
+    if case.loss == "sigmoid":
+        lc, lr, lc_ref, lr_ref = (x[k] for k in ("chosen", "rejected", "ref_chosen", "ref_rejected"))
+        u = case.beta * ((lc - lr) - (lc_ref - lr_ref))
+        eps = case.label_smoothing
+        terms = case.beta * ((1 - eps) * torch.sigmoid(-u) + eps * torch.sigmoid(u))
+    upstream = {"none": x["c"].double().abs(), "sum": 1.0, "mean": 1.0 / max(terms.numel(), 1)}[case.reduction]
+    return terms * upstream * torch.as_tensor(dx_dc, dtype=torch.float64).abs()
 
 
 def check_dpo_loss_batch_invariance(backend: str, case: RowInBatch) -> None:

@@ -106,22 +106,34 @@ def compare_outputs(
     return Deviation(name, float(delta[worst_row]), float(bound[worst_row]))
 
 
-def compare_grad(e: Entry, name: str, grad: torch.Tensor, ref_grad: torch.Tensor, max_scale: float) -> Deviation:
-    """``||g - g_ref||_2 / ||g_ref||_2 <= grad_rel_l2 + rtol * max_scale``.
+def compare_grad(e: Entry, name: str, grad: torch.Tensor, ref_grad: torch.Tensor, max_scale: float,
+                 magnitude: torch.Tensor | None = None) -> Deviation:
+    """``||g - g_ref||_2 <= (grad_rel_l2 + rtol * max_scale) ||g_ref||_2 + rtol * max(max_scale, 1) ||magnitude||_2``.
+
+    Without ``magnitude`` this is the relative bound ``||g - g_ref|| / ||g_ref|| <= grad_rel_l2 + rtol * max_scale``.
+    ``magnitude`` (from ground truth, the shape of ``g``) is the gradient's formula with every term taken by its
+    absolute value, e.g. ``|G| @ |W|`` for ``G @ W``: where the true gradient is a sum of larger terms of mixed
+    sign that nearly cancel (a one-feature RMSNorm, a softmax row with one dominant entry, logits sharing a large
+    offset), floating point gets it to a small multiple of the terms' size, not of its own.
 
     Raises ``ValueError`` for an op the contract marks not differentiable.
 
-    Where the true gradient is exactly zero (``V = 1``, every row ignored) a relative
-    error means nothing; then the RMS of ``g`` must be ``<= atol``.
+    Where the true gradient is exactly zero (``V = 1``, every row ignored) and no ``magnitude`` is given, a
+    relative error means nothing; then the RMS of ``g`` must be ``<= atol``.
     """
     if e.grad_rel_l2 is None:
         raise ValueError(f"the contract marks {e.op} as not differentiable (grad_rel_l2 is null)")
     grad, ref_grad = grad.detach().to(ref_grad.device, torch.float64), ref_grad.detach().double()
-    allowed = e.grad_rel_l2 + e.rtol * max_scale
+    relative = e.grad_rel_l2 + e.rtol * max_scale
     if not bool(torch.isfinite(grad).all()):
-        return Deviation(name, math.nan, allowed)
+        return Deviation(name, math.nan, relative)
     ref_norm = float(torch.linalg.vector_norm(ref_grad))
     err = float(torch.linalg.vector_norm(grad - ref_grad))
+    if magnitude is not None:
+        terms = float(torch.linalg.vector_norm(magnitude.detach().double()))
+        allowed = relative * ref_norm + e.rtol * max(max_scale, 1.0) * terms
+        if allowed > 0:
+            return Deviation(name, err, allowed)
     if ref_norm == 0.0:
         return Deviation(name, err / math.sqrt(max(grad.numel(), 1)), e.atol)
-    return Deviation(name, err / ref_norm, allowed)
+    return Deviation(name, err / ref_norm, relative)

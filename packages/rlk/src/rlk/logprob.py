@@ -295,6 +295,10 @@ def _setup_linear(ctx, inputs, output):
 def _backward_linear(ctx, grad_logprob, grad_entropy, grad_lse):
     hidden, weight, targets, inv_temperature, lse, entropy = ctx.saved_tensors
     grad_logprob, grad_entropy = _backward_grads(ctx, grad_logprob, grad_entropy, hidden)
+    if ctx.needs_input_grad[1]:
+        # grad_weight = G^T @ hidden with G = 0 on ignored rows: zero their hidden states too, so that NaN or inf
+        # there (padding) never reaches the weight's gradient as 0 * NaN.
+        hidden = torch.where((targets != ctx.ignore_index)[:, None], hidden, hidden.new_zeros(()))
     grad_hidden, grad_weight = _linear_logprob_bwd(
         hidden, weight, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
         grad_logprob, grad_entropy, ctx.ignore_index, ctx.backend,

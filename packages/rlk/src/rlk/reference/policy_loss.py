@@ -191,6 +191,34 @@ def kl_penalty_fwd(logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estim
     coef_out.copy_(grad)
 
 
+def kl_contract_scale(logprob, ref_logprob, old_logprob, *, estimator, k3_clamp) -> tuple[Tensor, Tensor]:
+    """The numerical contract's per-element scales of ``kl_penalty``'s value and derivative (fp64 inputs).
+
+    fp32 gets the estimator to about ``2^-24`` times the size of the terms it adds (``k3``: ``exp(x) - x - 1``
+    with ``x = -delta`` clamped as in :func:`kl_estimate`, each term up to ``exp(x)``, ``|x|`` and 1, which cancel
+    for small ``delta``; ``k2``: ``delta^2 / 2``; ``k1`` / ``abs``: ``|delta|``), and ``exp`` turns the rounding of a
+    log-ratio ``y`` into a relative error ``|y| 2^-24``. With ``old_logprob`` the weight ``w = exp(lp - old)``
+    multiplies both. Returns ``(value_scale, grad_magnitude)``: ``1 + |k| + w (1 + |d|) T`` and
+    ``w (1 + |d|) T'`` with ``T`` the terms of the value and ``T'`` those of the derivative (``k3``: ``1 + exp(x)``).
+    """
+    lp = logprob.double()
+    delta = lp - ref_logprob.double()
+    if estimator == "k3":
+        x = -delta.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP) if k3_clamp else -delta
+        e = torch.exp(x)
+        terms, grad_terms, amp = e + x.abs() + 1.0, 1.0 + e, 1.0 + x.abs()
+    elif estimator == "k2":
+        terms, grad_terms, amp = 0.5 * delta * delta, delta.abs(), torch.ones_like(delta)
+    else:
+        terms, grad_terms, amp = delta.abs(), torch.ones_like(delta), torch.ones_like(delta)
+    value, _ = kl_estimate(delta, estimator, k3_clamp=k3_clamp, clamp=float("inf"), straight_through=False)
+    w = torch.ones_like(delta)
+    if old_logprob is not None:
+        d = lp - old_logprob.double()
+        w, amp = torch.exp(d), amp + d.abs()
+    return 1.0 + (w * value).abs() + w * amp * terms, w * amp * grad_terms
+
+
 def kl_penalty_bwd(grad_kl, coef, grad_logprob_out):
     """``grad_logprob = grad_kl * coef`` (elementwise)."""
     torch.mul(grad_kl, coef, out=grad_logprob_out)
