@@ -387,7 +387,7 @@ def test_public_ops_opcheck_and_compile_on_triton():
     weights = aggregation.row_weights(mask, "token-mean")
     with rlk.use_backend("triton"):
         torch.library.opcheck(torch.ops.rlk.value_loss_fwd.default,
-                              (values.clone().requires_grad_(True), old_values, returns, mask, weights, 0.5))
+                              (values.clone().requires_grad_(True), old_values, returns, mask, weights, 0.5, ""))
         torch.library.opcheck(torch.ops.rlk.dpo_loss_fwd.default,
                               (lc.clone().requires_grad_(True), lr.clone().requires_grad_(True), lc_ref, lr_ref,
                                None, None, 0.1, "robust", 0.2, True))

@@ -585,7 +585,7 @@ def test_opcheck_loss_custom_ops():
     weights = aggregation.row_weights(mask, "seq-mean-token-mean")
     v = values.requires_grad_(True)
     for clip in (0.4, None):
-        torch.library.opcheck(torch.ops.rlk.value_loss_fwd.default, (v, old_values, returns, mask, weights, clip))
+        torch.library.opcheck(torch.ops.rlk.value_loss_fwd.default, (v, old_values, returns, mask, weights, clip, ""))
         torch.library.opcheck(torch.ops.rlk.value_loss_bwd.default,
                               (values.detach(), old_values, returns, mask, weights, clip, torch.tensor(1.5),
                                "reference"))

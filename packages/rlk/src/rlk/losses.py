@@ -66,21 +66,28 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
 
 @custom_op.define("rlk::value_loss_fwd")
 def _value_loss_fwd(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, row_weight: Tensor, clip: float | None
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, row_weight: Tensor, clip: float | None,
+    tensor_normalizers: str,
 ) -> tuple[Tensor, Tensor]:
+    """``tensor_normalizers``: the names of the normalizers given as tensors ("" if none), whose values reach the op
+    only through ``row_weight``: checked there (one synchronization; numbers were checked at the call)."""
     loss = values.new_zeros(())
     metrics = values.new_zeros((2,))
     if values.numel() == 0:
         return loss, metrics
-    checks.check_positive_values("global_tokens / global_seqs / loss_scale (the aggregation weights they give)",
-                                 row_weight)
+    if tensor_normalizers and checks.values_checked():
+        bad = ~(row_weight > 0) | torch.isinf(row_weight)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{tensor_normalizers}: must be finite and > 0; the aggregation weight they give row {i} "
+                             f"is {float(row_weight[i])}")
     backend = dispatch.select("value_loss", values.device, values.dtype)
     backend.primitives["value_loss_fwd"](values, old_values, returns, mask, row_weight, clip, loss, metrics)
     return loss, metrics
 
 
 @_value_loss_fwd.register_fake
-def _(values, old_values, returns, mask, row_weight, clip):
+def _(values, old_values, returns, mask, row_weight, clip, tensor_normalizers):
     return values.new_empty(()), values.new_empty((2,))
 
 
@@ -110,7 +117,7 @@ def _(values, old_values, returns, mask, row_weight, clip, grad_loss, backend):
 
 
 def _setup_value(ctx, inputs, output):
-    values, old_values, returns, mask, row_weight, clip = inputs
+    values, old_values, returns, mask, row_weight, clip, _ = inputs
     ctx.save_for_backward(values, old_values, returns, mask, row_weight)
     ctx.clip = clip
     ctx.backend = dispatch.decide("value_loss", values.device, values.dtype).backend or ""
@@ -119,11 +126,11 @@ def _setup_value(ctx, inputs, output):
 def _backward_value(ctx, grad_loss, grad_metrics):
     values, old_values, returns, mask, row_weight = ctx.saved_tensors
     if grad_loss is None or not ctx.needs_input_grad[0]:
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     grad_values = _value_loss_bwd(
         values, old_values, returns, mask, row_weight, ctx.clip, grad_loss.to(values.dtype).contiguous(), ctx.backend
     )
-    return grad_values, None, None, None, None, None
+    return grad_values, None, None, None, None, None, None
 
 
 _value_loss_fwd.register_autograd(_backward_value, setup_context=_setup_value)
@@ -192,6 +199,8 @@ def value_loss(
     loss, metrics = _value_loss_fwd(
         v, v_old, returns.detach().to(cdt).contiguous(), (mask if mask.dtype == torch.bool else mask != 0).contiguous(),
         weights.contiguous(), None if clip is None else float(clip),
+        ", ".join(name for name, x in (("global_tokens", global_tokens), ("global_seqs", global_seqs),
+                                       ("loss_scale", loss_scale)) if isinstance(x, Tensor)),
     )
     metrics = metrics.detach()
     return loss, {"vf_clip_fraction": metrics[0], "values_mean": metrics[1]}
