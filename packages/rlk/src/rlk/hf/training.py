@@ -66,7 +66,8 @@ class _Request:
     ignore_index: int
     return_entropy: bool
     batch_invariant: bool
-    output: Tensor | None = None
+    output: Tensor | None = None  # what the head returned, and its version counter then
+    version: int = 0
     calls: int = 0
 
 
@@ -266,8 +267,10 @@ def _head_forward(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> T
         raise ValueError("model: the LM head's weight is on the meta device (offloaded?); rlk.hf.apply needs it "
                          "materialized on the device of the hidden states")
     hidden = hidden.to(weight.device)
-    if torch.is_autocast_enabled(hidden.device.type):  # what nn.Linear would compute in under autocast
-        dtype = torch.get_autocast_dtype(hidden.device.type)
+    device_type = hidden.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    if autocast:  # the dtype nn.Linear would compute in; the op itself then runs outside autocast (fp32 inside)
+        dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     targets = request.targets
     if targets.shape != hidden.shape[:-1]:
@@ -277,11 +280,12 @@ def _head_forward(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> T
     temperature = request.temperature
     if isinstance(temperature, Tensor):
         temperature = temperature.to(hidden.device)
-    with _logprob_backend(request, hidden):
+    with _logprob_backend(request, hidden), torch.autocast(device_type, enabled=False) if autocast else \
+            contextlib.nullcontext():
         result = linear_logprob(hidden, weight, targets.to(hidden.device), temperature=temperature,
                                 ignore_index=request.ignore_index, return_entropy=request.return_entropy)
     packed = torch.stack(result, -1) if request.return_entropy else result.unsqueeze(-1)
-    request.output = packed
+    request.output, request.version = packed, packed._version
     return packed
 
 
@@ -303,12 +307,13 @@ def _logprob_backend(request: _Request, hidden: Tensor):
     return dispatch.use_backend(backend.name)
 
 
-def _untouched(returned, packed: Tensor) -> bool:
+def _untouched(returned, request: _Request) -> bool:
     """``returned`` is the head's output as it left the head (the tensor, or an alias of it that a hook made),
-    not a transformed or in-place modified copy."""
+    neither a transformed copy nor modified in place since."""
+    packed = request.output
     return (isinstance(returned, Tensor) and returned.data_ptr() == packed.data_ptr()
             and returned.shape == packed.shape and returned.stride() == packed.stride()
-            and returned.dtype == packed.dtype and returned._version == packed._version)
+            and returned.dtype == packed.dtype and returned._version == request.version)
 
 
 def _logprob_output(model, out, request: _Request):
@@ -316,7 +321,7 @@ def _logprob_output(model, out, request: _Request):
         raise RuntimeError(f"rlk.hf.apply: the forward of {_kind(model)} did not call its LM head "
                            "(get_output_embeddings()); the log-prob path cannot serve it")
     returned = out.get("logits") if isinstance(out, dict) else None
-    if not _untouched(returned, request.output):
+    if not _untouched(returned, request):
         raise RuntimeError(f"rlk.hf.apply: the forward of {_kind(model)} changes the LM head's output before "
                            "returning it as logits (soft-capping, scaling, ...); the log-probs of the plain head "
                            "would be those of another distribution")
