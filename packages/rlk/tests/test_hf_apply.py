@@ -298,7 +298,12 @@ def test_trl_fused_head_maps_onto_the_aligned_targets():
     """TRL's GRPO scoring (``add_fused_lm_head``: HF ``labels``, shifted inside, ``log_probs [B, S - 1]``) is
     ``logprob_targets = labels[:, 1:]`` padded with -100 and ``out.logprobs[:, :-1]``; with
     ``logits_to_keep = K + 1`` the completion's K log-probs are ``out.logprobs[:, :-1]`` of a ``[B, K + 1]`` call."""
-    trl_utils = pytest.importorskip("trl.trainer.utils")
+    try:
+        from trl.trainer import utils as trl_utils
+    except ImportError as err:  # trl 1.16 does not import next to transformers 4.57's huggingface_hub
+        if os.environ.get("RLK_REQUIRE_TRL", "0") not in ("", "0"):
+            raise
+        pytest.skip(f"trl cannot be imported ({err}); set RLK_REQUIRE_TRL=1 to make this an error")
     model = tiny_model("qwen3", torch.float64)
     ids, mask, _ = batch()
     completion = 4
