@@ -1,4 +1,4 @@
-"""``rlk.hf.apply`` / ``unapply`` on tiny random transformers models (llama, qwen2, qwen3, mistral, gemma, a
+"""``rlk.hf.apply`` / ``unapply`` on tiny random transformers models (llama, qwen2, qwen3, mistral, gemma, gemma3, a
 tied-embedding qwen2).
 
 Ground truth is the stock model itself: ``log_softmax(stock_logits / T)`` gathered at the targets in float64
@@ -33,7 +33,7 @@ pytestmark = [  # the triton interpreter's numpy arithmetic on masked lanes
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
 ]
 
-KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "qwen2-tied"]
+KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "qwen2-tied"]
 VOCAB = 131  # not a multiple of any tile
 
 
@@ -56,11 +56,12 @@ def tiny_model(kind: str, dtype=torch.float32, hidden=32, layers=2, heads=4, kv_
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     }
     config_cls, model_cls = classes[kind.removesuffix("-tied")]
-    extra.setdefault("tie_word_embeddings", kind.endswith("-tied") or kind == "gemma")
+    extra.setdefault("tie_word_embeddings", kind.endswith("-tied") or kind.startswith("gemma"))
     extra.setdefault("attn_implementation", "eager" if kind == "gemma2" else "sdpa")
     config = config_cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
