@@ -232,7 +232,9 @@ def test_stock_path_is_unchanged_and_unapply_restores_it():
     assert inspect.signature(model.forward) == signature  # generate() and the Trainer inspect it
     with torch.no_grad():
         assert torch.equal(model(ids, attention_mask=mask).logits, stock)
-        assert model(ids, attention_mask=mask).logits.shape == (2, 9, VOCAB)
+        model(ids, logprob_targets=targets)
+        assert "forward" not in model.lm_head.__dict__  # the head's own forward again after a log-prob call
+        assert torch.equal(model(ids, attention_mask=mask).logits, stock)
     clone = copy.deepcopy(model)  # e.g. a reference model: its forward runs the copy
     assert clone.forward.__self__ is clone
     with torch.no_grad():
@@ -403,13 +405,24 @@ def test_a_forward_that_changes_the_logits_is_caught_at_call_time():
             out.logits.mul_(2)
             return out
 
-    for cls in (Scaled, InPlace):
+    class Twice(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            self.lm_head(out.hidden_states[-1])
+            return out
+
+    for cls, error in ((Scaled, "changes the LM head's output"), (InPlace, "changes the LM head's output"),
+                       (Twice, "called its LM head more than once")):
         model = cls(base.config).to(DEVICE)
         model.load_state_dict(base.state_dict())
         apply(model)
-        with torch.no_grad(), pytest.raises(RuntimeError, match="changes the LM head's output"):
-            model(ids, logprob_targets=targets)
+        with torch.no_grad(), pytest.raises(RuntimeError, match=error):
+            model(ids, logprob_targets=targets, output_hidden_states=True)
         assert "forward" not in model.lm_head.__dict__  # the head is restored after the failed call
+    model = apply(base)
+    model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.lm_head.weight, device="meta"))
+    with pytest.raises(ValueError, match="the LM head's weight is on the meta device"):
+        model(ids, logprob_targets=targets)
 
 
 def test_a_tensor_parallel_head_is_refused(tmp_path):
