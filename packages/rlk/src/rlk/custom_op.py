@@ -17,6 +17,7 @@ code and kernels in the same order, so their results are bitwise equal (``tests/
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,11 +39,26 @@ def _plain_eager(args: tuple[Any, ...]) -> bool:
     return all(type(a) in _PLAIN_TENSOR_TYPES and not a.is_meta for a in args if isinstance(a, Tensor))
 
 
+def _autocast_off(impl: Callable[..., Any]) -> Callable[..., Any]:
+    """``impl`` run with autocast off: an rlk primitive computes in the dtypes of its inputs and its own
+    accumulation dtypes (fp32 statistics, fp32 matmuls of the reference), which autocast would lower to bf16."""
+
+    @functools.wraps(impl)
+    def run(*args):
+        if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+                return impl(*args)
+        return impl(*args)
+
+    return run
+
+
 class Op:
     """One rlk primitive: a registered torch custom op plus a direct eager path to the same body."""
 
     def __init__(self, name: str, impl: Callable[..., Any]):
         self.name = name
+        impl = _autocast_off(impl)
         self.impl = impl
         self.custom_op = torch.library.custom_op(name, mutates_args=())(impl)
         self._function: type[torch.autograd.Function] | None = None
