@@ -197,11 +197,12 @@ def contract_scale(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *
                    upper: float, lower: float, clamp: float) -> dict[str, Tensor]:
     """The numerical contract's scales of ``weights`` ``[B, T]`` and ``metrics`` ``[len(METRICS)]``.
 
-    fp32 gets a log-ratio ``x`` to about ``2^-24 a`` with ``a = 1 + |d_t|`` (token level) or
-    ``1 + sum_t m |d_t|`` (sequence level: the rounding of the row sum), and ``exp`` turns it into a
-    relative error ``2^-24 a`` of the ratio. So a weight's scale is ``1 + w a``; a mean of per-token
-    values ``v`` has ``1 + mean(|v| a)``, a max or min ``1 + max(|v| a)``, ``weight_std`` that of ``weight_max``,
-    ``ess`` ``1 + max(a)``; the per-row means ``L_i``, ``D_i`` carry ``2^-24`` times the row's mean of
+    fp32 gets a log-ratio ``x`` to about ``2^-24 a`` with ``a = 1 + min(|d_t|, c)`` (token level) or
+    ``1 + min(sum_t m |d_t|, c)`` (sequence level: the rounding of the row sum; a clamped log-ratio is
+    exact), and ``exp`` turns it into a relative error ``2^-24 a`` of the ratio. So a weight's scale is
+    ``1 + w a``; a mean of per-token values ``v`` has ``1 + mean(|v| a)``, a max or min ``1 + max(|v| a)`` (over
+    the finite ones: infinite values are compared exactly), ``weight_std`` that of ``weight_max``, ``ess``
+    ``1 + max(a)``; the per-row means ``L_i``, ``D_i`` carry ``2^-24`` times the row's mean of
     ``|old|``, ``|d|``, so ``exp(-L_i)`` has ``1 + exp(-L_i) (1 + mean |old|)`` and so on; counts and
     fractions 1 (exact, whenever no ratio lies within rounding of a threshold). Call it with the fp64
     inputs of the ground truth.
@@ -212,19 +213,25 @@ def contract_scale(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *
     n = m.sum().to(w.dtype)
     abs_d = d.abs()
     if level == "sequence":
-        a = 1.0 + torch.where(m, abs_d, 0.0).sum(dim=1, keepdim=True).expand_as(d)
+        a = torch.where(m, abs_d, 0.0).sum(dim=1, keepdim=True).expand_as(d)
     else:
-        a = 1.0 + abs_d
-    a = torch.where(m, a, 0.0)
+        a = abs_d
+    a = torch.where(m, 1.0 + a.clamp(max=clamp), 0.0)  # a clamped log-ratio carries no rounding of its own
+
+    def amplified(x: Tensor) -> Tensor:
+        """``|x| a``, 0 where ``x`` is 0 (a masked-out infinite ratio has weight 0, exactly)."""
+        return torch.where(x == 0, 0.0, x.abs() * a)
 
     def mean(x: Tensor) -> Tensor:
-        return 1.0 + _mean(torch.where(m, x.abs() * a, 0.0).sum(), n)
+        return 1.0 + _mean(torch.where(m, amplified(x), 0.0).sum(), n)
 
     def top(x: Tensor) -> Tensor:
-        return 1.0 + _masked_max(x.abs() * a, m)
+        """The scale of a max or min: of the largest finite value (an infinite one is compared exactly)."""
+        v = amplified(x)
+        return 1.0 + _masked_max(v, m & torch.isfinite(v))
 
     rho = torch.exp(dc)
-    amp = torch.where(m, 1.0 + abs_d, 0.0)  # token-level log-ratios (the k3 / chi2 terms)
+    amp = torch.where(m, 1.0 + dc.abs(), 0.0)  # token-level log-ratios (the k3 / chi2 terms)
     token = [
         mean(w), top(w), top(w), top(w), 1.0 + _masked_max(a, m), top(r), top(r), one, one, one,
         1.0 + _mean(torch.where(t["scored"], t["raw"].abs(), 0.0).sum(), t["scored"].sum().to(w.dtype)),
@@ -237,18 +244,18 @@ def contract_scale(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *
     rows = n_row > 0
     s_count = rows.sum().to(w.dtype)
     n1 = n_row.clamp(min=1.0)
-    w_row = (w * a).sum(dim=1) / n1                     # the scale of W_i (a mean over the row)
+    w_row = torch.where(m, amplified(w), 0.0).sum(dim=1) / n1  # the scale of W_i (a mean over the row)
     old_row = t["old"].abs().sum(dim=1) / n1            # mean |old| of the row
     d_row = abs_d.sum(dim=1) / n1                       # mean |d| of the row
     log_old = t["old"].sum(dim=1) / n1
     log_diff = t["s"] / n1
-    s_amp = 1.0 + 2.0 * abs_d.sum(dim=1)
+    s_amp = 1.0 + 2.0 * abs_d.sum(dim=1).clamp(max=clamp)
 
     def row_mean(x: Tensor) -> Tensor:
         return 1.0 + _mean(torch.where(rows, x.abs(), 0.0).sum(), s_count)
 
     def row_top(x: Tensor) -> Tensor:
-        return 1.0 + _masked_max(x.abs(), rows)
+        return 1.0 + _masked_max(x.abs(), rows & torch.isfinite(x))
 
     seq = [
         row_mean(w_row), row_top(w_row), row_top(w_row), row_top(w_row), row_top(w_row), one, one, one,
@@ -258,4 +265,4 @@ def contract_scale(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *
         row_mean(old_row + d_row), row_mean(d_row), row_mean(d_row), row_top(d_row), row_top(d_row),
         row_mean(torch.exp(-log_diff) * (1.0 + d_row)), one,
     ]
-    return {"weights": 1.0 + w * a, "metrics": torch.stack(token + seq)}
+    return {"weights": 1.0 + amplified(w), "metrics": torch.stack(token + seq)}
