@@ -699,3 +699,29 @@ def test_torch_compile_fullgraph_matches_eager():
     compiled = torch.compile(weighted, fullgraph=True, backend="aot_eager")(x["old"], x["roll"], x["mask"])
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+# ----------------------------------------------------------------------------------------------
+# the benchmark's PyTorch baseline computes what rlk computes
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["token/truncate", "sequence/mask"])
+def test_benchmark_baseline_matches_rlk(option):
+    """``bench_asv/benchmarks/rl_objectives.py``: the eager composition timed against ``rlk.rollout_correction``
+    gives its weights and the four metrics it reports (a speedup over a baseline that did something else would
+    mean nothing), on the benchmark's own inputs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench_asv"))
+    from benchmarks import rl_objectives as bench
+
+    with rlk.use_backend("reference"):
+        case = bench.RolloutCorrectionCase("rollout_correction", "rlk", option, (4, 64))
+        ours = case.step()
+    base = bench.torch_rollout_correction(case.old, case.rollout, case.mask, option)
+    assert 0 < float(ours[1]) and float(ours[2]) > float(ours[3])
+    assert bool((ours[0] == 0).any() & (ours[0] > 0).any())
+    for a, b in zip(ours, base):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
