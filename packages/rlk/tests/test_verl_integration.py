@@ -601,3 +601,23 @@ def test_gdpo_with_reward_components_matches_verl():
     with pytest.raises(ValueError, match="gdpo_reward_keys"):
         rv.compute_gdpo_outcome_advantage(batch["rewards"], m, batch["index"], config={}, non_tensor_batch=comps,
                                           batch=tb)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", [2.0, "1.5", "0.6_1.4"])
+def test_rollout_is_weights_match_verl(level, threshold):
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    batch = make_batch(seed=13)
+    rollout = batch["old"] + 0.02 * torch.randn(batch["old"].shape, generator=torch.Generator().manual_seed(1))
+    if level == "token":
+        rollout = batch["old"] + 0.4 * (rollout - batch["old"]) / 0.02
+    m = batch["mask"]
+    want, _ = compute_rollout_correction_weights((batch["old"] - rollout).double(), m, rollout_is=level,
+                                                 rollout_is_threshold=threshold)
+    got64 = rv.rollout_is_weights(batch["old"].double(), rollout.double(), m, level, threshold)
+    got = rv.rollout_is_weights(batch["old"], rollout, m, level, threshold)
+    want = torch.where(m, want, 0.0)
+    torch.testing.assert_close(got64, want, **_NEAR)  # verl truncates at a float32 threshold: to float32 rounding
+    check_value("weights", got, want, contract.entry("rollout_correction", torch.float32))
+    assert bool((want[m] != want[m].max()).any())  # not all truncated or masked

@@ -20,6 +20,10 @@ rloo_vectorized, opo, gpg. Left to verl's own code, and why:
   vocabulary that rlk's log-prob ops do not produce) and a per-position group reduction with a length-dependent
   zero-tail rule; the TIR form also compacts each trajectory's tokens.
 * ``linear_cross_entropy`` with a ``dist_process_group`` (vocab-parallel): not served (``NotImplementedError``).
+* Rollout correction: :func:`rollout_is_weights` gives verl's IS weights on ``rlk.rollout_correction``; the
+  rejection sampling (``rollout_rs``: it edits the response mask), ``rollout_is_batch_normalize`` (a mean over the
+  whole batch) and verl's ``rollout_corr/*`` metric dict stay verl's, so bypass mode takes its weights, mask and
+  metrics from verl's helper.
 """
 
 from __future__ import annotations
@@ -294,6 +298,25 @@ def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response
         raise ValueError(f"Invalid loss_type: {loss_type}. Must be 'reinforce' or 'ppo_clip'.")
     metrics.update(rc_metrics)
     return loss, metrics
+
+
+def rollout_is_weights(old_log_prob: Tensor, rollout_log_prob: Tensor, response_mask: Tensor,
+                       rollout_is: str = "token", rollout_is_threshold: str | float = 2.0) -> Tensor:
+    """The weights of verl's ``compute_rollout_correction_weights`` (``log_ratio = old_log_prob -
+    rollout_log_prob``) on ``rlk.rollout_correction``: ``rollout_is`` ``"token"`` / ``"sequence"`` is the level,
+    a threshold ``u`` truncates (TIS), ``"l_u"`` masks outside ``[l, u]`` (IcePop); verl's log-ratio clamp 20.
+    ``[B, T]``, 0 off the mask. Batch normalization and rejection sampling stay verl's (module docstring)."""
+    if rollout_is not in ("token", "sequence"):
+        raise ValueError(f"rollout_is: expected 'token' or 'sequence', got {rollout_is!r}")
+    spec = rollout_is_threshold.strip() if isinstance(rollout_is_threshold, str) else rollout_is_threshold
+    if isinstance(spec, str) and "_" in spec:
+        lower, upper = (float(x) for x in spec.split("_", 1))
+        mode = "mask"
+    else:
+        lower, upper, mode = None, float(spec), "truncate"
+    weights, _ = rlk.rollout_correction(old_log_prob, rollout_log_prob, response_mask, level=rollout_is, mode=mode,
+                                        upper=upper, lower=lower, clamp_log_ratio=_LOG_RATIO_CLAMP)
+    return weights
 
 
 #: verl loss_mode -> rlk's drop-in (the losses rlk serves).
