@@ -5,7 +5,9 @@ passed) when torch sees no GPU. ``RLK_REQUIRE_GPU=1`` turns a missing GPU into
 an error, so a GPU run can't quietly turn into a CPU run. Tests marked
 ``triton_interpreter`` are deselected unless ``TRITON_INTERPRET=1`` (CI sets it). ``multi_gpu``
 tests are deselected on machines with fewer than two GPUs, ``no_gpu`` tests (behaviour without a
-GPU) on machines with one.
+GPU) on machines with one. ``verl`` tests (the integration against the real verl, run in the environment of
+``ci/install_verl_env.sh``) are deselected where ``verl.trainer.ppo.core_algos`` cannot be imported;
+``RLK_REQUIRE_VERL=1`` turns that into an error.
 
 ``RLK_RECORD_TRITON_LAUNCHES=<dir>`` (with ``TRITON_INTERPRET=1``) records the Triton kernel
 specializations the session launches into ``<dir>/launches-<worker>.json``, for
@@ -30,9 +32,25 @@ def _deselect(config, items, marker: str) -> None:
         items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
+def _verl_import_error() -> str | None:
+    """Why ``verl.trainer.ppo.core_algos`` cannot be imported, or None (imported only when verl tests are collected)."""
+    try:
+        importlib.import_module("verl.trainer.ppo.core_algos")
+    except ImportError as err:
+        return str(err)
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         _deselect(config, items, "triton_interpreter")
+    if any(item.get_closest_marker("verl") for item in items):
+        missing = _verl_import_error()
+        if missing is not None:
+            if os.environ.get("RLK_REQUIRE_VERL") == "1":
+                raise pytest.UsageError(f"RLK_REQUIRE_VERL=1 but verl cannot be imported ({missing}); "
+                                        "set up its environment with ci/install_verl_env.sh")
+            _deselect(config, items, "verl")
     if torch.cuda.device_count() < 2:
         _deselect(config, items, "multi_gpu")
     if torch.cuda.is_available():

@@ -570,3 +570,47 @@ def test_realistic_shapes_gpu():
     for mode in ref.GROUP_MODES:
         check_group(scores, ids, 0, lengths, mode)
         check_group(scores[:8192], None, 16, lengths[:8192], mode)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pass@k (grpo_passk, dr_grpo_passk)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ref.PASSK_MODES)
+def test_passk_matches_reference(tiles, mode):
+    scores, ids, lengths = group_inputs([1, 2, 5, 9, 130, 3], seed=8, equal_group=None)
+    five = next(g for g in ids.tolist() if int((ids == g).sum()) == 5)
+    scores[ids == five] = torch.tensor([1.0, 4.0, 4.0, 0.5, 2.0], device=DEVICE)  # a tie for the top
+    got, _ = check_group(scores, ids, 0, lengths, mode)
+    assert int((got != 0).sum()) >= 3
+    sized, _ = check_group(scores[:140], None, 7, lengths[:140], mode)
+    assert int((sized != 0).sum()) >= 10
+    huge = torch.tensor(HUGE_SCORES, device=DEVICE)
+    check_group(huge, None, 4, torch.ones_like(huge), mode)
+
+
+@pytest.mark.parametrize("mode", ref.PASSK_MODES)
+def test_passk_batch_invariance_and_nan(small_tiles, mode):
+    g = _gen(9)
+    probe = (torch.randn(9, generator=g) * 4 + 1).to(DEVICE)
+    alone = run_group(tk, probe, None, 9, None, mode)
+    assert int((alone != 0).sum()) == 1
+    for n_other in (1, 6):
+        other = (torch.randn(n_other * 9, generator=g) * 10).to(DEVICE)
+        for k in sorted({0, n_other}):
+            scores = torch.cat([other[:k * 9], probe, other[k * 9:]])
+            assert torch.equal(run_group(tk, scores, None, 9, None, mode)[k * 9:(k + 1) * 9], alone)
+        total = (n_other + 1) * 9
+        where = torch.sort(torch.randperm(total, generator=g)[:9]).values.to(DEVICE)
+        ids = torch.randint(1, 2 + n_other, (total,), generator=g).to(DEVICE)
+        ids[where] = 0
+        scores = torch.empty(total, device=DEVICE)
+        rest = torch.ones(total, dtype=torch.bool, device=DEVICE)
+        rest[where] = False
+        scores[where], scores[rest] = probe, other
+        assert torch.equal(run_group(tk, scores, ids, 0, None, mode)[where], alone)
+    dirty = torch.cat([probe, probe])
+    dirty[3] = math.nan
+    out = run_group(tk, dirty, None, 9, None, mode)
+    assert bool(torch.isnan(out[:9]).all()) and torch.equal(out[9:], alone)

@@ -591,3 +591,27 @@ def test_every_aggregation_matches_the_reference(agg):
     expected = aggregation.row_weights(inputs["mask"], attrs["agg"], dtype=torch.float64,
                                        **{k: v for k, v in attrs.items() if k != "agg"})
     assert torch.allclose(got["row_weight"].double(), expected, rtol=1e-6, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# DPPO-Binary (dppo_tv, dppo_kl): trust region and ratio cap
+# ----------------------------------------------------------------------------------------------
+
+DPPO_CASES = [
+    {"loss": "dppo_tv", "clip_low": 0.05, "clip_high": 0.08, "dual_clip": 2.0, "clamp_low": -20.0, "clamp_high": 20.0},
+    {"loss": "dppo_tv", "clip_low": 0.2, "clip_high": 0.2},
+    {"loss": "dppo_kl", "clip_low": 0.01, "clip_high": 0.02, "dual_clip": 2.0, "clamp_low": -20.0, "clamp_high": 20.0},
+    {"loss": "dppo_kl", "clip_low": 0.05, "clip_high": 0.05, "dual_clip": 1.5},
+]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 37), (2, 1100)])
+@pytest.mark.parametrize("attrs", DPPO_CASES, ids=lambda a: "-".join(f"{k}={v}" for k, v in a.items()))
+def test_dppo_matches_reference(attrs, shape):
+    inputs = make_inputs(*shape, seed=3 * shape[0] + shape[1])
+    got = check_against_reference(inputs, **attrs)
+    if shape == (7, 37):  # the region and the cap are both active on these inputs
+        metrics = dict(zip(ref.METRICS, got["metrics"].tolist()))
+        assert 0.0 < metrics["clip_fraction"] < 1.0
+        if attrs.get("dual_clip"):
+            assert metrics["lower_clip_fraction"] > 0.0

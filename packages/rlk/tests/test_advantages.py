@@ -800,3 +800,56 @@ def test_contract_entries_and_scales_exist():
         e = contract.entry(op, torch.float32)
         assert e.atol > 0 and e.rtol > 0
         assert "scale" in contract.table()["ops"][op]
+
+
+# ----------------------------------------------------------------------------------------------
+# Pass@k (grpo_passk, dr_grpo_passk)
+# ----------------------------------------------------------------------------------------------
+
+
+def passk(scores, ids, eps=1e-6, norm_by_std=True):
+    """Pass@k re-derived (fp64 Python floats): the group's best (first holder of the max) gets the margin over the
+    runner-up, over ``std + eps`` when normalized; singletons ``s / (1 + eps)`` (``s`` unnormalized)."""
+    out = [0.0] * len(scores)
+    for members in _groups(ids).values():
+        vals = [scores[i] for i in members]
+        if len(vals) == 1:
+            out[members[0]] = vals[0] / (1 + eps) if norm_by_std else vals[0]
+            continue
+        best = max(range(len(vals)), key=lambda j: (vals[j], -j))
+        runner_up = max(v for j, v in enumerate(vals) if j != best)
+        margin = vals[best] - runner_up
+        out[members[best]] = margin / (_std_unbiased(vals) + eps) if norm_by_std else margin
+    return out
+
+
+@pytest.mark.parametrize("mode", ref.PASSK_MODES)
+def test_passk_matches_rederivation(mode):
+    scores, ids = _group_case(seed=5)
+    counts = {g: int((ids == g).sum()) for g in ids.tolist()}
+    tied = next(g for g, c in counts.items() if c >= 3 and g != int(ids[0]))
+    scores[ids == tied] = torch.tensor([2.0, 3.0, 3.0, 1.0, 3.0, 0.5])[: counts[tied]]  # a tie for the top
+    adv = rlk.group_advantages(scores, group_index=ids, mode=mode)
+    truth = torch.tensor(passk(scores.double().tolist(), ids.tolist(), norm_by_std=mode == "grpo_passk"),
+                         dtype=torch.float64)
+    _assert_contract("group_advantages", mode, adv, truth, ref.group_contract_scale(truth, ids, 0))
+    assert torch.all(adv[ids == ids[0]] == 0) and torch.all(adv[ids == tied] == 0)  # equal / tied tops: 0
+    groups = _groups(ids.tolist())
+    winners = sum(1 for m in groups.values() if len(m) > 1 and any(adv[i] != 0 for i in m))
+    assert winners == len([m for m in groups.values() if len(m) > 1]) - 2  # every other group: one winner
+    assert all(int((adv[m] != 0).sum()) <= 1 for m in map(torch.tensor, groups.values()))
+
+
+@pytest.mark.parametrize("mode", ref.PASSK_MODES)
+def test_passk_huge_spread_nan_and_layouts(mode):
+    scores = torch.tensor(HUGE_SCORES)
+    ids = torch.tensor(HUGE_IDS)
+    truth = torch.tensor(passk(scores.double().tolist(), ids.tolist(), norm_by_std=mode == "grpo_passk"),
+                         dtype=torch.float64)
+    by_size = rlk.group_advantages(scores, group_size=4, mode=mode)
+    _assert_contract("group_advantages", mode, by_size, truth, ref.group_contract_scale(truth, None, 4))
+    assert torch.equal(rlk.group_advantages(scores, group_index=ids * 3, mode=mode), by_size)
+    dirty = scores.clone()
+    dirty[1] = math.nan
+    got = rlk.group_advantages(dirty, group_size=4, mode=mode)
+    assert bool(torch.isnan(got[:4]).all()) and torch.equal(got[4:], by_size[4:])

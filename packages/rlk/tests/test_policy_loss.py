@@ -1030,3 +1030,56 @@ def test_policy_loss_and_grad_edge_cases():
         rlk.policy_loss_and_grad(batch["lp"], batch["old"], batch["adv"], batch["mask"], dual_clip=0.5)
     with pytest.raises(TypeError):
         rlk.policy_loss_and_grad(batch["lp"], batch["old"], batch["adv"], batch["mask"], clip=0.2)
+
+
+# ----------------------------------------------------------------------------------------------
+# DPPO-Binary (dppo_tv, dppo_kl), re-derived from verl's formulas
+# ----------------------------------------------------------------------------------------------
+
+
+def verl_dppo(lp, old, adv, variant, eps_low, eps_high, cap):
+    """verl's DPPO-Binary token losses and clip fractions: a detached trust-region mask times the truncated
+    detached ratio times ``-A lp``."""
+    ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
+    truncated = torch.clamp(ratio, max=cap).detach()
+    p, q = torch.exp(lp), torch.exp(old)
+    if variant == "dppo_tv":
+        valid = torch.where(adv > 0, (p - q) <= eps_high, (p - q) >= -eps_low)
+    else:
+        b = q * (old - lp) + (1 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+        valid = torch.where(adv > 0, (b <= eps_high) | (p <= q), (b <= eps_low) | (p >= q))
+    valid = valid.detach().to(lp.dtype)
+    return -adv * truncated * lp * valid, {"clipfrac": 1.0 - valid, "lower": (ratio > cap).to(lp.dtype) * valid}
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("variant, eps", [("dppo_tv", (0.05, 0.08)), ("dppo_kl", (0.01, 0.02))])
+def test_dppo_matches_verls_formulas(variant, eps, agg):
+    batch = make_batch(seed=4, ragged=True, extreme=True)
+    truth = f64(batch)
+    losses, parts = verl_dppo(truth["lp"], truth["old"], adv_bt(truth), variant, *eps, 2.0)
+    expected = verl_agg(losses, truth["mask"], agg)
+    expected.backward()
+    loss, metrics, grad, _ = run_rlk(batch, loss=variant, clip_low=eps[0], clip_high=eps[1], dual_clip=2.0,
+                                     clamp_log_ratio=20.0, **verl_agg_kwargs(agg, batch["lp"].shape[1]))
+    check_value(f"{variant} {agg} loss", loss, expected)
+    check_grad(f"{variant} {agg} grad", grad, truth["lp"].grad)
+    m = truth["mask"].double()
+    for name, key in (("clip_fraction", "clipfrac"), ("lower_clip_fraction", "lower")):
+        want = verl_masked_mean(parts[key], m)
+        check_value(f"{variant} {name}", metrics[name], want)
+        assert 0 < float(want) < 1, name  # both branches occur on these inputs
+
+
+def test_dppo_without_cap_and_its_checks():
+    batch = make_batch(seed=6)
+    truth = f64(batch)
+    losses, _ = verl_dppo(truth["lp"], truth["old"], adv_bt(truth), "dppo_tv", 0.1, 0.1, math.inf)
+    expected = verl_agg(losses, truth["mask"], "token-mean")
+    expected.backward()
+    loss, metrics, grad, _ = run_rlk(batch, loss="dppo_tv", clip_low=0.1, clip_high=0.1)
+    check_value("loss", loss, expected)
+    check_grad("grad", grad, truth["lp"].grad)
+    assert float(metrics["lower_clip_fraction"]) == 0.0
+    with pytest.raises(ValueError, match="dual_clip"):
+        rlk.policy_loss(batch["lp"], batch["old"], batch["adv"], batch["mask"], loss="gpg", dual_clip=2.0)

@@ -65,6 +65,8 @@ TILE_CONFIGS: dict[str, dict[str, int]] = {
 
 _GROUP_MODE_IDS = {"grpo": 0, "dr_grpo": 1, "reinforce_pp_baseline": 1, "gpg": 1, "rloo": 2, "opo": 3}
 _RETURN_MASK_MODE_IDS = {"carry": 0, "reset": 1, "zero": 2}
+# Pass@k (4: over the std, 5: unscaled)
+_GROUP_MODE_IDS.update({"grpo_passk": 4, "dr_grpo_passk": 5})
 
 
 
@@ -162,6 +164,43 @@ def _group_advantages_kernel(
         den = tl.where(den > 0, den, 1.0)  # equal huge scores: c = 0 and eps * 2^-k underflowed
     factor = tl.div_rn(n_f, tl.maximum(n_f - 1.0, 1.0))
 
+    # Pass@k (MODE 4, 5): the top score, its first holder (smallest batch position: members are in batch order),
+    # the runner-up (the largest of the others), and the margin (over std' + eps * 2^-k for MODE 4); maxima and
+    # minima are exact, so the chunk order does not matter
+    winner = tl.full((), -1, tl.int64)
+    margin = 0.0
+    has_nan = 0
+    if MODE >= 4:
+        top = -float("inf")
+        for j0 in range(0, n, BLOCK):
+            offs = j0 + lane
+            valid = offs < n
+            idx, s = _group_chunk(scores_ptr, perm_ptr, start, offs, valid, BY_SIZE)
+            top = tl.maximum(top, tl.max(tl.where(valid, s, -float("inf"))))
+            has_nan = tl.maximum(has_nan, tl.max(tl.where(valid & (s != s), 1, 0)))
+        winner = tl.full((), 2**62, tl.int64)
+        for j0 in range(0, n, BLOCK):
+            offs = j0 + lane
+            valid = offs < n
+            idx, s = _group_chunk(scores_ptr, perm_ptr, start, offs, valid, BY_SIZE)
+            winner = tl.minimum(winner, tl.min(tl.where(valid & (s == top), idx, 2**62)))
+        second = -float("inf")
+        acc_ss = 0.0
+        for j0 in range(0, n, BLOCK):
+            offs = j0 + lane
+            valid = offs < n
+            idx, s = _group_chunk(scores_ptr, perm_ptr, start, offs, valid, BY_SIZE)
+            second = tl.maximum(second, tl.max(tl.where(valid & (idx != winner), s, -float("inf"))))
+            c = tl.where(valid, (s * down - pivot) - base, 0.0)
+            acc_ss += tl.sum(c * c)
+        margin = top * down - second * down
+        if MODE == 4:
+            den_k = tl.sqrt_rn(tl.div_rn(acc_ss, tl.maximum(n_f - 1.0, 1.0))) + eps * down
+            margin = tl.div_rn(margin, tl.where(den_k > 0, den_k, 1.0))
+        else:
+            margin = margin * up
+        winner = tl.where(n > 1, winner, -1)
+
     # pass 3: the advantages
     single = n == 1
     nonzero = tl.zeros((), tl.int32)
@@ -174,6 +213,13 @@ def _group_advantages_kernel(
             a = tl.where(single, tl.div_rn(s, 1.0 + eps), tl.div_rn(c, den))
         elif MODE == 2:
             a = tl.where(single, s, (c * factor) * up)
+        elif MODE >= 4:
+            a = tl.where(idx == winner, margin, 0.0)
+            if MODE == 4:
+                a = tl.where(single, tl.div_rn(s, 1.0 + eps), a)
+            else:
+                a = tl.where(single, s, a)
+            a = tl.where(has_nan > 0, float("nan"), a)
         else:
             a = tl.where(single, s, c * up)
         if GPG:

@@ -98,6 +98,9 @@ _CISPO = tl.constexpr(LOSSES.index("cispo"))
 _GPG = tl.constexpr(LOSSES.index("gpg"))
 _SAPO = tl.constexpr(LOSSES.index("sapo"))
 _GEO = tl.constexpr(LOSSES.index("geo_mean"))
+# DPPO-Binary trust-region losses
+_DPPO_TV = tl.constexpr(LOSSES.index("dppo_tv"))
+_DPPO_KL = tl.constexpr(LOSSES.index("dppo_kl"))
 _K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
 _ABS = tl.constexpr(KL_ESTIMATORS.index("abs"))
 _K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
@@ -322,6 +325,23 @@ def _row_weight(
 
 
 @triton.jit
+def _dppo_region(lp, old, adv, ratio, clip_low, clip_high, cap, LOSS: tl.constexpr, HAS_CAP: tl.constexpr):
+    """DPPO's trust region (``valid``) and truncated ratio ``w = min(r, cap)`` per token (spec:
+    :func:`rlk.reference.policy_loss._dppo_token_losses`); ``p = exp(lp)``, ``q = exp(old)`` unclamped."""
+    p = tl.exp(lp)
+    q = tl.exp(old)
+    if LOSS == _DPPO_TV:
+        valid = tl.where(adv > 0, p - q <= clip_high, p - q >= -clip_low)
+    else:
+        b = q * (old - lp) + (1.0 - q) * tl.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+        valid = tl.where(adv > 0, (b <= clip_high) | (p <= q), (b <= clip_low) | (p >= q))
+    w = ratio
+    if HAS_CAP:
+        w = tl.minimum(ratio, cap)
+    return valid, w
+
+
+@triton.jit
 def _add_stat_tuples(a0, a1, a2, a3, a4, a5, a6, a7, a8, b0, b1, b2, b3, b4, b5, b6, b7, b8):
     """Combine of the ``ROW_STATS`` columns reduced in one ``tl.reduce``: sums, the max for ``ratio_max``."""
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, tl.maximum(a6, b6), a7 + b7, a8 + b8
@@ -441,6 +461,13 @@ def _policy_loss_chunk_kernel(
         f = tl.sigmoid(tau * (ratio - 1.0))
         value = -adv * f * (4.0 / tau)
         grad = tl.where(passes, -4.0 * adv * _times(f * (1.0 - f), ratio), 0.0)
+    elif LOSS == _DPPO_TV or LOSS == _DPPO_KL:
+        valid, w = _dppo_region(lp, old, adv, ratio, clip_low, clip_high, dual_clip, LOSS, HAS_DUAL)
+        grad = tl.where(valid, _times(-adv, w), 0.0)
+        value = _times(grad, lp)
+        clipped = tl.where(m & ~valid, 1.0, 0.0)
+        if HAS_DUAL:
+            lower = tl.where(valid & (ratio > dual_clip), 1.0, 0.0)
     else:  # geo_mean
         pos = adv > 0
         neg = adv < 0

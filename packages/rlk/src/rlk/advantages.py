@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from rlk import checks, custom_op, dispatch
-from rlk.reference.advantages import EPS_MODES, GROUP_MODES, RETURN_MASK_MODES, recurrence_constants
+from rlk.reference.advantages import EPS_MODES, GROUP_MODES, PASSK_MODES, RETURN_MASK_MODES, recurrence_constants
 
 _UPCAST = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float64) + _UPCAST
@@ -130,6 +130,9 @@ def group_advantages(
         opo                    s - sum_g(l * s) / sum_g(l)   (OPO's length-weighted optimal baseline,
                                ``l = lengths``; the plain mean where a group's lengths sum to 0)
         gpg                    alpha * (s - mean_g),  alpha = B / max(B_valid, 1)
+        grpo_passk             (max_g - second_g) / (std_g + eps) for the group's best (its first member
+                               holding the max), 0 for the others (Pass@k, arXiv 2503.19595; verl's grpo_passk)
+        dr_grpo_passk          max_g - second_g for the best, 0 for the others (no std)
 
     For ``gpg`` (GPG, arXiv 2504.02546), ``B_valid`` is the number of sequences of this call
     whose advantage ``s - mean_g`` is non-zero (GPG's correction for groups that carry no
@@ -137,7 +140,7 @@ def group_advantages(
     estimator uses ``B / count_nonzero(scores)`` instead; for that, scale ``dr_grpo`` yourself.)
 
     Singleton groups take mean 0 and std 1 (verl): the advantage is ``s / (1 + eps)`` for
-    ``grpo`` and ``s`` for the other modes. A group of equal scores gives exactly 0.
+    ``grpo`` and ``grpo_passk``, ``s`` for the other modes. A group of equal scores gives exactly 0.
 
     Args:
         scores: ``[B]`` float32 / bfloat16 / float16 (float64 for reference runs): one score
@@ -145,7 +148,8 @@ def group_advantages(
         group_size: groups are consecutive blocks of this many sequences (must divide ``B``).
         group_index: or ``[B]`` integer group ids (any values, any order; members keep their
             batch order within a group). Pass exactly one of ``group_size`` and ``group_index``.
-        mode: one of ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp_baseline``, ``opo``, ``gpg``.
+        mode: one of ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp_baseline``, ``opo``, ``gpg``,
+            ``grpo_passk``, ``dr_grpo_passk``.
         eps: ``> 0``, added to the std (``grpo`` only); verl uses 1e-6, TRL 1e-4.
         lengths: ``[B]`` response lengths (tokens, ``>= 0``), required by ``opo`` and only by it.
 
@@ -160,7 +164,8 @@ def group_advantages(
     if x.dim() != 1:
         raise ValueError(f"scores: expected shape [B] (one score per sequence), got {tuple(x.shape)}")
     n_rows = x.shape[0]
-    mode = checks.choice("mode", mode, GROUP_MODES)
+    if mode not in PASSK_MODES:
+        mode = checks.choice("mode", mode, GROUP_MODES)
     eps = checks.number("eps", eps, above=0.0, dtype=torch.float32)
     if (group_size is None) == (group_index is None):
         raise ValueError("group_size, group_index: pass exactly one of them")

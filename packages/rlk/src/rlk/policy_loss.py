@@ -1,4 +1,4 @@
-"""Public policy-loss ops: ``policy_loss`` (PPO / GRPO / DAPO, GSPO, CISPO, GPG, SAPO, GMPO) and ``kl_penalty``.
+"""Public policy-loss ops: ``policy_loss`` (PPO / GRPO / DAPO, GSPO, CISPO, GPG, SAPO, GMPO, DPPO) and ``kl_penalty``.
 
 Each op is two ``torch.library.custom_op`` primitives (``rlk::<op>_fwd``, ``rlk::<op>_bwd``)
 with fake implementations, so they trace under ``torch.compile(fullgraph=True)``, and one
@@ -26,6 +26,8 @@ from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
 
 _KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 _CISPO_FORMS = ("clip", "upper")
+#: The losses that read ``dual_clip``: ppo's dual clip; the DPPO losses' ratio cap.
+_CAPPED_LOSSES = ("ppo", "dppo_tv", "dppo_kl")
 _INF = math.inf
 
 
@@ -269,6 +271,12 @@ def policy_loss(
       ``R_i = exp(mean_t of it)``, sequence loss ``-mean_t(A) R_i`` carried by each token of the
       row. With ``agg="seq-mean-token-mean"`` the loss is the mean of the sequence losses
       (verl's GMPO).
+    * ``"dppo_tv"`` / ``"dppo_kl"`` (DPPO-Binary, verl's losses of those names):
+      ``-A sg(min(r, dual_clip)) logprob`` on the tokens inside the trust region, 0 elsewhere; the
+      region is ``p - p_old <= clip_high`` (``A > 0``) / ``>= -clip_low`` (else) for ``dppo_tv``, the binary
+      KL of ``p`` against ``p_old`` below ``clip_high`` / ``clip_low`` (or moving away from the
+      advantage's direction) for ``dppo_kl`` (``p = exp(logprob)``). ``dual_clip`` is the ratio cap
+      (verl's ``clip_ratio_c``), None for no cap.
 
     Args:
         logprob: ``[B, T]`` log-probs of the sampled tokens under the current policy (rows are
@@ -278,10 +286,12 @@ def policy_loss(
         advantages: ``[B, T]``, or ``[B]`` / ``[B, 1]`` for one advantage per sequence (detached).
         mask: ``[B, T]`` bool, or numbers (nonzero = a loss token). Masked-out positions
             never touch the result, even when they hold ``-inf`` or NaN.
-        loss: ``"ppo"``, ``"gspo"``, ``"cispo"``, ``"gpg"``, ``"sapo"`` or ``"geo_mean"``.
+        loss: ``"ppo"``, ``"gspo"``, ``"cispo"``, ``"gpg"``, ``"sapo"``, ``"geo_mean"``, ``"dppo_tv"`` or
+            ``"dppo_kl"``.
         clip_low, clip_high: ``eps_low`` and ``eps_high`` (>= 0; ``clip_high=None`` means
             ``clip_low``). DAPO: 0.2 / 0.28; GSPO: 3e-4 / 4e-4.
-        dual_clip: the dual-clip constant ``c > 1`` (``"ppo"`` only), or None.
+        dual_clip: the dual-clip constant ``c > 1`` (``"ppo"``), the ratio cap (``"dppo_tv"``,
+            ``"dppo_kl"``), or None.
         clamp_log_ratio: clamp the log-ratio to ``[-c, c]`` (or ``(low, high)``, either None)
             before ``exp``; a clamped token gets no gradient through the ratio. verl and
             OpenRLHF use 20. For ``"gspo"`` it clamps the sequence log-ratio ``log s_i``; for
@@ -454,8 +464,9 @@ def _policy_loss(
         clip_high = clip_low
     clip_high = checks.number("clip_high", clip_high, minimum=0.0)
     if dual_clip is not None:
-        if loss != "ppo":
-            raise ValueError(f"dual_clip: only loss='ppo' has a dual clip (loss is {loss!r})")
+        if loss not in _CAPPED_LOSSES:
+            raise ValueError(f"dual_clip: only loss='ppo' has a dual clip, and 'dppo_tv' / 'dppo_kl' a ratio cap "
+                             f"(loss is {loss!r})")
         dual_clip = checks.number("dual_clip", dual_clip, above=1.0)
     clamp_low, clamp_high = _clamp_bounds(clamp_log_ratio)
     if not isinstance(sapo_tau, (tuple, list)) or len(sapo_tau) != 2:

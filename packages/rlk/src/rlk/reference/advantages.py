@@ -28,6 +28,15 @@ gradient in RL training):
                                sum_g(w) == 0)
         gpg                    alpha * c_i * 2^k,  alpha = B / max(#{i : a_i != 0}, 1)
 
+    and the Pass@k modes (arXiv 2503.19595; verl's ``grpo_passk``), with ``top_g`` the group's largest scaled
+    score, ``w`` its first member (in group order) holding it and ``second_g`` the largest of the others::
+
+        grpo_passk             (top_g - second_g) / (std'_g + eps * 2^-k)  for w, 0 for the others
+        dr_grpo_passk          (top_g - second_g) * 2^k                     for w, 0 for the others
+
+    (a tie for the top gives 0 to everyone; a singleton group takes the family's convention, ``s / (1 + eps)`` and
+    ``s``; a NaN score makes its whole group NaN).
+
     Scaling by a power of two is exact (barring underflow of terms far below the group's
     largest score), so the results are the bits of the unscaled formulas wherever those do
     not overflow. In ``grpo`` a group of equal scores has ``c = 0`` and ``std' = 0``; its
@@ -115,6 +124,8 @@ from __future__ import annotations
 import torch
 
 GROUP_MODES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg")
+#: Pass@k: only each group's best response gets an advantage, its margin over the runner-up.
+PASSK_MODES = ("grpo_passk", "dr_grpo_passk")
 RETURN_MASK_MODES = ("carry", "reset", "zero")
 EPS_MODES = ("add", "clamp")
 
@@ -213,6 +224,8 @@ def group_advantages_fwd(scores, group_index, group_size, lengths, mode, eps, ou
         adv = torch.where(single, s, (c * factor[:, None]) * up[:, None])
     elif mode in ("dr_grpo", "reinforce_pp_baseline", "opo", "gpg"):
         adv = torch.where(single, s, c * up[:, None])
+    elif mode in ("grpo_passk", "dr_grpo_passk"):
+        adv = _passk(s, s_scaled, valid, c, n, eps, down, up, with_std=mode == "grpo_passk")
     else:
         raise ValueError(f"mode: expected one of {', '.join(GROUP_MODES)}, got {mode!r}")
     if mode == "gpg":
@@ -220,6 +233,25 @@ def group_advantages_fwd(scores, group_index, group_size, lengths, mode, eps, ou
         alpha = torch.tensor(scores.shape[0], dtype=cdt, device=scores.device) / n_valid.clamp(min=1).to(cdt)
         adv = adv * alpha
     out[members[valid]] = adv[valid].to(out.dtype)
+
+
+def _passk(s, s_scaled, valid, c, n, eps, down, up, *, with_std):
+    """Pass@k advantages of dense groups (module docstring): the first member holding the top gets the margin."""
+    vals = torch.where(valid, s_scaled, -torch.inf)
+    top = vals.amax(1)
+    col = torch.arange(vals.shape[1], device=vals.device)
+    first = torch.where(valid & (vals == top[:, None]), col, vals.shape[1]).amin(1)
+    winner = (col[None, :] == first[:, None]) & (n > 1)[:, None]
+    second = torch.where(winner | ~valid, -torch.inf, vals).amax(1)
+    margin = torch.where(n > 1, top - second, 0.0)
+    if with_std:
+        den = torch.sqrt((c * c).sum(1) / (n - 1).clamp(min=1)) + eps * down
+        value = margin / torch.where(den > 0, den, 1.0)
+    else:
+        value = margin * up
+    adv = torch.where(winner, value[:, None], 0.0)
+    adv = torch.where((n == 1)[:, None], s / (1.0 + eps) if with_std else s, adv)
+    return torch.where((valid & torch.isnan(s)).any(1)[:, None], torch.nan, adv)
 
 
 def group_contract_scale(ref: torch.Tensor, group_index: torch.Tensor | None, group_size: int) -> torch.Tensor:

@@ -50,6 +50,19 @@ Per-token losses ``L`` (minimized) and their derivatives ``g = dL / d lp``
     d l_i / d lp_t = -Abar_i R_i p_t / n1_i,   p_t = 1 where dt follows dc (A > 0 and dc <= eps_h,
                                                or A < 0 and dc >= -eps_l) and d is not clamped
 
+``dppo_tv`` / ``dppo_kl`` (DPPO-Binary, arXiv 2602.04879; verl's ``dppo_tv`` / ``dppo_kl``), ``c = dual_clip``
+(the cap of the truncated ratio, verl's ``clip_ratio_c``; 0: no cap), ``p = exp(lp)``, ``q = exp(old)``::
+
+    w = sg(min(r, c))                                             (sg(r) when c = 0)
+    tv:  valid = (p - q <= eps_h) if A > 0 else (p - q >= -eps_l)
+    kl:  b = q (old - lp) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8))
+         valid = (b <= eps_h or p <= q) if A > 0 else (b <= eps_l or p >= q)
+    L = -A w lp [valid],  g = -A w [valid]                        (valid is detached: a token outside the
+                                                                    trust region gets neither loss nor gradient)
+
+(``p`` and ``q`` from the unclamped log-probs.) Metrics: ``clip_fraction`` the tokens outside the trust region,
+``lower_clip_fraction`` the valid tokens whose ratio the cap truncates (``r > c``).
+
 Overflow: ``r = exp(dc)`` is ``inf`` in fp32 for ``dc > 88.7``. Every product with such a factor
 is taken as 0 where its other factor is exactly 0 (``A = 0``, ``f (1 - f) = 0``, ``Abar_i = 0``, ``I = 0``,
 ``w = 0``): ``0 * inf`` counts as 0, never NaN. A value whose exact result exceeds the fp32 range (``-A r``
@@ -111,6 +124,8 @@ from rlk.reference import aggregation
 
 #: Policy-loss variants (the ``loss`` attribute of ``policy_loss_fwd``).
 LOSSES = ("ppo", "gspo", "cispo", "gpg", "sapo", "geo_mean")
+#: The DPPO-Binary trust-region losses (token-local; ``dual_clip`` is their ratio cap).
+LOSSES += ("dppo_tv", "dppo_kl")
 #: KL estimators (canonical names; the op layer resolves aliases such as ``low_var_kl``).
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 #: Columns of ``row_stats_out`` (per-row partials, combined in row order into the metrics).
@@ -277,7 +292,29 @@ def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high
         clipped = (pos & (log_ratio > clip_high)) | (neg & (log_ratio < -clip_low))
         ratio = seq_ratio[:, None].expand_as(d)
         return seq_loss[:, None].expand_as(d), grad, ratio, clipped, no, log_ratio
+    if loss in ("dppo_tv", "dppo_kl"):
+        return _dppo_token_losses(lp, old, adv, m, log_ratio, ratio, loss=loss, clip_low=clip_low,
+                                  clip_high=clip_high, cap=dual_clip)
     raise ValueError(f"unknown policy loss {loss!r}")
+
+
+#: verl's guard in the binary KL of ``dppo_kl``.
+DPPO_KL_GUARD = 1e-8
+
+
+def _dppo_token_losses(lp, old, adv, m, log_ratio, ratio, *, loss, clip_low, clip_high, cap):
+    """``dppo_tv`` / ``dppo_kl``: the truncated ratio ``w`` times ``-A lp`` on the trust region (module docstring)."""
+    w = torch.minimum(ratio, torch.full_like(ratio, cap)) if cap > 0 else ratio
+    p, q = torch.exp(lp), torch.exp(old)
+    if loss == "dppo_tv":
+        valid = torch.where(adv > 0, p - q <= clip_high, p - q >= -clip_low)
+    else:
+        b = q * (old - lp) + (1.0 - q) * torch.log((1.0 - q + DPPO_KL_GUARD) / (1.0 - p + DPPO_KL_GUARD))
+        valid = torch.where(adv > 0, (b <= clip_high) | (p <= q), (b <= clip_low) | (p >= q))
+    valid = valid & m
+    grad = torch.where(valid, times(-adv, w), 0.0)
+    lower = valid & (ratio > cap) if cap > 0 else torch.zeros_like(m)
+    return times(grad, lp), grad, ratio, m & ~valid, lower, log_ratio
 
 
 def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, *, loss,
