@@ -41,6 +41,7 @@ OPS = {
     "selected": ("logprob", "SelectedLogprob"),
     "policy_loss": ("rl_objectives", "PolicyLoss"),
     "gae": ("rl_objectives", "Gae"),
+    "rollout_correction": ("rl_objectives", "RolloutCorrection"),
     "fused_linear_policy_loss": ("rl_objectives", "FusedLinearPolicyLoss"),
     "rms_norm": ("norm", "RmsNorm"),
     "matmul": ("matmul", "Matmul"),

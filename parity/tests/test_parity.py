@@ -23,6 +23,7 @@ from parity import chain, report, rl
 from parity.__main__ import main
 from parity.run import FAIL, NA, PASS, Config, run_matrix, runnable_backends
 from rlk import dispatch
+from rlk.reference import rollout_correction as ref_rollout_correction
 
 CPU = torch.device("cpu")
 
@@ -172,6 +173,7 @@ RL_CHECKS = {
     "masked_whiten": {"whitened"},
     "discounted_returns": {"returns"},
     "gae": {"advantages", "returns"},
+    "rollout_correction": {"weights", *ref_rollout_correction.METRICS},
 }
 
 

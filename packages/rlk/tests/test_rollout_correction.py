@@ -6,9 +6,8 @@ re-derivation, the fp64 ground truth under the contract, edge cases, bad input, 
   (:class:`FakeTRLTrainer`) whose generation returns the test's rollout log-probs and whose log-prob pass
   returns its training log-probs, and read the ratio it returns and the metrics it logs.
 * verl (verl 0.9.1): ``verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_and_rejection_mask``,
-  called directly. verl is not a test dependency of CI yet: its tests run where it imports (it needs ray,
-  tensordict, omegaconf, codetiming, protobuf besides ``pip install --no-deps verl==0.9.1``) or where
-  ``RLK_REQUIRE_VERL=1`` makes its absence an error.
+  called directly; these tests carry the ``verl`` marker (CI runs them in the environment of
+  ``ci/install_verl_env.sh``, where ``RLK_REQUIRE_VERL=1`` makes verl's absence an error).
 """
 
 from __future__ import annotations
@@ -394,12 +393,10 @@ def test_trl_sequence_metrics_count_empty_rows():
 
 
 def _verl():
-    try:
-        from verl.trainer.ppo import rollout_corr_helper
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        if os.environ.get("RLK_REQUIRE_VERL", "0") not in ("", "0"):
-            raise
-        pytest.skip(f"verl is not importable ({err}); set RLK_REQUIRE_VERL=1 to make this an error")
+    """verl's helper (the tests using it carry the ``verl`` marker: deselected where verl does not import, an
+    error there with ``RLK_REQUIRE_VERL=1``; CI runs them in the environment of ``ci/install_verl_env.sh``)."""
+    from verl.trainer.ppo import rollout_corr_helper
+
     return rollout_corr_helper
 
 
@@ -446,6 +443,7 @@ def _verl_name(name: str, level: str) -> str:
     return VERL_NAMES.get(name, name)
 
 
+@pytest.mark.verl
 @pytest.mark.parametrize("empty_row", [False, True])
 @pytest.mark.parametrize("case", VERL_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_verl_rollout_correction(case, empty_row):
@@ -469,6 +467,7 @@ def test_verl_rollout_correction(case, empty_row):
     assert compared >= (6 if empty_row else 27)
 
 
+@pytest.mark.verl
 def test_verl_cases_are_not_trivial():
     for rollout_is, threshold, setting in VERL_CASES:
         x = make_inputs(6, 29, seed=11, spread=0.3 if rollout_is == "token" else 0.2, empty_row=False)
@@ -477,6 +476,7 @@ def test_verl_cases_are_not_trivial():
         assert float(metrics["seq_weight_std"]) > 0
 
 
+@pytest.mark.verl
 def test_verl_float32_under_the_contract():
     rollout_is, threshold, setting = VERL_CASES[1]
     x = make_inputs(33, 64, seed=5)
