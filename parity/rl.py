@@ -1,21 +1,23 @@
 """The RL-objective ops in the parity matrix: cases, inputs, calls, contract scales, invariance.
 
 Ops: ``policy_loss``, ``kl_penalty``, ``value_loss``, ``dpo_loss`` (differentiable: values and
-gradients), ``group_advantages``, ``masked_whiten``, ``discounted_returns``, ``gae`` (values
-only). They declare float32 only (16-bit inputs are upcast by the op layer), so each gets one
-row of the matrix, ``op x float32``.
+gradients), ``group_advantages``, ``masked_whiten``, ``discounted_returns``, ``gae``,
+``rollout_correction`` (values only). They declare float32 only (16-bit inputs are upcast by the op
+layer), so each gets one row of the matrix, ``op x float32``.
 
 Each case runs the public op on the pinned backend with fp32 inputs; ground truth is the same
 public op on fp64 copies of the same values, pinned to the reference backend. The scales are
 the ones each op's contract entry describes (its ``"scale"`` string), computed from the fp64
 inputs and ground truth with the helpers of the reference modules
-(``rlk.reference.policy_loss.contract_scale``, ``rlk.reference.advantages.*_contract_scale``).
+(``rlk.reference.policy_loss.contract_scale``, ``rlk.reference.advantages.*_contract_scale``,
+``rlk.reference.rollout_correction.contract_scale``).
 The recurrence constants (``gamma``, ``gamma * lam``) are dyadic, so the float32-rounded
 constants the op layer passes equal the fp64 ones.
 
 Batch invariance (``policy_loss`` with token-sum and with global normalizers,
-``discounted_returns``, ``gae``): a probe row alone versus inside batches at first, middle and
-last position; its per-token outputs / gradient must be equal bit for bit (``torch.equal``).
+``discounted_returns``, ``gae``, ``rollout_correction``'s weights): a probe row alone versus inside
+batches at first, middle and last position; its per-token outputs / gradient must be equal bit for bit
+(``torch.equal``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from rlk.reference import advantages as ref_adv
 from rlk.reference import aggregation
 from rlk.reference import losses as ref_losses
 from rlk.reference import policy_loss as ref_pl
+from rlk.reference import rollout_correction as ref_rc
 
 RL_OPS = ("policy_loss", "kl_penalty", "value_loss", "dpo_loss", "group_advantages", "masked_whiten",
-          "discounted_returns", "gae")
+          "discounted_returns", "gae", "rollout_correction")
 INF = float("inf")
 
 #: ``[B, T]`` shapes (``dpo_loss``: ``P`` pairs = B; ``group_advantages``: B sequences, T unused).
@@ -46,7 +49,7 @@ GROUP_ROWS = {"cuda": (1, 64, 512), "cpu": (1, 7, 264)}
 INVARIANCE_T = {"cuda": 8192, "cpu": 64}
 INVARIANCE_BATCHES = {"cuda": (7, 133, 512), "cpu": (7, 33)}
 QUICK_INVARIANCE_BATCHES = (7,)
-INVARIANT_OPS = ("policy_loss", "discounted_returns", "gae")
+INVARIANT_OPS = ("policy_loss", "discounted_returns", "gae", "rollout_correction")
 
 #: Dyadic discount / lambda: exact in float32, so fp32 and fp64 runs use the same constants.
 GAMMA = 1 - 2 ** -7
@@ -135,6 +138,13 @@ VARIANTS: dict[str, tuple[tuple[str, tuple], ...]] = {
         ("gamma=1 lam=1", _p(gamma=1.0, lam=1.0)),
         (f"gamma={GAMMA} lam={LAM}", _p(gamma=GAMMA, lam=LAM)),
     ),
+    "rollout_correction": (
+        ("token truncate upper=2 (TIS)", _p(level="token", mode="truncate", upper=2.0)),
+        ("sequence mask [0.5, 3] (IcePop)", _p(level="sequence", mode="mask", lower=0.5, upper=3.0)),
+        ("token mask [0.8, 1.25], no clamp", _p(level="token", mode="mask", lower=0.8, upper=1.25,
+                                                clamp_log_ratio=None)),
+        ("sequence truncate [0.5, 2]", _p(level="sequence", mode="truncate", lower=0.5, upper=2.0)),
+    ),
 }
 
 
@@ -185,6 +195,8 @@ def invariance_plan(op: str, device_type: str, quick: bool) -> RLInvariancePlan 
         variants = (("ppo dual-clip token-sum", _PPO + _p(agg="token-sum")),
                     ("gspo seq-mean-token-mean, global normalizers",
                      _GSPO + _p(agg="seq-mean-token-mean", global_tokens=4096.0, global_seqs=64.0)))
+    elif op == "rollout_correction":
+        variants = VARIANTS[op][:2]  # both levels
     else:
         variants = VARIANTS[op][1:2]  # a discount below 1 (and reset mode for the returns)
     return RLInvariancePlan(op, INVARIANCE_T[device_type], batches, variants)
@@ -227,6 +239,13 @@ def make_inputs(case: RLCase, seed: int, rows: int | None = None) -> dict[str, t
         out["importance_weights"] = torch.rand(b, t, generator=gen) + 0.5
         out["entropy"] = torch.rand(b, t, generator=gen) * 2
         return out
+    if op == "rollout_correction":
+        old = -torch.rand(b, t, generator=gen) * 4 - 0.05
+        if case.kwargs["level"] == "token":
+            roll = old + 0.3 * torch.randn(b, t, generator=gen)
+        else:  # row sums of log-ratios of about N(0, 1.4^2), ratios on both sides of the thresholds
+            roll = old + torch.randn(b, t, generator=gen) / t ** 0.5 + torch.randn(b, 1, generator=gen) / t
+        return {"old_logprob": old, "rollout_logprob": roll, "mask": _ragged_mask(b, t, gen)}
     if op == "value_loss":
         values = torch.randn(b, t, generator=gen) * 2
         return {"values": values, "old_values": values + 0.7 * torch.randn(b, t, generator=gen),
@@ -294,6 +313,9 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOut
         kl = rlk.kl_penalty(lp, x["ref_logprob"], params["estimator"], k3_clamp=params.get("k3_clamp", True), **extra)
         (x["c"] * kl).sum().backward()
         return RLOutputs({"kl": kl.detach().reshape(-1)}, {"grad_logprob": lp.grad})
+    if op == "rollout_correction":
+        weights, metrics = rlk.rollout_correction(x["old_logprob"], x["rollout_logprob"], x["mask"], **params)
+        return RLOutputs({"weights": weights, **{k: m.reshape(1) for k, m in metrics.items()}}, {})
     if op == "value_loss":
         v = x["values"].clone().requires_grad_()
         loss, metrics = rlk.value_loss(v, x["old_values"], x["returns"], x["mask"], **params)
@@ -375,6 +397,13 @@ def scales(case: RLCase, x: dict[str, torch.Tensor], truth: RLOutputs) -> tuple[
         return _policy_scales(params, x, truth), 1.0
     if op == "kl_penalty":
         return {"kl": 1.0 + v["kl"].abs()}, 1.0
+    if op == "rollout_correction":
+        upper, lower, clamp = params.get("upper", 2.0), params.get("lower"), params.get("clamp_log_ratio", 20.0)
+        s = ref_rc.contract_scale(x["old_logprob"], x["rollout_logprob"], x["mask"], level=params["level"],
+                                  mode=params["mode"], upper=INF if upper is None else upper,
+                                  lower=0.0 if lower is None else lower, clamp=INF if clamp is None else clamp)
+        out = {"weights": s["weights"]}
+        return out | {name: s["metrics"][i].reshape(1) for i, name in enumerate(ref_rc.METRICS)}, 1.0
     if op == "value_loss":
         m = x["mask"]
         v_abs = torch.where(m, x["values"].abs(), 0.0).sum() / m.sum().clamp(min=1)
@@ -435,9 +464,12 @@ def compare(case: RLCase, got: RLOutputs, truth: RLTruth) -> list[contract.Devia
 
 
 def _row_outputs(op: str, params: dict, x: dict[str, torch.Tensor], position: int) -> dict[str, torch.Tensor]:
-    """The per-token outputs / gradients of one row (``policy_loss``: its gradient coefficients)."""
+    """The per-token outputs / gradients of one row (``policy_loss``: its gradient coefficients;
+    ``rollout_correction``: its weights, not the call's metrics)."""
     out = forward_backward(op, params, x)
     rows = out.grads if op == "policy_loss" else out.values
+    if op == "rollout_correction":
+        rows = {"weights": rows["weights"]}
     return {name: t[position] for name, t in rows.items()}
 
 

@@ -1,4 +1,5 @@
-"""Benchmarks of the RL objectives: ``rlk.policy_loss``, ``rlk.gae`` and ``rlk.fused_linear_policy_loss``.
+"""Benchmarks of the RL objectives: ``rlk.policy_loss``, ``rlk.gae``, ``rlk.fused_linear_policy_loss`` and
+``rlk.rollout_correction``.
 
 Implementations (the ``impl`` parameter):
 
@@ -19,6 +20,13 @@ Implementations (the ``impl`` parameter):
 * ``fused_linear_policy_loss`` vs ``linear_logprob`` alone (then the PPO loss in PyTorch): fwd+bwd
   from bf16 hidden states, the issue-5 target being the fused op within 5% of ``linear_logprob``'s
   time and memory; FLOPs credited 8NHV as in ``logprob.py``.
+* ``rollout_correction`` on ``[B, T]`` fp32 log-probs (not differentiable), the ``option`` ``token/truncate``
+  (verl's default TIS: log-ratio clamped to +-20, weights capped at 2) or ``sequence/mask`` (IcePop on the row
+  sums, ``[0.5, 2]``): ``rlk``; ``torch_eager``, the composition frameworks write (weights, then the masked
+  mean / max / min of the weights and the fraction of ratios above the cap, each a separate reduction);
+  ``torch_compile``, the same through ``torch.compile(dynamic=False)``. The baselines compute 4 metrics where
+  rlk computes all 35 of its own. Bytes credited: the two log-probs (4 each) and the mask (1) read, the
+  weights (4) written.
 
 Quick mode (``RLK_BENCH_QUICK=1`` or no GPU): tiny shapes.
 """
@@ -34,6 +42,7 @@ from .common import DEVICE, QUICK, SEED, CaseBase, _CaseSetup, _MemorySetup
 
 CLIP, DUAL_CLIP, CLAMP = 0.2, 3.0, 20.0
 GAMMA, LAM = 0.99, 0.95
+RC_CLAMP, RC_UPPER, RC_LOWER = 20.0, 2.0, 0.5
 TOKEN_SHAPES = [(8, 64)] if QUICK else [(512, 8192)]
 LINEAR_SHAPES = [(64, 64, 1000)] if QUICK else [(16384, 4096, 151936)]
 LINEAR_DTYPE = torch.float32 if QUICK else torch.bfloat16
@@ -77,6 +86,35 @@ def rlk_ppo_loss_and_grad(logprob: Tensor, old_logprob: Tensor, advantages: Tens
                                    dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean",
                                    global_tokens=global_tokens)
     return out.loss, out.grad_logprob, out.metrics["clip_fraction"], out.metrics["approx_kl"]
+
+
+def torch_rollout_correction(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor,
+                             option: str) -> tuple[Tensor, ...]:
+    """Importance weights (``option``: ``token/truncate`` or ``sequence/mask``, see the module docstring) and the
+    masked mean / max / min of the weights and the fraction of ratios above the upper bound, as eager PyTorch."""
+    d = torch.where(mask, old_logprob - rollout_logprob, 0.0)
+    if option == "token/truncate":
+        ratio = torch.exp(d.clamp(-RC_CLAMP, RC_CLAMP))
+        weights = ratio.clamp(max=RC_UPPER)
+    else:
+        ratio = torch.exp(d.sum(dim=1, keepdim=True).clamp(-RC_CLAMP, RC_CLAMP)).expand_as(d)
+        weights = torch.where((ratio >= RC_LOWER) & (ratio <= RC_UPPER), ratio, 0.0)
+    weights = torch.where(mask, weights, 0.0)
+    n = mask.sum().clamp(min=1)
+    mean = weights.sum() / n
+    top = torch.where(mask, weights, 0.0).amax()
+    low = torch.where(mask, weights, float("inf")).amin()
+    high = (mask & (ratio > RC_UPPER)).sum() / n
+    return weights, mean, top, low, high
+
+
+def rlk_rollout_correction(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor,
+                           option: str) -> tuple[Tensor, ...]:
+    level, mode = option.split("/")
+    weights, metrics = rlk.rollout_correction(old_logprob, rollout_logprob, mask, level=level, mode=mode,
+                                              upper=RC_UPPER, lower=None if mode == "truncate" else RC_LOWER,
+                                              clamp_log_ratio=RC_CLAMP)
+    return weights, metrics["weight_mean"], metrics["weight_max"], metrics["weight_min"], metrics["fraction_high"]
 
 
 def torch_gae_step(rewards_t: Tensor, values_t: Tensor, mask_t: Tensor, next_value: Tensor,
@@ -170,6 +208,34 @@ class GaeCase(CaseBase):
         return self.fn()
 
 
+class RolloutCorrectionCase(CaseBase):
+    """``rollout_correction`` (not differentiable) on ``[B, T]`` training / rollout log-probs and a mask."""
+
+    def __init__(self, op: str, impl: str, option: str, shape: tuple[int, int]):
+        gen = torch.Generator(DEVICE).manual_seed(SEED)
+        batch, length = shape
+        self.old = -torch.rand(batch, length, generator=gen, device=DEVICE) * 5
+        noise = 0.1 if option == "token/truncate" else length ** -0.5
+        self.rollout = self.old + noise * torch.randn(batch, length, generator=gen, device=DEVICE)
+        self.mask = torch.rand(batch, length, generator=gen, device=DEVICE) < 0.9
+        self.option = option
+        self.work, self.unit = batch * length * (4 + 4 + 1 + 4), "GB/s"
+        if option not in ("token/truncate", "sequence/mask"):
+            raise ValueError(f"unknown option {option!r}")
+        fn = rlk_rollout_correction if impl == "rlk" else torch_rollout_correction
+        if impl == "torch_compile":
+            torch.compiler.reset()
+            fn = torch.compile(fn, dynamic=False)
+        elif impl not in ("rlk", "torch_eager"):
+            raise ValueError(f"unknown impl {impl!r}")
+        self.fn = fn
+        self.decision = rlk.explain("rollout_correction", self.old) if impl == "rlk" else None
+        self.step()
+
+    def step(self) -> object:
+        return self.fn(self.old, self.rollout, self.mask, self.option)
+
+
 class FusedLinearPolicyLossCase(CaseBase):
     """hidden -> log-prob -> PPO loss, fwd+bwd: the fused op vs ``linear_logprob`` + the loss in PyTorch."""
 
@@ -237,6 +303,25 @@ class Gae(_CaseSetup):
     track_ms.unit = "ms"
 
     def track_gbps(self, impl: str, gamma_lam: str, shape: tuple[int, int]) -> float:
+        return self.case.rate()
+
+    track_gbps.unit = "GB/s"
+
+
+class RolloutCorrection(_CaseSetup):
+    """``rollout_correction``: ms and GB/s (13 bytes per token)."""
+
+    op, case_type, shape_names = "rollout_correction", RolloutCorrectionCase, "BT"
+    baselines = ("torch_eager", "torch_compile")
+    param_names = ["impl", "option", "shape"]
+    params = [["rlk", "torch_eager", "torch_compile"], ["token/truncate", "sequence/mask"], TOKEN_SHAPES]
+
+    def track_ms(self, impl: str, option: str, shape: tuple[int, int]) -> float:
+        return self.case.ms()
+
+    track_ms.unit = "ms"
+
+    def track_gbps(self, impl: str, option: str, shape: tuple[int, int]) -> float:
         return self.case.rate()
 
     track_gbps.unit = "GB/s"

@@ -144,6 +144,16 @@ def test_kl_penalty_gpu():
     check_no_sync_and_graph_replay(lambda s: token_inputs(s, grad=("logprob",)), op, wrt=("logprob",))
 
 
+@pytest.mark.parametrize("level,mode", [("token", "truncate"), ("sequence", "mask")])
+def test_rollout_correction_gpu(level, mode):
+    """At [512, 8192]: the chain chunk sums (sequence level) -> token pass -> per-row merge -> merge over rows."""
+    def op(x):
+        return rlk.rollout_correction(x["old_logprob"], x["logprob"], x["mask"], level=level, mode=mode, upper=2.0,
+                                      lower=None if mode == "truncate" else 0.5)
+
+    check_no_sync_and_graph_replay(lambda s: token_inputs(s, b=512, t=8192), op)
+
+
 def test_value_loss_gpu():
     def op(x):
         return rlk.value_loss(x["values"], x["old_values"], x["returns"], x["mask"], clip=0.2)

@@ -53,14 +53,27 @@ def backend():
     """The ``rlk.Backend`` of this package (entry-point factory)."""
     from rlk.abi import ABI_VERSION, collect_primitives
     from rlk.backend import Backend
-    from rlk_triton import advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rope, softmax
+    from rlk_triton import (
+        advantages,
+        attention,
+        embedding,
+        logprob,
+        losses,
+        matmul,
+        norm,
+        policy_loss,
+        rollout_correction,
+        rope,
+        softmax,
+    )
 
     return Backend(
         name="triton",
         version=__version__,
         abi_version=ABI_VERSION,
         primitives=collect_primitives(
-            advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rope, softmax
+            advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rollout_correction, rope,
+            softmax,
         ),
         probe=_probe,
         device_types=_device_types,

@@ -4,7 +4,8 @@ Public API:
 
 * ops: :func:`selected_logprob`, :func:`linear_logprob`, :func:`value_loss`, :func:`dpo_loss`,
   :func:`group_advantages`, :func:`masked_whiten`, :func:`discounted_returns`, :func:`gae`,
-  :func:`policy_loss`, :func:`policy_loss_and_grad`, :func:`kl_penalty`, :func:`fused_linear_policy_loss`;
+  :func:`policy_loss`, :func:`policy_loss_and_grad`, :func:`kl_penalty`, :func:`fused_linear_policy_loss`,
+  :func:`rollout_correction`;
 * the batch-invariant forward chain: :func:`rms_norm`, :func:`matmul`, :func:`linear`,
   :func:`attention`, :func:`softmax`, :func:`log_softmax`, :func:`apply_rope`, :func:`embedding`;
   :func:`batch_invariant` (with :func:`enable_batch_invariant`, :func:`disable_batch_invariant`,
@@ -41,6 +42,7 @@ from rlk.losses import dpo_loss, value_loss
 from rlk.matmul import linear, matmul
 from rlk.norm import rms_norm
 from rlk.policy_loss import PolicyLossAndGrad, kl_penalty, policy_loss, policy_loss_and_grad
+from rlk.rollout_correction import rollout_correction
 from rlk.rope import apply_rope
 from rlk.softmax import log_softmax, softmax
 
@@ -74,6 +76,7 @@ __all__ = [
     "policy_loss_and_grad",
     "PolicyLossAndGrad",
     "rms_norm",
+    "rollout_correction",
     "selected_logprob",
     "softmax",
     "unpatch_model",

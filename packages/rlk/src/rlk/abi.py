@@ -183,6 +183,16 @@ PRIMITIVES: dict[str, Primitive] = {
             "kl_penalty",
             "(grad_kl[N] fp32, coef[N] fp32, grad_logprob_out[N] fp32) -> None",
         ),
+        # Rollout correction (spec: rlk.reference.rollout_correction): importance weights of the training engine's
+        # log-probs against the rollout engine's, and their metrics; not differentiable (no _bwd primitive).
+        Primitive(
+            "rollout_correction_fwd",
+            "rollout_correction",
+            "(old_logprob[B,T] fp32, rollout_logprob[B,T] fp32, mask[B,T] bool, weights_out[B,T] fp32, "
+            "metrics_out[M] fp32 (rlk.reference.rollout_correction.METRICS), *, level: str ('token' | 'sequence'), "
+            "mode: str ('truncate' | 'mask'), upper: float (inf: none), lower: float (0: none), "
+            "clamp: float (inf: none)) -> None",
+        ),
         # ---- the batch-invariant forward chain (specs: rlk.reference.norm, .matmul, .attention, .rope,
         # .embedding). Float dtypes float32 / float16 / bfloat16 (float64: reference only); accumulation
         # fp32; outputs in the input dtype unless stated. Batch invariance: a row's (token's) outputs are
@@ -286,6 +296,7 @@ OPS: dict[str, Op] = {
         Op("gae", "gae_fwd", None, ("float32",)),
         Op("policy_loss", "policy_loss_fwd", "policy_loss_bwd", ("float32",)),
         Op("kl_penalty", "kl_penalty_fwd", "kl_penalty_bwd", ("float32",)),
+        Op("rollout_correction", "rollout_correction_fwd", None, ("float32",)),
         Op("rms_norm", "rms_norm_fwd", "rms_norm_bwd", _FLOAT_DTYPES),
         Op("matmul", "matmul_fwd", "matmul_bwd", _FLOAT_DTYPES),
         Op("attention", "attention_fwd", "attention_bwd", _FLOAT_DTYPES),

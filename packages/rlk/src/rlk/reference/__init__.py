@@ -11,7 +11,19 @@ import torch
 
 from rlk import abi
 from rlk.backend import Backend
-from rlk.reference import advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rope, softmax
+from rlk.reference import (
+    advantages,
+    attention,
+    embedding,
+    logprob,
+    losses,
+    matmul,
+    norm,
+    policy_loss,
+    rollout_correction,
+    rope,
+    softmax,
+)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -30,7 +42,8 @@ def backend() -> Backend:
         version=rlk.__version__,
         abi_version=abi.ABI_VERSION,
         primitives=abi.collect_primitives(
-            advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rope, softmax
+            advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rollout_correction, rope,
+            softmax,
         ),
         probe=lambda: None,
         device_types=lambda: ("*",),
