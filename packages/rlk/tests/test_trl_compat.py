@@ -118,7 +118,7 @@ class Case:
     training: bool = True
     top_entropy_quantile: float = 1.0
     off_policy_mask_threshold: float | None = None
-    vllm_is: bool = False
+    vllm_mode: str | None = None  # TRL's vllm_importance_sampling_mode (None: no vLLM correction)
     bias_correction_kl: bool = _TRL_DEFAULTS["use_bias_correction_kl"]
     vespo: tuple[float, float, float, float] | None = None  # (k_pos, lambda_pos, k_neg, lambda_neg)
 
@@ -153,8 +153,9 @@ class FakeTrainer:
         self.epsilon_low, self.epsilon_high = case.eps_low, case.eps_high
         self.top_entropy_quantile = case.top_entropy_quantile
         self.off_policy_mask_threshold = case.off_policy_mask_threshold
-        self.use_vllm = case.vllm_is
-        self.vllm_importance_sampling_correction = case.vllm_is
+        self.use_vllm = self.vllm_importance_sampling_correction = case.vllm_mode is not None
+        self.vllm_importance_sampling_mode = case.vllm_mode
+        self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max = VLLM_CLIP
         self.aux_loss_enabled = False
         self.entropy_coef = case.entropy_coef
         self.use_adaptive_entropy = case.adaptive_entropy
@@ -189,6 +190,25 @@ class FakeTrainer:
         return self._logprob, self._entropy, None
 
 
+#: vllm_importance_sampling_clip_min / _max of the cases (the data's ratios lie in [0.5, 1.5]).
+VLLM_CLIP = (0.8, 1.3)
+
+
+def trl_importance_sampling_ratio(mode: str, data: dict) -> torch.Tensor:
+    """The ratio TRL's ``_generate_and_score_completions`` puts in the inputs (its formula; TRL's own code for it
+    runs in ``test_trl_integration.py``): ``exp`` of the masked log-ratio old - sampling (summed per row in the
+    sequence modes), clipped to ``VLLM_CLIP`` (truncate) or 0 outside it (mask). In float64 (TRL computes it once,
+    at generation)."""
+    diff = torch.nan_to_num((data["old"].double() - data["sampling"].double()) * data["mask"], nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low, high = VLLM_CLIP
+    if mode.endswith("truncate"):
+        return ratio.clamp(low, high)
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
 def make_inputs(data: dict, dtype: torch.dtype, case: Case) -> dict:
     b, t = data["lp"].shape
     inputs = {
@@ -201,8 +221,9 @@ def make_inputs(data: dict, dtype: torch.dtype, case: Case) -> dict:
         "ref_per_token_logps": data["ref"].to(dtype),
         "num_items_in_batch": torch.tensor(data["num_items"]),
     }
-    if case.vllm_is:
-        inputs["importance_sampling_ratio"] = data["is_ratio"].to(dtype)
+    if case.vllm_mode is not None:
+        inputs["sampling_per_token_logps"] = data["sampling"].to(dtype)
+        inputs["importance_sampling_ratio"] = trl_importance_sampling_ratio(case.vllm_mode, data).to(dtype)
     return inputs
 
 
@@ -259,22 +280,29 @@ def make_data(b: int = 6, t: int = 9, seed: int = 0, *, ragged: bool = True, spr
     if ragged:
         lengths[2] = 0
     mask = (torch.arange(t)[None, :] < lengths[:, None]).int()
-    return {
+    data = {
         "lp": lp, "old": old, "ref": ref, "adv": adv, "mask": mask,
         "entropy": torch.rand(b, t, generator=g) * 2,
-        "is_ratio": torch.where(mask.bool(), torch.rand(b, t, generator=g) + 0.5, 1.0),  # TRL's: 1 at padding
         "num_items": 2 * int(mask.sum()) + 5,
         "max_completion_length": t + 3,
     }
+    return with_vllm_ratio(data, torch.rand(b, t, generator=g) + 0.5)
+
+
+def with_vllm_ratio(data: dict, ratio: torch.Tensor) -> dict:
+    """vLLM's sampling log-probs that make ``exp(old - sampling)`` equal ``ratio``."""
+    data["sampling"] = data["old"] - torch.log(ratio)
+    return data
 
 
 def vespo_data(seed: int) -> dict:
     """make_data with log-ratios of a few hundredths (sequence ratios near 1, where vespo's weight is not ~0),
-    vLLM ratios within 10% of 1 and one of them 0 (TRL's token_mask: log 0 -> the lower clamp)."""
+    vLLM ratios within 10% of 1 and one of 2 (TRL's token_mask: weight 0, log 0 -> the lower clamp)."""
     data = make_data(seed=seed, spread=0.1, noise=0.03)
-    data["is_ratio"] = 1.0 + 0.2 * (data["is_ratio"] - 1.0)
-    data["is_ratio"][4, 0] = 0.0
-    return data
+    ratio = torch.exp(data["old"] - data["sampling"])
+    ratio = 1.0 + 0.2 * (ratio - 1.0)
+    ratio[4, 0] = 2.0
+    return with_vllm_ratio(data, ratio)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,11 +410,14 @@ CASES = [
     # policy-term masks / weights -> importance_weights (vespo: the ratio in its sequence weight, masks on A)
     Case("bnpo", top_entropy_quantile=0.5, beta=0.04),
     Case("dapo", off_policy_mask_threshold=0.05, beta=0.04),
-    Case("grpo", vllm_is=True, top_entropy_quantile=0.3, off_policy_mask_threshold=0.05, beta=0.04, accum=2),
-    Case("sapo", vllm_is=True),
-    Case("cispo", epsilon_high=5.0, vllm_is=True, top_entropy_quantile=0.5),
-    Case("vespo", vllm_is=True),
-    Case("vespo", vllm_is=True, top_entropy_quantile=0.5, off_policy_mask_threshold=0.05, beta=0.04),
+    Case("grpo", vllm_mode="token_truncate", top_entropy_quantile=0.3, off_policy_mask_threshold=0.05, beta=0.04,
+         accum=2),
+    Case("sapo", vllm_mode="token_mask"),
+    Case("cispo", epsilon_high=5.0, vllm_mode="sequence_truncate", top_entropy_quantile=0.5),
+    Case("dapo", vllm_mode="sequence_mask", beta=0.04),
+    Case("grpo", level="sequence", vllm_mode="sequence_truncate", **GSPO),
+    Case("vespo", vllm_mode="token_truncate"),
+    Case("vespo", vllm_mode="token_mask", top_entropy_quantile=0.5, off_policy_mask_threshold=0.05, beta=0.04),
 ]
 
 
@@ -412,7 +443,7 @@ def test_trl_compute_loss(case, dtype):
 def test_the_masks_and_weights_are_not_trivial():
     """The cases above exercise TRL's masks: the entropy mask drops some tokens (not all), the off-policy mask a
     sequence with tokens, and vespo's weight is neither ~0 nor ~1 on its data."""
-    case = Case("grpo", vllm_is=True, top_entropy_quantile=0.3, off_policy_mask_threshold=0.05)
+    case = Case("grpo", vllm_mode="token_mask", top_entropy_quantile=0.3, off_policy_mask_threshold=0.05)
     data = case_data(case)
     trainer = FakeTrainer(case, data["max_completion_length"])
     m = data["mask"]
@@ -420,11 +451,15 @@ def test_the_masks_and_weights_are_not_trivial():
     assert 0 < int(kept.sum()) < int(m.sum())
     keep = trainer.get_off_policy_mask(data["adv"][:, None], data["lp"], data["old"], m, 0.05)
     assert not bool(keep[m.bool().any(-1)].all())
-    data = case_data(Case("vespo", vllm_is=True))
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        ratio = trl_importance_sampling_ratio(mode, data)
+        assert bool((ratio[m.bool().any(-1)] != 1.0).any())
+        assert bool((ratio == 0.0).any()) == mode.endswith("mask")
+    data = case_data(Case("vespo", vllm_mode="token_mask"))
     phi = GRPOTrainer.get_gamma_weights(data["adv"][:, None], data["lp"] - data["old"], data["mask"],
-                                        data["is_ratio"])
+                                        trl_importance_sampling_ratio("token_mask", data))
     live = phi[data["mask"].bool().any(-1)]
-    assert 0.3 < float(live.max()) and float(live.min()) < 0.1  # the zero vLLM ratio (row 4) sends it to ~0
+    assert 0.3 < float(live.max()) and float(live.min()) < 0.1  # the masked vLLM ratio (row 4) sends it to ~0
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.level == "sequence"] + CASES[:3], ids=str)

@@ -37,7 +37,7 @@ try:
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from rlk.integrations.trl import LOSS_TYPES, PPO_FAMILY, RLKGRPOTrainer
+    from rlk.integrations.trl import LOSS_TYPES, PPO_FAMILY, RLKGRPOTrainer, rollout_weights
 except ImportError as err:  # pragma: no cover - depends on the environment
     if os.environ.get("RLK_REQUIRE_TRL", "0") not in ("", "0"):
         raise ImportError(f"RLK_REQUIRE_TRL is set but trl cannot be imported ({err}); "
@@ -283,14 +283,24 @@ def test_compute_loss_matches_trl(trainers, case):
     truth = loss_and_grads(trainers["truth"], case)
     got64 = loss_and_grads(trainers["rlk64"], case)
     check_same(got64, truth, str(case))
-    check_contract(loss_and_grads(trainers["rlk32"], case), truth, f"rlk {case}")
+    got32 = loss_and_grads(trainers["rlk32"], case)
+    check_contract(got32, truth, f"rlk {case}")
     check_contract(loss_and_grads(trainers["trl32"], case), truth, f"trl {case}")
     assert float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in truth["grads"].values()]))) > 0
-    if case.vllm_mode is not None:  # the IS ratios TRL's generation built from rlk's old log-probs are TRL's own
+    if case.vllm_mode is not None:
+        # TRL's generation gets the same IS ratios from rlk's old log-probs; rlk.rollout_correction's weights (what
+        # the loss uses) are TRL's ratios on the mask
         torch.testing.assert_close(got64["inputs"]["importance_sampling_ratio"],
                                    truth["inputs"]["importance_sampling_ratio"], **_TIGHT)
         ratio = truth["inputs"]["importance_sampling_ratio"]
         assert bool((ratio != 1.0).any()) and (case.vllm_mode.endswith("truncate") or bool((ratio == 0).any()))
+        for key in ("rlk64", "rlk32"):
+            trainer, inputs = trainers[key], (got64 if key == "rlk64" else got32)["inputs"]
+            mask = inputs["completion_mask"].bool()
+            weights = rollout_weights(trainer, inputs, inputs["completion_mask"])
+            want = inputs["importance_sampling_ratio"].expand_as(weights)
+            assert torch.equal(weights[~mask], torch.zeros_like(weights[~mask]))
+            torch.testing.assert_close(weights[mask], want[mask], rtol=1e-6 if key == "rlk32" else 1e-12, atol=0)
     if case.beta != 0.0:
         assert got64["metrics"]["kl"] > 1e-4  # the policy is off the reference model
         torch.testing.assert_close(got64["inputs"]["ref_per_token_logps"], truth["inputs"]["ref_per_token_logps"],

@@ -61,6 +61,10 @@ def check_supported(trainer) -> None:
         raise ValueError("use_bias_correction_kl=True with importance_sampling_level='sequence' and beta != 0: TRL "
                          "weights each token's KL by the sequence ratio with its gradient, which rlk has no form of; "
                          "set use_bias_correction_kl=False (or importance_sampling_level='token')")
+    if (loss_type == "vespo" and trainer.use_vllm and trainer.vllm_importance_sampling_correction
+            and not trainer.vllm_importance_sampling_mode.startswith("token")):
+        raise ValueError("vespo with a sequence-level vllm_importance_sampling_mode: TRL refuses it too; use "
+                         "'token_truncate' or 'token_mask'")
     if trainer.aux_loss_enabled:
         raise ValueError("the MoE router auxiliary loss (output_router_logits): not on rlk's log-prob path; use "
                          "trl.GRPOTrainer")
@@ -172,6 +176,24 @@ def _adaptive_entropy_update(trainer, entropies: Tensor, mask: Tensor) -> None:
     trainer._entropy_window_stats = None
 
 
+def rollout_weights(trainer, inputs: dict, mask: Tensor) -> Tensor | None:
+    """TRL's vLLM importance-sampling correction (``vllm_importance_sampling_correction``) as
+    :func:`rlk.rollout_correction` of the old (training-engine) and the sampling (vLLM) log-probs: the mode
+    ``"<level>_<mode>"`` (``token`` / ``sequence`` x ``truncate`` / ``mask``) is ``level=, mode=``,
+    ``vllm_importance_sampling_clip_max`` / ``_min`` are ``upper`` / ``lower``, no log-ratio clamp; ``[B, T]``
+    weights equal to TRL's ``importance_sampling_ratio`` on the mask (0 off it), or None when the correction is
+    off."""
+    if not (trainer.use_vllm and trainer.vllm_importance_sampling_correction):
+        return None
+    level, mode = trainer.vllm_importance_sampling_mode.split("_")
+    old = inputs["old_per_token_logps"]
+    sampling = inputs["sampling_per_token_logps"].to(old.dtype)  # vLLM's come in float32 (TRL promotes them too)
+    weights, _ = rlk.rollout_correction(old, sampling, mask,
+                                        level=level, mode=mode, upper=trainer.vllm_importance_sampling_clip_max,
+                                        lower=trainer.vllm_importance_sampling_clip_min, clamp_log_ratio=None)
+    return weights
+
+
 def compute_loss(trainer, model, inputs: dict) -> Tensor:
     """``GRPOTrainer._compute_loss`` on rlk: the same loss, gradient and logged metrics (those whose definitions
     rlk shares, under TRL's names; rlk's own under ``rlk/``).
@@ -180,11 +202,12 @@ def compute_loss(trainer, model, inputs: dict) -> Tensor:
     :class:`RLKGRPOTrainer`), then one :func:`rlk.policy_loss` call with :func:`policy_loss_kwargs` for the
     policy and KL terms. TRL's policy-term factors (the high-entropy token mask of ``top_entropy_quantile``, the
     off-policy sequence mask of ``off_policy_mask_threshold``, both by TRL's own selection methods, and the vLLM
-    importance-sampling ratio) are rlk's ``importance_weights``; for vespo the ratio enters the sequence weight
+    importance-sampling ratio, :func:`rollout_weights`) are rlk's ``importance_weights``; for vespo the ratio enters
+    the sequence weight
     (``importance_weights``, as TRL does: rlk sums its logs over the loss mask, TRL over every position, where
     its ratio is 1 unless ``vllm_importance_sampling_clip_min > 1``) and the masks zero the advantages instead
-    (its loss is linear in ``A``). The entropy bonus ``- coef * token-mean(entropy) / G`` (over the entropy-masked tokens) is a second
-    call (``loss="gpg"``, zero advantages).
+    (its loss is linear in ``A``). The entropy bonus ``- coef * token-mean(entropy) / G`` (over the entropy-masked
+    tokens) is a second call (``loss="gpg"``, zero advantages).
     """
     check_supported(trainer)
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
@@ -218,14 +241,7 @@ def compute_loss(trainer, model, inputs: dict) -> Tensor:
             sampling_per_token_logps=inputs.get("sampling_per_token_logps", behaviour), mask=mask,
             off_policy_threshold=trainer.off_policy_mask_threshold).to(logprob.dtype)
         keep = off_policy.expand_as(logprob) if keep is None else keep * off_policy
-    if loss_type == "vespo":
-        is_ratio = inputs.get("importance_sampling_ratio")
-    elif trainer.use_vllm and trainer.vllm_importance_sampling_correction:
-        is_ratio = inputs["importance_sampling_ratio"]
-    else:
-        is_ratio = None
-    if is_ratio is not None:
-        is_ratio = is_ratio.expand_as(logprob)  # [B, 1] in TRL's sequence modes
+    is_ratio = rollout_weights(trainer, inputs, mask)
     if loss_type == "vespo":
         weights = is_ratio
         if keep is not None:
