@@ -261,8 +261,8 @@ def _head_forward(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> T
                            "log-prob path supports one head call per forward")
     weight = head.weight  # read now: FSDP and ZeRO-3 gather it around the head's forward
     if _is_dtensor(weight):
-        raise ValueError("model: the LM head's weight is a DTensor (a tensor-parallel or unsharded-FSDP head); "
-                         "rlk.hf.apply needs the full [V, H] weight on one device")
+        raise ValueError("model: the LM head's weight is a DTensor (a tensor-parallel head); rlk.hf.apply "
+                         "needs the full [V, H] weight on one device")
     if weight.device.type == "meta":
         raise ValueError("model: the LM head's weight is on the meta device (offloaded?); rlk.hf.apply needs it "
                          "materialized on the device of the hidden states")
@@ -280,8 +280,8 @@ def _head_forward(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> T
     temperature = request.temperature
     if isinstance(temperature, Tensor):
         temperature = temperature.to(hidden.device)
-    with _logprob_backend(request, hidden), torch.autocast(device_type, enabled=False) if autocast else \
-            contextlib.nullcontext():
+    no_autocast = torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext()
+    with _logprob_backend(request, hidden), no_autocast:
         result = linear_logprob(hidden, weight, targets.to(hidden.device), temperature=temperature,
                                 ignore_index=request.ignore_index, return_entropy=request.return_entropy)
     packed = torch.stack(result, -1) if request.return_entropy else result.unsqueeze(-1)
