@@ -137,10 +137,14 @@ def rollout_correction(
         ``log_ppl_diff``, ``log_ppl_abs_diff``, ``log_ppl_diff_max``, ``log_ppl_diff_min``, ``ppl_ratio``,
         ``sequences``. TRL's ``sampling/importance_sampling_ratio/{min,mean,max}`` are ``weight_*`` at the token
         level and ``seq_weight_*`` at the sequence level, its ``sampling_logp_difference/{mean,max}``
-        ``abs_log_ratio_*``; verl's ``rollout_corr/rollout_is_*`` and off-policy metrics carry the same names
-        without the prefix (``rollout_is_mean`` is ``weight_mean``, ``rollout_is_eff_sample_size`` ``ess``,
-        ``rollout_is_ratio_fraction_high`` ``fraction_high``, ``rollout_is_oob_ratio`` ``clipped_fraction``).
-        Sequence metrics leave out empty rows, which TRL and verl count.
+        ``abs_log_ratio_*``. verl's ``rollout_corr/`` off-policy metrics (``kl``, ``k3_kl``, ``chi2_token``,
+        ``chi2_seq``, the perplexities) carry the same names; its ``rollout_is_{mean,max,min,std}`` are
+        ``weight_*``, ``rollout_is_eff_sample_size`` ``ess``, ``rollout_is_oob_ratio`` ``clipped_fraction``,
+        ``rollout_is_ratio_fraction_{high,low}`` ``fraction_*``, ``rollout_is_seq_{mean,std,max,min,max_deviation,
+        fraction_high,fraction_low}`` ``seq_weight_*`` / ``seq_fraction_*``; at the sequence level verl's
+        ``rollout_is_{max,min}`` are ``ratio_{max,min}`` and ``rollout_is_ratio_fraction_*`` ``seq_fraction_*``.
+        Row metrics leave out empty rows, which TRL and verl count; verl's ``k3_kl`` is unclamped (equal where
+        ``|d| <= c``), its means divide by ``count + 1e-8``.
 
     Batch invariance: a row's weights depend on that row only (bitwise, on backends that promise it); the
     metrics span the call and are deterministic.
