@@ -615,3 +615,108 @@ def test_dppo_matches_reference(attrs, shape):
         assert 0.0 < metrics["clip_fraction"] < 1.0
         if attrs.get("dual_clip"):
             assert metrics["lower_clip_fraction"] > 0.0
+
+
+# vespo: the gamma weight of the sequence ratio (TRL's loss_type="vespo")
+# ----------------------------------------------------------------------------------------------
+
+# A zero importance weight is log 0 = -inf before vespo's clamp (intended): the interpreter warns.
+pytestmark.append(pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"))
+
+VESPO = {"loss": "vespo", "clamp_low": -20.0, "clamp_high": 20.0, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0,
+         "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
+
+
+def vespo_inputs(b: int, t: int, seed: int, per_seq_adv: bool = True) -> dict:
+    """make_inputs with log-ratios of about 0.03 per token (sequence ratios near 1, where phi is not 0), one row
+    far off-policy (w_i = e^-n_i: phi about 0) and importance weights around 1 with a zero (log 0: the lower clamp)."""
+    inputs = make_inputs(b, t, seed=seed, per_seq_adv=per_seq_adv)
+    g = torch.Generator().manual_seed(seed + 1)
+    inputs["old_logprob"] = inputs["logprob"] + (0.03 * torch.randn(b, t, generator=g)).to(DEVICE)
+    if b > 2:
+        inputs["old_logprob"][2] = inputs["logprob"][2] + 1.0
+    inputs["importance_weights"] = (1.0 + 0.05 * torch.randn(b, t, generator=g)).to(DEVICE)
+    inputs["importance_weights"][min(2, b - 1), 0] = 0.0
+    return inputs
+
+
+def _phi_is_not_trivial(got: dict, inputs: dict, ratios_near_one: bool = True) -> None:
+    """Most loss tokens get a gradient (phi neither 0 nor overflowing), and ratio_max is a sequence ratio near 1."""
+    live = (got["grad_logprob"] != 0) & inputs["mask"]
+    assert int(live.sum()) > int(inputs["mask"].sum()) // 3
+    if ratios_near_one:
+        assert 0.5 < float(got["metrics"][ref.METRICS.index("ratio_max")]) < 3.0
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 13), (7, 37), (2, 1100)])
+@pytest.mark.parametrize("iw", [False, True], ids=["no_iw", "iw"])
+def test_vespo_matches_reference(shape, iw):
+    """Loss, gradient, row statistics and metrics within the contract; the importance weights enter w_i (a zero
+    weight gives the row log w = ln 1e-8), the KL and entropy terms are the other variants'."""
+    inputs = vespo_inputs(*shape, seed=shape[0] * 7 + shape[1])
+    if not iw:
+        inputs["importance_weights"] = None
+    got = check_against_reference(inputs, **VESPO)
+    if shape[0] > 2:
+        _phi_is_not_trivial(got, inputs)
+
+
+@pytest.mark.parametrize("params", [{"vespo_k_pos": 1.0, "vespo_lambda_pos": 0.5},
+                                    {"vespo_k_neg": 10.0, "vespo_lambda_neg": 1e-4, "kl_coef": 0.0},
+                                    {"clamp_low": -INF, "clamp_high": INF}])
+def test_vespo_parameters_and_token_advantages(small_blocks, params):
+    """Rows of several chunks (the sequence sum over chunk partials), per-token advantages of both signs (k and lam
+    chosen per token), other k / lam (k = 10, lam = 1e-4 at w = 1e5: phi = e^105 overflows fp32 and counts as 0,
+    as TRL's nan_to_num), no clamp."""
+    inputs = vespo_inputs(9, 50, seed=3, per_seq_adv=False)
+    overflow = "vespo_k_neg" in params
+    if overflow:  # row 4: log w = ln 1e5 spread over its tokens, negative advantages
+        m4 = inputs["mask"][4]
+        inputs["old_logprob"][4] = inputs["logprob"][4] - math.log(1e5) / int(m4.sum())
+        inputs["advantages"][4] = -inputs["advantages"][4].abs() - 0.1
+    got = check_against_reference(inputs, **{**VESPO, **params})
+    _phi_is_not_trivial(got, inputs, ratios_near_one=not overflow)
+    if overflow:
+        assert torch.all(got["grad_logprob"][4] == 0) and bool(inputs["mask"][4].any())
+
+
+def test_vespo_batch_invariance_with_importance_weights():
+    """A row's gradient and statistics are the same bits alone and anywhere in batches of 2, 5 and 9 rows, with
+    its importance weights in its sequence ratio (small blocks: a sum over several chunks)."""
+    attrs = {**VESPO, "global_seqs": 64.0}
+    probe = vespo_inputs(1, 40, seed=7, per_seq_adv=False)
+    alone = run_fwd(tk, probe, **attrs)
+    assert bool((alone["grad_logprob"] != 0).any())
+    for b in (2, 5, 9):
+        for pos in sorted({0, b // 2, b - 1}):
+            batch = vespo_inputs(b, 40, seed=10 + b, per_seq_adv=False)
+            for name in TENSORS:
+                batch[name][pos] = probe[name][0]
+            out = run_fwd(tk, batch, **attrs)
+            for name in ("grad_logprob", "grad_entropy", "row_stats", "row_weight"):
+                assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, b, pos)
+
+
+def test_vespo_public_op_on_triton_matches_the_fp64_reference():
+    """rlk.policy_loss(loss="vespo") on the Triton backend against the reference backend in fp64 (scale 1 + |ref|),
+    with TRL's settings (clamp_log_ratio=20, token-mean over a global token count) and a k3 KL term."""
+    inputs = vespo_inputs(6, 17, seed=11)
+    kwargs = {"loss": "vespo", "clamp_log_ratio": 20.0, "agg": "token-mean", "global_tokens": 70.0,
+              "importance_weights": inputs["importance_weights"], "kl": "k3", "kl_k3_clamp": False, "kl_coef": 0.04,
+              "vespo_k": (2.0, 3.0), "vespo_lambda": (3.0, 2.0)}
+    results = {}
+    for backend, dtype in (("triton", torch.float32), ("reference", torch.float64)):
+        lp = inputs["logprob"].detach().to(dtype).clone().requires_grad_(True)
+        with rlk.use_backend(backend):
+            value, metrics = rlk.policy_loss(lp, inputs["old_logprob"].to(dtype), inputs["advantages"].to(dtype),
+                                             inputs["mask"], ref_logprob=inputs["ref_logprob"].to(dtype),
+                                             **{**kwargs, "importance_weights": kwargs["importance_weights"].to(dtype)})
+        value.backward()
+        results[backend] = (value.detach().reshape(1), metrics, lp.grad)
+    (value, metrics, grad), (value64, metrics64, grad64) = results["triton"], results["reference"]
+    assert contract.compare_outputs(ENTRY, "loss", value, value64, 1 + value64.abs()).ok
+    for name, m in metrics.items():
+        expected = metrics64[name].reshape(1)
+        assert contract.compare_outputs(ENTRY, name, m.reshape(1), expected, 1 + expected.abs()).ok, name
+    assert contract.compare_grad(ENTRY, "grad_logprob", grad, grad64, 1.0).ok
+    assert float(value64.abs()) > 0.01 and float(metrics64["ratio_mean"]) > 0.5

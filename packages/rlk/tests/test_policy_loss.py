@@ -22,7 +22,7 @@ from rlk import contract
 ENTRY = contract.entry("policy_loss", torch.float32)
 KL_ENTRY = contract.entry("kl_penalty", torch.float32)
 AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-LOSSES = ["ppo", "gspo", "cispo", "gpg", "sapo", "geo_mean"]
+LOSSES = ["ppo", "gspo", "cispo", "gpg", "sapo", "geo_mean", "vespo"]
 
 # Worst deviation / allowed seen by the contract checks of this module (printed with RLK_REPORT_RATIOS=1, -s).
 _WORST: dict[str, float] = {}
@@ -871,8 +871,8 @@ def _fwd_args(batch, loss="ppo", iw=True, ref=True, ent=True, with_entropy_grad=
     return (lp, batch["old"], batch["adv"][:, None], batch["mask"], batch["iw"] if iw else None,
             batch["ref"] if ref else None, entropy, None, global_seqs, None, "seq-mean-token-mean", loss, "k3",
             [False, True, False, False, ent and with_entropy_grad],
-            [0.2, 0.28, 3.0 if loss == "ppo" else 0.0, -20.0, 20.0, 1.0, 1.05, 0.1, math.inf, 0.01, math.nan,
-             math.nan, math.nan])
+            [0.2, 0.28, 3.0 if loss == "ppo" else 0.0, -20.0, 20.0, 1.0, 1.05, 0.1, math.inf, 0.01, 2.0, 3.0, 3.0, 2.0,
+             math.nan, math.nan, math.nan])
 
 
 def test_opcheck_all_custom_ops():
@@ -1083,3 +1083,98 @@ def test_dppo_without_cap_and_its_checks():
     assert float(metrics["lower_clip_fraction"]) == 0.0
     with pytest.raises(ValueError, match="dual_clip"):
         rlk.policy_loss(batch["lp"], batch["old"], batch["adv"], batch["mask"], loss="gpg", dual_clip=2.0)
+
+
+# vespo (TRL's loss_type="vespo"), re-derived from the VESPO paper's weight phi(w) = w^k e^(lam (1 - w)) of
+# the sequence ratio w = prod_t r_t I_t, with TRL's clamps (each log-ratio to +-20, each log I and log w to
+# [ln 1e-8, 20]); phi is a constant of the gradient
+# ----------------------------------------------------------------------------------------------
+
+
+def vespo_token_losses(lp, old, adv, m, iw=None, k=(2.0, 3.0), lam=(3.0, 2.0)):
+    """Per-token ``-sg(phi) A lp`` and the sequence ratio ``w`` (``[B, 1]``), in the dtype of ``lp``."""
+    m = m.to(lp.dtype)
+    log_w = (torch.clamp(lp - old, -20.0, 20.0) * m).sum(-1, keepdim=True)
+    if iw is not None:
+        log_w = log_w + (torch.clamp(torch.log(iw), math.log(1e-8), 20.0) * m).sum(-1, keepdim=True)
+    w = torch.exp(torch.clamp(log_w, math.log(1e-8), 20.0)).detach()
+    k_t = torch.where(adv >= 0, k[0], k[1]).to(lp.dtype)
+    lam_t = torch.where(adv >= 0, lam[0], lam[1]).to(lp.dtype)
+    phi = w ** k_t * torch.exp(lam_t * (1.0 - w))
+    return -phi * adv * lp, w
+
+
+def vespo_batch(seed: int, per_seq_adv: bool = True) -> dict:
+    """make_batch with log-ratios of about 0.03 (sequence ratios near 1, phi well away from 0) and one row far
+    off-policy."""
+    batch = make_batch(seed=seed, per_seq_adv=per_seq_adv)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["old"] = batch["lp"] + 0.03 * torch.randn(batch["lp"].shape, generator=g)
+    batch["old"][4] = batch["lp"][4] + 0.8
+    batch["iw"] = 1.0 + 0.05 * torch.randn(batch["lp"].shape, generator=g)
+    return batch
+
+
+@pytest.mark.parametrize("iw", [False, True], ids=["no_iw", "iw"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "token-sum"])
+@pytest.mark.parametrize("per_seq_adv", [True, False], ids=["seq_adv", "token_adv"])
+def test_vespo_matches_the_paper_formula(agg, iw, per_seq_adv):
+    """rlk fp32 against the re-derivation in fp64 with autograd: loss, gradient (phi detached) and the ratio
+    metrics (of w); the importance weights in the sequence ratio, not a factor of the loss."""
+    batch = vespo_batch(seed=40, per_seq_adv=per_seq_adv)
+    kwargs = {"loss": "vespo", "agg": agg, "clamp_log_ratio": 20.0, "importance_weights": batch["iw"] if iw else None,
+              "global_tokens": 50.0 if agg == "token-mean" else None}
+    value, metrics, grad, _ = run_rlk(batch, **kwargs)
+    t = f64(batch)
+    m = t["mask"]
+    losses, w = vespo_token_losses(t["lp"], t["old"], adv_bt(t), m, t["iw"] if iw else None)
+    want = verl_agg(losses, m, agg) if agg != "token-mean" else (losses * m).sum() / 50.0
+    want.backward()
+    check_value(f"vespo {agg} loss", value, want)
+    check_grad(f"vespo {agg} grad", grad, t["lp"].grad)
+    w_tok = w.expand_as(t["lp"])
+    check_value("vespo ratio_mean", metrics["ratio_mean"], w_tok[m].mean())
+    check_value("vespo ratio_max", metrics["ratio_max"], w_tok[m].max())
+    assert float(metrics["clip_fraction"]) == 0.0
+    live = (grad != 0) & batch["mask"]
+    assert int(live.sum()) > int(batch["mask"].sum()) // 2  # phi is not trivially 0 here
+
+
+def test_vespo_on_policy_is_gpg():
+    """On-policy (w = 1) phi = e^(lam - lam) = 1 exactly: the loss and gradient of gpg, bit for bit."""
+    batch = make_batch(seed=41)
+    for agg in AGGS:
+        scale = 13 if agg == "seq-mean-token-sum-norm" else None
+        vespo = run_rlk(batch, loss="vespo", old=None, agg=agg, loss_scale=scale, vespo_k=(1.5, 4.0),
+                        vespo_lambda=(0.7, 5.0))
+        gpg = run_rlk(batch, loss="gpg", old=None, agg=agg, loss_scale=scale)
+        assert torch.equal(vespo[0], gpg[0]) and torch.equal(vespo[2], gpg[2]), agg
+
+
+def test_vespo_shape_parameters_follow_the_sign_of_the_advantage():
+    """(k, lam) = vespo_k[0], vespo_lambda[0] where A >= 0 (A = 0 included), [1] where A < 0: changing the other
+    side's parameters changes nothing."""
+    batch = vespo_batch(seed=42)
+    batch["adv"] = batch["adv"].abs()
+    batch["adv"][1] = 0.0
+    base = run_rlk(batch, loss="vespo")
+    other = run_rlk(batch, loss="vespo", vespo_k=(2.0, 7.0), vespo_lambda=(3.0, 0.1))
+    assert torch.equal(base[0], other[0]) and torch.equal(base[2], other[2])
+    changed = run_rlk(batch, loss="vespo", vespo_k=(2.5, 3.0))
+    assert not torch.equal(base[2], changed[2])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"vespo_k": 2.0}, ValueError, r"vespo_k: expected a pair \(for A >= 0, for A < 0\)"),
+        ({"vespo_lambda": (3.0, 2.0, 1.0)}, ValueError, "vespo_lambda: expected a pair"),
+        ({"vespo_lambda": (3.0, 0.0)}, ValueError, "vespo_lambda: must be a finite number > 0, got 0.0"),
+        ({"vespo_k": (math.inf, 3.0)}, ValueError, "vespo_k: must be a finite number"),
+        ({"vespo_k": (1e39, 3.0)}, ValueError, "vespo_k: 1e[+]?39 overflows torch.float32"),
+        ({"vespo_k": ("2", 3.0)}, TypeError, "vespo_k: expected a number"),
+    ],
+)
+def test_vespo_bad_parameters_get_a_clear_error(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        _pl(loss="vespo", **kwargs)

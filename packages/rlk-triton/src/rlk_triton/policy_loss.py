@@ -44,7 +44,15 @@ import triton
 import triton.language as tl
 
 from rlk.reference.aggregation import AGG_MODES
-from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
+from rlk.reference.policy_loss import (
+    KL_ESTIMATORS,
+    LOSSES,
+    METRICS,
+    ROW_STATS,
+    VESPO_LOG_PHI_MAX,
+    VESPO_LOG_W_MAX,
+    VESPO_LOG_W_MIN,
+)
 from rlk_triton.common import on_device
 
 try:
@@ -101,6 +109,11 @@ _GEO = tl.constexpr(LOSSES.index("geo_mean"))
 # DPPO-Binary trust-region losses
 _DPPO_TV = tl.constexpr(LOSSES.index("dppo_tv"))
 _DPPO_KL = tl.constexpr(LOSSES.index("dppo_kl"))
+_VESPO = tl.constexpr(LOSSES.index("vespo"))
+_VESPO_LOG_MIN = tl.constexpr(VESPO_LOG_W_MIN)
+_VESPO_LOG_MAX = tl.constexpr(VESPO_LOG_W_MAX)
+_VESPO_LOG_PHI_MAX = tl.constexpr(VESPO_LOG_PHI_MAX)
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _K1 = tl.constexpr(KL_ESTIMATORS.index("k1"))
 _ABS = tl.constexpr(KL_ESTIMATORS.index("abs"))
 _K2 = tl.constexpr(KL_ESTIMATORS.index("k2"))
@@ -246,10 +259,11 @@ def _seq_partials_kernel(
     LOSS: tl.constexpr, HAS_IW: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr,
     PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
-    """Per-chunk partial sums of the per-sequence quantities (``gspo``, ``geo_mean``).
+    """Per-chunk partial sums of the per-sequence quantities (``gspo``, ``geo_mean``, ``vespo``).
 
     Program ``(row, chunk)`` writes ``parts[row, chunk, :] = (tokens, x, adv, iw)`` over its
-    ``BLOCK`` tokens: gspo ``x = lp - old``; geo_mean ``x`` = the sign-aware clipped log-ratio.
+    ``BLOCK`` tokens: gspo ``x = lp - old``; geo_mean ``x`` = the sign-aware clipped log-ratio; vespo ``x`` = the
+    clamped log-ratio plus the clamped log of the importance weight (``adv`` and ``iw`` 0).
     ``PDL_WAIT``: launched programmatically after the count kernel, whose counts it does not read; it still waits
     for it before its stores, so that the kernel after this one, which waits for this one, sees the counts.
     """
@@ -267,6 +281,11 @@ def _seq_partials_kernel(
     i = tl.zeros((BLOCK,), tl.float32)
     if LOSS == _GSPO:
         x = d
+    elif LOSS == _VESPO:
+        x = tl.where(m, _clamp(d, clamp_low, clamp_high), 0.0)
+        if HAS_IW:
+            log_iw = tl.log(_load_row(iw_ptr, base, offs, inb, m, EVICT))
+            x += tl.where(m, _clamp(log_iw, _VESPO_LOG_MIN, _VESPO_LOG_MAX), 0.0)
     else:
         a = tl.where(m, tl.load(adv_ptr + row * adv_stride_b + offs * adv_stride_t, mask=inb, other=0.0), 0.0)
         dc = _clamp(d, clamp_low, clamp_high)
@@ -353,6 +372,7 @@ def _policy_loss_chunk_kernel(
     gtok_ptr, gseq_ptr, scale_ptr, grad_lp_ptr, grad_ent_ptr, chunk_stats_ptr, row_weight_ptr,
     B, T, n_chunks, n_count_programs, adv_stride_b, adv_stride_t, gtok, gseq, loss_scale,
     clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl_coef, kl_clamp, entropy_coef,
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
     AGG: tl.constexpr, HAS_GTOK: tl.constexpr, GTOK_PTR: tl.constexpr, HAS_GSEQ: tl.constexpr,
     GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr,
     LOSS: tl.constexpr, CISPO_UPPER: tl.constexpr, HAS_DUAL: tl.constexpr,
@@ -420,6 +440,13 @@ def _policy_loss_chunk_kernel(
                 seq_w = _times(seq_a / n1, tl.sum(acc_i, axis=0))
             else:
                 seq_w = (seq_a / n1) * n_row
+    if LOSS == _VESPO:  # log w_i (clamped) and w_i from the row's chunk sums, in chunk order
+        acc_x = tl.zeros((PARTS_BLOCK,), tl.float32)
+        for c0 in range(0, n_chunks, PARTS_BLOCK):
+            ks = c0 + tl.arange(0, PARTS_BLOCK).to(tl.int64)
+            acc_x += tl.load(parts_ptr + (row * n_chunks + ks) * 4 + 1, mask=ks < n_chunks, other=0.0)
+        seq_a = _clamp(tl.sum(acc_x, axis=0), _VESPO_LOG_MIN, _VESPO_LOG_MAX)
+        seq_b = tl.exp(seq_a)
 
     # ---- per-token terms ------------------------------------------------------------------
     d = lp - old
@@ -468,6 +495,16 @@ def _policy_loss_chunk_kernel(
         clipped = tl.where(m & ~valid, 1.0, 0.0)
         if HAS_DUAL:
             lower = tl.where(valid & (ratio > dual_clip), 1.0, 0.0)
+    elif LOSS == _VESPO:
+        nonneg = adv >= 0
+        k = tl.where(nonneg, vespo_k_pos, vespo_k_neg)
+        lam = tl.where(nonneg, vespo_lambda_pos, vespo_lambda_neg)
+        log_phi = lam + k * seq_a - lam * seq_b
+        phi = tl.exp(tl.minimum(log_phi, _VESPO_LOG_PHI_MAX))
+        phi = tl.where((log_phi <= _VESPO_LOG_PHI_MAX) & (phi <= _FP32_MAX), phi, 0.0)  # 0 past fp32 (and NaN)
+        value = -phi * adv * lp
+        grad = -phi * adv
+        ratio = zeros + seq_b
     else:  # geo_mean
         pos = adv > 0
         neg = adv < 0
@@ -630,7 +667,8 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
                     global_seqs, loss_scale, loss_out, grad_logprob_out, grad_entropy_out, row_weight_out,
                     row_stats_out, metrics_out, *, agg, loss, cispo_upper, clip_low, clip_high, dual_clip, clamp_low,
                     clamp_high, tau_pos, tau_neg, kl, kl_coef, kl_k3_clamp, kl_clamp, kl_straight_through,
-                    kl_unbiased, entropy_coef):
+                    kl_unbiased, entropy_coef, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                    vespo_lambda_neg=2.0):
     """The fused policy loss and its gradient (spec and arguments: :func:`rlk.reference.policy_loss.policy_loss_fwd`).
 
     Shapes: ``[B, T]`` fp32 inputs (``advantages`` ``[B, T]`` or ``[B, 1]``), bool ``mask``, the
@@ -651,7 +689,7 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
     gseq_ptr, gseq, has_gseq, gseq_is_ptr = _normalizer_args(global_seqs)
     scale_ptr, scale, _, scale_is_ptr = _normalizer_args(loss_scale)
     count = _needs_counts(agg, has_gtok, has_gseq)
-    sequence_level = loss in ("gspo", "geo_mean")
+    sequence_level = loss in ("gspo", "geo_mean", "vespo")
     adv_stride_b, adv_stride_t = advantages.shape[1], 0 if advantages.shape[1] == 1 else 1
     device = logprob.device
     chunk_stats = torch.empty((n_rows, n_chunks, len(ROW_STATS)), dtype=torch.float32, device=device)
@@ -695,9 +733,11 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
             gtok, gseq, scale,
             float(clip_low), float(clip_high), float(dual_clip), float(clamp_low), float(clamp_high), float(tau_pos),
             float(tau_neg), float(kl_coef), float(kl_clamp) if kl_clamp != float("inf") else 0.0,
-            float(entropy_coef),
+            float(entropy_coef), float(vespo_k_pos), float(vespo_lambda_pos), float(vespo_k_neg),
+            float(vespo_lambda_neg),
             LOSS=code, CISPO_UPPER=bool(cispo_upper), HAS_DUAL=dual_clip > 0,
-            HAS_IW=has_iw, HAS_REF=has_ref, KL_TERM=has_ref and kl_coef != 0, KL_EST=KL_ESTIMATORS.index(kl),
+            HAS_IW=has_iw and loss != "vespo",  # vespo: the weights are in the sequence partials
+            HAS_REF=has_ref, KL_TERM=has_ref and kl_coef != 0, KL_EST=KL_ESTIMATORS.index(kl),
             KL_K3_CLAMP=bool(kl_k3_clamp), KL_HAS_CLAMP=kl_clamp != float("inf"),
             KL_STRAIGHT=bool(kl_straight_through), KL_UNBIASED=bool(kl_unbiased),
             HAS_ENT=has_ent, ENT_TERM=has_ent and entropy_coef != 0, ENT_GRAD=ent_grad,

@@ -1,4 +1,5 @@
-"""Public policy-loss ops: ``policy_loss`` (PPO / GRPO / DAPO, GSPO, CISPO, GPG, SAPO, GMPO, DPPO) and ``kl_penalty``.
+"""Public policy-loss ops: ``policy_loss`` (PPO / GRPO / DAPO, GSPO, CISPO, GPG, SAPO, GMPO, DPPO, VESPO) and
+``kl_penalty``.
 
 Each op is two ``torch.library.custom_op`` primitives (``rlk::<op>_fwd``, ``rlk::<op>_bwd``)
 with fake implementations, so they trace under ``torch.compile(fullgraph=True)``, and one
@@ -108,7 +109,7 @@ def _fwd_outputs(logprob: Tensor, with_entropy_grad: bool) -> tuple[Tensor, ...]
 #: The scalar attributes of the forward primitive, passed to the custom op as two lists (the op's
 #: schema stays short: torch's custom-op call path costs time per schema argument and call).
 _FLOAT_ATTRS = ("clip_low", "clip_high", "dual_clip", "clamp_low", "clamp_high", "tau_pos", "tau_neg", "kl_coef",
-                "kl_clamp", "entropy_coef")
+                "kl_clamp", "entropy_coef", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 _BOOL_ATTRS = ("cispo_upper", "kl_k3_clamp", "kl_straight_through", "kl_unbiased", "with_entropy_grad")
 #: The aggregation normalizers: each a number (in ``params`` after the attributes; NaN when absent or given
 #: as a tensor) or a one-element tensor (an optional tensor argument).
@@ -242,6 +243,8 @@ def policy_loss(
     kl_unbiased: bool = False,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    vespo_k: tuple[float, float] = (2.0, 3.0),
+    vespo_lambda: tuple[float, float] = (3.0, 2.0),
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy-gradient loss of one (micro-)batch, with its metrics, in one fused pass.
 
@@ -277,6 +280,12 @@ def policy_loss(
       KL of ``p`` against ``p_old`` below ``clip_high`` / ``clip_low`` (or moving away from the
       advantage's direction) for ``dppo_kl`` (``p = exp(logprob)``). ``dual_clip`` is the ratio cap
       (verl's ``clip_ratio_c``), None for no cap.
+    * ``"vespo"`` (VESPO, TRL's ``loss_type="vespo"``): ``-sg(phi) A logprob`` with the gamma weight
+      ``phi = w^k exp(lam (1 - w))`` of the sequence ratio ``w = exp(clamp(sum_t (logprob - old), ln 1e-8,
+      20))``; ``(k, lam) = (vespo_k[0], vespo_lambda[0])`` where ``A >= 0``, else ``[1]`` (defaults TRL's:
+      k 2.0 / 3.0, lam 3.0 / 2.0). ``importance_weights`` enter ``w`` (their logs, each clamped to
+      ``[ln 1e-8, 20]``, join the sum) instead of multiplying the loss. TRL: ``clamp_log_ratio=20``,
+      ``agg="token-mean"``.
 
     Args:
         logprob: ``[B, T]`` log-probs of the sampled tokens under the current policy (rows are
@@ -286,8 +295,8 @@ def policy_loss(
         advantages: ``[B, T]``, or ``[B]`` / ``[B, 1]`` for one advantage per sequence (detached).
         mask: ``[B, T]`` bool, or numbers (nonzero = a loss token). Masked-out positions
             never touch the result, even when they hold ``-inf`` or NaN.
-        loss: ``"ppo"``, ``"gspo"``, ``"cispo"``, ``"gpg"``, ``"sapo"``, ``"geo_mean"``, ``"dppo_tv"`` or
-            ``"dppo_kl"``.
+        loss: ``"ppo"``, ``"gspo"``, ``"cispo"``, ``"gpg"``, ``"sapo"``, ``"geo_mean"``, ``"dppo_tv"``,
+            ``"dppo_kl"`` or ``"vespo"``.
         clip_low, clip_high: ``eps_low`` and ``eps_high`` (>= 0; ``clip_high=None`` means
             ``clip_low``). DAPO: 0.2 / 0.28; GSPO: 3e-4 / 4e-4.
         dual_clip: the dual-clip constant ``c > 1`` (``"ppo"``), the ratio cap (``"dppo_tv"``,
@@ -295,11 +304,13 @@ def policy_loss(
         clamp_log_ratio: clamp the log-ratio to ``[-c, c]`` (or ``(low, high)``, either None)
             before ``exp``; a clamped token gets no gradient through the ratio. verl and
             OpenRLHF use 20. For ``"gspo"`` it clamps the sequence log-ratio ``log s_i``; for
-            ``"gpg"`` it only affects the ratio metrics. None: no clamp (TRL, slime).
+            ``"gpg"`` it only affects the ratio metrics; for ``"vespo"`` it clamps each token's
+            log-ratio before the row's sum (TRL: 20). None: no clamp (TRL, slime).
         cispo_form: ``"clip"`` or ``"upper"`` (see ``"cispo"``).
         sapo_tau: ``(tau for A > 0, tau for A <= 0)``.
         importance_weights: ``[B, T]`` per-token weights (detached, e.g. a rollout-vs-training
-            correction) multiplying the policy loss ``L`` (not the KL or entropy terms).
+            correction) multiplying the policy loss ``L`` (not the KL or entropy terms); for
+            ``"vespo"`` a factor of the sequence ratio instead.
         agg, global_tokens, global_seqs, loss_scale: the aggregation
             (:mod:`rlk.reference.aggregation`): ``"token-mean"``, ``"token-sum"``,
             ``"seq-mean-token-sum"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"``
@@ -318,6 +329,8 @@ def policy_loss(
         kl_unbiased: weight the KL term by ``sg(exp(logprob - old_logprob))`` (slime's unbiased KL).
         entropy: ``[B, T]`` per-token entropy; enables ``entropy_mean``. With ``entropy_coef != 0``
             the loss subtracts ``entropy_coef * agg(entropy)`` and the gradient flows to it.
+        vespo_k, vespo_lambda: ``"vespo"``'s exponent ``k`` and decay ``lam > 0``, each
+            ``(for A >= 0, for A < 0)``.
 
     Returns:
         ``(loss, metrics)``: ``loss`` a 0-d float32 tensor (float64 for float64 inputs),
@@ -342,7 +355,7 @@ def policy_loss(
         cispo_form=cispo_form, sapo_tau=sapo_tau, importance_weights=importance_weights, agg=agg,
         global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, ref_logprob=ref_logprob, kl=kl,
         kl_coef=kl_coef, kl_k3_clamp=kl_k3_clamp, kl_clamp=kl_clamp, kl_unbiased=kl_unbiased, entropy=entropy,
-        entropy_coef=entropy_coef,
+        entropy_coef=entropy_coef, vespo_k=vespo_k, vespo_lambda=vespo_lambda,
     )
     return loss_value, metrics
 
@@ -373,6 +386,8 @@ def policy_loss_and_grad(
     kl_unbiased: bool = False,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    vespo_k: tuple[float, float] = (2.0, 3.0),
+    vespo_lambda: tuple[float, float] = (3.0, 2.0),
 ) -> PolicyLossAndGrad:
     """The policy loss and its gradient from one pass over the tokens, without autograd.
 
@@ -400,7 +415,7 @@ def policy_loss_and_grad(
         cispo_form=cispo_form, sapo_tau=sapo_tau, importance_weights=importance_weights, agg=agg,
         global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, ref_logprob=ref_logprob, kl=kl,
         kl_coef=kl_coef, kl_k3_clamp=kl_k3_clamp, kl_clamp=kl_clamp, kl_unbiased=kl_unbiased, entropy=entropy,
-        entropy_coef=entropy_coef,
+        entropy_coef=entropy_coef, vespo_k=vespo_k, vespo_lambda=vespo_lambda,
     )
     return PolicyLossAndGrad(loss_value, grad_lp, grad_ent, metrics)
 
@@ -432,6 +447,8 @@ def _policy_loss(
     kl_unbiased: bool,
     entropy: Tensor | None,
     entropy_coef: float,
+    vespo_k: tuple[float, float],
+    vespo_lambda: tuple[float, float],
 ) -> tuple[Tensor, Tensor | None, Tensor | None, dict[str, Tensor]]:
     """The body of :func:`policy_loss` (``fused=False``: the loss differentiable, no gradients returned) and
     :func:`policy_loss_and_grad` (``fused=True``: detached loss and the gradients)."""
@@ -473,6 +490,12 @@ def _policy_loss(
         raise ValueError(f"sapo_tau: expected a pair (tau_pos, tau_neg), got {sapo_tau!r}")
     tau_pos = checks.number("sapo_tau", sapo_tau[0], above=0.0)
     tau_neg = checks.number("sapo_tau", sapo_tau[1], above=0.0)
+    for name, pair in (("vespo_k", vespo_k), ("vespo_lambda", vespo_lambda)):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"{name}: expected a pair (for A >= 0, for A < 0), got {pair!r}")
+    vespo_k_pos, vespo_k_neg = (checks.number("vespo_k", k, dtype=torch.float32) for k in vespo_k)
+    vespo_lambda_pos, vespo_lambda_neg = (checks.number("vespo_lambda", lam, above=0.0, dtype=torch.float32)
+                                          for lam in vespo_lambda)
     kl, kl_straight = _kl_spec("kl", kl)
     kl_coef = checks.number("kl_coef", kl_coef)
     if kl_coef != 0 and ref_logprob is None:
@@ -511,7 +534,8 @@ def _policy_loss(
     else:
         flags = [cispo_form == "upper", bool(kl_k3_clamp), kl_straight, bool(kl_unbiased), with_entropy_grad]
         params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos,
-                  tau_neg, kl_coef, kl_clamp_value, entropy_coef, *norm_numbers]
+                  tau_neg, kl_coef, kl_clamp_value, entropy_coef, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                  vespo_lambda_neg, *norm_numbers]
         out_loss, grad_lp, grad_ent, _, _, metrics = _policy_loss_fwd(
             lp, old, adv, mask_bool.contiguous(), detached(importance_weights), detached(ref_logprob), ent,
             *norm_tensors, agg, loss, kl, flags, params,

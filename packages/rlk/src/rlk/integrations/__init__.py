@@ -1,5 +1,10 @@
-"""Thin adapters that map a trainer's conventions onto rlk's ops, each tested against the real package.
+"""Adapters from training frameworks to rlk's ops, each tested against the real package.
 
-Import one explicitly (``import rlk.integrations.verl``); this package imports no trainer, and ``import rlk``
-does not import it.
+* :mod:`rlk.integrations.trl`: TRL's ``GRPOTrainer`` with rlk's log-probs, entropies and loss
+  (:class:`~rlk.integrations.trl.RLKGRPOTrainer`);
+* :mod:`rlk.integrations.verl`: rlk's policy losses, aggregation, KL, advantages and fused log-prob in verl's
+  registries and calling conventions (:func:`~rlk.integrations.verl.register`).
+
+Import one explicitly (``import rlk.integrations.verl``); each imports its framework when it is imported, this
+package imports none of them, and ``import rlk`` does not import this package.
 """

@@ -63,6 +63,18 @@ Per-token losses ``L`` (minimized) and their derivatives ``g = dL / d lp``
 (``p`` and ``q`` from the unclamped log-probs.) Metrics: ``clip_fraction`` the tokens outside the trust region,
 ``lower_clip_fraction`` the valid tokens whose ratio the cap truncates (``r > c``).
 
+``vespo`` (VESPO, TRL's ``loss_type="vespo"``), a detached gamma weight of the sequence ratio::
+
+    log w_i = clamp(sum_t m (dc_t + clamp(log I_t, ln 1e-8, 20)), ln 1e-8, 20)   (the I term only when given)
+    k, lam  = (k_pos, lam_pos) if A >= 0 else (k_neg, lam_neg)               (per token, by the sign of A)
+    phi     = sg(exp(lam + k log w_i - lam w_i))   (= w^k e^(lam (1 - w)), phi(1) = 1)
+              0 where the exponent exceeds ln(fp32 max) = 88.72 (exp overflows fp32; TRL's nan_to_num)
+    L = -phi A lp,  g = -phi A
+
+The importance weights ``I`` (a rollout correction) enter the sequence ratio ``w_i`` instead of
+multiplying ``L`` (``w`` is then the ratio to the behaviour policy, as in VESPO). Metrics: ``clip_fraction``
+0, ``ratio_mean`` / ``ratio_max`` of ``w_i``.
+
 Overflow: ``r = exp(dc)`` is ``inf`` in fp32 for ``dc > 88.7``. Every product with such a factor
 is taken as 0 where its other factor is exactly 0 (``A = 0``, ``f (1 - f) = 0``, ``Abar_i = 0``, ``I = 0``,
 ``w = 0``): ``0 * inf`` counts as 0, never NaN. A value whose exact result exceeds the fp32 range (``-A r``
@@ -117,6 +129,8 @@ Math runs in fp32 (fp64 when the inputs are fp64: ground truth). Vectorized over
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -126,6 +140,8 @@ from rlk.reference import aggregation
 LOSSES = ("ppo", "gspo", "cispo", "gpg", "sapo", "geo_mean")
 #: The DPPO-Binary trust-region losses (token-local; ``dual_clip`` is their ratio cap).
 LOSSES += ("dppo_tv", "dppo_kl")
+#: TRL's VESPO (a detached gamma weight of the sequence ratio).
+LOSSES += ("vespo",)
 #: KL estimators (canonical names; the op layer resolves aliases such as ``low_var_kl``).
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 #: Columns of ``row_stats_out`` (per-row partials, combined in row order into the metrics).
@@ -137,6 +153,11 @@ METRICS = ("clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "r
 #: verl's k3 ("low_var_kl") clamps: the log-ratio, then the value.
 K3_LOG_RATIO_CLAMP = 20.0
 K3_VALUE_CLAMP = 10.0
+#: vespo's bounds of ``log w_i`` and of each ``log I_t`` (TRL's: ``ln 1e-8`` and 20).
+VESPO_LOG_W_MIN = math.log(1e-8)
+VESPO_LOG_W_MAX = 20.0
+#: vespo's ``phi`` is 0 above this exponent (``exp`` overflows float32 there), in every dtype.
+VESPO_LOG_PHI_MAX = math.log(torch.finfo(torch.float32).max)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -240,7 +261,7 @@ def kl_penalty_bwd(grad_kl, coef, grad_logprob_out):
 
 
 def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high, dual_clip, clamp_low, clamp_high,
-                  tau_pos, tau_neg):
+                  tau_pos, tau_neg, vespo=None):
     """Per-token ``L``, ``g``, ratio, clipped / lower-clipped flags and the log-ratio of the metrics.
 
     All inputs are already masked (0 off the mask). For ``geo_mean`` ``L`` and ``g`` are the
@@ -295,6 +316,11 @@ def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high
     if loss in ("dppo_tv", "dppo_kl"):
         return _dppo_token_losses(lp, old, adv, m, log_ratio, ratio, loss=loss, clip_low=clip_low,
                                   clip_high=clip_high, cap=dual_clip)
+    if loss == "vespo":
+        log_w, w, k, lam, _ = vespo_weights(log_ratio, adv, m, **vespo)
+        log_phi = lam + k * log_w - lam * w
+        phi = torch.where(log_phi <= VESPO_LOG_PHI_MAX, torch.exp(log_phi.clamp(max=VESPO_LOG_PHI_MAX)), 0.0)
+        return -phi * adv * lp, -phi * adv, w.expand_as(d), no, no, log_ratio
     raise ValueError(f"unknown policy loss {loss!r}")
 
 
@@ -317,9 +343,24 @@ def _dppo_token_losses(lp, old, adv, m, log_ratio, ratio, *, loss, clip_low, cli
     return times(grad, lp), grad, ratio, m & ~valid, lower, log_ratio
 
 
+def vespo_weights(log_ratio, adv, m, *, iw, k_pos, lambda_pos, k_neg, lambda_neg):
+    """vespo's ``log w_i``, ``w_i`` (``[B, 1]``), ``k``, ``lam`` (``[B, T]``, by the sign of ``A``) and the
+    magnitude sum ``sum_t m (|dc_t| + |log I_t|)`` (``[B, 1]``, for the contract's scale); module docstring.
+    ``log_ratio`` is ``dc``; ``iw`` the masked importance weights or None."""
+    terms = torch.where(m, log_ratio, 0.0)
+    if iw is not None:
+        terms = terms + torch.where(m, torch.log(iw).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX), 0.0)
+    log_w = terms.sum(dim=1, keepdim=True).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, torch.full_like(adv, k_pos), torch.full_like(adv, k_neg))
+    lam = torch.where(nonneg, torch.full_like(adv, lambda_pos), torch.full_like(adv, lambda_neg))
+    return log_w, torch.exp(log_w), k, lam, terms.abs().sum(dim=1, keepdim=True)
+
+
 def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, *, loss,
            cispo_upper, clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl, kl_coef,
-           kl_k3_clamp, kl_clamp, kl_straight_through, kl_unbiased, entropy_coef) -> dict[str, Tensor]:
+           kl_k3_clamp, kl_clamp, kl_straight_through, kl_unbiased, entropy_coef, vespo_k_pos=2.0,
+           vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0) -> dict[str, Tensor]:
     """Every per-token quantity of the objective (``[B, T]``, 0 off the mask) and the row weights ``c``."""
     cdt = _compute_dtype(logprob.dtype)
     m = mask
@@ -330,10 +371,15 @@ def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weight
 
     lp, old, adv = masked(logprob), masked(old_logprob), masked(advantages)
     n = m.sum(dim=1).to(cdt)
+    vespo = None
+    if loss == "vespo":  # the importance weights enter the sequence ratio, not a factor of L
+        vespo = {"iw": None if importance_weights is None else masked(importance_weights), "k_pos": vespo_k_pos,
+                 "lambda_pos": vespo_lambda_pos, "k_neg": vespo_k_neg, "lambda_neg": vespo_lambda_neg}
+        importance_weights = None
     value, grad, ratio, clipped, lower, log_ratio = _token_losses(
         lp, old, adv, m, n.clamp(min=1.0), loss=loss, cispo_upper=cispo_upper, clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, clamp_low=clamp_low, clamp_high=clamp_high, tau_pos=tau_pos,
-        tau_neg=tau_neg)
+        tau_neg=tau_neg, vespo=vespo)
     if importance_weights is not None:
         iw = masked(importance_weights)
         value = times(iw, value)
@@ -448,6 +494,8 @@ def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importanc
         row_scale(t["lower"]), row_scale(t["neg_log_ratio"]), row_scale(t["ratio"]),
         (t["ratio"] * amp).amax(dim=1), row_scale(t["entropy"]), row_scale(t["kl"]),
     ], dim=1)
+    if attrs["loss"] == "vespo":
+        stats = stats + _vespo_scale(t, advantages, importance_weights, attrs)
     total = stats.sum(dim=0)
     tokens = t["n"].sum()
     inv = torch.where(tokens > 0, 1.0 / tokens.clamp(min=1.0), 0.0)
@@ -456,6 +504,31 @@ def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importanc
         total[8] * inv, torch.ones_like(tokens),
     ])
     return {"loss": total[0], "row_stats": stats, "metrics": metrics}
+
+
+def _vespo_scale(t: dict[str, Tensor], advantages, importance_weights, attrs) -> Tensor:
+    """vespo's addition to the row statistics' scales (``[B, 9]``): ``log w_i`` sums the row's log-ratios, so
+    fp32 gets it to about ``2^-24 S_i`` (``S_i = sum_t m (|dc_t| + |log I_t|)``), ``w_i`` to ``2^-24 w_i S_i``,
+    and ``phi`` to a relative ``2^-24 (|k - lam w_i| S_i + |lam| + |k log w_i| + |lam w_i|)``; each term of the
+    loss and ``ratio`` carries that relative error on top of :func:`contract_scale`'s."""
+    m = t["m"]
+    cdt = t["c"].dtype
+
+    def masked(x: Tensor) -> Tensor:
+        return torch.where(m, x.to(cdt).expand(m.shape), 0.0)
+
+    iw = None if importance_weights is None else masked(importance_weights)
+    log_w, w, k, lam, size = vespo_weights(-t["neg_log_ratio"], masked(advantages), m, iw=iw,
+                                           k_pos=attrs.get("vespo_k_pos", 2.0),
+                                           lambda_pos=attrs.get("vespo_lambda_pos", 3.0),
+                                           k_neg=attrs.get("vespo_k_neg", 3.0),
+                                           lambda_neg=attrs.get("vespo_lambda_neg", 2.0))
+    phi_rel = torch.where(m, (k - lam * w).abs() * size + lam.abs() + (k * log_w).abs() + (lam * w).abs(), 0.0)
+    extra = torch.zeros(m.shape[0], len(ROW_STATS), dtype=cdt, device=m.device)
+    extra[:, 0] = t["c"].abs() * (t["policy"].abs() * phi_rel).sum(dim=1)
+    extra[:, 5] = (t["ratio"].abs() * size).sum(dim=1)
+    extra[:, 6] = (t["ratio"] * size).amax(dim=1)
+    return extra
 
 
 def policy_loss_bwd(grad_loss, grad_logprob, grad_entropy, grad_logprob_out, grad_entropy_out):

@@ -1,0 +1,340 @@
+"""TRL drop-in: :class:`RLKGRPOTrainer` is ``trl.GRPOTrainer`` with rlk computing the per-token log-probs and
+entropies (:func:`rlk.hf.apply`: last hidden states + :func:`rlk.linear_logprob`, no logits) and the loss
+(:func:`rlk.policy_loss`), for every ``loss_type`` of TRL 1.16 (written for trl 1.16.0).
+
+The mapping of TRL's configuration onto rlk's arguments is :func:`policy_loss_kwargs`; :func:`compute_loss` is
+the replacement of ``GRPOTrainer._compute_loss`` (it reads only the trainer attributes TRL's own method reads).
+What TRL computes that rlk cannot express exactly is refused by :func:`check_supported`. Guide and the exact
+argument mapping: ``docs/migration.md``. Importing this module imports trl.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from trl.trainer.grpo_trainer import GRPOTrainer
+
+import rlk
+import rlk.hf
+
+#: TRL's loss types of the clipped-ratio (PPO) family.
+PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+LOSS_TYPES = (*PPO_FAMILY, "cispo", "sapo", "vespo")
+#: The multimodal inputs TRL's loss forwards to the model (rlk's log-prob path is text-only).
+_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32: TRL builds its per-token SAPO temperatures and VESPO shape parameters with
+    ``torch.where`` on Python floats, which makes float32 tensors whatever the log-probs' dtype."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------
+# what rlk computes exactly
+# ---------------------------------------------------------------------------
+
+
+def check_supported(trainer) -> None:
+    """Raise ``ValueError`` (naming the TRL option) for a configuration rlk cannot compute exactly.
+
+    ``trainer`` is a ``GRPOTrainer`` (or anything with the attributes TRL's ``_compute_loss`` reads).
+    """
+    loss_type, level, args = trainer.loss_type, trainer.importance_sampling_level, trainer.args
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type: expected one of {', '.join(map(repr, LOSS_TYPES))}, got {loss_type!r}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level: expected 'token' or 'sequence', got {level!r}")
+    if level == "sequence" and loss_type in ("cispo", "sapo"):
+        raise ValueError(f"importance_sampling_level='sequence' with loss_type={loss_type!r}: TRL caps / gates the "
+                         f"sequence ratio, rlk's {loss_type} uses the token ratio; use importance_sampling_level="
+                         "'token' or trl.GRPOTrainer")
+    if args.delta is not None:
+        if level == "sequence":
+            raise ValueError("delta with importance_sampling_level='sequence': rlk's sequence-level loss (gspo) has "
+                             "no two-sided clip; set delta=None or use trl.GRPOTrainer")
+        if loss_type in PPO_FAMILY and not args.delta > 1.0 + trainer.epsilon_high:
+            raise ValueError(f"delta={args.delta}: rlk's dual clip equals TRL's two-sided clip only for delta > 1 + "
+                             f"epsilon_high = {1.0 + trainer.epsilon_high:g} (TRL's recommendation)")
+    if trainer.beta != 0.0 and args.use_bias_correction_kl and level == "sequence":
+        raise ValueError("use_bias_correction_kl=True with importance_sampling_level='sequence' and beta != 0: TRL "
+                         "weights each token's KL by the sequence ratio with its gradient, which rlk has no form of; "
+                         "set use_bias_correction_kl=False (or importance_sampling_level='token')")
+    if (loss_type == "vespo" and trainer.use_vllm and trainer.vllm_importance_sampling_correction
+            and not trainer.vllm_importance_sampling_mode.startswith("token")):
+        raise ValueError("vespo with a sequence-level vllm_importance_sampling_mode: TRL refuses it too; use "
+                         "'token_truncate' or 'token_mask'")
+    if trainer.aux_loss_enabled:
+        raise ValueError("the MoE router auxiliary loss (output_router_logits): not on rlk's log-prob path; use "
+                         "trl.GRPOTrainer")
+
+
+# ---------------------------------------------------------------------------
+# the mapping TRL -> rlk
+# ---------------------------------------------------------------------------
+
+
+def policy_loss_kwargs(trainer, mask: Tensor, num_items_in_batch: Tensor | float | None = None) -> dict:
+    """The :func:`rlk.policy_loss` keyword arguments of TRL's policy and KL terms for one micro-batch.
+
+    ``mask`` the ``[B, T]`` loss mask (``completion_mask``, times ``tool_mask``), ``num_items_in_batch`` the
+    input TRL passes (needed by dapo, cispo and vespo). With ``G`` TRL's gradient-accumulation steps in
+    training (1 in eval), ``B`` the rows of the micro-batch (empty rows included, as TRL's means count them)
+    and ``P`` the processes, ``r = exp(logprob - old)`` (no log-ratio clamp):
+
+    * grpo / bnpo / dr_grpo / dapo / luspo: ``loss="ppo"`` (``"gspo"`` at ``importance_sampling_level=
+      "sequence"``), ``clip_low=epsilon``, ``clip_high=epsilon_high``, ``dual_clip=delta``;
+    * cispo: ``loss="cispo", cispo_form="upper", clip_high=epsilon_high`` (the cap itself);
+    * sapo: ``loss="sapo", sapo_tau=(sapo_temperature_pos, sapo_temperature_neg)``;
+    * vespo: ``loss="vespo", clamp_log_ratio=20, vespo_k=(vespo_k_pos, vespo_k_neg),
+      vespo_lambda=(max(vespo_lambda_pos, 1e-4), max(vespo_lambda_neg, 1e-4))``;
+    * ``beta != 0``: ``kl_coef=beta``, k3 unclamped; with ``use_bias_correction_kl`` (token level)
+      ``kl="k3+", kl_unbiased=True``: TRL's ``k3 * r`` with the gradient through ``r`` has the value
+      ``k3 * sg(r)`` and the gradient ``sg(r) * (k3' + k3) = sg(r) * (logprob - ref)``, rlk's straight-through
+      k3 weighted by the detached ratio;
+    * aggregation: grpo, sapo ``seq-mean-token-mean`` over ``B G`` sequences; bnpo ``token-mean`` over
+      ``max(sum(mask), 1) G`` tokens; dr_grpo ``seq-mean-token-sum-norm`` over ``B G`` sequences and
+      ``loss_scale=max_completion_length``; dapo, cispo, vespo ``token-mean`` over
+      ``max(num_items_in_batch, 1) / P * G / steps_per_generation`` tokens (``/ P`` only in eval); luspo
+      ``seq-mean-token-sum`` over ``B G`` sequences.
+    """
+    loss_type, level, args = trainer.loss_type, trainer.importance_sampling_level, trainer.args
+    training = trainer.model.training
+    g = trainer.current_gradient_accumulation_steps if training else 1
+    b = mask.shape[0]
+    kw: dict = {"clip_low": trainer.epsilon_low, "clip_high": trainer.epsilon_high, "clamp_log_ratio": None}
+    if loss_type == "cispo":
+        kw.update(loss="cispo", cispo_form="upper")
+    elif loss_type == "sapo":
+        kw.update(loss="sapo", sapo_tau=(_f32(args.sapo_temperature_pos), _f32(args.sapo_temperature_neg)))
+    elif loss_type == "vespo":
+        kw.update(loss="vespo", clamp_log_ratio=20.0, vespo_k=(_f32(args.vespo_k_pos), _f32(args.vespo_k_neg)),
+                  vespo_lambda=(max(_f32(args.vespo_lambda_pos), _f32(1e-4)),
+                                max(_f32(args.vespo_lambda_neg), _f32(1e-4))))
+    else:
+        kw["loss"] = "gspo" if level == "sequence" else "ppo"
+        if args.delta is not None:
+            kw["dual_clip"] = args.delta
+    if trainer.beta != 0.0:
+        kw.update(kl_coef=trainer.beta, kl="k3", kl_k3_clamp=False)
+        if args.use_bias_correction_kl:
+            kw.update(kl="k3+", kl_unbiased=True)
+    if loss_type in ("grpo", "sapo"):
+        kw.update(agg="seq-mean-token-mean", global_seqs=b * g)
+    elif loss_type == "bnpo":
+        kw.update(agg="token-mean", global_tokens=mask.sum().clamp(min=1) * g)
+    elif loss_type == "dr_grpo":
+        kw.update(agg="seq-mean-token-sum-norm", global_seqs=b * g, loss_scale=trainer.max_completion_length)
+    elif loss_type in ("dapo", "cispo", "vespo"):
+        if num_items_in_batch is None:
+            raise ValueError(f"num_items_in_batch: loss_type={loss_type!r} normalizes by it (TRL's inputs carry it)")
+        n = torch.as_tensor(num_items_in_batch).clamp(min=1.0) / trainer.accelerator.num_processes
+        kw.update(agg="token-mean", global_tokens=n * g / args.steps_per_generation if training else n)
+    else:  # luspo
+        kw.update(agg="seq-mean-token-sum", global_seqs=b * g)
+    return kw
+
+
+# ---------------------------------------------------------------------------
+# the loss
+# ---------------------------------------------------------------------------
+
+
+def _global_mean(trainer, mean: Tensor, count: Tensor) -> float:
+    """A token mean over every process (TRL's ``global_masked_mean``): sums and counts reduced, then divided."""
+    totals = trainer.accelerator.reduce(torch.stack([mean.double() * count, count.double()]), reduction="sum")
+    return float(totals[0] / totals[1].clamp(min=1.0))
+
+
+def _entropy_coefficient(trainer) -> float:
+    """The coefficient of this micro-batch's entropy bonus (adaptive control: applied only while the entropy of the
+    previous optimizer step was at or below the target)."""
+    if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= trainer.args.entropy_target:
+        return 0.0
+    return trainer.entropy_coef
+
+
+def _adaptive_entropy_update(trainer, entropies: Tensor, mask: Tensor) -> None:
+    """Adaptive entropy control (Skywork-OR1), TRL's: add this micro-batch's entropy sum and token count to the
+    window; at an optimizer-step boundary take the mean over the window and every process, and move the
+    coefficient by ``entropy_coef_delta`` towards more entropy (mean <= target: up) or less (down), within
+    ``[entropy_coef_min, entropy_coef_max]``."""
+    args = trainer.args
+    stats = torch.stack([(entropies.detach() * mask).sum(), mask.sum().to(entropies.dtype)])
+    window = trainer._entropy_window_stats
+    trainer._entropy_window_stats = stats if window is None else window + stats
+    if not trainer.accelerator.sync_gradients:
+        return
+    total = trainer.accelerator.reduce(trainer._entropy_window_stats, reduction="sum")
+    mean = float(total[0] / total[1].clamp(min=1.0))
+    if mean <= args.entropy_target:
+        trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+    else:
+        trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+    trainer._last_world_entropy = mean
+    trainer._entropy_window_stats = None
+
+
+def rollout_weights(trainer, inputs: dict, mask: Tensor) -> Tensor | None:
+    """TRL's vLLM importance-sampling correction (``vllm_importance_sampling_correction``) as
+    :func:`rlk.rollout_correction` of the old (training-engine) and the sampling (vLLM) log-probs: the mode
+    ``"<level>_<mode>"`` (``token`` / ``sequence`` x ``truncate`` / ``mask``) is ``level=, mode=``,
+    ``vllm_importance_sampling_clip_max`` / ``_min`` are ``upper`` / ``lower``, no log-ratio clamp; ``[B, T]``
+    weights equal to TRL's ``importance_sampling_ratio`` on the mask (0 off it), or None when the correction is
+    off."""
+    if not (trainer.use_vllm and trainer.vllm_importance_sampling_correction):
+        return None
+    level, mode = trainer.vllm_importance_sampling_mode.split("_")
+    old = inputs["old_per_token_logps"]
+    sampling = inputs["sampling_per_token_logps"].to(old.dtype)  # vLLM's come in float32 (TRL promotes them too)
+    weights, _ = rlk.rollout_correction(old, sampling, mask,
+                                        level=level, mode=mode, upper=trainer.vllm_importance_sampling_clip_max,
+                                        lower=trainer.vllm_importance_sampling_clip_min, clamp_log_ratio=None)
+    return weights
+
+
+def compute_loss(trainer, model, inputs: dict) -> Tensor:
+    """``GRPOTrainer._compute_loss`` on rlk: the same loss, gradient and logged metrics (those whose definitions
+    rlk shares, under TRL's names; rlk's own under ``rlk/``).
+
+    Per micro-batch: the log-probs and entropies from ``trainer._get_per_token_logps_and_entropies`` (rlk's in
+    :class:`RLKGRPOTrainer`), then one :func:`rlk.policy_loss` call with :func:`policy_loss_kwargs` for the
+    policy and KL terms. TRL's policy-term factors (the high-entropy token mask of ``top_entropy_quantile``, the
+    off-policy sequence mask of ``off_policy_mask_threshold``, both by TRL's own selection methods, and the vLLM
+    importance-sampling ratio, :func:`rollout_weights`) are rlk's ``importance_weights``; for vespo the ratio enters
+    the sequence weight
+    (``importance_weights``, as TRL does: rlk sums its logs over the loss mask, TRL over every position, where
+    its ratio is 1 unless ``vllm_importance_sampling_clip_min > 1``) and the masks zero the advantages instead
+    (its loss is linear in ``A``). The entropy bonus ``- coef * token-mean(entropy) / G`` (over the entropy-masked
+    tokens) is a second call (``loss="gpg"``, zero advantages).
+    """
+    check_supported(trainer)
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+    logprob, entropy, _ = trainer._get_per_token_logps_and_entropies(
+        model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+        compute_aux_loss=trainer.aux_loss_enabled, **{name: inputs.get(name) for name in _MULTIMODAL})
+    training = trainer.model.training
+    mode = "train" if training else "eval"
+    accum = trainer.current_gradient_accumulation_steps if training else 1
+    loss_type = trainer.loss_type
+    advantages = inputs["advantages"]
+    if advantages.dim() == 2 and advantages.shape[1] > 1 and trainer.importance_sampling_level == "sequence":
+        raise ValueError("advantages: per-token advantages with importance_sampling_level='sequence' (rlk's gspo "
+                         "equals TRL's sequence ratio for one advantage per sequence)")
+    old = inputs.get("old_per_token_logps")  # None: on-policy, old = logprob.detach() (rlk's and TRL's convention)
+
+    # TRL's policy-term factors: token and sequence masks (its own selection rules) and the vLLM IS ratio
+    keep = None
+    entropy_mask = None
+    if trainer.top_entropy_quantile < 1.0:
+        entropy_mask = trainer.get_high_entropy_mask(entropy, mask, 1 - trainer.top_entropy_quantile)
+        keep = entropy_mask.to(logprob.dtype)
+    if trainer.off_policy_mask_threshold is not None:
+        behaviour = logprob.detach() if old is None else old
+        off_policy = trainer.get_off_policy_mask(
+            advantages=advantages if advantages.dim() == 2 else advantages[:, None], per_token_logps=logprob,
+            sampling_per_token_logps=inputs.get("sampling_per_token_logps", behaviour), mask=mask,
+            off_policy_threshold=trainer.off_policy_mask_threshold).to(logprob.dtype)
+        keep = off_policy.expand_as(logprob) if keep is None else keep * off_policy
+    is_ratio = rollout_weights(trainer, inputs, mask)
+    if loss_type == "vespo":
+        weights = is_ratio
+        if keep is not None:
+            advantages = (advantages if advantages.dim() == 2 else advantages[:, None]) * keep
+    else:
+        weights = keep if is_ratio is None else (is_ratio if keep is None else keep * is_ratio)
+
+    kwargs = policy_loss_kwargs(trainer, mask, inputs.get("num_items_in_batch"))
+    ref = inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None
+    loss, metrics = rlk.policy_loss(logprob, old, advantages, mask, importance_weights=weights, ref_logprob=ref,
+                                    entropy=entropy, **kwargs)
+    log = trainer._metrics[mode]
+    if trainer._entropy_bonus_enabled:
+        policy_loss = loss.detach() if loss_type in ("dapo", "cispo", "vespo") else loss.detach() * accum
+        effective = mask.bool() if entropy_mask is None else mask.bool() & entropy_mask.bool()
+        coef = _entropy_coefficient(trainer)
+        if coef != 0.0:
+            bonus, _ = rlk.policy_loss(logprob, None, torch.zeros_like(logprob[:, 0]), effective, loss="gpg",
+                                       agg="token-mean", global_tokens=effective.sum().clamp(min=1) * accum,
+                                       entropy=entropy, entropy_coef=coef)
+            loss = loss + bonus
+        log["policy_loss"].append(trainer.accelerator.gather(policy_loss).nanmean().item())
+        if trainer.use_adaptive_entropy and mode == "train":
+            _adaptive_entropy_update(trainer, entropy, effective)
+        if mode == "train" and trainer.accelerator.sync_gradients:
+            log["entropy_coef"].append(trainer.entropy_coef)
+
+    tokens = mask.sum()
+    if trainer.beta != 0.0:
+        log["kl"].append(_global_mean(trainer, metrics["kl_mean"], tokens))
+    log["entropy"].append(_global_mean(trainer, metrics["entropy_mean"], tokens))
+    if loss_type in PPO_FAMILY and trainer.importance_sampling_level == "token":
+        log["clip_ratio/region_mean"].append(_global_mean(trainer, metrics["clip_fraction"], tokens))
+    for name in ("clip_fraction", "approx_kl", "ratio_mean"):
+        log[f"rlk/{name}"].append(_global_mean(trainer, metrics[name], tokens))
+    log["rlk/ratio_max"].append(trainer.accelerator.gather(metrics["ratio_max"].reshape(1)).max().item())
+    return loss
+
+
+# ---------------------------------------------------------------------------
+# the trainer
+# ---------------------------------------------------------------------------
+
+
+class RLKGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` with rlk's log-probs, entropies and loss; same constructor, same config, same logs.
+
+    * log-probs and entropies (the policy's, the old and the reference model's): ``rlk.hf.apply`` on the model
+      (and the reference model), then ``model(..., logits_to_keep=K + 1, logprob_targets=completion tokens)``:
+      the decoder's last hidden states and the LM head's weight (read at each call) go through
+      :func:`rlk.linear_logprob`, never materializing the logits, at TRL's ``temperature``;
+    * the loss and its metrics: :func:`compute_loss`.
+
+    Configurations rlk cannot compute exactly raise ``ValueError`` here (:func:`check_supported`), as do
+    ``cast_lm_head_to_fp32=True`` (rlk accumulates the head in fp32 from the model's dtype) and multimodal inputs.
+    Needs no hub download (``use_liger_kernel`` / hub kernels are not involved).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_supported(self)
+        if self.args.cast_lm_head_to_fp32:
+            raise ValueError("cast_lm_head_to_fp32=True: not with RLKGRPOTrainer (rlk.linear_logprob takes the head "
+                             "in the model's dtype and accumulates in fp32); set it to False")
+        policy = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
+        for model in (policy, self.ref_model):
+            if model is not None:
+                rlk.hf.apply(model, temperature=self.temperature, return_entropy=True)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's method on rlk: ``[B, K]`` log-probs of the last ``K = logits_to_keep`` tokens (0 at padding), their
+        entropies when asked (else None), and None for the auxiliary loss; in chunks of ``batch_size`` rows."""
+        given = sorted(name for name, value in multimodal.items() if value is not None)
+        if given:
+            raise ValueError(f"{', '.join(given)}: multimodal inputs are not on rlk's log-prob path; use "
+                             "trl.GRPOTrainer")
+        if compute_aux_loss:
+            raise ValueError("compute_aux_loss: the MoE router auxiliary loss is not on rlk's log-prob path")
+        k = logits_to_keep
+        batch_size = batch_size or input_ids.size(0)
+        logprobs, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, att = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            # position L - K - 1 + j predicts token L - K + j; the last position predicts nothing
+            targets = torch.nn.functional.pad(ids[:, -k:].masked_fill(att[:, -k:] == 0, -100), (0, 1), value=-100)
+            with self.accelerator.autocast():
+                out = model(input_ids=ids, attention_mask=att, logits_to_keep=k + 1, use_cache=False,
+                            logprob_targets=targets, return_entropy=compute_entropy)
+            logprobs.append(out.logprobs[:, :-1])
+            if compute_entropy:
+                entropies.append(out.entropy[:, :-1])
+        return torch.cat(logprobs), torch.cat(entropies) if compute_entropy else None, None
+
+    def _compute_loss(self, model, inputs):
+        return compute_loss(self, model, inputs)
