@@ -259,6 +259,34 @@ def _head_forward(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> T
     if request.calls > 1:
         raise RuntimeError("rlk.hf.apply: the model called its LM head more than once in one forward; the "
                            "log-prob path supports one head call per forward")
+    result = _fused_head(head, request, hidden)
+    packed = torch.stack(result, -1) if request.return_entropy else result.unsqueeze(-1)
+    request.output, request.version = packed, packed._version
+    return packed
+
+
+def logprobs_from_hidden(model, hidden: Tensor, targets: Tensor, *, temperature: float | Tensor | None = None,
+                         return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """What the log-prob path of an applied ``model`` computes for ``hidden`` ``[..., H]``, the states its LM head
+    receives, and ``targets`` ``[...]``: the same op, head weight, options and (batch-invariant mode) backend.
+
+    For tokens chosen outside a forward, such as a rollout's samples: scored from the hidden states of the
+    forward that produced their logits, they get the very bits a later log-prob call (training) gives them,
+    when the forwards are batch-invariant (``apply(..., batch_invariant=True)``).
+    """
+    state = getattr(model, "_rlk_apply", None)
+    if state is None:
+        raise ValueError("model: rlk.hf.apply has not been applied to it")
+    head = model.get_output_embeddings()
+    _check_head(model, head)
+    temperature = state.temperature if temperature is None else temperature
+    request = _Request(targets, checks.positive_scalar_or_tensor("temperature", temperature, torch.float32),
+                       state.ignore_index, checks.flag("return_entropy", return_entropy), state.batch_invariant)
+    return _fused_head(head, request, hidden)
+
+
+def _fused_head(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    """``linear_logprob`` of ``hidden`` with the head's weight and the request's options."""
     weight = head.weight  # read now: FSDP and ZeRO-3 gather it around the head's forward
     if _is_dtensor(weight):
         raise ValueError("model: the LM head's weight is a DTensor (a tensor-parallel head); rlk.hf.apply "
@@ -282,11 +310,8 @@ def _head_forward(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> T
         temperature = temperature.to(hidden.device)
     no_autocast = torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext()
     with _logprob_backend(request, hidden), no_autocast:
-        result = linear_logprob(hidden, weight, targets.to(hidden.device), temperature=temperature,
-                                ignore_index=request.ignore_index, return_entropy=request.return_entropy)
-    packed = torch.stack(result, -1) if request.return_entropy else result.unsqueeze(-1)
-    request.output, request.version = packed, packed._version
-    return packed
+        return linear_logprob(hidden, weight, targets.to(hidden.device), temperature=temperature,
+                              ignore_index=request.ignore_index, return_entropy=request.return_entropy)
 
 
 _warned: set[str] = set()
