@@ -148,10 +148,11 @@ def check_outputs(got: dict, truth: dict, scale: dict, attrs=None) -> None:
 def check_against_reference(inputs: dict, **attrs) -> dict:
     got = run_fwd(tk, inputs, **attrs)
     truth = run_fwd(ref, inputs, dtype=torch.float64, **attrs)
-    check_outputs(got, truth, scales(inputs, **attrs), attrs)
+    scale = scales(inputs, **attrs)
+    check_outputs(got, truth, scale, attrs)
     for name in ("grad_logprob", "grad_entropy"):
         if name in got:
-            dev = contract.compare_grad(ENTRY, name, got[name], truth[name], 1.0)
+            dev = contract.compare_grad(ENTRY, name, got[name], truth[name], float(scale["grad_max_scale"]))
             _WORST[name] = max(_WORST.get(name, 0.0), dev.ratio)
             assert dev.ok, (attrs, dev)
             assert torch.all(got[name][~inputs["mask"]] == 0)

@@ -60,3 +60,29 @@ def test_compare_grad():
     tiny = torch.full((4,), 0.5 * e.atol)
     assert contract.compare_grad(e, "g", tiny, torch.zeros(4), 1.0).ok
     assert not contract.compare_grad(e, "g", 4 * tiny, torch.zeros(4), 1.0).ok
+
+
+def test_results_beyond_the_dtype_range_are_exact_when_correctly_rounded():
+    """+-inf where the ground truth exceeds the output dtype's largest value is its correctly rounded value; inf of
+    the wrong sign, inf where the truth is in range, and NaN still fail."""
+    e = contract.entry("policy_loss", "float32")
+    truth = torch.tensor([3.7e50, -1e40, 2.0], dtype=torch.float64)
+    scale = torch.ones(3, dtype=torch.float64)
+    assert contract.compare_outputs(e, "x", torch.tensor([float("inf"), -float("inf"), 2.0]), truth, scale).ok
+    assert not contract.compare_outputs(e, "x", torch.tensor([-float("inf"), -float("inf"), 2.0]), truth, scale).ok
+    assert not contract.compare_outputs(e, "x", torch.tensor([float("inf"), -float("inf"), float("inf")]), truth,
+                                        scale).ok
+    g = contract.entry("selected_logprob", "float16")
+    big = torch.tensor([1e6, 1.0], dtype=torch.float64)  # 1e6 is beyond float16's 65504
+    assert contract.compare_grad(g, "g", torch.tensor([float("inf"), 1.0], dtype=torch.float16), big, 1.0).ok
+    assert not contract.compare_grad(g, "g", torch.tensor([float("nan"), 1.0], dtype=torch.float16), big, 1.0).ok
+
+
+def test_a_gradient_below_its_dtypes_normal_range_may_round_to_zero():
+    """float16 holds nothing below 6.1e-5 with relative precision: a true gradient of 1e-7 that comes out 0 (or a
+    subnormal) passes; the same error on a gradient in the normal range fails."""
+    e = contract.entry("selected_logprob", "float16")
+    tiny = torch.tensor([1e-7, -1e-7], dtype=torch.float64)
+    assert contract.compare_grad(e, "g", torch.zeros(2, dtype=torch.float16), tiny, 1.0).ok
+    normal = torch.tensor([1e-1, -1e-1], dtype=torch.float64)
+    assert not contract.compare_grad(e, "g", torch.tensor([0.09, -0.1], dtype=torch.float16), normal, 1.0).ok

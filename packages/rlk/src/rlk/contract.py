@@ -92,13 +92,15 @@ def compare_outputs(
     """Per-row check ``|value - ref| <= atol + rtol * scale``.
 
     Reports the row with the worst ratio: its ``|delta|`` and its bound, so
-    ``ok`` is exact. NaN in ``value`` where ``ref_value`` is not NaN fails.
+    ``ok`` is exact. NaN in ``value`` where ``ref_value`` is not NaN fails. ``+-inf`` where the ground truth
+    lies beyond the range of ``value``'s dtype is its correctly rounded value, hence exact.
     """
+    largest = _largest(value)
     value, ref_value, scale = (t.detach().to(ref_value.device, torch.float64) for t in (value, ref_value, scale))
     if value.numel() == 0:
         return Deviation(name, 0.0, e.atol)
     same_nan = torch.isnan(value) & torch.isnan(ref_value)
-    same_inf = torch.isinf(value) & (value == ref_value)
+    same_inf = torch.isinf(value) & ((value == ref_value) | _overflowed(value, ref_value, largest))
     delta = torch.where(same_nan | same_inf, 0.0, (value - ref_value).abs())
     delta = torch.where(torch.isnan(delta), math.inf, delta)
     bound = e.atol + e.rtol * torch.where(torch.isfinite(scale), scale, 0.0)
@@ -118,22 +120,47 @@ def compare_grad(e: Entry, name: str, grad: torch.Tensor, ref_grad: torch.Tensor
 
     Raises ``ValueError`` for an op the contract marks not differentiable.
 
+    The gradient's dtype has no relative precision below its smallest normal number ``tiny`` (bf16 / fp16 outputs,
+    flushed subnormals): the error may also reach ``tiny * sqrt(numel)``; and ``+-inf`` where the ground truth lies
+    beyond the dtype's range is its correctly rounded value.
+
     Where the true gradient is exactly zero (``V = 1``, every row ignored) and no ``magnitude`` is given, a
     relative error means nothing; then the RMS of ``g`` must be ``<= atol``.
     """
     if e.grad_rel_l2 is None:
         raise ValueError(f"the contract marks {e.op} as not differentiable (grad_rel_l2 is null)")
+    largest, smallest = _largest(grad), _smallest_normal(grad)
     grad, ref_grad = grad.detach().to(ref_grad.device, torch.float64), ref_grad.detach().double()
     relative = e.grad_rel_l2 + e.rtol * max_scale
-    if not bool(torch.isfinite(grad).all()):
+    overflowed = torch.isinf(grad) & _overflowed(grad, ref_grad, largest)
+    if not bool((torch.isfinite(grad) | overflowed).all()):
         return Deviation(name, math.nan, relative)
+    grad, ref_grad = torch.where(overflowed, 0.0, grad), torch.where(overflowed, 0.0, ref_grad)
     ref_norm = float(torch.linalg.vector_norm(ref_grad))
     err = float(torch.linalg.vector_norm(grad - ref_grad))
-    if magnitude is not None:
-        terms = float(torch.linalg.vector_norm(magnitude.detach().double()))
-        allowed = relative * ref_norm + e.rtol * max(max_scale, 1.0) * terms
+    # the gradient's own dtype holds no relative precision below its smallest normal number (subnormals, flush)
+    floor = smallest * math.sqrt(max(grad.numel(), 1))
+    if magnitude is not None or floor > 0 and ref_norm > 0:
+        terms = 0.0 if magnitude is None else float(torch.linalg.vector_norm(magnitude.detach().double()))
+        allowed = relative * ref_norm + e.rtol * max(max_scale, 1.0) * terms + floor
         if allowed > 0:
             return Deviation(name, err, allowed)
     if ref_norm == 0.0:
         return Deviation(name, err / math.sqrt(max(grad.numel(), 1)), e.atol)
     return Deviation(name, err / ref_norm, relative)
+
+
+def _largest(x: torch.Tensor) -> float:
+    """The largest finite value of ``x``'s floating dtype (inf for a non-floating one)."""
+    return torch.finfo(x.dtype).max if x.is_floating_point() else math.inf
+
+
+def _smallest_normal(x: torch.Tensor) -> float:
+    """The smallest normal number of ``x``'s dtype below float64 (0 for float64 or a non-floating dtype)."""
+    return torch.finfo(x.dtype).smallest_normal if x.is_floating_point() and x.dtype != torch.float64 else 0.0
+
+
+def _overflowed(value: torch.Tensor, ref_value: torch.Tensor, largest: float) -> torch.Tensor:
+    """Where ``value`` is the correctly rounded value of a result beyond its dtype's range: ``+-inf`` of the sign
+    of a ground truth larger than ``largest``."""
+    return torch.isinf(value) & (torch.sign(value) == torch.sign(ref_value)) & (ref_value.abs() > largest)

@@ -494,8 +494,11 @@ def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importanc
         row_scale(t["lower"]), row_scale(t["neg_log_ratio"]), row_scale(t["ratio"]),
         (t["ratio"] * amp).amax(dim=1), row_scale(t["entropy"]), row_scale(t["kl"]),
     ], dim=1)
+    grad_max_scale = torch.ones((), dtype=stats.dtype, device=stats.device)
     if attrs["loss"] == "vespo":
-        stats = stats + _vespo_scale(t, advantages, importance_weights, attrs)
+        extra, phi_rel = _vespo_scale(t, advantages, importance_weights, attrs)
+        stats = stats + extra
+        grad_max_scale = 1.0 + phi_rel.amax() if phi_rel.numel() else grad_max_scale
     total = stats.sum(dim=0)
     tokens = t["n"].sum()
     inv = torch.where(tokens > 0, 1.0 / tokens.clamp(min=1.0), 0.0)
@@ -503,11 +506,12 @@ def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importanc
         total[2] * inv, total[3] * inv, total[4] * inv, total[5] * inv, stats[:, 6].amax(), total[7] * inv,
         total[8] * inv, torch.ones_like(tokens),
     ])
-    return {"loss": total[0], "row_stats": stats, "metrics": metrics}
+    return {"loss": total[0], "row_stats": stats, "metrics": metrics, "grad_max_scale": grad_max_scale}
 
 
 def _vespo_scale(t: dict[str, Tensor], advantages, importance_weights, attrs) -> Tensor:
-    """vespo's addition to the row statistics' scales (``[B, 9]``): ``log w_i`` sums the row's log-ratios, so
+    """vespo's addition to the row statistics' scales (``[B, 9]``), and ``phi``'s relative error per token (the
+    gradient ``-phi A`` carries it: ``grad_max_scale``): ``log w_i`` sums the row's log-ratios, so
     fp32 gets it to about ``2^-24 S_i`` (``S_i = sum_t m (|dc_t| + |log I_t|)``), ``w_i`` to ``2^-24 w_i S_i``,
     and ``phi`` to a relative ``2^-24 (|k - lam w_i| S_i + |lam| + |k log w_i| + |lam w_i|)``; each term of the
     loss and ``ratio`` carries that relative error on top of :func:`contract_scale`'s."""
@@ -528,7 +532,7 @@ def _vespo_scale(t: dict[str, Tensor], advantages, importance_weights, attrs) ->
     extra[:, 0] = t["c"].abs() * (t["policy"].abs() * phi_rel).sum(dim=1)
     extra[:, 5] = (t["ratio"].abs() * size).sum(dim=1)
     extra[:, 6] = (t["ratio"] * size).amax(dim=1)
-    return extra
+    return extra, phi_rel
 
 
 def policy_loss_bwd(grad_loss, grad_logprob, grad_entropy, grad_logprob_out, grad_entropy_out):
