@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import rlk
-from rlk.distributed.group import Comm, Group
+from rlk.distributed.group import Comm, Group, SimulatedGroup
 from rlk.distributed.logprob import vocab_parallel_linear_logprob
 from rlk.distributed.matmul import column_parallel_linear, row_parallel_linear
 from rlk.distributed.reduce import all_reduce_fixed, tree_sum
@@ -122,7 +122,7 @@ class _Ops:
         if mode not in ("single", "tp", "stock"):
             raise ValueError(f"mode: expected 'single', 'tp' or 'stock', got {mode!r}")
         self.mode, self.group = mode, group
-        self.comm = Comm(None if mode == "single" else group)
+        self.comm = Comm(SimulatedGroup(1) if mode == "single" else group)  # single: one rank, whatever is initialized
         if mode == "stock" and self.comm.simulated:
             raise ValueError("mode: 'stock' runs torch.distributed.all_reduce, on a real process group")
 
