@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -275,3 +276,48 @@ def test_tensor_parallel_chain_simulated(monkeypatch):
             per_rank = [{k: (v[r].grad if isinstance(v, list) else v.grad) for k, v in shards.items()}
                         for r in range(world)]
             _assert_equal(decoder.unshard(CONFIG, per_rank), _grads(full), f"simulated TP={world}")
+
+
+def test_drift_report_in_the_consistency_schema(monkeypatch, tmp_path):
+    """rlk.distributed.drift builds a report the consistency tool's writers render: rollout at TP = 2 vs training at
+    TP = 1 / DP = 2, rlk's combine ('on', bitwise) vs the stock one ('off', drifting), the configurations recorded."""
+    from rlk.consistency import report as rep
+    from rlk.distributed import drift
+
+    monkeypatch.setattr(ref_matmul, "MIN_LEAF", 8)
+    params = decoder.init_params(CONFIG, torch.float32, "cpu", seed=0)
+    ids, targets = _batch(1, 4)
+    coef = torch.randn(2, 4 * SEQ, generator=torch.Generator().manual_seed(5))
+    runs = {}
+    with rlk.use_backend("reference"):
+        for name, mode, world in (("single", "single", 1), ("on", "tp", 2), ("off", "stock", 2)):
+            p = _trainable(params if mode == "single" else decoder.shard(CONFIG, params, world, [0, 1]))
+            trace: list = []
+            cu, positions = _packed(4)
+            out = decoder.forward(CONFIG, p, ids, cu, SEQ, positions, targets, mode=mode,
+                                  group=None if mode == "single" else rd.SimulatedGroup(world), trace=trace)
+            _loss(out, coef).backward()
+            grads = ({k: v.grad for k, v in p.items()} if mode == "single" else decoder.unshard(
+                CONFIG, [{k: (v[r].grad if isinstance(v, list) else v.grad) for k, v in p.items()} for r in (0, 1)]))
+            runs[name] = (list(out["logprob"].detach().view(4, SEQ)), grads, trace)
+        halves = [_forward(params, ids[r * 2 * SEQ:(r + 1) * 2 * SEQ], targets[r * 2 * SEQ:(r + 1) * 2 * SEQ], 2,
+                           "single", with_logits=False)["logprob"].detach() for r in (0, 1)]
+    training = list(torch.cat(halves).view(4, SEQ))
+    single_lp, single_grads, single_trace = runs["single"]
+    chains = {k: drift.chain_entry(runs[k][0], training, single_lp, runs[k][1], single_grads, runs[k][2], single_trace)
+              for k in ("on", "off")}
+    parallel = {"rollout": {"name": "TP=2", "tp": 2}, "training_a": {"name": "TP=1 DP=2", "tp": 1, "dp": 2},
+                "training_b": {"name": "TP=1 DP=1", "tp": 1, "dp": 1}}
+    report = drift.parallel_report(
+        model="tiny", config=CONFIG, device=torch.device("cpu"), dtype=torch.float32, parallel=parallel, chains=chains,
+        seeds={"weights": 0, "prompts": 1, "sampling": 0}, lengths=[SEQ] * 4,
+        histograms={k: drift.histogram(runs[k][0], training) for k in ("on", "off")}, notes=[], seconds=0.0)
+    assert report["passed"], report["failed"]
+    assert chains["on"]["rollout_vs_training"]["bitwise"] and chains["on"]["gradients"]["bitwise"]
+    assert chains["on"]["probe"]["first_divergent"] is None
+    assert chains["off"]["rollout_vs_training"]["max_abs"] > 0
+    assert chains["off"]["probe"]["first_divergent"] == [0, "attention"]
+    assert "TP=2" in rep.format_table(report)
+    files = rep.write_all(report, str(tmp_path))
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["parallel"]["rollout"]["tp"] == 2 and written["schema"] == 1 and files["html"]

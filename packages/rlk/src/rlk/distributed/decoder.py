@@ -4,11 +4,11 @@ One function, :func:`forward`, runs it three ways: ``mode="single"`` with rlk's 
 full weights (TP = 1); ``mode="tp"`` with :mod:`rlk.distributed` on each rank's shards (a real group, or a
 :class:`~rlk.distributed.SimulatedGroup` with every rank's shards in one process); ``mode="stock"``, the
 negative control, as ``"tp"`` but with the row-parallel partial sums computed per rank by ``rlk.linear`` and
-added by ``torch.distributed.all_reduce``. Layout: q / k / v / gate / up and the LM head sharded by output
-rows (heads, intermediate features, vocabulary), o / down by input columns, norms and the embedding
-replicated (Qwen3's per-head q / k norm weights are applied head by head and their gradient summed over the
-heads in the fixed tree, hence also across ranks); no dropout. Parameters are a flat dict
-(``"layers.0.q"``...); :func:`shard_dims` says how each is split. The tests
+added by ``torch.distributed.all_reduce`` (simulated: in rank order). Layout: q / k / v / gate / up and
+the LM head sharded by output rows (heads, intermediate features, vocabulary), o / down by input columns,
+norms and the embedding replicated (Qwen3's per-head q / k norm weights are applied head by head and their
+gradient summed over the heads in the fixed tree, hence also across ranks); no dropout. Parameters are a
+flat dict (``"layers.0.q"``...); :func:`shard_dims` says how each is split. The tests
 (``tests/test_distributed_chain.py``) and ``tools/bench_distributed_sim.py`` use it.
 """
 
@@ -123,8 +123,6 @@ class _Ops:
             raise ValueError(f"mode: expected 'single', 'tp' or 'stock', got {mode!r}")
         self.mode, self.group = mode, group
         self.comm = Comm(SimulatedGroup(1) if mode == "single" else group)  # single: one rank, whatever is initialized
-        if mode == "stock" and self.comm.simulated:
-            raise ValueError("mode: 'stock' runs torch.distributed.all_reduce, on a real process group")
 
     def column(self, x: Tensor, ws: list[Tensor]) -> list[Tensor]:
         if self.mode == "single":
@@ -136,10 +134,11 @@ class _Ops:
         if self.mode == "single":
             return rlk.linear(xs[0], ws[0])
         if self.mode == "stock":
-            y = rlk.linear(xs[0], ws[0])
-            if self.comm.size > 1:
-                y = _StockAllReduce.apply(y, self.group)
-            return y
+            partials = [rlk.linear(x, w) for x, w in zip(xs, ws)]
+            if self.comm.simulated:  # the partials added in rank order, as a reduction that ignores the tree would
+                return sum(partials[1:], partials[0])
+            y = partials[0]
+            return _StockAllReduce.apply(y, self.group) if self.comm.size > 1 else y
         return row_parallel_linear(self.comm.result(xs), self.comm.result(ws), group=self.group)
 
     def logprob(self, h: Tensor, ws: list[Tensor], targets: Tensor, temperature: float):
@@ -208,12 +207,14 @@ def forward(
     group: Group = None,
     temperature: float = 1.0,
     with_logits: bool = False,
+    trace: list | None = None,
 ) -> dict[str, Tensor]:
     """The decoder on packed sequences: ``ids`` / ``positions`` ``[T]``, ``cu_seqlens`` int32 ``[B + 1]``.
 
     ``params``: full tensors (``mode="single"``) or :func:`shard`'s output for this process's ranks. Returns
     ``{"logprob", "entropy"}`` of ``targets`` (fp32 ``[T]``) when given, and ``"logits"`` ``[T, V]`` (the full
-    vocabulary, gathered) with ``with_logits``.
+    vocabulary, gathered) with ``with_logits``. ``trace``: a list that receives ``(layer, op, hidden)`` for the
+    residual stream after each layer's attention and MLP (``"attention"``, ``"mlp"``; detached).
     """
     ops = _Ops(mode, group)
     single = mode == "single"
@@ -237,10 +238,14 @@ def forward(
                               max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
             attn.append(a.reshape(n_tokens, -1))
         x = x + ops.row(attn, _per_rank(p["o"], single))
+        if trace is not None:
+            trace.append((i, "attention", x.detach()))
         h = rlk.rms_norm(x, p["post_norm"], c.eps)
         gates, ups = ops.column(h, _per_rank(p["gate"], single)), ops.column(h, _per_rank(p["up"], single))
         acts = [F.silu(g) * u for g, u in zip(gates, ups)]
         x = x + ops.row(acts, _per_rank(p["down"], single))
+        if trace is not None:
+            trace.append((i, "mlp", x.detach()))
     h = rlk.rms_norm(x, params["final_norm"], c.eps)
     out = {}
     head = _per_rank(params["lm_head"], single)
