@@ -321,3 +321,37 @@ def test_drift_report_in_the_consistency_schema(monkeypatch, tmp_path):
     files = rep.write_all(report, str(tmp_path))
     written = json.loads((tmp_path / "report.json").read_text())
     assert written["parallel"]["rollout"]["tp"] == 2 and written["schema"] == 1 and files["html"]
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_chain_simulated_gpu():
+    """bf16 on the GPU (Triton), default tiles and K segments of >= 128: hidden 1024, 16 / 8 heads of 128, MLP 2816
+    (8 x 352), V = 32000: simulated TP = 2, 4, 8 give the TP = 1 bits, logits and every gradient."""
+    config = decoder.Config(vocab=32000, hidden=1024, layers=2, heads=16, kv_heads=8, head_dim=128, intermediate=2816)
+    device = torch.device("cuda")
+    params = decoder.init_params(config, torch.bfloat16, device, seed=0)
+    g = torch.Generator().manual_seed(1)
+    n_seqs, seq = 4, 128
+    ids = torch.randint(0, config.vocab, (n_seqs * seq,), generator=g).to(device)
+    targets = ids.view(n_seqs, seq).roll(-1, dims=1).clone()
+    targets[:, -1] = -100
+    targets = targets.reshape(-1)
+    cu = torch.arange(0, (n_seqs + 1) * seq, seq, dtype=torch.int32, device=device)
+    positions = torch.arange(seq, device=device).repeat(n_seqs)
+    coef = torch.randn(2, n_seqs * seq, generator=g).to(device)
+    with rlk.use_backend("triton"):
+        full = _trainable(params)
+        single = decoder.forward(config, full, ids, cu, seq, positions, targets, mode="single", with_logits=True)
+        _loss(single, coef).backward()
+        for world in (2, 4, 8):
+            shards = _trainable(decoder.shard(config, params, world, list(range(world))))
+            out = decoder.forward(config, shards, ids, cu, seq, positions, targets, mode="tp",
+                                  group=rd.SimulatedGroup(world), with_logits=True)
+            _loss(out, coef).backward()
+            for k in ("logits", "logprob", "entropy"):
+                assert torch.equal(out[k], single[k]), (world, k)
+            per_rank = [{k: (v[r].grad if isinstance(v, list) else v.grad) for k, v in shards.items()}
+                        for r in range(world)]
+            got = decoder.unshard(config, per_rank)
+            for name, grad in {k: v.grad for k, v in full.items()}.items():
+                assert torch.equal(got[name], grad), (world, name)
