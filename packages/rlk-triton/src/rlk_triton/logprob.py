@@ -22,6 +22,14 @@ For ``linear_logprob`` the logits are ``x = hidden @ weight.T``; the kernels nev
 materialize ``[N, V]``: ``grad_hidden = G @ weight`` and ``grad_weight = G.T @ hidden``
 are accumulated over fixed vocab chunks of ``G = d loss / d x``.
 
+Vocab-parallel alignment (``linear_logprob``): the vocabulary is cut into ``L = tree_leaves(V)``
+equal leaves (the largest power of two <= 8 dividing ``V``); the forward's vocab splits and the
+backward's vocab chunks restart at every leaf boundary, a leaf merges its splits in order and the
+leaves are merged in the fixed binary tree of :func:`rlk_triton.matmul.tree_reduce` (``grad_hidden``:
+its leaves' fp32 sums added in that tree). A vocab shard of ``P`` ranks (``P`` in 1, 2, 4, 8) is
+``L / P`` whole leaves, a subtree, so the ``*_shard_*`` / ``*_combine_*`` entry points that
+``rlk.distributed`` calls reproduce the single-device bits. Spec: :mod:`rlk.reference.logprob`.
+
 Batch invariance by construction: every tile size is fixed per dtype in
 :data:`TILE_CONFIGS` (no autotuning, nothing derived from ``N``), a row's result
 is computed by the same instruction sequence whatever the other rows and its
@@ -42,6 +50,7 @@ import triton
 import triton.language as tl
 
 from rlk_triton.common import dot, grouped_tile, on_device
+from rlk_triton.matmul import tree_leaves, tree_reduce
 
 #: Fixed tile configuration per kernel family and input dtype; the launchers read it
 #: at every call, so a sweep may overwrite entries (kernels recompile per config).
@@ -50,13 +59,13 @@ from rlk_triton.common import dot, grouped_tile, on_device
 #: * ``"selected"``: ``selected_logprob`` fwd/bwd, one program per row looping over the
 #:   vocab in ``BLOCK_V`` chunks.
 #: * ``"linear_fwd"``: the ``linear_logprob`` forward. A program owns ``BLOCK_N`` rows and
-#:   one vocab split of ``VOCAB_SPLIT`` columns (a multiple of ``BLOCK_V``), walked in tiles
-#:   of ``BLOCK_V`` columns, each computed by a ``K`` loop over the hidden size in ``BLOCK_K``
-#:   steps; the splits' partials are merged in split order. ``GROUP_N`` row blocks are
-#:   scheduled together so that concurrent programs share weight tiles in L2 (no effect on
-#:   the numbers).
-#: * ``"linear_bwd"``: the backward walks the vocab in chunks of ``VOCAB_CHUNK`` columns; its
-#:   grad-logits kernel computes one ``BLOCK_N x BLOCK_V`` tile per program.
+#:   one vocab split of ``VOCAB_SPLIT`` columns (a multiple of ``BLOCK_V``; the last split of a
+#:   leaf may be shorter), walked in tiles of ``BLOCK_V`` columns, each computed by a ``K`` loop
+#:   over the hidden size in ``BLOCK_K`` steps; a leaf's splits are merged in split order, the
+#:   leaves in the fixed tree. ``GROUP_N`` row blocks are scheduled together so that concurrent
+#:   programs share weight tiles in L2 (no effect on the numbers).
+#: * ``"linear_bwd"``: the backward walks each leaf of the vocab in chunks of ``VOCAB_CHUNK``
+#:   columns; its grad-logits kernel computes one ``BLOCK_N x BLOCK_V`` tile per program.
 #: * ``"gemm"``: the backward's ``C = A @ B`` kernel (``grad_hidden``, ``grad_weight``),
 #:   ``BLOCK_M x BLOCK_N`` output tiles, ``K`` loop in ``BLOCK_K`` steps, ``GROUP_M`` row
 #:   tiles scheduled together.
@@ -105,6 +114,11 @@ TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
         torch.bfloat16: {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
     },
 }
+
+#: At most this many vocab leaves (:func:`rlk_triton.matmul.tree_leaves`): the vocab-parallel degrees the
+#: reduction is aligned with are 1, 2, 4 and 8. Read at every call; 1 gives one leaf, the split order of the
+#: kernels before the tree (``tools/bench_distributed_sim.py`` measures both).
+MAX_TREE_LEAVES = 8
 
 #: Rows per program of the forward's split-combine kernel (per-row work; any value gives the same bits).
 _COMBINE_ROWS = 128
@@ -317,30 +331,32 @@ def selected_logprob_bwd(
 @triton.jit
 def _linear_fwd_partial_kernel(
     hidden_ptr, weight_ptr, targets_ptr, inv_t_ptr, part_m_ptr, part_s_ptr, part_b_ptr, z_tgt_ptr,
-    N, V, H,
+    N, H, leaf_size, splits_per_leaf, n_splits,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, VOCAB_SPLIT: tl.constexpr,
     GROUP_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Online ``(m, s, b)`` of ``BLOCK_N`` rows over one vocab split; stores the target logit.
 
-    Partials go to ``part_*[split, row]``; ``z_tgt[row]`` is written only by the split holding
-    the row's target (exactly one program), so no two programs write the same element.
+    Split ``i`` is split ``i % splits_per_leaf`` of leaf ``i // splits_per_leaf``: ``VOCAB_SPLIT``
+    columns from the leaf's start on (the leaf's last split ends at the leaf's end). Partials go
+    to ``part_*[split, row]``; ``z_tgt[row]`` is written only by the split holding the row's target
+    (exactly one program), so no two programs write the same element.
     """
-    n_splits = tl.cdiv(V, VOCAB_SPLIT)
     row_tile, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
     rows = row_tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     tgt = tl.load(targets_ptr + rows, mask=row_mask, other=-1)
     inv_t = tl.load(inv_t_ptr + rows, mask=row_mask, other=1.0)
-    v_begin = split * VOCAB_SPLIT
-    v_end = tl.minimum(v_begin + VOCAB_SPLIT, V)
+    leaf_begin = (split // splits_per_leaf).to(tl.int64) * leaf_size
+    v_begin = leaf_begin + (split % splits_per_leaf) * VOCAB_SPLIT
+    v_end = tl.minimum(v_begin + VOCAB_SPLIT, leaf_begin + leaf_size)
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
     b = tl.zeros((BLOCK_N,), tl.float32)
     z_tgt = tl.zeros((BLOCK_N,), tl.float32)
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        col_mask = cols < V
+        col_mask = cols < v_end
         x = _linear_logits_tile(hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, H,
                                 BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
         z = tl.where(col_mask[None, :], x * inv_t[:, None], float("-inf"))
@@ -355,32 +371,104 @@ def _linear_fwd_partial_kernel(
 
 
 @triton.jit
-def _linear_fwd_combine_kernel(
-    part_m_ptr, part_s_ptr, part_b_ptr, z_tgt_ptr, targets_ptr, logprob_ptr, entropy_ptr, lse_ptr,
-    N, n_splits, ignore_index,
-    HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Merge the vocab-split partials of each row in split order 0, 1, ..., n_splits - 1."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    row_mask = rows < N
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK,), tl.float32)
-    b = tl.zeros((BLOCK,), tl.float32)
-    part = rows  # int64 offsets of [split, rows], advanced one split (N elements) per iteration
-    for _ in range(n_splits):
+def _fold(part_m_ptr, part_s_ptr, part_b_ptr, first, count, N, rows, row_mask):
+    """Parts ``first, ..., first + count - 1`` of ``BLOCK`` rows merged in order, from the first part itself."""
+    # int64 offsets of [part, rows], advanced one part (N elements) per step
+    part = (tl.zeros((), tl.int64) + first) * N + rows
+    m = tl.load(part_m_ptr + part, mask=row_mask, other=float("-inf"))
+    s = tl.load(part_s_ptr + part, mask=row_mask, other=0.0)
+    b = tl.load(part_b_ptr + part, mask=row_mask, other=0.0)
+    for _ in range(1, count):
+        part += N
         m2 = tl.load(part_m_ptr + part, mask=row_mask, other=float("-inf"))
         s2 = tl.load(part_s_ptr + part, mask=row_mask, other=0.0)
         b2 = tl.load(part_b_ptr + part, mask=row_mask, other=0.0)
         m, s, b = _merge(m, s, b, m2, s2, b2)
-        part += N
-    tgt = tl.load(targets_ptr + rows, mask=row_mask, other=ignore_index)
-    valid = tgt != ignore_index
-    z_tgt = tl.load(z_tgt_ptr + rows, mask=row_mask & valid, other=0.0)
-    lse = m + tl.log(s)
-    tl.store(logprob_ptr + rows, tl.where(valid, z_tgt - lse, 0.0), mask=row_mask)
-    tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_mask)
-    if HAS_ENTROPY:
-        tl.store(entropy_ptr + rows, tl.where(valid, _entropy(s, b), 0.0), mask=row_mask)
+    return m, s, b
+
+
+@triton.jit
+def _linear_fwd_combine_kernel(
+    part_m_ptr, part_s_ptr, part_b_ptr, z_tgt_ptr, targets_ptr, logprob_ptr, entropy_ptr, lse_ptr, state_ptr,
+    N, per_leaf, ignore_index,
+    LEAVES: tl.constexpr, FINALIZE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Merge ``LEAVES * per_leaf`` partials of each row: each leaf's ``per_leaf`` parts in order, then the
+    leaves (``LEAVES`` in 1, 2, 4, 8) in the balanced tree of :func:`tree_reduce`. With ``FINALIZE`` write
+    log-prob, entropy and lse; else the merged state to ``state[3, N]`` (a shard's partial)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row_mask = rows < N
+    m, s, b = _fold(part_m_ptr, part_s_ptr, part_b_ptr, 0, per_leaf, N, rows, row_mask)
+    if LEAVES >= 2:
+        m1, s1, b1 = _fold(part_m_ptr, part_s_ptr, part_b_ptr, per_leaf, per_leaf, N, rows, row_mask)
+        m, s, b = _merge(m, s, b, m1, s1, b1)
+    if LEAVES >= 4:
+        m2, s2, b2 = _fold(part_m_ptr, part_s_ptr, part_b_ptr, 2 * per_leaf, per_leaf, N, rows, row_mask)
+        m3, s3, b3 = _fold(part_m_ptr, part_s_ptr, part_b_ptr, 3 * per_leaf, per_leaf, N, rows, row_mask)
+        m2, s2, b2 = _merge(m2, s2, b2, m3, s3, b3)
+        m, s, b = _merge(m, s, b, m2, s2, b2)
+    if LEAVES >= 8:
+        m4, s4, b4 = _fold(part_m_ptr, part_s_ptr, part_b_ptr, 4 * per_leaf, per_leaf, N, rows, row_mask)
+        m5, s5, b5 = _fold(part_m_ptr, part_s_ptr, part_b_ptr, 5 * per_leaf, per_leaf, N, rows, row_mask)
+        m4, s4, b4 = _merge(m4, s4, b4, m5, s5, b5)
+        m6, s6, b6 = _fold(part_m_ptr, part_s_ptr, part_b_ptr, 6 * per_leaf, per_leaf, N, rows, row_mask)
+        m7, s7, b7 = _fold(part_m_ptr, part_s_ptr, part_b_ptr, 7 * per_leaf, per_leaf, N, rows, row_mask)
+        m6, s6, b6 = _merge(m6, s6, b6, m7, s7, b7)
+        m4, s4, b4 = _merge(m4, s4, b4, m6, s6, b6)
+        m, s, b = _merge(m, s, b, m4, s4, b4)
+    if FINALIZE:
+        tgt = tl.load(targets_ptr + rows, mask=row_mask, other=ignore_index)
+        valid = tgt != ignore_index
+        z_tgt = tl.load(z_tgt_ptr + rows, mask=row_mask & valid, other=0.0)
+        lse = m + tl.log(s)
+        tl.store(logprob_ptr + rows, tl.where(valid, z_tgt - lse, 0.0), mask=row_mask)
+        tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_mask)
+        if HAS_ENTROPY:
+            tl.store(entropy_ptr + rows, tl.where(valid, _entropy(s, b), 0.0), mask=row_mask)
+    else:
+        tl.store(state_ptr + rows, m, mask=row_mask)
+        tl.store(state_ptr + N + rows, s, mask=row_mask)
+        tl.store(state_ptr + 2 * N + rows, b, mask=row_mask)
+
+
+def _split_layout(vocab: int, leaves: int, vocab_split: int) -> tuple[int, int]:
+    """(leaf size, splits per leaf) of ``vocab`` columns cut into ``leaves`` leaves of ``vocab_split`` splits."""
+    leaf_size = vocab // leaves
+    return leaf_size, triton.cdiv(leaf_size, vocab_split)
+
+
+def _partials(hidden, weight, targets, inv_temperature, leaves, z_tgt):
+    """The partial kernel's ``part [3, n_splits, N]`` (fp32 ``m, s, b``) over ``leaves`` leaves of ``weight``."""
+    n_rows, hidden_size = hidden.shape
+    cfg = TILE_CONFIGS["linear_fwd"][hidden.dtype]
+    leaf_size, per_leaf = _split_layout(weight.shape[0], leaves, cfg["VOCAB_SPLIT"])
+    n_splits = leaves * per_leaf
+    part = torch.empty((3, n_splits, n_rows), dtype=torch.float32, device=hidden.device)
+    with on_device(hidden.device):
+        _linear_fwd_partial_kernel[(triton.cdiv(n_rows, cfg["BLOCK_N"]) * n_splits,)](
+            hidden, weight, targets, inv_temperature, part[0], part[1], part[2], z_tgt,
+            n_rows, hidden_size, leaf_size, per_leaf, n_splits,
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
+            VOCAB_SPLIT=cfg["VOCAB_SPLIT"], GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
+        )
+    return part, per_leaf
+
+
+def _combine(part, per_leaf, leaves, z_tgt, targets, ignore_index, logprob_out, entropy_out, lse_out, state_out):
+    """One launch of :func:`_linear_fwd_combine_kernel` (``state_out`` None: finalize)."""
+    n_rows = part.shape[2]
+    finalize = state_out is None
+    has_entropy = entropy_out is not None
+    dummy = part[0, 0]
+    with on_device(part.device):
+        _linear_fwd_combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS),)](
+            part[0], part[1], part[2], z_tgt if finalize else dummy, targets if finalize else dummy,
+            logprob_out if finalize else dummy, entropy_out if has_entropy else dummy,
+            lse_out if finalize else dummy, dummy if finalize else state_out,
+            n_rows, per_leaf, ignore_index,
+            LEAVES=leaves, FINALIZE=finalize, HAS_ENTROPY=has_entropy, BLOCK=_COMBINE_ROWS, **_NO_FP_FUSION,
+        )
 
 
 def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
@@ -393,31 +481,39 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
             :func:`selected_logprob_fwd`.
 
     Spec: :func:`rlk.reference.logprob.linear_logprob_fwd`. Two launches: a grid of
-    ``cdiv(N, BLOCK_N) x cdiv(V, VOCAB_SPLIT)`` programs writes per-(split, row) partials
-    (fp32 scratch ``4 x n_splits x N``), then one program per ``_COMBINE_ROWS`` rows merges
-    them in split order.
+    ``cdiv(N, BLOCK_N) x (L * cdiv(V / L, VOCAB_SPLIT))`` programs (``L = tree_leaves(V)``) writes
+    per-(split, row) partials (fp32 scratch ``4 x n_splits x N``), then one program per
+    ``_COMBINE_ROWS`` rows merges them: splits in order within a leaf, leaves in the fixed tree.
     """
-    n_rows, hidden_size = hidden.shape
-    vocab = weight.shape[0]
-    cfg = TILE_CONFIGS["linear_fwd"][hidden.dtype]
-    n_splits = triton.cdiv(vocab, cfg["VOCAB_SPLIT"])
-    part = torch.empty((3, n_splits, n_rows), dtype=torch.float32, device=hidden.device)
-    z_tgt = torch.empty((n_rows,), dtype=torch.float32, device=hidden.device)
-    has_entropy = entropy_out is not None
-    with on_device(hidden.device):
-        _linear_fwd_partial_kernel[(triton.cdiv(n_rows, cfg["BLOCK_N"]) * n_splits,)](
-            hidden, weight, targets, inv_temperature, part[0], part[1], part[2], z_tgt,
-            n_rows, vocab, hidden_size,
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
-            VOCAB_SPLIT=cfg["VOCAB_SPLIT"], GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
-        )
-        _linear_fwd_combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS),)](
-            part[0], part[1], part[2], z_tgt, targets, logprob_out,
-            entropy_out if has_entropy else logprob_out, lse_out,
-            n_rows, n_splits, ignore_index,
-            HAS_ENTROPY=has_entropy, BLOCK=_COMBINE_ROWS,
-        )
+    leaves = tree_leaves(weight.shape[0], MAX_TREE_LEAVES)
+    z_tgt = torch.empty((hidden.shape[0],), dtype=torch.float32, device=hidden.device)
+    part, per_leaf = _partials(hidden, weight, targets, inv_temperature, leaves, z_tgt)
+    _combine(part, per_leaf, leaves, z_tgt, targets, ignore_index, logprob_out, entropy_out, lse_out, None)
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the partial results a vocab shard hands to the combine: fp32."""
+    return torch.float32
+
+
+def linear_logprob_shard_fwd(hidden, weight, targets, inv_temperature, leaves, state_out, z_target_out):
+    """The partial forward of one vocab shard of ``leaves`` whole leaves of the full vocabulary's tree.
+
+    Spec: :func:`rlk.reference.logprob.linear_logprob_shard_fwd` (``targets`` relative to the shard;
+    ``state_out [3, N]`` fp32 ``m, s, b`` of the shard's subtree; ``z_target_out [N]``, 0 where the target
+    is not in the shard). The forward's two kernels, the combine stopping before the finish.
+    """
+    z_target_out.zero_()
+    part, per_leaf = _partials(hidden, weight, targets, inv_temperature, leaves, z_target_out)
+    _combine(part, per_leaf, leaves, None, None, 0, None, None, None, state_out)
+
+
+def linear_logprob_combine_fwd(states, z_target, targets, ignore_index, logprob_out, entropy_out, lse_out):
+    """Merge the shards' states ``states [P, 3, N]`` (``P`` in 1, 2, 4, 8, shard order) in the fixed tree and
+    finish. Spec: :func:`rlk.reference.logprob.linear_logprob_combine_fwd`. The forward's combine kernel with
+    one part per leaf."""
+    part = states.transpose(0, 1).contiguous()
+    _combine(part, 1, states.shape[0], z_target, targets, ignore_index, logprob_out, entropy_out, lse_out, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -520,6 +616,50 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, c_in: torch.Tenso
     )
 
 
+def _linear_bwd_leaves(
+    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
+    grad_weight_out, need_grad_hidden,
+):
+    """``grad_weight_out`` (if given) and the fp32 sum ``G @ weight`` over ``leaves`` leaves (if
+    ``need_grad_hidden``): each leaf sums its ``VOCAB_CHUNK`` chunks in order (the GEMM adds each chunk's
+    fp32 product to the leaf's fp32 accumulator), the leaves are added by :func:`tree_reduce`."""
+    has_ent = grad_entropy is not None
+    if has_ent and entropy is None:
+        raise ValueError("linear_logprob_bwd: grad_entropy needs the forward's entropy")
+    n_rows, hidden_size = hidden.shape
+    cfg = TILE_CONFIGS["linear_bwd"][hidden.dtype]
+    split = cfg["VOCAB_CHUNK"]
+    leaf_size = weight.shape[0] // leaves
+    g = torch.empty((n_rows, min(split, leaf_size)), dtype=hidden.dtype, device=hidden.device)
+
+    def leaf(j: int):
+        acc = None
+        if need_grad_hidden:
+            acc = torch.empty((n_rows, hidden_size), dtype=torch.float32, device=hidden.device)
+        leaf_start = j * leaf_size
+        with on_device(hidden.device):
+            for v_start in range(leaf_start, leaf_start + leaf_size, split):
+                cols = min(split, leaf_start + leaf_size - v_start)
+                grid = (triton.cdiv(n_rows, cfg["BLOCK_N"]) * triton.cdiv(cols, cfg["BLOCK_V"]),)
+                _linear_grad_logits_kernel[grid](
+                    hidden, weight, targets, inv_temperature, lse, entropy if has_ent else lse, grad_logprob,
+                    grad_entropy if has_ent else grad_logprob, g,
+                    n_rows, hidden_size, v_start, cols, g.stride(0), ignore_index,
+                    HAS_ENT=has_ent, BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
+                    GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
+                )
+                g_chunk = g[:, :cols]
+                w_chunk = weight[v_start:v_start + cols]
+                if acc is not None:
+                    _gemm(g_chunk, w_chunk, acc, c_in=acc if v_start > leaf_start else None)
+                if grad_weight_out is not None:
+                    _gemm(g_chunk.T, hidden, grad_weight_out[v_start:v_start + cols])
+        return acc
+
+    return tree_reduce(leaf, leaves, lambda a, b: None if a is None else a.add_(b))
+
+
 def linear_logprob_bwd(
     hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
     grad_hidden_out, grad_weight_out,
@@ -532,47 +672,42 @@ def linear_logprob_bwd(
         grad_hidden_out: ``[N, H]`` in ``hidden.dtype`` or None (not computed): ``G @ weight``.
         grad_weight_out: ``[V, H]`` in ``weight.dtype`` or None (not computed): ``G.T @ hidden``.
 
-    Spec: :func:`rlk.reference.logprob.linear_logprob_bwd`. For each vocab chunk ``c`` of
-    ``VOCAB_CHUNK`` columns, in order: ``G_c`` (``[N, |c|]``, input dtype, one scratch buffer
-    reused) is recomputed from hidden and weight; ``grad_hidden += G_c @ weight[c]`` into an
-    fp32 ``[N, H]`` scratch (the first chunk writes, the last one stores in ``hidden.dtype``);
-    ``grad_weight[c] = G_c.T @ hidden`` with the rows summed in fixed order. Extra memory:
-    ``N * min(V, VOCAB_CHUNK)`` elements plus ``4 * N * H`` bytes when there are several
-    chunks and ``hidden`` is 16-bit.
+    Spec: :func:`rlk.reference.logprob.linear_logprob_bwd`. For each leaf of ``V / L`` columns
+    (``L = tree_leaves(V)``) and each of its chunks ``c`` of up to ``VOCAB_CHUNK`` columns, in order:
+    ``G_c`` (``[N, |c|]``, input dtype, one scratch buffer reused) is recomputed from hidden and weight;
+    the leaf's fp32 ``[N, H]`` accumulator gets ``G_c @ weight[c]`` (the first chunk writes it);
+    ``grad_weight[c] = G_c.T @ hidden`` with the rows summed in fixed order. The leaves' accumulators are
+    added in the fixed tree and rounded once to ``hidden.dtype``. Extra memory: ``N * min(V / L,
+    VOCAB_CHUNK)`` elements plus ``(log2(L) + 1) * 4 * N * H`` bytes.
     """
     if grad_hidden_out is None and grad_weight_out is None:
         return
-    has_ent = grad_entropy is not None
-    if has_ent and entropy is None:
-        raise ValueError("linear_logprob_bwd: grad_entropy needs the forward's entropy")
-    n_rows, hidden_size = hidden.shape
-    vocab = weight.shape[0]
-    cfg = TILE_CONFIGS["linear_bwd"][hidden.dtype]
-    split = cfg["VOCAB_CHUNK"]
-    n_chunks = triton.cdiv(vocab, split)
-    g = torch.empty((n_rows, min(split, vocab)), dtype=hidden.dtype, device=hidden.device)
-    acc = None
-    if grad_hidden_out is not None and n_chunks > 1:
-        acc = grad_hidden_out
-        if grad_hidden_out.dtype != torch.float32:
-            acc = torch.empty((n_rows, hidden_size), dtype=torch.float32, device=hidden.device)
-    with on_device(hidden.device):
-        for chunk in range(n_chunks):
-            v_start = chunk * split
-            cols = min(split, vocab - v_start)
-            grid = (triton.cdiv(n_rows, cfg["BLOCK_N"]) * triton.cdiv(cols, cfg["BLOCK_V"]),)
-            _linear_grad_logits_kernel[grid](
-                hidden, weight, targets, inv_temperature, lse, entropy if has_ent else lse, grad_logprob,
-                grad_entropy if has_ent else grad_logprob, g,
-                n_rows, hidden_size, v_start, cols, g.stride(0), ignore_index,
-                HAS_ENT=has_ent, BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
-                GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
-            )
-            g_chunk = g[:, :cols]
-            w_chunk = weight[v_start:v_start + cols]
-            if grad_hidden_out is not None:
-                out = grad_hidden_out if chunk == n_chunks - 1 else acc
-                _gemm(g_chunk, w_chunk, out, c_in=acc if chunk > 0 else None)
-            if grad_weight_out is not None:
-                _gemm(g_chunk.T, hidden, grad_weight_out[v_start:v_start + cols])
+    acc = _linear_bwd_leaves(
+        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
+        tree_leaves(weight.shape[0], MAX_TREE_LEAVES), grad_weight_out, grad_hidden_out is not None,
+    )
+    if grad_hidden_out is not None:
+        grad_hidden_out.copy_(acc)
+
+
+def linear_logprob_shard_bwd(
+    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
+    grad_hidden_partial_out, grad_weight_out,
+):
+    """The backward of one vocab shard of ``leaves`` whole leaves: ``grad_weight_out`` (the shard's rows of the
+    full gradient) and ``grad_hidden_partial_out`` ``[N, H]`` fp32 (the shard's subtree of the ``grad_hidden``
+    sum). Spec: :func:`rlk.reference.logprob.linear_logprob_shard_bwd`."""
+    if grad_hidden_partial_out is None and grad_weight_out is None:
+        return
+    acc = _linear_bwd_leaves(
+        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
+        grad_weight_out, grad_hidden_partial_out is not None,
+    )
+    if grad_hidden_partial_out is not None:
+        grad_hidden_partial_out.copy_(acc)
+
+
+def linear_logprob_combine_bwd(partials, grad_hidden_out):
+    """``grad_hidden_out`` = the shards' fp32 partials ``[P, N, H]`` added in the fixed tree, rounded once.
+    Spec: :func:`rlk.reference.logprob.linear_logprob_combine_bwd`."""
+    grad_hidden_out.copy_(tree_reduce(lambda j: partials[j], partials.shape[0], lambda a, b: a + b))

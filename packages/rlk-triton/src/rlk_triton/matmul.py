@@ -26,6 +26,16 @@ order), ``grad_bias`` a column sum over fixed row blocks in increasing order; no
 both are deterministic run to run. ``GROUP_M`` only orders the programs (row tiles of a group
 are scheduled together so that they share ``B`` tiles in L2); it changes no value.
 
+Tensor-parallel alignment: the ``K`` loop of the forward (and of ``grad_a``, whose ``K`` is ``N``)
+is cut into ``L = tree_leaves(K, MAX_TREE_LEAVES, MIN_LEAF)`` equal segments (the largest power of
+two <= 8 dividing ``K`` into segments of at least ``MIN_LEAF``); a program sums each segment into a
+fresh fp32 accumulator and adds the segments' sums in the fixed binary tree of :func:`tree_reduce`
+(one loop; at most 4 accumulators live, for ``L = 8``) before the bias and the one rounding. A row-parallel
+shard of ``P`` ranks (``P`` dividing ``L``) is ``L / P`` whole segments: :func:`matmul_shard_fwd` is
+the same kernel stopping at the fp32 partial, and :func:`matmul_combine` adds the ranks' partials in
+the same tree (IEEE fp32 additions, the same in torch as in the kernel), so ``rlk.distributed``
+reproduces the single-device bits. Spec: :mod:`rlk.reference.matmul`.
+
 int64 offsets throughout (``M * K`` may exceed 2^31).
 """
 
@@ -55,21 +65,56 @@ TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
     torch.bfloat16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
 }
 
+#: At most this many ``K`` segments (1: one segment, the plain ``K`` loop of the kernel before the tree;
+#: ``tools/bench_distributed_sim.py`` measures both). Read at every call, like :data:`TILE_CONFIGS`.
+MAX_TREE_LEAVES = 8
+#: Segments are at least this long (a small ``K``, such as a head dim in ``bmm``, stays one segment).
+MIN_LEAF = 128
+
 #: The grad_bias column sum: one program per ``BLOCK_COLS`` columns, rows in ``BLOCK_ROWS`` steps.
 COLUMN_SUM_CONFIG = {"BLOCK_ROWS": 32, "BLOCK_COLS": 128, "num_warps": 4}
+
+
+def tree_leaves(n: int, max_leaves: int, min_leaf: int = 1) -> int:
+    """The leaves of the fixed reduction tree over ``n`` elements: the largest power of two ``L <= max_leaves``
+    that divides ``n`` into leaves of at least ``min_leaf`` elements (1 when none does).
+    Spec: :func:`rlk.reference.matmul.tree_leaves`."""
+    leaves = 1
+    while 2 * leaves <= max_leaves and n % (2 * leaves) == 0 and n // (2 * leaves) >= min_leaf:
+        leaves *= 2
+    return leaves
+
+
+def tree_reduce(leaf, n: int, merge):
+    """``merge`` over ``leaf(0), ..., leaf(n - 1)`` in the fixed binary tree (left subtree: the largest power of
+    two ``< k`` of a node's ``k`` leaves). Spec: :func:`rlk.reference.matmul.tree_reduce`."""
+
+    def node(lo: int, hi: int):
+        if hi - lo == 1:
+            return leaf(lo)
+        mid = lo + (1 << ((hi - lo - 1).bit_length() - 1))
+        return merge(node(lo, mid), node(mid, hi))
+
+    return node(0, n)
 
 
 @triton.jit
 def _matmul_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, LEAVES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """``C[tile] = A[rows] @ B[:, cols] (+ bias[cols])``: fp32 accumulation over ``K`` in fixed steps.
+    """``C[tile] = A[rows] @ B[:, cols] (+ bias[cols])``: fp32 sums over ``LEAVES`` (1, 2, 4 or 8) equal
+    ``K`` segments, added in the balanced tree of :func:`tree_reduce`, then the bias, then one rounding.
 
-    ``EVEN_K`` (``K % BLOCK_K == 0``, a property of ``K`` alone) drops the ``k`` mask; masked
-    lanes load zeros, whose products add exact zeros, so both variants give the same values.
+    One loop over the ``cdiv(seg, BLOCK_K)`` steps of every segment in order (``seg = K / LEAVES``); the
+    accumulator starts from zero at each segment, and a finished segment ``j`` is added to the pending
+    subtrees like a binary counter: ``lvl0`` holds a pending segment, ``lvl1`` a pending pair, ``lvl2``
+    a pending four (LEAVES = 8 gives ``((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))`` in ``lvl0``).
+    ``EVEN_K`` (``seg % BLOCK_K == 0``, a property of ``K`` alone) drops the ``k`` mask and walks the
+    operands by pointer increments; masked lanes load zeros, whose products add exact zeros, so both
+    variants give the same values.
     """
     tile_m, tile_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,23 +122,56 @@ def _matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    a0 = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b0 = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    a_ptrs = a0
+    b_ptrs = b0
     # One K step of each operand, as an int64 pointer increment.
     a_step = tl.full((), BLOCK_K, tl.int64) * stride_ak
     b_step = tl.full((), BLOCK_K, tl.int64) * stride_bk
+    seg = K // LEAVES
+    steps = tl.cdiv(seg, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    lvl0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    lvl1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    lvl2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, LEAVES * steps):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+            a_ptrs += a_step
+            b_ptrs += b_step
         else:
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            kk = (i % steps) * BLOCK_K  # offset in the segment
+            k_begin = (i // steps) * seg + kk
+            k_mask = offs_k < seg - kk
+            a = tl.load(a0 + k_begin.to(tl.int64) * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b0 + k_begin.to(tl.int64) * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = dot(a, b, acc, IEEE)
-        a_ptrs += a_step
-        b_ptrs += b_step
+        if LEAVES > 1:
+            if (i + 1) % steps == 0:  # segment j = i // steps is done
+                j = i // steps
+                if j % 2 == 0:
+                    lvl0 = acc
+                else:
+                    v = lvl0 + acc
+                    if LEAVES > 2:
+                        if (j // 2) % 2 == 0:
+                            lvl1 = v
+                        else:
+                            v = lvl1 + v
+                            if LEAVES > 4:
+                                if (j // 4) % 2 == 0:
+                                    lvl2 = v
+                                else:
+                                    lvl0 = lvl2 + v
+                            else:
+                                lvl0 = v
+                    else:
+                        lvl0 = v
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if LEAVES > 1:
+        acc = lvl0
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -119,11 +197,17 @@ def _column_sum_kernel(
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """``out = a @ b (+ bias)`` through :func:`_matmul_kernel` with ``TILE_CONFIGS[a.dtype]``.
+def _leaves(k: int) -> int:
+    return tree_leaves(k, MAX_TREE_LEAVES, MIN_LEAF)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, leaves: int = 1) -> None:
+    """``out = a @ b (+ bias)`` through :func:`_matmul_kernel` with ``TILE_CONFIGS[a.dtype]``, the ``K`` sum in
+    ``leaves`` segments (``leaves`` divides ``K``).
 
     ``a`` ``[M, K]`` and ``b`` ``[K, N]`` are any strided views of one dtype; ``out`` ``[M, N]``
-    is written through its strides. ``M, N >= 1``; ``K = 0`` gives ``bias`` (or zeros).
+    is written through its strides (an fp32 ``out`` for 16-bit inputs keeps the unrounded sum).
+    ``M, N >= 1``; ``K = 0`` gives ``bias`` (or zeros).
     """
     m, k = a.shape
     n = b.shape[1]
@@ -133,7 +217,8 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torc
         _matmul_kernel[grid](
             a, b, out if bias is None else bias, out, m, n, k,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
+            HAS_BIAS=bias is not None, EVEN_K=(k // leaves) % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
+            LEAVES=leaves,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
@@ -149,9 +234,10 @@ def matmul_fwd(a, b, bias, out):
         out: ``[M, N]``, ``a.dtype``, contiguous; written.
 
     Spec: :func:`rlk.reference.matmul.matmul_fwd`. One program per ``BLOCK_M x BLOCK_N`` output
-    tile (``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)`` programs), each walking all of ``K``.
+    tile (``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)`` programs), each walking all of ``K`` in
+    ``tree_leaves(K)`` segments.
     """
-    _gemm(a, b, bias, out)
+    _gemm(a, b, bias, out, _leaves(a.shape[1]))
 
 
 def matmul_bwd(grad_out, a, b, grad_a_out, grad_b_out, grad_bias_out):
@@ -170,7 +256,7 @@ def matmul_bwd(grad_out, a, b, grad_a_out, grad_b_out, grad_bias_out):
     transposed views, and one column-sum launch for the bias.
     """
     if grad_a_out is not None:
-        _gemm(grad_out, b.T, None, grad_a_out)
+        _gemm(grad_out, b.T, None, grad_a_out, _leaves(grad_out.shape[1]))
     if grad_b_out is not None:
         _gemm(a.T, grad_out, None, grad_b_out)
     if grad_bias_out is not None:
@@ -181,3 +267,24 @@ def matmul_bwd(grad_out, a, b, grad_a_out, grad_b_out, grad_bias_out):
                 grad_out, grad_bias_out, m, n, grad_out.stride(0), grad_out.stride(1),
                 BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_COLS=cfg["BLOCK_COLS"], num_warps=cfg["num_warps"],
             )
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a row-parallel shard's partial product: fp32 (the kernel's accumulator)."""
+    return torch.float32
+
+
+def matmul_shard_fwd(a, b, leaves, partial_out):
+    """A shard's unrounded fp32 partial ``a @ b`` over ``leaves`` whole ``K`` segments of the full product's tree.
+    Spec: :func:`rlk.reference.matmul.matmul_shard_fwd`. The forward's kernel, stored in fp32, no bias."""
+    _gemm(a, b, None, partial_out, leaves)
+
+
+def matmul_combine(partials, bias, out):
+    """``out = round(tree(partials) + bias)`` for the shards' fp32 partials ``[P, M, N]`` (shard order): the
+    additions the kernel makes after its segments, in torch (IEEE fp32 adds, round to nearest even).
+    Spec: :func:`rlk.reference.matmul.matmul_combine`."""
+    acc = tree_reduce(lambda j: partials[j], partials.shape[0], lambda x, y: x + y)
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    out.copy_(acc)

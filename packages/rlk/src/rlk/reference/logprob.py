@@ -39,10 +39,24 @@ For ``linear_logprob`` the logits are ``x = hidden @ weight.T`` and the chain
 rule gives ``grad_hidden = G @ weight`` and ``grad_weight = G.T @ hidden`` with
 ``G = d loss / d x``.
 
+Vocab-parallel alignment (``linear_logprob``): the vocabulary is cut into
+``L = tree_leaves(V)`` equal *leaves* (``L`` the largest power of two <= 8
+dividing ``V``: :func:`rlk.reference.matmul.tree_leaves`); each leaf is walked
+in ``VOCAB_CHUNK`` tiles from its own start, and the leaves' states are merged (``_merge``) in the fixed binary tree
+of :func:`rlk.reference.matmul.tree_reduce`. A vocab shard of ``P`` ranks (``P`` in 1, 2, 4, 8;
+rank ``r`` holds rows ``[r V / P, (r + 1) V / P)``) is then ``L / P`` whole
+leaves, a subtree: :func:`linear_logprob_shard_fwd` computes its state and
+:func:`linear_logprob_combine_fwd` merges the ranks' states in the same tree,
+so the result has the single-device bits. The backward's ``grad_hidden`` is a
+sum over leaves in the same tree (``linear_logprob_shard_bwd`` /
+``linear_logprob_combine_bwd``); ``selected_logprob`` walks the vocab as one
+leaf.
+
 Math runs in fp32 (fp64 when the inputs are fp64, which is how the contract
 tests build ground truth). Work is chunked over rows and vocab, so memory
 beyond inputs and outputs is one ``[ROW_CHUNK, VOCAB_CHUNK]`` tile plus
-per-row state (plus fp32 gradient accumulators in the linear backward).
+per-row state (plus fp32 gradient accumulators in the linear backward: one
+per level of the leaf tree, at most 4).
 The reference is deterministic; it does not promise batch invariance.
 """
 
@@ -51,6 +65,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from rlk.reference.matmul import tree_leaves, tree_reduce
 
 ROW_CHUNK = 256
 VOCAB_CHUNK = 8192
@@ -82,10 +98,95 @@ def _linear_tile(hidden: torch.Tensor, weight: torch.Tensor, inv_t: torch.Tensor
     return tile
 
 
+#: At most this many vocab leaves: the vocab-parallel degrees the reduction is aligned with are 1, 2, 4 and 8.
+#: Read at every call (1: one leaf, the plain split order of the kernels before the tree).
+MAX_TREE_LEAVES = 8
+
+
+# ---------------------------------------------------------------------------
+# online (m, s, b) states
+# ---------------------------------------------------------------------------
+
+State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _moved(m: torch.Tensor, s: torch.Tensor, b: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, b)`` of a state moved to the max ``shift >= m``: ``s r`` and ``(b + (m - shift) s) r``, ``r = exp(m -
+    shift)``; 0 where the factor is 0 (``m = -inf``, ``s = 0``: no ``0 * -inf``)."""
+    r = torch.exp(m - shift)
+    return s * r, torch.where(r > 0, (b + (m - shift) * s) * r, 0.0)
+
+
+def _shift(m: torch.Tensor) -> torch.Tensor:
+    """The max a state is moved to: 0 while a row has seen only -inf, so no exp sees (-inf) - (-inf)."""
+    return torch.where(m == -torch.inf, 0.0, m)
+
+
+def _online(state: State, z: torch.Tensor) -> State:
+    """One tile ``z [R, C]`` of the online update."""
+    m, s, b = state
+    m_new = torch.maximum(m, z.amax(dim=1))
+    shift = _shift(m_new)
+    s, b = _moved(m, s, b, shift)
+    d = z - shift[:, None]  # <= 0
+    e = torch.exp(d)
+    return m_new, s + e.sum(dim=1), b + torch.where(e > 0, d * e, 0.0).sum(dim=1)
+
+
+def _merge(x: State, y: State) -> State:
+    """Two states merged, each moved to the common max."""
+    m_new = torch.maximum(x[0], y[0])
+    shift = _shift(m_new)
+    s1, b1 = _moved(*x, shift)
+    s2, b2 = _moved(*y, shift)
+    return m_new, s1 + s2, b1 + b2
+
+
+def _tree_states(
+    tile: ZTile, r0: int, r1: int, v0: int, v1: int, leaves: int, t: torch.Tensor
+) -> tuple[State, torch.Tensor]:
+    """The state of rows ``[r0, r1)`` over vocab ``[v0, v1)`` cut into ``leaves`` equal leaves (each walked in
+    ``VOCAB_CHUNK`` tiles from its start, the leaves merged by :func:`tree_reduce`), and the target logit of
+    targets ``t`` (relative to ``v0``'s numbering) that fall in the range (0 elsewhere)."""
+    leaf_size = (v1 - v0) // leaves
+    z_target = [None]
+
+    def leaf(j: int) -> State:
+        lo = v0 + j * leaf_size
+        state = None
+        for c0 in range(lo, lo + leaf_size, VOCAB_CHUNK):
+            c1 = min(lo + leaf_size, c0 + VOCAB_CHUNK)
+            z = tile(r0, r1, c0, c1)
+            if state is None:
+                state = (torch.full_like(z[:, 0], -torch.inf), torch.zeros_like(z[:, 0]), torch.zeros_like(z[:, 0]))
+                if z_target[0] is None:
+                    z_target[0] = torch.zeros_like(z[:, 0])
+            state = _online(state, z)
+            in_tile = (t >= c0) & (t < c1)
+            local = (t - c0).clamp(0, c1 - c0 - 1)
+            z_target[0] = torch.where(in_tile, z.gather(1, local[:, None]).squeeze(1), z_target[0])
+        return state
+
+    state = tree_reduce(leaf, leaves, _merge)
+    return state, z_target[0]
+
+
+def _finish(state: State, z_target: torch.Tensor, t: torch.Tensor, ignore_index: int, rows: slice,
+            logprob_out: torch.Tensor, entropy_out: torch.Tensor | None, lse_out: torch.Tensor) -> None:
+    m, s, b = state
+    lse = m + torch.log(s)
+    valid = t != ignore_index
+    logprob_out[rows] = torch.where(valid, z_target - lse, 0.0)
+    lse_out[rows] = lse
+    if entropy_out is not None:
+        entropy_out[rows] = torch.where(valid, torch.log(s) - b / s, 0.0)
+
+
 def _forward(
     tile: ZTile,
     n_rows: int,
     vocab: int,
+    leaves: int,
     targets: torch.Tensor,
     ignore_index: int,
     logprob_out: torch.Tensor,
@@ -95,35 +196,8 @@ def _forward(
     for r0 in range(0, n_rows, ROW_CHUNK):
         r1 = min(n_rows, r0 + ROW_CHUNK)
         t = targets[r0:r1]
-        m = s = b = z_target = None
-        for v0 in range(0, vocab, VOCAB_CHUNK):
-            v1 = min(vocab, v0 + VOCAB_CHUNK)
-            z = tile(r0, r1, v0, v1)
-            if m is None:
-                m = torch.full_like(z[:, 0], -torch.inf)
-                s, b, z_target = torch.zeros_like(m), torch.zeros_like(m), torch.zeros_like(m)
-            m_new = torch.maximum(m, z.amax(dim=1))
-            # Shift by 0 while a row has seen only -inf, so no exp sees (-inf) - (-inf).
-            shift = torch.where(m_new == -torch.inf, 0.0, m_new)
-            # The old state moved to the new max: exp(m - m') and b + (m - m') s (0 where the factor is 0:
-            # m = -inf, s = 0 at the start).
-            rescale = torch.exp(m - shift)
-            b = torch.where(rescale > 0, (b + (m - shift) * s) * rescale, 0.0)
-            s = s * rescale
-            d = z - shift[:, None]  # <= 0
-            e = torch.exp(d)
-            s = s + e.sum(dim=1)
-            b = b + torch.where(e > 0, d * e, 0.0).sum(dim=1)
-            m = m_new
-            in_tile = (t >= v0) & (t < v1)
-            local = (t - v0).clamp(0, v1 - v0 - 1)
-            z_target = torch.where(in_tile, z.gather(1, local[:, None]).squeeze(1), z_target)
-        lse = m + torch.log(s)
-        valid = t != ignore_index
-        logprob_out[r0:r1] = torch.where(valid, z_target - lse, 0.0)
-        lse_out[r0:r1] = lse
-        if entropy_out is not None:
-            entropy_out[r0:r1] = torch.where(valid, torch.log(s) - b / s, 0.0)
+        state, z_target = _tree_states(tile, r0, r1, 0, vocab, leaves, t)
+        _finish(state, z_target, t, ignore_index, slice(r0, r1), logprob_out, entropy_out, lse_out)
 
 
 def _grad_z(
@@ -158,7 +232,7 @@ def _grad_z(
 def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
     n_rows, vocab = logits.shape
     tile = _logits_tile(logits, inv_temperature)
-    _forward(tile, n_rows, vocab, targets, ignore_index, logprob_out, entropy_out, lse_out)
+    _forward(tile, n_rows, vocab, 1, targets, ignore_index, logprob_out, entropy_out, lse_out)
 
 
 def selected_logprob_bwd(
@@ -180,41 +254,117 @@ def selected_logprob_bwd(
             grad_logits_out[r0:r1, v0:v1] = g
 
 
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the partial results a vocab shard hands to the combine (fp32; fp64 for fp64 inputs)."""
+    return _compute_dtype(dtype)
+
+
 def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
+    vocab = weight.shape[0]
     tile = _linear_tile(hidden, weight, inv_temperature)
-    _forward(tile, hidden.shape[0], weight.shape[0], targets, ignore_index, logprob_out, entropy_out, lse_out)
+    leaves = tree_leaves(vocab, MAX_TREE_LEAVES)
+    _forward(tile, hidden.shape[0], vocab, leaves, targets, ignore_index, logprob_out, entropy_out, lse_out)
+
+
+def linear_logprob_shard_fwd(hidden, weight, targets, inv_temperature, leaves, state_out, z_target_out):
+    """The partial forward of one vocab shard of ``leaves`` whole leaves of the full vocabulary's tree.
+
+    ``weight`` ``[V_s, H]`` is the shard, ``targets`` ``[N]`` are relative to its first row (values outside
+    ``[0, V_s)`` are not in the shard). Writes the shard's merged state ``state_out [3, N]`` (``m``, ``s``,
+    ``b``, in :func:`partial_dtype`) and ``z_target_out [N]``, the target's scaled logit where the target is in
+    the shard (0 elsewhere).
+    """
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    tile = _linear_tile(hidden, weight, inv_temperature)
+    for r0 in range(0, n_rows, ROW_CHUNK):
+        r1 = min(n_rows, r0 + ROW_CHUNK)
+        (m, s, b), z_target = _tree_states(tile, r0, r1, 0, vocab, leaves, targets[r0:r1])
+        state_out[0, r0:r1], state_out[1, r0:r1], state_out[2, r0:r1] = m, s, b
+        z_target_out[r0:r1] = z_target
+
+
+def linear_logprob_combine_fwd(states, z_target, targets, ignore_index, logprob_out, entropy_out, lse_out):
+    """Merge the shards' states ``states [P, 3, N]`` (``P`` a power of two, shard order) in the tree of
+    :func:`tree_reduce` and finish as :func:`linear_logprob_fwd` does; ``z_target [N]`` is the target logit
+    taken from the shard that holds the target, ``targets`` the global ones (for ``ignore_index``)."""
+    n_rows = states.shape[2]
+    for r0 in range(0, n_rows, ROW_CHUNK):
+        r1 = min(n_rows, r0 + ROW_CHUNK)
+        rows = slice(r0, r1)
+        state = tree_reduce(lambda j, rows=rows: tuple(states[j, :, rows]), states.shape[0], _merge)
+        _finish(state, z_target[r0:r1], targets[r0:r1], ignore_index, slice(r0, r1), logprob_out, entropy_out,
+                lse_out)
+
+
+def _linear_bwd_leaves(
+    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
+    grad_weight_out, need_grad_hidden,
+):
+    """``grad_weight_out`` (if given) and the leaf tree's sum of ``G @ weight`` (if ``need_grad_hidden``), in the
+    compute dtype: each leaf sums its ``VOCAB_CHUNK`` chunks in order, the leaves are summed by :func:`tree_reduce`."""
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    cdt = _compute_dtype(hidden.dtype)
+    tile = _linear_tile(hidden, weight, inv_temperature)
+    leaf_size = vocab // leaves
+
+    def leaf(j: int):
+        acc = torch.zeros(hidden.shape, dtype=cdt, device=hidden.device) if need_grad_hidden else None
+        lo = j * leaf_size
+        for v0 in range(lo, lo + leaf_size, VOCAB_CHUNK):
+            v1 = min(lo + leaf_size, v0 + VOCAB_CHUNK)
+            w = weight[v0:v1].to(cdt)
+            grad_weight_acc = None
+            if grad_weight_out is not None:
+                grad_weight_acc = torch.zeros(w.shape, dtype=cdt, device=w.device)
+            for r0 in range(0, n_rows, ROW_CHUNK):
+                r1 = min(n_rows, r0 + ROW_CHUNK)
+                rows = slice(r0, r1)
+                ent = None if entropy is None else entropy[rows]
+                g_ent = None if grad_entropy is None else grad_entropy[rows]
+                g = _grad_z(
+                    tile(r0, r1, v0, v1), targets[rows], v0, inv_temperature[rows], lse[rows], ent,
+                    grad_logprob[rows], g_ent, ignore_index,
+                )
+                if acc is not None:
+                    acc[rows] += g @ w
+                if grad_weight_acc is not None:
+                    grad_weight_acc += g.T @ hidden[rows].to(cdt)
+            if grad_weight_acc is not None:
+                grad_weight_out[v0:v1] = grad_weight_acc
+        return acc
+
+    return tree_reduce(leaf, leaves, lambda a, b: None if a is None else a + b)
 
 
 def linear_logprob_bwd(
     hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
     grad_hidden_out, grad_weight_out,
 ):
-    n_rows, vocab = hidden.shape[0], weight.shape[0]
-    cdt = _compute_dtype(hidden.dtype)
-    tile = _linear_tile(hidden, weight, inv_temperature)
-    grad_hidden_acc = None
+    acc = _linear_bwd_leaves(
+        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
+        tree_leaves(weight.shape[0], MAX_TREE_LEAVES), grad_weight_out, grad_hidden_out is not None,
+    )
     if grad_hidden_out is not None:
-        grad_hidden_acc = torch.zeros(hidden.shape, dtype=cdt, device=hidden.device)
-    for v0 in range(0, vocab, VOCAB_CHUNK):
-        v1 = min(vocab, v0 + VOCAB_CHUNK)
-        w = weight[v0:v1].to(cdt)
-        grad_weight_acc = None
-        if grad_weight_out is not None:
-            grad_weight_acc = torch.zeros(w.shape, dtype=cdt, device=w.device)
-        for r0 in range(0, n_rows, ROW_CHUNK):
-            r1 = min(n_rows, r0 + ROW_CHUNK)
-            rows = slice(r0, r1)
-            ent = None if entropy is None else entropy[rows]
-            g_ent = None if grad_entropy is None else grad_entropy[rows]
-            g = _grad_z(
-                tile(r0, r1, v0, v1), targets[rows], v0, inv_temperature[rows], lse[rows], ent,
-                grad_logprob[rows], g_ent, ignore_index,
-            )
-            if grad_hidden_acc is not None:
-                grad_hidden_acc[rows] += g @ w
-            if grad_weight_acc is not None:
-                grad_weight_acc += g.T @ hidden[rows].to(cdt)
-        if grad_weight_acc is not None:
-            grad_weight_out[v0:v1] = grad_weight_acc
-    if grad_hidden_out is not None:
-        grad_hidden_out.copy_(grad_hidden_acc)
+        grad_hidden_out.copy_(acc)
+
+
+def linear_logprob_shard_bwd(
+    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
+    grad_hidden_partial_out, grad_weight_out,
+):
+    """The backward of one vocab shard (``leaves`` whole leaves; ``targets`` relative to the shard, ``lse`` and
+    ``entropy`` the combined ones): ``grad_weight_out`` ``[V_s, H]`` (the shard's rows of the full gradient) and
+    ``grad_hidden_partial_out`` ``[N, H]`` in :func:`partial_dtype`, the shard's subtree of the ``grad_hidden``
+    sum (either may be None)."""
+    acc = _linear_bwd_leaves(
+        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
+        grad_weight_out, grad_hidden_partial_out is not None,
+    )
+    if grad_hidden_partial_out is not None:
+        grad_hidden_partial_out.copy_(acc)
+
+
+def linear_logprob_combine_bwd(partials, grad_hidden_out):
+    """``grad_hidden_out`` = the shards' partials ``[P, N, H]`` summed in the tree of :func:`tree_reduce`, rounded
+    once to its dtype (as :func:`linear_logprob_bwd` does)."""
+    grad_hidden_out.copy_(tree_reduce(lambda j: partials[j], partials.shape[0], lambda a, b: a + b))
