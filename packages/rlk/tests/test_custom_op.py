@@ -230,3 +230,41 @@ def test_dispatch_modes_and_subclasses_take_the_custom_op():
         assert len(calls) == 2 and y.shape == x.shape
         rlk.rms_norm(x, w)
         assert len(calls) == 2
+
+
+@pytest.fixture
+def profiler_ranges():
+    rlk.set_profiler_ranges(True)
+    yield
+    rlk.set_profiler_ranges(False)
+
+
+@pytest.mark.parametrize("through_dispatcher", [False, True])
+def test_profiler_ranges_name_every_primitive_call(profiler_ranges, through_dispatcher):
+    """With ranges on, a forward + backward shows ``torch.profiler`` ranges named after the primitives, on both
+    call paths; NVTX gets one range per primitive call, pushed and popped in pairs."""
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    pushed = []
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(torch.cuda.nvtx, "range_push", side_effect=pushed.append), \
+            mock.patch.object(torch.cuda.nvtx, "range_pop", side_effect=lambda: pushed.append("pop")), \
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        if through_dispatcher:
+            with _PassThrough():
+                rlk.rms_norm(x, w).sum().backward()
+        else:
+            rlk.rms_norm(x, w).sum().backward()
+    names = [e.name for e in prof.events()]
+    # (torch's dispatcher records a range of the custom op's name too)
+    assert "rlk::rms_norm_fwd" in names and "rlk::rms_norm_bwd" in names, names
+    assert pushed == ["rlk::rms_norm_fwd", "pop", "rlk::rms_norm_bwd", "pop"]
+
+
+def test_profiler_ranges_are_off_by_default_and_take_a_bool():
+    x, w = torch.randn(3, 8), torch.randn(8)
+    with mock.patch.object(torch.cuda.nvtx, "range_push", side_effect=AssertionError("range pushed")), \
+            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        rlk.rms_norm(x, w)
+    assert not any(e.name.startswith("rlk::") for e in prof.events())
+    with pytest.raises(TypeError, match="enabled: expected a bool"):
+        rlk.set_profiler_ranges(1)

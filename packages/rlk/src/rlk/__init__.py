@@ -15,6 +15,8 @@ Public API:
   linear`` works as well.)
 * backends: :func:`explain`, :func:`use_backend`, :func:`info`, :class:`BackendError`,
   and :class:`Backend` for backend authors (entry-point group ``rlk.backends``);
+* profiling: :func:`set_profiler_ranges` (or ``RLK_NVTX=1``) names every primitive call in NVTX and
+  ``torch.profiler`` timelines;
 * the numerical contract: :mod:`rlk.contract`.
 """
 
@@ -32,6 +34,7 @@ from rlk.batch_invariant import (
     enable_batch_invariant,
     is_batch_invariant_enabled,
 )
+from rlk.custom_op import set_profiler_ranges
 from rlk.dispatch import BackendError, explain, use_backend
 from rlk.embedding import embedding
 from rlk.hf import patch_model, unpatch_model
@@ -78,6 +81,7 @@ __all__ = [
     "rms_norm",
     "rollout_correction",
     "selected_logprob",
+    "set_profiler_ranges",
     "softmax",
     "unpatch_model",
     "use_backend",

@@ -13,11 +13,16 @@ tensors or ``opcheck``'s, functorch transforms, tensor subclasses); in plain eag
 same Python body directly, and, when a gradient is needed, through a ``torch.autograd.Function`` whose
 ``forward`` / ``backward`` are the registered ``setup_context`` and ``backward``. Both paths execute the same
 code and kernels in the same order, so their results are bitwise equal (``tests/test_custom_op.py``).
+
+``RLK_NVTX=1`` (read at import; :func:`set_profiler_ranges` at run time) names every primitive call in profiler
+timelines: an NVTX range (Nsight Systems) when CUDA is available and a ``torch.profiler`` range, both called
+``rlk::<op>_fwd`` / ``rlk::<op>_bwd``. Off by default: then a call costs one flag test.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -53,12 +58,44 @@ def _autocast_off(impl: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+_ranges = os.environ.get("RLK_NVTX", "0") not in ("", "0")
+
+
+def set_profiler_ranges(enabled: bool) -> None:
+    """Name each primitive call in profiler timelines (NVTX and ``torch.profiler`` ranges) or stop doing so;
+    the run-time switch of ``RLK_NVTX``."""
+    global _ranges
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+    _ranges = enabled
+
+
+def _ranged(name: str, impl: Callable[..., Any]) -> Callable[..., Any]:
+    """``impl`` inside an NVTX range and a ``torch.profiler`` range named ``name`` while ranges are on."""
+
+    @functools.wraps(impl)
+    def run(*args):
+        if not _ranges:
+            return impl(*args)
+        nvtx = torch.cuda.is_available()
+        if nvtx:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            with torch.profiler.record_function(name):
+                return impl(*args)
+        finally:
+            if nvtx:
+                torch.cuda.nvtx.range_pop()
+
+    return run
+
+
 class Op:
     """One rlk primitive: a registered torch custom op plus a direct eager path to the same body."""
 
     def __init__(self, name: str, impl: Callable[..., Any]):
         self.name = name
-        impl = _autocast_off(impl)
+        impl = _ranged(name, _autocast_off(impl))
         self.impl = impl
         self.custom_op = torch.library.custom_op(name, mutates_args=())(impl)
         self._function: type[torch.autograd.Function] | None = None
