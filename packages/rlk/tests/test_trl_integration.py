@@ -16,6 +16,12 @@ importance-sampling ratios). Compared, on the same seed:
   ``policy_loss``'s scale; parameter gradients: ``linear_logprob``'s bound, the op that replaces TRL's head);
 * one ``trainer.train()`` step (gradients captured before the optimizer step, the logged loss), the same way;
 * a ``train()`` step with TRL's own sampling (``model.generate``) runs rlk's ops and no logits.
+
+``RLKDPOTrainer`` against the real ``trl.DPOTrainer`` on the same model and preference pairs (prompts and
+completions of several lengths), the ground truth TRL's trainer in float64 with its fused LM head replaced by the
+log-probs' definition (:func:`exact_fused_lm_head`): ``compute_loss`` + ``backward`` for every served ``loss_type``
+(and ``loss_weights``, ``ld_alpha``, ``label_smoothing``), one ``train()`` step with and without
+``precompute_ref_log_probs``, and the configurations refused at construction.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import zlib
 
@@ -37,7 +44,15 @@ try:
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from rlk.integrations.trl import LOSS_TYPES, PPO_FAMILY, RLKGRPOTrainer, rollout_weights
+    from rlk.integrations.trl import (
+        DPO_LOSS_TYPES,
+        LOSS_TYPES,
+        PPO_FAMILY,
+        RLKDPOTrainer,
+        RLKGRPOTrainer,
+        check_dpo_supported,
+        rollout_weights,
+    )
 except ImportError as err:  # pragma: no cover - depends on the environment
     if os.environ.get("RLK_REQUIRE_TRL", "0") not in ("", "0"):
         raise ImportError(f"RLK_REQUIRE_TRL is set but trl cannot be imported ({err}); "
@@ -398,3 +413,284 @@ def test_train_with_trl_sampling_runs_rlk_and_no_logits(model_dir, tmp_path, mon
     assert fused["policy"] >= 1 and fused["ref"] >= 1 and fused["policy"] + fused["ref"] == len(calls)
     assert len(WORDS) in widths["policy"]  # generation: the stock head, [..., V] logits
     assert any(not torch.equal(p.detach(), before[name]) for name, p in trainer.model.named_parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# DPO: RLKDPOTrainer against trl.DPOTrainer
+# ----------------------------------------------------------------------------------------------
+
+#: TRL's metrics that need the mean logit or the argmax over the vocabulary (not computed by rlk's log-prob op).
+TRL_ONLY_DPO_METRICS = {"logits/chosen", "logits/rejected", "mean_token_accuracy"}
+PAIRS = 6
+
+
+def preference_dataset() -> Dataset:
+    """Pairs with prompts of 1 to 4 words and completions of 1 to 6 (then <eos>: TRL appends it unless present), so
+    the batch's completions start at different columns and the chosen and rejected lengths differ."""
+    g = torch.Generator().manual_seed(5)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, 61, (n,), generator=g))
+
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for i in range(PAIRS):
+        rows["prompt"].append(words(1 + i % 4))
+        rows["chosen"].append(f" {words(1 + 3 * i % 5)} <eos>")
+        rows["rejected"].append(f" {words(1 + (2 * i + 1) % 6)} <eos>")
+    return Dataset.from_dict(rows)
+
+
+def exact_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
+                        outputs: tuple[str, ...] = ()) -> None:
+    """A stand-in for TRL's ``add_fused_lm_head`` with its outputs by their definition in the model's dtype (float64:
+    the ground truth; TRL's fused head accumulates in float32): ``model(..., labels=, fused_lm_head=True)`` gives the
+    next-token labels' ``log_softmax`` entries, the entropy, the mean logit and whether the label is the argmax, 0
+    where the label is -100; without ``fused_lm_head`` the stock forward."""
+    stock = type(model).forward
+
+    def forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
+        if not fused_lm_head:
+            return stock(self, *args, labels=labels, **kwargs)
+        logits = stock(self, *args, **kwargs).logits[:, :-1] / temperature
+        labels = labels[:, 1:]
+        off = labels == -100
+        logp = torch.log_softmax(logits, dim=-1)
+        return types.SimpleNamespace(
+            log_probs=logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).masked_fill(off, 0.0),
+            entropy=(-(logp.exp() * logp).sum(-1)).masked_fill(off, 0.0),
+            mean_logits=logits.detach().mean(-1).masked_fill(off, 0.0),
+            is_top1=(logits.argmax(-1) == labels) & ~off, aux_loss=None)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def make_dpo_trainer(cls, model_dir: str, dtype: torch.dtype, tmp_path, *, exact: bool = False, **config):
+    """``cls`` on the tiny checkpoint (TRL loads the reference model from it); ``exact``: the ground-truth head."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    defaults = {"per_device_train_batch_size": PAIRS, "use_cpu": True, "report_to": [], "logging_steps": 1,
+                "save_strategy": "no", "max_steps": 1, "seed": 3, "bf16": False, "beta": 0.1}
+    args = trl.DPOConfig(output_dir=str(tmp_path), **{**defaults, **config})
+    with pytest.MonkeyPatch.context() as patch:
+        if exact:
+            patch.setattr(trl.trainer.dpo_trainer, "add_fused_lm_head", exact_fused_lm_head)
+        return cls(model=model, args=args, train_dataset=preference_dataset(), processing_class=tiny_tokenizer())
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOCase:
+    loss_type: tuple[str, ...]
+    loss_weights: tuple[float, ...] | None = None
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    ld_alpha: float | None = None
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+
+    def __str__(self) -> str:
+        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                  if f.name != "loss_type" and getattr(self, f.name) != f.default]
+        return "-".join(["+".join(self.loss_type), *fields])
+
+
+def configure_dpo(trainer, case: DPOCase) -> None:
+    """Set the attributes DPOTrainer.__init__ derives from a DPOConfig (TRL's loss and rlk's read the same ones)."""
+    trainer.loss_types = list(case.loss_type)
+    trainer.loss_weights = list(case.loss_weights or [1.0] * len(case.loss_type))
+    trainer.beta, trainer.label_smoothing, trainer.ld_alpha = case.beta, case.label_smoothing, case.ld_alpha
+    trainer.f_divergence_type, trainer.f_alpha_divergence_coef = case.f_divergence_type, case.f_alpha_divergence_coef
+    trainer.model.train()
+
+
+@pytest.fixture(scope="module")
+def dpo_trainers(model_dir, tmp_path_factory):
+    """The float64 truth (TRL's DPOTrainer, exact head), TRL's own in float32, rlk in float64 and float32; each
+    policy moved off its reference model the same way, and one collated batch of every pair."""
+    out = {}
+    for key, cls, dtype in (("truth", trl.DPOTrainer, torch.float64), ("trl32", trl.DPOTrainer, torch.float32),
+                            ("rlk64", RLKDPOTrainer, torch.float64), ("rlk32", RLKDPOTrainer, torch.float32)):
+        trainer = make_dpo_trainer(cls, model_dir, dtype, tmp_path_factory.mktemp(f"dpo-{key}"), exact=key == "truth")
+        perturb(trainer.model)  # twice the GRPO tests' shift: log-ratios large enough to cross the hinge at beta 8
+        perturb(trainer.model)
+        out[key] = trainer
+    dataset = out["truth"].train_dataset
+    out["batch"] = out["truth"].data_collator([dataset[i] for i in range(PAIRS)])
+    return out
+
+
+def dpo_loss_and_grads(trainer, case: DPOCase, batch: dict) -> dict:
+    configure_dpo(trainer, case)
+    trainer._metrics["train"].clear()
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, trainer._prepare_inputs(dict(batch)))
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return {"loss": loss.detach(), "grads": grads,
+            "metrics": {name: values[-1] for name, values in trainer._metrics["train"].items()}}
+
+
+DPO_CASES = [
+    DPOCase(("sigmoid",)),
+    # TRL 1.16's sigmoid has no label smoothing, and computes the alpha divergence of coefficient 1 as reverse_kl
+    DPOCase(("sigmoid",), label_smoothing=0.2, f_divergence_type="alpha_divergence", f_alpha_divergence_coef=1.0),
+    DPOCase(("hinge",), beta=8.0),  # pairs on both sides of the hinge
+    DPOCase(("ipo",)),
+    DPOCase(("robust",), label_smoothing=0.1),
+    DPOCase(("sigmoid_norm",), beta=2.0),
+    DPOCase(("sigmoid", "ipo", "hinge"), loss_weights=(0.7, 0.3, 1.5), ld_alpha=0.0),
+    DPOCase(("sigmoid",), ld_alpha=0.5),
+]
+
+
+@pytest.mark.parametrize("case", DPO_CASES, ids=str)
+def test_dpo_compute_loss_matches_trl(dpo_trainers, case):
+    """rlk's DPO loss, every parameter gradient and TRL's metrics rlk logs equal TRL's (float64: to rounding;
+    float32: within the contract, as TRL's own float32 head)."""
+    assert set(case.loss_type) <= set(DPO_LOSS_TYPES)
+    batch = dpo_trainers["batch"]
+    truth = dpo_loss_and_grads(dpo_trainers["truth"], case, batch)
+    got64 = dpo_loss_and_grads(dpo_trainers["rlk64"], case, batch)
+    torch.testing.assert_close(got64["loss"], truth["loss"], **_TIGHT)
+    assert truth["grads"] and got64["grads"].keys() == truth["grads"].keys()
+    for name, grad in got64["grads"].items():
+        torch.testing.assert_close(grad, truth["grads"][name], rtol=1e-8, atol=1e-12 * float(
+            truth["grads"][name].abs().max()), msg=lambda m, n=name: f"{case} grad {n}: {m}")
+    assert set(truth["metrics"]) - set(got64["metrics"]) == TRL_ONLY_DPO_METRICS
+    assert set(got64["metrics"]) <= set(truth["metrics"])
+    for name, value in got64["metrics"].items():
+        assert value == pytest.approx(truth["metrics"][name], rel=1e-9, abs=1e-12), name
+    for key in ("rlk32", "trl32"):
+        got = dpo_loss_and_grads(dpo_trainers[key], case, batch)
+        ref = truth["loss"].reshape(1)
+        # the sequence log-probs' error dominates and reaches the loss times |dl/dx| (~ beta): linear_logprob's bound
+        dev = contract.compare_outputs(GRAD_ENTRY, f"{key} {case} loss", got["loss"].reshape(1), ref, 1.0 + ref.abs())
+        assert dev.ok, dev
+        for name, grad in got["grads"].items():
+            dev = contract.compare_grad(GRAD_ENTRY, f"{key} {case} grad {name}", grad, truth["grads"][name], 1.0)
+            assert dev.ok, dev
+    assert float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in truth["grads"].values()]))) > 0
+    assert truth["metrics"]["rewards/margins"] != 0.0  # the policy is off the reference model
+    if case.loss_type == ("hinge",):  # some pairs past the hinge (loss above its linear part's 1 - mean margin)
+        assert 1e-3 < truth["loss"] - (1.0 - truth["metrics"]["rewards/margins"])
+
+
+class HeadWidths:
+    """The LM heads' output shapes (rlk's fused head returns ``[..., 1 | 2]``; logits are ``[..., V]``)."""
+
+    def __init__(self, trainer):
+        self.shapes = {"policy": [], "ref": []}
+        self.lengths = []  # the policy's input lengths
+        self.hooks = [trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs: self.lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)]
+        models = [("policy", trainer.model)] + ([("ref", trainer.ref_model)] if trainer.ref_model is not None else [])
+        self.hooks += [model.get_output_embeddings().register_forward_hook(
+            lambda module, args, output, who=who: self.shapes[who].append(tuple(output.shape)))
+            for who, model in models]
+
+    def remove(self):
+        for hook in self.hooks:
+            hook.remove()
+
+
+def dpo_train_one_step(cls, model_dir, dtype, tmp_path, **config) -> dict:
+    """Two accumulated micro-batches of 3 pairs, one optimizer step (TRL's defaults: gradient checkpointing on)."""
+    trainer = make_dpo_trainer(cls, model_dir, dtype, tmp_path, exact=cls is trl.DPOTrainer,
+                               gradient_accumulation_steps=2, per_device_train_batch_size=PAIRS // 2, max_grad_norm=1e9,
+                               **config)
+    perturb(trainer.model)
+    perturb(trainer.model)
+    recorder = GradientRecorder()
+    recorder.trainer = trainer
+    trainer.add_callback(recorder)
+    widths = HeadWidths(trainer)
+    try:
+        trainer.train()
+    finally:
+        widths.remove()
+    log = trainer.state.log_history[0]
+    return {"loss": torch.tensor(log["loss"], dtype=torch.float64), "grads": recorder.grads, "log": log,
+            "widths": widths.shapes, "lengths": widths.lengths, "trainer": trainer}
+
+
+@pytest.mark.parametrize("config", [{"loss_type": ["sigmoid"]},
+                                    {"loss_type": ["ipo", "sigmoid"], "loss_weights": [0.5, 1.0],
+                                     "precompute_ref_log_probs": True}],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_dpo_train_step_matches_trl(model_dir, tmp_path, monkeypatch, config):
+    """One optimizer step: the gradients the optimizer gets and the logged loss and metrics equal TRL's (float64);
+    every LM head call (the policy's with the entropy, the reference's or the precompute's without) is rlk's fused
+    op, from the first position that predicts a completion token, never [..., V] logits."""
+    import rlk.hf.training
+
+    truth = dpo_train_one_step(trl.DPOTrainer, model_dir, torch.float64, tmp_path / "truth", **config)
+    calls = []
+    original = rlk.hf.training.linear_logprob
+
+    def counting(hidden, weight, targets, **kwargs):
+        calls.append(tuple(targets.shape))
+        return original(hidden, weight, targets, **kwargs)
+
+    monkeypatch.setattr(rlk.hf.training, "linear_logprob", counting)
+    got = dpo_train_one_step(RLKDPOTrainer, model_dir, torch.float64, tmp_path / "rlk64", **config)
+    assert truth["grads"] and got["grads"].keys() == truth["grads"].keys()
+    for name, grad in got["grads"].items():
+        torch.testing.assert_close(grad, truth["grads"][name], rtol=1e-8,
+                                   atol=1e-12 * float(truth["grads"][name].abs().max()))
+    torch.testing.assert_close(got["loss"], truth["loss"], rtol=1e-6, atol=1e-9)  # logged in float32
+    assert abs(float(truth["loss"]) - math.log(2.0)) > 1e-4  # not the loss of a policy equal to its reference
+    assert set(truth["log"]) - set(got["log"]) == TRL_ONLY_DPO_METRICS
+    for name in set(got["log"]) - {"train_runtime", "train_samples_per_second", "train_steps_per_second"}:
+        assert got["log"][name] == pytest.approx(truth["log"][name], rel=1e-6, abs=1e-9), name
+    precompute = config.get("precompute_ref_log_probs", False)
+    trainer, shapes = got["trainer"], got["widths"]
+    assert (trainer.ref_model is None) == precompute
+    assert [s[-1] for s in shapes["policy"]] == [2, 2]  # log-prob and entropy
+    assert [s[-1] for s in shapes["ref"]] == ([] if precompute else [1, 1])
+    assert len(calls) == 4  # the policy's 2 and the reference's 2, or the precompute's 2 (the dataset's 2 batches)
+    positions = [s[1] for s in shapes["policy"]]
+    assert all(k <= n for k, n in zip(positions, got["lengths"], strict=True))
+    assert any(k < n for k, n in zip(positions, got["lengths"], strict=True))  # a batch whose prompts are all >= 2
+    if precompute:  # rlk's reference log-probs of the dataset, TRL's to rounding
+        assert trainer.train_dataset["ref_chosen_logps"] == pytest.approx(
+            truth["trainer"].train_dataset["ref_chosen_logps"], rel=1e-12)
+
+
+DPO_REFUSED = [
+    ({"loss_type": ["bco_pair"]}, "loss_type: 'bco_pair'"),
+    ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 1.0]}, "loss_type: 'sft'"),
+    ({"f_divergence_type": "js_divergence"}, "f_divergence_type='js_divergence'"),
+    ({"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.5}, "f_divergence_type='alpha_divergence'"),
+    ({"use_weighting": True}, "use_weighting=True"),
+    ({"loss_type": ["robust"], "label_smoothing": 0.5}, "label_smoothing=0.5"),
+    ({"beta": 0.0}, "beta: rlk.dpo_loss needs beta > 0"),
+]
+
+
+@pytest.mark.parametrize(("config", "option"), DPO_REFUSED, ids=[option for _, option in DPO_REFUSED])
+def test_dpo_refuses_what_rlk_cannot_compute(model_dir, tmp_path, config, option):
+    """A configuration rlk's loss cannot compute exactly raises ValueError naming the option, at construction and
+    before TRL's own __init__ runs (no dataset preparation, no reference precompute)."""
+    args = trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False, **config)
+    with pytest.raises(ValueError, match=option.replace("[", r"\[")) as err:
+        check_dpo_supported(args)
+    prepared = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trl.DPOTrainer, "_prepare_dataset", lambda *a, **k: prepared.append(1))
+        with pytest.raises(ValueError, match=re.escape(option)) as err2:
+            make_dpo_trainer(RLKDPOTrainer, model_dir, torch.float32, tmp_path, **config)
+    assert str(err2.value) == str(err.value) and not prepared
+    check_dpo_supported(trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False,
+                                      loss_type=list(DPO_LOSS_TYPES), label_smoothing=0.3, ld_alpha=0.5,
+                                      f_divergence_type="alpha_divergence", f_alpha_divergence_coef=1.0))
+
+
+def test_dpo_refuses_the_router_auxiliary_loss(tmp_path):
+    """A MoE model with its router's load-balancing loss on (TRL's default for it): refused, naming the option."""
+    config = transformers.Qwen3MoeConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32,
+                                         moe_intermediate_size=16, num_experts=2, num_experts_per_tok=1,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                         max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    assert config.router_aux_loss_coef > 0
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "moe")
+    with pytest.raises(ValueError, match=re.escape("router_aux_loss_coef: the MoE router auxiliary loss")):
+        make_dpo_trainer(RLKDPOTrainer, str(tmp_path / "moe"), torch.float32, tmp_path / "out")

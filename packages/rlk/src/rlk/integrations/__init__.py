@@ -1,7 +1,8 @@
 """Adapters from training frameworks to rlk's ops, each tested against the real package.
 
 * :mod:`rlk.integrations.trl`: TRL's ``GRPOTrainer`` with rlk's log-probs, entropies and loss
-  (:class:`~rlk.integrations.trl.RLKGRPOTrainer`);
+  (:class:`~rlk.integrations.trl.RLKGRPOTrainer`), TRL's ``DPOTrainer`` with rlk's sequence log-probs and
+  :func:`rlk.dpo_loss` (:class:`~rlk.integrations.trl.RLKDPOTrainer`);
 * :mod:`rlk.integrations.verl`: rlk's policy losses, aggregation, KL, advantages and fused log-prob in verl's
   registries and calling conventions (:func:`~rlk.integrations.verl.register`).
 

@@ -1,18 +1,27 @@
-"""TRL drop-in: :class:`RLKGRPOTrainer` is ``trl.GRPOTrainer`` with rlk computing the per-token log-probs and
-entropies (:func:`rlk.hf.apply`: last hidden states + :func:`rlk.linear_logprob`, no logits) and the loss
-(:func:`rlk.policy_loss`), for every ``loss_type`` of TRL 1.16 (written for trl 1.16.0).
+"""TRL drop-ins (written for trl 1.16.0), each with rlk computing the log-probs from the last hidden states and the
+LM head (:func:`rlk.hf.apply`: :func:`rlk.linear_logprob`, no logits) and the loss with rlk:
 
-The mapping of TRL's configuration onto rlk's arguments is :func:`policy_loss_kwargs`; :func:`compute_loss` is
-the replacement of ``GRPOTrainer._compute_loss`` (it reads only the trainer attributes TRL's own method reads).
-What TRL computes that rlk cannot express exactly is refused by :func:`check_supported`. Guide and the exact
-argument mapping: ``docs/migration.md``. Importing this module imports trl.
+* :class:`RLKGRPOTrainer` is ``trl.GRPOTrainer`` with the loss :func:`rlk.policy_loss`, for every ``loss_type``;
+  :func:`policy_loss_kwargs` maps TRL's configuration, :func:`compute_loss` replaces ``GRPOTrainer._compute_loss``;
+* :class:`RLKDPOTrainer` is ``trl.DPOTrainer`` with the sequence log-probs of the policy and the reference model
+  summed from rlk's per-token log-probs and the loss :func:`rlk.dpo_loss` (:data:`DPO_LOSS_TYPES`).
+
+What TRL computes that rlk cannot express exactly is refused at construction (:func:`check_supported`,
+:func:`check_dpo_supported`), naming the option. Guide and the exact argument mappings: ``docs/migration.md``.
+Importing this module imports trl.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from accelerate.utils import is_peft_model
 from torch import Tensor
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.dpo_trainer import DPOTrainer
 from trl.trainer.grpo_trainer import GRPOTrainer
+from trl.trainer.utils import use_adapter
 
 import rlk
 import rlk.hf
@@ -338,3 +347,156 @@ class RLKGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         return compute_loss(self, model, inputs)
+
+
+# ---------------------------------------------------------------------------
+# DPO
+# ---------------------------------------------------------------------------
+
+#: TRL's DPO loss types and the :func:`rlk.dpo_loss` ``loss`` that computes each (``sigmoid_norm``: ``sigmoid`` of
+#: the length-normalized sequence log-probs).
+DPO_LOSS_TYPES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo", "robust": "robust", "sigmoid_norm": "sigmoid"}
+#: Batch keys of TRL's preference collator that are not model inputs.
+_DPO_NON_MODEL = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+
+
+def check_dpo_supported(args) -> None:
+    """Raise ``ValueError`` (naming the option) for a ``DPOConfig`` whose loss rlk cannot compute exactly."""
+    others = [t for t in args.loss_type if t not in DPO_LOSS_TYPES]
+    if others:
+        raise ValueError(f"loss_type: {', '.join(map(repr, others))} not served by rlk.dpo_loss (RLKDPOTrainer serves "
+                         f"{', '.join(map(repr, DPO_LOSS_TYPES))}); use trl.DPOTrainer")
+    if not args.beta > 0.0:
+        raise ValueError(f"beta: rlk.dpo_loss needs beta > 0, got {args.beta}")
+    alpha_one = args.f_divergence_type == "alpha_divergence" and abs(args.f_alpha_divergence_coef - 1.0) < 1e-6
+    if args.f_divergence_type != "reverse_kl" and not alpha_one:  # TRL computes alpha = 1 as reverse_kl
+        raise ValueError(f"f_divergence_type={args.f_divergence_type!r}: rlk.dpo_loss takes the log-ratios "
+                         "themselves (reverse_kl); use trl.DPOTrainer")
+    if args.use_weighting:
+        raise ValueError("use_weighting=True: WPO's weights need log(sum_v p_v^2) per token, which rlk's log-prob op "
+                         "does not compute; use trl.DPOTrainer")
+    if "robust" in args.loss_type and not 0.0 <= args.label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing={args.label_smoothing} with loss_type 'robust': rlk's robust loss needs "
+                         "[0, 0.5) (TRL only warns)")
+
+
+def dpo_loss(trainer, chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor,
+             completion_mask: Tensor) -> Tensor:
+    """TRL's DPO loss ``sum_k loss_weights[k] * mean over pairs(loss_type[k])`` by :func:`rlk.dpo_loss`, from the
+    ``[P]`` sequence log-probs; ``completion_mask`` ``[2P, L]`` (chosen rows first) gives the lengths of ipo and
+    sigmoid_norm (at least 1). Only robust reads ``label_smoothing`` (TRL 1.16's sigmoid has no smoothing)."""
+    n_chosen, n_rejected = completion_mask.sum(1).clamp(min=1).to(chosen.dtype).chunk(2)
+    loss = 0.0
+    for loss_type, weight in zip(trainer.loss_types, trainer.loss_weights, strict=True):
+        logps, kw = (chosen, rejected, ref_chosen, ref_rejected), {}
+        if loss_type == "sigmoid_norm":
+            logps = (chosen / n_chosen, rejected / n_rejected, ref_chosen / n_chosen, ref_rejected / n_rejected)
+        elif loss_type == "ipo":
+            kw = {"chosen_length": n_chosen, "rejected_length": n_rejected}
+        elif loss_type == "robust":
+            kw = {"label_smoothing": trainer.label_smoothing}
+        value, _ = rlk.dpo_loss(*logps, beta=trainer.beta, loss=DPO_LOSS_TYPES[loss_type], **kw)
+        loss = loss + value * weight
+    return loss
+
+
+class RLKDPOTrainer(DPOTrainer):
+    """``trl.DPOTrainer`` with rlk's sequence log-probs and :func:`rlk.dpo_loss`; same constructor and config.
+
+    * sequence log-probs (policy, reference model or PEFT adapter, ``precompute_ref_log_probs``): ``rlk.hf.apply``
+      on the model, then ``model(..., logits_to_keep=k, logprob_targets=next completion tokens)`` from the first
+      position that predicts a completion token: :func:`rlk.linear_logprob` on the last hidden states and the LM
+      head, no logits; summed over the completion (``ld_alpha``: the tokens past the shorter completion of the pair
+      weighted by ``ld_alpha``);
+    * the loss: :func:`dpo_loss`, for the ``loss_type`` list (with ``loss_weights``) of :data:`DPO_LOSS_TYPES`.
+
+    Logs TRL's ``rewards/*``, ``logps/*``, ``entropy`` and ``num_tokens``; not ``logits/*`` nor
+    ``mean_token_accuracy`` (rlk's op computes neither the mean logit nor the argmax). Configurations rlk cannot
+    compute exactly raise ``ValueError`` (:func:`check_dpo_supported`), as do the MoE router auxiliary loss and
+    vision datasets.
+    """
+
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if config is not None:  # before TRL's __init__, which precomputes the reference log-probs
+            check_dpo_supported(config)
+        super().__init__(*args, **kwargs)
+        check_dpo_supported(self.args)
+        if self.aux_loss_enabled:
+            raise ValueError("router_aux_loss_coef: the MoE router auxiliary loss is not on rlk's log-prob path; set "
+                             "router_aux_loss_coef=0.0 or use trl.DPOTrainer")
+        if self._is_vision_dataset:
+            raise ValueError("train_dataset: images are not on rlk's log-prob path (text-only); use trl.DPOTrainer")
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                self._rlk_model(model)
+
+    def _rlk_model(self, model):
+        """``model`` with ``rlk.hf.apply`` on the causal LM inside its wrappers (idempotent)."""
+        inner = self.accelerator.unwrap_model(model)
+        rlk.hf.apply(inner.get_base_model() if is_peft_model(inner) else inner)
+        return model
+
+    def _sequence_logps(self, model, inputs: dict, entropy: bool = False):
+        """``(chosen [P], rejected [P], entropy [2P, k] or None, completion-token mask [2P, k])`` of one batch."""
+        ids, mask = inputs["input_ids"], inputs["completion_mask"]
+        # position t predicts token t + 1; the last position predicts nothing
+        predicts = torch.nn.functional.pad(mask[:, 1:], (0, 1))
+        used = predicts.any(0).nonzero()
+        k = ids.size(1) - int(used[0, 0]) if used.numel() else 1
+        targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))[:, -k:].masked_fill(predicts[:, -k:] == 0, -100)
+        kwargs = {name: value for name, value in inputs.items() if name not in _DPO_NON_MODEL}
+        out = self._rlk_model(model)(**kwargs, use_cache=False, logits_to_keep=k, logprob_targets=targets,
+                                     return_entropy=entropy)
+        token_logps, predicts = out.logprobs, predicts[:, -k:]
+        if self.ld_alpha is not None:
+            position = predicts.cumsum(1)
+            shared = predicts.sum(1).chunk(2)
+            shared = torch.minimum(*shared).repeat(2)[:, None]
+            token_logps = torch.where(position > shared, self.ld_alpha * token_logps, token_logps)
+        chosen, rejected = token_logps.sum(1).chunk(2)
+        return chosen, rejected, out.entropy, predicts
+
+    def _reference_logps(self, model, inputs: dict):
+        """The reference model's (or, with PEFT and no reference model, the reference adapter's) sequence log-probs."""
+        adapter = contextlib.nullcontext()
+        if self.ref_model is None and is_peft_model(self.model):
+            inner = self.accelerator.unwrap_model(self.model)
+            adapter = use_adapter(inner, adapter_name="ref" if "ref" in inner.peft_config else None)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
+                adapter:
+            chosen, rejected, _, _ = self._sequence_logps(model, inputs)
+        return chosen, rejected
+
+    def compute_ref_log_probs(self, model, inputs):
+        with self.accelerator.autocast():
+            return self._reference_logps(model, inputs)
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        mode = "train" if self.model.training else "eval"
+        chosen, rejected, entropy, mask = self._sequence_logps(model, inputs, entropy=True)
+        if self.precompute_ref_logps:
+            ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+        else:
+            reference = self.model if self.ref_model is None else self.ref_model  # None: PEFT (adapter off)
+            ref_chosen, ref_rejected = self._reference_logps(reference, inputs)
+        loss = dpo_loss(self, chosen, rejected, ref_chosen, ref_rejected, inputs["completion_mask"])
+
+        gather, log = self.accelerator.gather_for_metrics, self._metrics[mode]
+        totals = gather(torch.stack([(entropy.detach() * mask).sum(), mask.sum().to(entropy.dtype)])[None]).sum(0)
+        log["entropy"].append(float(totals[0] / totals[1]) if totals[1] > 0 else 0.0)
+        if mode == "train":
+            self._total_train_tokens += int(gather(inputs["attention_mask"].sum()).sum()) // self._tp_size
+        log["num_tokens"] = [self._total_train_tokens]
+        rewards_chosen = self.beta * (chosen.detach() - ref_chosen)
+        rewards_rejected = self.beta * (rejected.detach() - ref_rejected)
+        for name, value in (("rewards/chosen", rewards_chosen), ("rewards/rejected", rewards_rejected),
+                            ("rewards/accuracies", (rewards_chosen > rewards_rejected).float()),
+                            ("rewards/margins", rewards_chosen - rewards_rejected),
+                            ("logps/chosen", chosen.detach()), ("logps/rejected", rejected.detach())):
+            log[name].append(self.accelerator.gather(value).mean().item())
+        if not return_outputs:
+            return loss
+        with torch.no_grad():  # TRL's deprecated logits for compute_metrics: the stock forward
+            outputs = model(**{name: value for name, value in inputs.items() if name not in _DPO_NON_MODEL})
+        return loss, outputs
