@@ -456,7 +456,7 @@ def test_opcheck_custom_ops():
         torch.library.opcheck(
             torch.ops.rlk.fused_linear_kl_fwd.default,
             (sh.clone().requires_grad_(), sw.clone().requires_grad_(), th, tw, tg, inv_t, IGNORE, divergence, 0.3,
-             reduction, True, True))
+             reduction, True, True, True))
     stats = torch.empty(3, 6)
     loss = torch.empty(6)
     reference_distill.fused_linear_kl_fwd(sh, sw, th, tw, targets, inv_t, IGNORE, "jsd", 0.3, loss, stats, None, None,
@@ -494,7 +494,7 @@ def test_gpu_backend_under_compile_and_opcheck(divergence):
     inv_t = torch.full((33,), 1 / 0.7, device="cuda")
     torch.library.opcheck(torch.ops.rlk.fused_linear_kl_fwd.default,
                           (sh.reshape(33, 64).requires_grad_(), sw.requires_grad_(), th.reshape(33, 96), tw,
-                           targets.reshape(-1), inv_t, IGNORE, divergence, 0.5, "mean", True, True))
+                           targets.reshape(-1), inv_t, IGNORE, divergence, 0.5, "mean", True, True, False))
 
     def loss_fn(h, w):
         return rlk.fused_linear_kl(h, w, th, tw, targets, divergence=divergence, temperature=0.7)

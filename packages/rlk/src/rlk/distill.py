@@ -67,6 +67,7 @@ def _fused_linear_kl_fwd(
     reduction: str,
     need_grad_hidden: bool,
     need_grad_weight: bool,
+    check_temperature: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fused = reduction != "none"
     out = _outputs(student_hidden, student_weight, reduction, fused and need_grad_hidden, fused and need_grad_weight)
@@ -76,7 +77,8 @@ def _fused_linear_kl_fwd(
         loss.zero_()
         grad_weight.zero_()
         return out
-    checks.check_positive_values("temperature", inv_temperature, reciprocal=True)
+    if check_temperature:  # a tensor's values (one synchronization); a number was checked by the caller
+        checks.check_positive_values("temperature", inv_temperature, reciprocal=True)
     valid = _valid_rows(targets, ignore_index, n_rows, student_hidden)
     count = valid.sum().clamp(min=1).to(loss.dtype)
     coef = None
@@ -102,7 +104,7 @@ def _fused_linear_kl_fwd(
 
 @_fused_linear_kl_fwd.register_fake
 def _(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, ignore_index,
-      divergence, beta, reduction, need_grad_hidden, need_grad_weight):
+      divergence, beta, reduction, need_grad_hidden, need_grad_weight, check_temperature):
     fused = reduction != "none"
     return _outputs(student_hidden, student_weight, reduction, fused and need_grad_hidden, fused and need_grad_weight)
 
@@ -150,7 +152,7 @@ def _(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, i
 
 def _setup(ctx, inputs, output):
     (student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, ignore_index,
-     divergence, beta, reduction, _, _) = inputs
+     divergence, beta, reduction, _, _, _) = inputs
     _, stats, grad_hidden, grad_weight = output
     ctx.mark_non_differentiable(stats, grad_hidden, grad_weight)
     ctx.set_materialize_grads(False)
@@ -176,7 +178,7 @@ def _scaled(grad: Tensor, scale: Tensor) -> Tensor:
 
 
 def _backward(ctx, grad_loss, grad_stats, grad_grad_hidden, grad_grad_weight):
-    grads = [None] * 12
+    grads = [None] * 13
     if grad_loss is None:
         return tuple(grads)
     need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -302,5 +304,6 @@ def fused_linear_kl(
         student_hidden.reshape(-1, hs).contiguous(), student_weight.contiguous(),
         teacher_hidden.reshape(-1, ht).contiguous(), teacher_weight.contiguous(), targets, inv_t, ignore_index,
         divergence, beta, reduction, grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad,
+        isinstance(temperature, Tensor),
     )
     return loss.view(lead) if reduction == "none" else loss
