@@ -206,7 +206,7 @@ def _combine_kernel(
         kl_pm = tl.load(part_ptr + rows, mask=row_mask, other=0.0)
         kl_qm = tl.load(part_ptr + stride + rows, mask=row_mask, other=0.0)
         for split in range(1, n_splits):
-            at = split * N + rows
+            at = (tl.zeros((), tl.int64) + split) * N + rows  # int64: n_splits * N may pass 2^31
             kl_pm += tl.load(part_ptr + at, mask=row_mask, other=0.0)
             kl_qm += tl.load(part_ptr + stride + at, mask=row_mask, other=0.0)
         loss = beta * kl_pm + (1.0 - beta) * kl_qm
@@ -221,7 +221,7 @@ def _combine_kernel(
         if MODE != 2:
             b = tl.load(part_ptr + 4 * stride + rows, mask=row_mask, other=0.0)
         for split in range(1, n_splits):
-            at = split * N + rows
+            at = (tl.zeros((), tl.int64) + split) * N + rows  # int64: n_splits * N may pass 2^31
             m_q2 = tl.load(part_ptr + at, mask=row_mask, other=float("-inf"))
             s_q2 = tl.load(part_ptr + stride + at, mask=row_mask, other=0.0)
             m_p2 = tl.load(part_ptr + 2 * stride + at, mask=row_mask, other=float("-inf"))
