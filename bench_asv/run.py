@@ -43,6 +43,7 @@ OPS = {
     "gae": ("rl_objectives", "Gae"),
     "rollout_correction": ("rl_objectives", "RolloutCorrection"),
     "fused_linear_policy_loss": ("rl_objectives", "FusedLinearPolicyLoss"),
+    "fused_linear_kl": ("distill", "FusedLinearKL"),
     "rms_norm": ("norm", "RmsNorm"),
     "matmul": ("matmul", "Matmul"),
     "attention": ("attention", "Attention"),

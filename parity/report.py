@@ -16,7 +16,7 @@ import torch
 
 import rlk
 from parity import cases as cs
-from parity import chain, rl
+from parity import chain, distill, rl
 from parity.run import FAIL, NA, Cell, Config
 from rlk import dispatch
 
@@ -229,10 +229,11 @@ def to_markdown(config: Config, cells: list[Cell], not_run: dict[str, str], env:
                 lines.append(f"- {op} invariance: probe row alone vs in batches of "
                              f"{', '.join(map(str, rl_plan.batches))} rows (first/middle/last), {rl_plan.describe()}")
             continue
-        if op in chain.CHAIN_OPS:
-            labels = [case.label() for case in chain.value_cases(op, config.device.type, config.quick)]
+        if op in chain.CHAIN_OPS or op in distill.DISTILL_OPS:
+            module = chain if op in chain.CHAIN_OPS else distill
+            labels = [case.label() for case in module.value_cases(op, config.device.type, config.quick)]
             lines.append(f"- {op}: " + "; ".join(labels))
-            chain_plan = chain.invariance_plan(op, config.device.type, config.quick)
+            chain_plan = module.invariance_plan(op, config.device.type, config.quick)
             lines.append(f"- {op} invariance: probe alone vs in batches of {', '.join(map(str, chain_plan.batches))} "
                          f"(first/middle/last), {chain_plan.describe()}")
             continue

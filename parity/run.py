@@ -27,14 +27,24 @@ import torch
 
 import rlk
 from parity import cases as cs
-from parity import chain, rl
+from parity import chain, distill, rl
 from rlk import abi, contract, dispatch
 
 PASS, FAIL, NA = "PASS", "FAIL", "n/a"
 
-#: Every op of the matrix: the log-prob ops (bf16/fp16/fp32), the RL-objective ops (fp32 rows only) and the
-#: batch-invariant forward chain (bf16/fp16/fp32).
-ALL_OPS = cs.OPS + rl.RL_OPS + chain.CHAIN_OPS
+#: Every op of the matrix: the log-prob ops (bf16/fp16/fp32), the RL-objective ops (fp32 rows only), the
+#: batch-invariant forward chain and the distillation divergence (bf16/fp16/fp32).
+ALL_OPS = cs.OPS + rl.RL_OPS + chain.CHAIN_OPS + distill.DISTILL_OPS
+
+
+def family(op: str):
+    """The module of an op run the chain's way (:mod:`parity.chain` or :mod:`parity.distill`: one interface), or
+    None for the log-prob and RL ops."""
+    if op in chain.CHAIN_OPS:
+        return chain
+    if op in distill.DISTILL_OPS:
+        return distill
+    return None
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -344,7 +354,7 @@ def run_matrix(config: Config, progress: Callable[[str], None] = _say) -> list[C
         1
         for cell in live
         for case in value_cases(cell.op, device.type, config.quick)
-        if cell.op in rl.RL_OPS or cell.op in chain.CHAIN_OPS or cs.skip_reason(cell.backend, device, case) is None
+        if cell.op in rl.RL_OPS or family(cell.op) is not None or cs.skip_reason(cell.backend, device, case) is None
     )
     counter = _Counter(total, progress)
     for op in config.ops:
@@ -352,7 +362,7 @@ def run_matrix(config: Config, progress: Callable[[str], None] = _say) -> list[C
         for case in value_cases(op, device.type, config.quick):
             if op in rl.RL_OPS:
                 _run_rl_case(config, case, op_cells, counter)
-            elif op in chain.CHAIN_OPS:
+            elif family(op) is not None:
                 _run_chain_case(config, case, op_cells, counter)
             else:
                 _run_case(config, case, op_cells, counter)
@@ -366,8 +376,8 @@ def run_matrix(config: Config, progress: Callable[[str], None] = _say) -> list[C
             counter(f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {rl_plan.batches}, "
                     f"{rl_plan.describe()}): {cell.invariance.verdict} [{cell.invariance.details}] "
                     f"({time.perf_counter() - start:.1f}s)")
-    for op in (op for op in config.ops if op in chain.CHAIN_OPS):
-        chain_plan = chain.invariance_plan(op, device.type, config.quick)
+    for op in (op for op in config.ops if family(op) is not None):
+        chain_plan = family(op).invariance_plan(op, device.type, config.quick)
         for cell in (c for c in live if c.op == op):
             start = time.perf_counter()
             cell.invariance = check_chain_invariance(chain_plan, config.seed, cell.backend, device, DTYPES[cell.dtype])
@@ -400,8 +410,8 @@ def value_cases(op: str, device_type: str, quick: bool) -> list[cs.Case | rl.RLC
     """The value cases of any op of the matrix."""
     if op in rl.RL_OPS:
         return rl.value_cases(op, device_type, quick)
-    if op in chain.CHAIN_OPS:
-        return chain.value_cases(op, device_type, quick)
+    if family(op) is not None:
+        return family(op).value_cases(op, device_type, quick)
     return cs.value_cases(op, device_type, quick)
 
 
@@ -425,9 +435,10 @@ def check_rl_invariance(plan: rl.RLInvariancePlan, seed: int, backend: str, devi
 
 def check_chain_invariance(plan: chain.ChainInvariancePlan, seed: int, backend: str, device: torch.device,
                            dtype: torch.dtype) -> InvarianceResult:
-    """Batch invariance of a chain op (:func:`parity.chain.invariance_checks`) on ``backend`` in ``dtype``."""
+    """Batch invariance of a chain (or distill) op (:func:`parity.chain.invariance_checks`) on ``backend`` in
+    ``dtype``."""
     return _collect_invariance(
-        plan, backend, lambda report: chain.invariance_checks(plan, seed, backend, device, dtype, report))
+        plan, backend, lambda report: family(plan.op).invariance_checks(plan, seed, backend, device, dtype, report))
 
 
 def _check_case(cell: Cell, case, check: Callable[[], list[contract.Deviation]],
@@ -481,7 +492,8 @@ def _run_rl_case(config: Config, case: rl.RLCase, cells: list[Cell], progress: C
 
 
 def _chain_check(case: chain.ChainCase, dtype: torch.dtype, low, truth) -> list[contract.Deviation]:
-    return chain.compare(case, dtype, chain.forward_backward(case.op, case.kwargs, low), truth)
+    module = family(case.op)
+    return module.compare(case, dtype, module.forward_backward(case.op, case.kwargs, low), truth)
 
 
 def _run_chain_case(config: Config, case: chain.ChainCase, cells: list[Cell],
@@ -489,15 +501,16 @@ def _run_chain_case(config: Config, case: chain.ChainCase, cells: list[Cell],
     """One value case of a chain op in every dtype on every backend of ``cells`` (ground truth per dtype, from
     the inputs as cast to it)."""
     device = config.device
-    base = chain.make_inputs(case, config.seed)
+    module = family(case.op)
+    base = module.make_inputs(case, config.seed)
     for dtype in config.dtypes:
         todo = [c for c in cells if c.dtype == dtype]
         if not todo:
             continue
-        low = chain.cast(base, DTYPES[dtype], device)
+        low = module.cast(base, DTYPES[dtype], device)
         truth, truth_error = None, None
         try:
-            truth = chain.ground_truth(case, low)
+            truth = module.ground_truth(case, low)
         except Exception as exc:
             truth_error = f"ground truth: {type(exc).__name__}: {exc}"
             traceback.print_exc(file=sys.stderr)

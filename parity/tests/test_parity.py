@@ -19,7 +19,7 @@ import pytest
 
 import rlk
 from parity import cases as cs
-from parity import chain, report, rl
+from parity import chain, distill, report, rl
 from parity.__main__ import main
 from parity.run import FAIL, NA, PASS, Config, run_matrix, runnable_backends
 from rlk import dispatch
@@ -329,4 +329,55 @@ def test_a_batch_dependent_chain_backend_breaks_its_invariance_claim(monkeypatch
     cell = _run(_config(["batchy"], ops=["softmax"]))["softmax", "float32", "batchy"]
     assert all(r.ok for r in cell.results)
     assert cell.invariance.verdict.startswith("BROKEN") and "y" in cell.invariance.details
+    assert cell.status == FAIL
+
+
+# ---------------------------------------------------------------------------
+# the distillation divergence
+# ---------------------------------------------------------------------------
+
+
+def test_distill_op_is_reported_and_passes_on_reference_and_triton():
+    config = _config(["reference", "triton"], dtypes=("float32",), ops=distill.DISTILL_OPS)
+    cells = _run(config)
+    assert set(cells) == {("fused_linear_kl", "float32", b) for b in ("reference", "triton")}
+    for (op, _, backend), cell in cells.items():
+        assert cell.status == PASS, (backend, [(r.case.label(), r.error, r.worst) for r in cell.results])
+        assert [r.case for r in cell.results] == distill.value_cases(op, "cpu", quick=True)
+        assert {d.name for r in cell.results for d in r.deviations} == {"loss", "grad_hidden", "grad_weight"}
+        assert cell.invariance is not None and cell.invariance.checks
+        assert cell.invariance.claimed == (backend == "triton")
+    assert cells["fused_linear_kl", "float32", "triton"].invariance.bitwise
+    record = _json_roundtrip(config, list(cells.values()))
+    assert record["failed"] is False
+    markdown = report.to_markdown(config, list(cells.values()), {}, record["environment"], 1.0)
+    assert "| fused_linear_kl | float32 | PASS · worst " in markdown
+    assert "- fused_linear_kl invariance: probe alone" in markdown
+
+
+def _distill_only(name: str, batch_invariant: bool, after) -> rlk.Backend:
+    """The reference's fused_linear_kl primitives, with ``after(student_hidden, loss_out)`` applied to the forward."""
+    ref = dispatch.discover()["reference"].backend.primitives
+
+    def forward(*args):
+        ref["fused_linear_kl_fwd"](*args)
+        after(args[0], args[9])
+
+    return rlk.Backend(name=name, version="0", abi_version=rlk.ABI_VERSION,
+                       primitives={"fused_linear_kl_fwd": forward, "fused_linear_kl_bwd": ref["fused_linear_kl_bwd"]},
+                       probe=lambda: None, device_types=lambda: ("cpu",), batch_invariant=batch_invariant)
+
+
+def test_a_distill_backend_off_by_1e_2_fails(monkeypatch):
+    _register(monkeypatch, _distill_only("broken", False, lambda hidden, loss: loss.add_(1e-2)))
+    cell = _run(_config(["broken"], ops=distill.DISTILL_OPS))["fused_linear_kl", "float32", "broken"]
+    assert cell.status == FAIL and cell.worst[1].ratio > 1 and cell.worst[1].name == "loss"
+
+
+def test_a_batch_dependent_distill_backend_breaks_its_invariance_claim(monkeypatch):
+    # a relative change of N * 2^-26: new bits for N = 7, well within the contract
+    _register(monkeypatch, _distill_only("batchy", True, lambda hidden, loss: loss.mul_(1 + hidden.shape[0] * 2**-26)))
+    cell = _run(_config(["batchy"], ops=distill.DISTILL_OPS))["fused_linear_kl", "float32", "batchy"]
+    assert all(r.ok for r in cell.results)
+    assert cell.invariance.verdict.startswith("BROKEN") and "loss" in cell.invariance.details
     assert cell.status == FAIL

@@ -1,5 +1,6 @@
-"""The PyTorch baselines of ``bench_asv/benchmarks/rl_objectives.py`` compute what the rlk implementations they are
-timed against compute: a speedup over a baseline that does something else would mean nothing."""
+"""The PyTorch baselines of ``bench_asv/benchmarks/rl_objectives.py`` and ``distill.py`` compute what the rlk
+implementations they are timed against compute: a speedup over a baseline that does something else would mean
+nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import rlk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench_asv"))
+from benchmarks import distill as bench_distill  # noqa: E402
 from benchmarks import rl_objectives as bench  # noqa: E402
 
 
@@ -36,3 +38,19 @@ def test_ppo_baseline_matches_rlk(global_tokens):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)
     for g in (ours_grad, grad):
         torch.testing.assert_close(g, base_grad, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("divergence", bench_distill.DIVERGENCES)
+def test_distill_baseline_matches_rlk(divergence):
+    """The plain-formula baseline of ``fused_linear_kl`` (F.kl_div / logaddexp on materialized logits): loss and
+    gradients equal rlk's at the benchmark's temperature and beta, with ignored rows."""
+    case = bench_distill.Case("fused_linear_kl", "torch_eager", divergence, (16, 32, 100))
+    case.targets[::3] = -100
+    base = bench_distill.torch_divergence(*case.inputs, *case.teacher, case.targets, divergence)
+    base_grads = torch.autograd.grad(base, case.inputs)
+    with rlk.use_backend("reference"):
+        ours = bench_distill.rlk_divergence(*case.inputs, *case.teacher, case.targets, divergence)
+        ours_grads = torch.autograd.grad(ours, case.inputs)
+    torch.testing.assert_close(ours, base, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours_grads, base_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)

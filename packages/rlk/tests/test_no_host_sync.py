@@ -233,6 +233,32 @@ def test_fused_linear_policy_loss_gpu(monkeypatch):
     check_no_sync_and_graph_replay(make, op, wrt=("hidden", "weight"))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fused_linear_kl_gpu(reduction):
+    """Value checks on: with a float temperature the op has nothing to check (labels are only compared with
+    ignore_index). 'mean': the gradient made in the forward, scaled in the backward; 'none': recomputed."""
+    n, hs, ht, v = 1024, 512, 768, 4096
+
+    def make(seed):
+        g = _gen(seed)
+        targets = torch.randint(0, v, (n,), generator=g, device="cuda")
+        targets[::7] = -100
+        return {
+            "student_hidden": torch.randn(n, hs, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(),
+            "student_weight": (torch.randn(v, hs, generator=g, device="cuda") * 0.08).to(torch.bfloat16)
+            .requires_grad_(),
+            "teacher_hidden": torch.randn(n, ht, generator=g, device="cuda").to(torch.bfloat16),
+            "teacher_weight": (torch.randn(v, ht, generator=g, device="cuda") * 0.07).to(torch.bfloat16),
+            "targets": targets,
+        }
+
+    def op(x):
+        return rlk.fused_linear_kl(x["student_hidden"], x["student_weight"], x["teacher_hidden"], x["teacher_weight"],
+                                   x["targets"], divergence="jsd", temperature=0.7, reduction=reduction)
+
+    check_no_sync_and_graph_replay(make, op, wrt=("student_hidden", "student_weight"))
+
+
 # ----------------------------------------------------------------------------------------------
 # the batch-invariant forward chain
 # ----------------------------------------------------------------------------------------------

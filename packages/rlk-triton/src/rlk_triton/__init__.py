@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Primitives declined for bfloat16 under the CPU interpreter: kernels that use tl.dot (wrong results there), and
 #: the forward-chain ops whose bf16 outputs the interpreter truncates instead of rounding (verified on the GPU).
-_NO_BF16_ON_CPU = ("linear_", "matmul_", "attention_", "rms_norm_", "softmax_", "rope_", "embedding_")
+_NO_BF16_ON_CPU = ("linear_", "fused_linear_", "matmul_", "attention_", "rms_norm_", "softmax_", "rope_",
+                   "embedding_")
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -69,6 +70,7 @@ def backend():
     from rlk_triton import (
         advantages,
         attention,
+        distill,
         embedding,
         logprob,
         losses,
@@ -85,8 +87,8 @@ def backend():
         version=__version__,
         abi_version=ABI_VERSION,
         primitives=collect_primitives(
-            advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rollout_correction, rope,
-            softmax,
+            advantages, attention, distill, embedding, logprob, losses, matmul, norm, policy_loss, rollout_correction,
+            rope, softmax,
         ),
         probe=_probe,
         device_types=_device_types,

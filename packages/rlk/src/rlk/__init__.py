@@ -5,7 +5,8 @@ Public API:
 * ops: :func:`selected_logprob`, :func:`linear_logprob`, :func:`value_loss`, :func:`dpo_loss`,
   :func:`group_advantages`, :func:`masked_whiten`, :func:`discounted_returns`, :func:`gae`,
   :func:`policy_loss`, :func:`policy_loss_and_grad`, :func:`kl_penalty`, :func:`fused_linear_policy_loss`,
-  :func:`rollout_correction`;
+  :func:`rollout_correction`, :func:`fused_linear_kl` (distillation: KL / JSD between a student and a teacher
+  from their hidden states and LM heads);
 * the batch-invariant forward chain: :func:`rms_norm`, :func:`matmul`, :func:`linear`,
   :func:`attention`, :func:`softmax`, :func:`log_softmax`, :func:`apply_rope`, :func:`embedding`;
   :func:`batch_invariant` (with :func:`enable_batch_invariant`, :func:`disable_batch_invariant`,
@@ -36,6 +37,7 @@ from rlk.batch_invariant import (
 )
 from rlk.custom_op import set_profiler_ranges
 from rlk.dispatch import BackendError, explain, use_backend
+from rlk.distill import fused_linear_kl
 from rlk.embedding import embedding
 from rlk.hf import patch_model, unpatch_model
 from rlk.info import info
@@ -63,6 +65,7 @@ __all__ = [
     "embedding",
     "enable_batch_invariant",
     "explain",
+    "fused_linear_kl",
     "fused_linear_policy_loss",
     "gae",
     "group_advantages",

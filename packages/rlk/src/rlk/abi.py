@@ -92,6 +92,31 @@ PRIMITIVES: dict[str, Primitive] = {
             "ignore_index: int, grad_hidden_out[N,H] hidden.dtype | None, "
             "grad_weight_out[V,H] weight.dtype | None) -> None",
         ),
+        # Distillation divergence (spec: rlk.reference.distill): student and teacher logits from their hidden states
+        # and LM heads, never materialized. q = softmax(z_student), p = softmax(z_teacher), z = x * inv_temperature;
+        # 'forward_kl' KL(p || q), 'reverse_kl' KL(q || p), 'jsd' beta KL(p || m) + (1 - beta) KL(q || m) with
+        # m = beta p + (1 - beta) q (0 < beta < 1: the op layer maps beta 0 / 1 to forward / reverse KL). targets
+        # only mark ignored rows (None: none is). stats = (lse_student, lse_teacher, the gradient's row constant:
+        # KL(q || p) for reverse_kl, KL(q || m) for jsd, 0 for forward_kl; 0 on ignored rows). The teacher gets no
+        # gradient. With grad_coef the forward also writes the gradients of sum_i grad_coef_i loss_i (one call for
+        # a scalar loss); the backward writes those of sum_i grad_loss_i loss_i from the forward's stats.
+        Primitive(
+            "fused_linear_kl_fwd",
+            "fused_linear_kl",
+            "(student_hidden[N,Hs] float, student_weight[V,Hs] student_hidden.dtype, teacher_hidden[N,Ht] "
+            "student_hidden.dtype, teacher_weight[V,Ht] student_hidden.dtype, targets[N] int64 | None, "
+            "inv_temperature[N] fp32, ignore_index: int, divergence: str, beta: float, loss_out[N] fp32, "
+            "stats_out[3,N] fp32, grad_coef[N] fp32 | None, grad_hidden_out[N,Hs] student_hidden.dtype | None, "
+            "grad_weight_out[V,Hs] student_weight.dtype | None) -> None",
+        ),
+        Primitive(
+            "fused_linear_kl_bwd",
+            "fused_linear_kl",
+            "(student_hidden[N,Hs], student_weight[V,Hs], teacher_hidden[N,Ht], teacher_weight[V,Ht], "
+            "targets[N] | None, inv_temperature[N], stats[3,N] fp32 (the forward's), grad_loss[N] fp32, "
+            "ignore_index: int, divergence: str, beta: float, grad_hidden_out[N,Hs] | None, "
+            "grad_weight_out[V,Hs] | None) -> None",
+        ),
         # Value loss (spec: rlk.reference.losses): [B, T] fp32 tensors (fp64: reference only), bool mask,
         # per-row aggregation weights from rlk.reference.aggregation; old_values is not read when clip is None.
         Primitive(
@@ -287,6 +312,7 @@ OPS: dict[str, Op] = {
     for op in (
         Op("selected_logprob", "selected_logprob_fwd", "selected_logprob_bwd", _FLOAT_DTYPES),
         Op("linear_logprob", "linear_logprob_fwd", "linear_logprob_bwd", _FLOAT_DTYPES),
+        Op("fused_linear_kl", "fused_linear_kl_fwd", "fused_linear_kl_bwd", _FLOAT_DTYPES),
         # the op layer upcasts 16-bit inputs: the primitives see float32 only
         Op("value_loss", "value_loss_fwd", "value_loss_bwd", ("float32",)),
         Op("dpo_loss", "dpo_loss_fwd", "dpo_loss_bwd", ("float32",)),

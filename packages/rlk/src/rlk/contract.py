@@ -82,6 +82,11 @@ def row_scale(ref_logprob: torch.Tensor, ref_lse: torch.Tensor) -> torch.Tensor:
     return 1.0 + ref_lse.abs() + (ref_logprob + ref_lse).abs()
 
 
+def divergence_scale(ref_lse_student: torch.Tensor, ref_lse_teacher: torch.Tensor) -> torch.Tensor:
+    """``1 + |lse_student| + |lse_teacher|`` per row, from ground truth (fp64): the scale of ``fused_linear_kl``."""
+    return 1.0 + ref_lse_student.double().abs() + ref_lse_teacher.double().abs()
+
+
 def compare_outputs(
     e: Entry,
     name: str,

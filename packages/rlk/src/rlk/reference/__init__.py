@@ -14,6 +14,7 @@ from rlk.backend import Backend
 from rlk.reference import (
     advantages,
     attention,
+    distill,
     embedding,
     logprob,
     losses,
@@ -42,8 +43,8 @@ def backend() -> Backend:
         version=rlk.__version__,
         abi_version=abi.ABI_VERSION,
         primitives=abi.collect_primitives(
-            advantages, attention, embedding, logprob, losses, matmul, norm, policy_loss, rollout_correction, rope,
-            softmax,
+            advantages, attention, distill, embedding, logprob, losses, matmul, norm, policy_loss, rollout_correction,
+            rope, softmax,
         ),
         probe=lambda: None,
         device_types=lambda: ("*",),
