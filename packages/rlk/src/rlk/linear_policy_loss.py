@@ -79,23 +79,32 @@ def decide_mode(hidden: Tensor, weight: Tensor, targets: Tensor, *, mode: str = 
         return ModeDecision("lean", None, "no tokens")
     if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
         return ModeDecision("lean", None, "no gradient to compute: the forward is linear_logprob's in both modes")
-    lin = dispatch.decide("linear_logprob", hidden.device, hidden.dtype)
-    stored = dispatch.decide("linear_logprob_stored", hidden.device, hidden.dtype)
-    if lin.backend is None or stored.backend != lin.backend:
-        reason = (f"linear_logprob runs on '{lin.backend}', which does not implement linear_logprob_stored (the "
-                  "one-pass log-probs must be linear_logprob's bits)")
+    lin, stored, explained = _backends(hidden.device, hidden.dtype)
+    if lin is None or stored != lin:
+        reason = (f"linear_logprob runs on '{lin}', which does not implement linear_logprob_stored (the one-pass "
+                  "log-probs must be linear_logprob's bits)")
         if mode == "one_pass":
             raise dispatch.BackendError(f"fused_linear_policy_loss: mode='one_pass': {reason}; pin a backend that "
-                                        "implements both (RLK_BACKEND=triton) or use mode='lean'\n{lin}\n{stored}")
-        return ModeDecision("lean", lin.backend, reason)
+                                        f"implements both (RLK_BACKEND=triton) or use mode='lean'\n{explained}")
+        return ModeDecision("lean", lin, reason)
     if mode == "auto":
-        if lin.backend not in ONE_PASS_BACKENDS:
-            return ModeDecision("lean", lin.backend, f"auto picks one_pass on {', '.join(ONE_PASS_BACKENDS)} only")
+        if lin not in ONE_PASS_BACKENDS:
+            return ModeDecision("lean", lin, f"auto picks one_pass on {', '.join(ONE_PASS_BACKENDS)} only")
         length = targets.shape[-1] if targets.dim() else 1
         if loss in SEQUENCE_LEVEL_LOSSES and length > chunk_tokens:
-            return ModeDecision("lean", lin.backend, f"loss={loss!r} needs whole sequences in a chunk, and "
+            return ModeDecision("lean", lin, f"loss={loss!r} needs whole sequences in a chunk, and "
                                 f"T = {length} > chunk_tokens = {chunk_tokens}")
-    return ModeDecision("one_pass", lin.backend, f"mode={mode!r}")
+    return ModeDecision("one_pass", lin, f"mode={mode!r}")
+
+
+@torch.compiler.assume_constant_result
+def _backends(device: torch.device, dtype: torch.dtype) -> tuple[str | None, str | None, str]:
+    """The backends that run ``linear_logprob`` and ``linear_logprob_stored`` here, and the dispatcher's
+    explanation of both; a constant to ``torch.compile`` (the dispatcher reads context variables and the
+    environment, which it does not trace), like the backend a traced custom op picks when it runs."""
+    lin = dispatch.decide("linear_logprob", device, dtype)
+    stored = dispatch.decide("linear_logprob_stored", device, dtype)
+    return lin.backend, stored.backend, f"{lin}\n{stored}"
 
 
 # ---------------------------------------------------------------------------
