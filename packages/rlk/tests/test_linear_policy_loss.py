@@ -276,6 +276,17 @@ def test_one_pass_one_sequence_and_fp64():
     torch.testing.assert_close(c[4], d[4], rtol=1e-10, atol=1e-14)
 
 
+def test_one_pass_16bit_weight_gradient_summed_in_fp32_over_chunks():
+    """fp16 inputs in four chunks: the weight gradient is summed in fp32 and rounded once (within the fp16 contract
+    of fp64, in fp16), as with one chunk."""
+    x = _batch(seed=11, dtype=torch.float16)
+    truth = _fp64_truth(x, agg="token-sum")
+    for chunk_tokens in (6, 1000):
+        got = _run(x, "one_pass", "reference", chunk_tokens=chunk_tokens, agg="token-sum")
+        assert got[3].dtype == torch.float16 and got[4].dtype == torch.float16
+        _check_against_truth(got, truth, x, dtype=torch.float16)
+
+
 def test_one_pass_under_torch_compile():
     """``torch.compile(fullgraph=True)`` traces the one-pass custom op: the eager results, bit for bit."""
     x = _batch(seed=7, b=2, t=4, h=16, v=40)
@@ -335,14 +346,18 @@ TRITON_CASES = [
     # the entropy bonus and importance weights
     dict(loss="cispo", clip_low=1.0, clip_high=4.0, agg="token-sum", entropy_coef=0.01, with_iw=True),
 ]
+TRITON_CASES = [pytest.param(kw, torch.float32, id=kw["loss"]) for kw in TRITON_CASES] + [
+    # 16-bit: G packed into the logits buffer, the weight gradient summed in fp32 over three chunks
+    pytest.param(TRITON_CASES[0], torch.float16, id="ppo-float16"),
+]
 
 
 @on_triton
-@pytest.mark.parametrize("kwargs", TRITON_CASES, ids=lambda kw: kw["loss"])
-def test_one_pass_on_triton_is_lean_bit_for_bit_with_gradients_under_the_contract(small_tiles, kwargs):
+@pytest.mark.parametrize(("kwargs", "dtype"), TRITON_CASES)
+def test_one_pass_on_triton_is_lean_bit_for_bit_with_gradients_under_the_contract(small_tiles, kwargs, dtype):
     """``auto`` picks one pass on triton. Loss, every metric and the entropy are the lean mode's bits; gradients
     within the contract of fp64 and of the lean mode's."""
-    x = _batch(seed=8)
+    x = _batch(seed=8, dtype=dtype)
     temperature = torch.tensor([[0.7], [1.0], [1.3]], device=DEVICE)
     h = x["hidden"].clone().requires_grad_()
     with rlk.use_backend("triton"):
@@ -354,8 +369,8 @@ def test_one_pass_on_triton_is_lean_bit_for_bit_with_gradients_under_the_contrac
     assert set(one[1]) == set(lean[1]) and all(torch.equal(one[1][k], lean[1][k]) for k in one[1])
     assert torch.equal(one[2], lean[2])
     truth = _fp64_truth(x, temperature=temperature, **kwargs)
-    _check_against_truth(one, truth, x, temperature=temperature)
-    e = contract.entry("linear_logprob", torch.float32)
+    _check_against_truth(one, truth, x, dtype=dtype, temperature=temperature)
+    e = contract.entry("linear_logprob", dtype)
     scale = 2 * _max_row_scale(x, temperature)
     for k, name in ((3, "grad_hidden"), (4, "grad_weight")):
         dev = contract.compare_grad(e, name, one[k], lean[k].double(), scale)

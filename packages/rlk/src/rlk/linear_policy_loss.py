@@ -169,8 +169,12 @@ def _one_pass_fwd(
     b, t = mask.shape
     n, vocab = hidden.shape[0], weight.shape[0]
     cdt = checks.stat_dtype(hidden)
+    step = _chunk_tokens(b, t, chunk_tokens, loss in SEQUENCE_LEVEL_LOSSES)
+    # a 16-bit weight gradient summed over several chunks: fp32 sums, its rounded copy allocated only once the
+    # logits buffer is freed (the peak holds one of the two)
+    summed = need_grad_weight and step < n and weight.dtype != cdt
     loss_out, grad_hidden, grad_weight, lp, entropy, metrics = _one_pass_outputs(
-        hidden, weight, (b, t), with_entropy, need_grad_hidden, need_grad_weight)
+        hidden, weight, (b, t), with_entropy, need_grad_hidden, need_grad_weight and not summed)
     logprob_op.check_target_values(targets, inv_temperature, vocab, ignore_index)
     checks.check_normalizer_values({"global_tokens": global_tokens, "global_seqs": global_seqs,
                                     "loss_scale": loss_scale})
@@ -189,12 +193,9 @@ def _one_pass_fwd(
     ent_flat = entropy.view(-1) if with_entropy else None
     lse = hidden.new_empty((n,), dtype=cdt)
     valid_target = (targets != ignore_index)[:, None] if need_grad_weight else None
-    step = _chunk_tokens(b, t, chunk_tokens, loss in SEQUENCE_LEVEL_LOSSES)
     logits = hidden.new_empty((step, vocab), dtype=cdt)
-    single = step >= n
-    # the weight gradient: written by the one chunk, else summed over the chunks in fp32, rounded once at the end
-    acc = grad_weight if single or weight.dtype == cdt or not need_grad_weight else torch.empty(
-        weight.shape, dtype=cdt, device=weight.device)
+    # the weight gradient: written by the one chunk (or summed in place in fp32 / fp64), else fp32 sums
+    acc = torch.empty(weight.shape, dtype=cdt, device=weight.device) if summed else grad_weight
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
         rows = slice(n0, n1)
@@ -221,8 +222,8 @@ def _one_pass_fwd(
             grad_hidden[rows] if need_grad_hidden else None, acc if need_grad_weight else None, n0 > 0,
         )
     del logits, z
-    if acc is not grad_weight:
-        grad_weight.copy_(acc)
+    if summed:  # rounded once
+        grad_weight = acc.to(weight.dtype)
         del acc
     # the loss and the metrics: one call over the whole batch, the composition's own (bitwise its values)
     out = policy_loss_op.forward_primitive(
