@@ -308,23 +308,27 @@ def fused_linear_policy_loss(
       and ``grad_weight += G.T @ hidden[chunk]`` (fp32 over the chunks in chunk order, rounded once at the end).
       Then the loss and the metrics from one policy-loss forward over the whole batch: the lean mode's values, bit
       for bit. The gradients exist at the end of the forward; the backward multiplies them by the upstream
-      gradient. 6 N H V FLOPs. Extra memory, at its peak: ``rows * V * 4`` bytes (the logits buffer; ``rows =
-      min(chunk_tokens, B * T)``) ``+ V * H * 4`` (the fp32 weight-gradient accumulator, when there are several
-      chunks and the weight is 16-bit; freed before the rounded ``V * H * 2`` gradient is allocated) ``+ N * H``
-      in ``hidden``'s dtype (``grad_hidden``), a ``[rows, H]`` copy of the chunk's hidden states (for the weight
-      gradient, with ignored rows zeroed) and O(B T) per-token state. At N = 16384, H = 4096, V = 151936 in bf16
-      with the default ``chunk_tokens = 2048``: about 3.6 GiB including the returned gradients (lean: about
-      1.7 GiB); ``chunk_tokens`` trades the buffer for GEMM sizes.
+      gradient. 6 N H V FLOPs. Extra memory at its peak, with ``e`` the input dtype's size, ``rows =
+      min(chunk_tokens, B T)`` (whole rows for the sequence-level losses) and a 16-bit weight split into several
+      chunks: ``V H 4`` (the fp32 weight-gradient sums) ``+ max(rows (V 4 + H e), V H e)`` (the chunk's fp32
+      logits and a copy of its hidden states with ignored rows zeroed; after the last chunk, the rounded weight
+      gradient) ``+ N H e`` (``grad_hidden``) ``+ O(B T)``. With one chunk, or fp32 inputs, the weight gradient is
+      written (summed) in place: ``rows (V 4 + H e) + V H e + N H e``. At B T = 16384, H = 4096, V = 151936 in bf16
+      with the default ``chunk_tokens = 2048``: 2.32 + 1.17 + 0.125 GiB, about 3.6 GiB including the returned
+      gradients. ``chunk_tokens`` trades the buffer for the size of the GEMMs.
     * ``mode="auto"`` (default): one pass where ``linear_logprob`` runs on the Triton backend (the batch has
       tokens and something needs a gradient; sequence-level losses with ``T <= chunk_tokens``), else lean.
 
-    Both modes give the same log-probs, entropy, loss and metrics bit for bit on one backend. Their gradients agree
+    On a batch-invariant backend (Triton) both modes give the same log-probs, entropy, loss and metrics bit for bit
+    (the reference backend implements the one-pass primitives as their readable spec, but its matmuls may round
+    differently for another number of rows: there the modes agree within the contract). Their gradients agree
     within the numerical contract (``rlk.contract``), not bitwise: one pass reads the logits its forward computed
     where the lean backward recomputes them, and sums ``grad_weight`` per chunk. One pass keeps the guarantees:
     each row's ``grad_hidden`` is bitwise independent of the other rows (batch-invariant) whenever its
     aggregation weight is (``token-sum``, or global normalizers), and ``grad_weight`` is deterministic run to run.
     Double backward is not supported (neither mode). The rlk-cuda backend has no one-pass kernels: on it, and on
-    any backend whose ``linear_logprob`` lacks them, ``auto`` is lean and ``one_pass`` raises.
+    any backend whose ``linear_logprob`` lacks them, ``auto`` is lean and ``one_pass`` raises. Under
+    ``torch.compile`` the mode (and the pinned backend it depends on) is decided when the call is traced.
 
     Args:
         hidden: ``[B, T, H]`` (or ``[T, H]``, one sequence) bf16 / fp16 / fp32 hidden states.
