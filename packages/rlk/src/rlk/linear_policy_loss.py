@@ -1,6 +1,7 @@
 """``fused_linear_policy_loss``: hidden states -> log-prob -> policy loss, never materializing all the logits.
 
-Two modes with the same loss and metrics (bit for bit) and log-probs (``linear_logprob``'s bits):
+Two modes with, on a batch-invariant backend, the same log-probs (``linear_logprob``'s), loss and metrics bit for
+bit, and gradients within the numerical contract:
 
 * ``"lean"``: :func:`rlk.linear_logprob` then :func:`rlk.policy_loss`; extra memory O(N + tile), the backward
   recomputes the logits (8 N H V FLOPs in all);
