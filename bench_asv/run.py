@@ -180,8 +180,9 @@ def markdown(rows: list[dict], ceilings: dict, env: dict) -> str:
         f"{ceilings['matmul_tflops']:.3g} TFLOP/s; copy {ceilings['copy_bytes'] / 2**20:.0f} MiB "
         f"{ceilings['copy_gbps']:.3g} GB/s (read + write)",
         "rates credit every impl of a point with the same nominal work (each benchmark module's docstring "
-        "gives it: linear_logprob 8NHV FLOPs although the torch baselines do 6NHV; selected_logprob 3NV*itemsize "
-        "bytes); time x = baseline ms / row ms (above 1: faster); memory x = row MiB / baseline MiB. "
+        "gives it: linear_logprob 8NHV FLOPs although the torch baselines do 6NHV; fused_linear_policy_loss "
+        "6NHV although its lean mode does 8NHV; selected_logprob 3NV*itemsize bytes); "
+        "time x = baseline ms / row ms (above 1: faster); memory x = row MiB / baseline MiB. "
         "ms: one step timed by CUDA events on an idle device (includes the host time the GPU waits for); "
         "kernel ms: the GPU time of the step's kernels (torch.profiler; time in which two overlap counted once), "
         "which the kernel columns use",

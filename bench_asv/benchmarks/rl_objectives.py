@@ -17,9 +17,13 @@ Implementations (the ``impl`` parameter):
   the reverse loop over time with vectorized ``[B]`` steps that frameworks use; ``compiled_step``,
   the same loop whose body is ``torch.compile``'d (compiling the whole 8192-step loop would unroll it).
   Bytes credited: rewards, values (4 each) and mask (1) read, advantages and returns (4 each) written.
-* ``fused_linear_policy_loss`` vs ``linear_logprob`` alone (then the PPO loss in PyTorch): fwd+bwd
-  from bf16 hidden states, the issue-5 target being the fused op within 5% of ``linear_logprob``'s
-  time and memory; FLOPs credited 8NHV as in ``logprob.py``.
+* ``fused_linear_policy_loss`` fwd+bwd from bf16 ``[B, T, H]`` hidden states and a ``[V, H]`` head, the ``option``
+  ``grpo_k3``: GRPO's loss as verl runs it (PPO clip 0.2 / 0.28, token-mean, plus ``0.001 *`` the k3 KL against
+  reference log-probs with verl's clamps): ``one_pass`` and ``lean``, ``rlk.fused_linear_policy_loss`` in those
+  modes on the Triton backend (pinned: rlk-cuda, first in the CUDA chain when installed, has no one-pass kernels);
+  ``torch_eager``, the plain formula (logits, ``log_softmax`` in fp32, gather, the loss); ``torch_compile``, the
+  same through ``torch.compile(dynamic=False)``, which keeps the logits for the backward. FLOPs credited 6NHV
+  (what the plain formula and ``one_pass`` do; ``lean`` does 8NHV).
 * ``rollout_correction`` on ``[B, T]`` fp32 log-probs (not differentiable), the ``option`` ``token/truncate``
   (verl's default TIS: log-ratio clamped to +-20, weights capped at 2) or ``sequence/mask`` (IcePop on the row
   sums, ``[0.5, 2]``): ``rlk``; ``torch_eager``, the composition frameworks write (weights, then the masked
@@ -44,8 +48,9 @@ CLIP, DUAL_CLIP, CLAMP = 0.2, 3.0, 20.0
 GAMMA, LAM = 0.99, 0.95
 RC_CLAMP, RC_UPPER, RC_LOWER = 20.0, 2.0, 0.5
 TOKEN_SHAPES = [(8, 64)] if QUICK else [(512, 8192)]
-LINEAR_SHAPES = [(64, 64, 1000)] if QUICK else [(16384, 4096, 151936)]
+LINEAR_SHAPES = [(2, 32, 64, 1000)] if QUICK else [(16, 1024, 4096, 151936)]
 LINEAR_DTYPE = torch.float32 if QUICK else torch.bfloat16
+GRPO_CLIP_HIGH, GRPO_KL_COEF = 0.28, 0.001
 
 
 # ---------------------------------------------------------------------------
@@ -86,6 +91,29 @@ def rlk_ppo_loss_and_grad(logprob: Tensor, old_logprob: Tensor, advantages: Tens
                                    dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean",
                                    global_tokens=global_tokens)
     return out.loss, out.grad_logprob, out.metrics["clip_fraction"], out.metrics["approx_kl"]
+
+
+def torch_grpo_k3_loss(hidden: Tensor, weight: Tensor, targets: Tensor, old_logprob: Tensor, ref_logprob: Tensor,
+                       advantages: Tensor, mask: Tensor) -> Tensor:
+    """GRPO's loss from hidden states as plain PyTorch (what ``torch.compile`` is given): the logits, their fp32
+    log-softmax at the targets, the clipped PPO loss and ``GRPO_KL_COEF`` times verl's clamped k3 estimator
+    (``low_var_kl``), token-mean over the mask."""
+    logits = hidden @ weight.T
+    logprob = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logprob - old_logprob)
+    pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - CLIP, 1 + GRPO_CLIP_HIGH))
+    x = (ref_logprob - logprob).clamp(-20.0, 20.0)
+    kl = (torch.exp(x) - x - 1).clamp(-10.0, 10.0)
+    m = mask.float()
+    return ((pg + GRPO_KL_COEF * kl) * m).sum() / m.sum().clamp(min=1)
+
+
+def rlk_grpo_k3_loss(hidden: Tensor, weight: Tensor, targets: Tensor, old_logprob: Tensor, ref_logprob: Tensor,
+                     advantages: Tensor, mask: Tensor, mode: str) -> Tensor:
+    loss, _ = rlk.fused_linear_policy_loss(hidden, weight, targets, old_logprob, advantages, mask, mode=mode,
+                                           ref_logprob=ref_logprob, loss="ppo", clip_low=CLIP,
+                                           clip_high=GRPO_CLIP_HIGH, kl="k3", kl_coef=GRPO_KL_COEF, agg="token-mean")
+    return loss
 
 
 def torch_rollout_correction(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor,
@@ -237,33 +265,39 @@ class RolloutCorrectionCase(CaseBase):
 
 
 class FusedLinearPolicyLossCase(CaseBase):
-    """hidden -> log-prob -> PPO loss, fwd+bwd: the fused op vs ``linear_logprob`` + the loss in PyTorch."""
+    """hidden -> log-prob -> GRPO loss (``grpo_k3``), fwd+bwd: rlk's two modes vs PyTorch eager and compiled."""
 
-    def __init__(self, op: str, impl: str, loss: str, shape: tuple[int, int, int]):
+    def __init__(self, op: str, impl: str, loss: str, shape: tuple[int, int, int, int]):
+        if loss != "grpo_k3":
+            raise ValueError(f"unknown loss {loss!r}")
         gen = torch.Generator(DEVICE).manual_seed(SEED)
-        n, h, v = shape
-        self.hidden = torch.randn(n, h, generator=gen, device=DEVICE, dtype=LINEAR_DTYPE).requires_grad_()
+        b, t, h, v = shape
+        self.hidden = torch.randn(b, t, h, generator=gen, device=DEVICE, dtype=LINEAR_DTYPE).requires_grad_()
         self.weight = (torch.randn(v, h, generator=gen, device=DEVICE, dtype=LINEAR_DTYPE) * h**-0.5)
         self.weight.requires_grad_()
-        self.targets = torch.randint(0, v, (n,), generator=gen, device=DEVICE)
-        _, self.old, self.advantages, self.mask = _token_inputs(1, n, gen)
-        self.old, self.advantages, self.mask = self.old[0], self.advantages[0], self.mask[0]
-        self.work, self.unit = 8 * n * h * v, "TFLOP/s"
-        if impl not in ("fused", "linear_logprob"):
+        self.targets = torch.randint(0, v, (b, t), generator=gen, device=DEVICE)
+        _, self.old, self.advantages, self.mask = _token_inputs(b, t, gen)
+        self.ref = self.old + 0.05 * torch.randn(b, t, generator=gen, device=DEVICE)
+        self.work, self.unit = 6 * b * t * h * v, "TFLOP/s"
+        # rlk pinned to its Triton kernels on the GPU (the one-pass kernels' backend); the reference on the CPU
+        self.backend = "triton" if DEVICE.type == "cuda" else None
+        if impl in ("one_pass", "lean"):
+            self.fn = lambda *args: rlk_grpo_k3_loss(*args, mode=impl)
+            with rlk.use_backend(self.backend):
+                self.decision = rlk.explain("linear_logprob", self.hidden, self.weight, self.targets)
+        elif impl == "torch_eager":
+            self.fn = torch_grpo_k3_loss
+        elif impl == "torch_compile":
+            torch.compiler.reset()
+            self.fn = torch.compile(torch_grpo_k3_loss, dynamic=False)
+        else:
             raise ValueError(f"unknown impl {impl!r}")
-        self.impl = impl
-        self.decision = rlk.explain("linear_logprob", self.hidden, self.weight, self.targets)
         self.step()
 
     def step(self) -> object:
-        if self.impl == "fused":
-            loss, _ = rlk.fused_linear_policy_loss(
-                self.hidden, self.weight, self.targets, self.old, self.advantages, self.mask, loss="ppo",
-                clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean")
-        else:
-            logprob = rlk.linear_logprob(self.hidden, self.weight, self.targets)
-            loss = torch_ppo_loss(logprob, self.old, self.advantages, self.mask)[0]
-        return torch.autograd.grad(loss, (self.hidden, self.weight))
+        with rlk.use_backend(self.backend):
+            loss = self.fn(self.hidden, self.weight, self.targets, self.old, self.ref, self.advantages, self.mask)
+            return torch.autograd.grad(loss, (self.hidden, self.weight))
 
 
 # ---------------------------------------------------------------------------
@@ -328,26 +362,26 @@ class RolloutCorrection(_CaseSetup):
 
 
 class FusedLinearPolicyLoss(_CaseSetup):
-    """``fused_linear_policy_loss`` vs ``linear_logprob`` + PyTorch loss, fwd+bwd: ms and TFLOP/s."""
+    """``fused_linear_policy_loss`` (one pass, lean) vs PyTorch (compiled, eager), fwd+bwd: ms and TFLOP/s."""
 
-    op, case_type, shape_names = "fused_linear_policy_loss", FusedLinearPolicyLossCase, "NHV"
-    baselines = ("linear_logprob",)
+    op, case_type, shape_names = "fused_linear_policy_loss", FusedLinearPolicyLossCase, "BTHV"
+    baselines = ("torch_compile", "torch_eager", "lean")
     param_names = ["impl", "loss", "shape"]
-    params = [["fused", "linear_logprob"], ["ppo"], LINEAR_SHAPES]
+    params = [["one_pass", "lean", "torch_eager", "torch_compile"], ["grpo_k3"], LINEAR_SHAPES]
 
-    def track_ms(self, impl: str, loss: str, shape: tuple[int, int, int]) -> float:
+    def track_ms(self, impl: str, loss: str, shape: tuple[int, int, int, int]) -> float:
         return self.case.ms()
 
     track_ms.unit = "ms"
 
-    def track_tflops(self, impl: str, loss: str, shape: tuple[int, int, int]) -> float:
+    def track_tflops(self, impl: str, loss: str, shape: tuple[int, int, int, int]) -> float:
         return self.case.rate()
 
     track_tflops.unit = "TFLOP/s"
 
 
 class FusedLinearPolicyLossMemory(_MemorySetup):
-    """Peak extra GPU memory of the fused op vs ``linear_logprob`` + PyTorch loss."""
+    """Peak extra GPU memory (the gradients included) of each implementation."""
 
     op, case_type = "fused_linear_policy_loss", FusedLinearPolicyLossCase
     param_names, params = FusedLinearPolicyLoss.param_names, FusedLinearPolicyLoss.params

@@ -14,7 +14,9 @@ Properties (each a test; every backend that implements the op, batch invariance 
 * batch invariance: a row alone versus at a random position of a batch of other rows, padded to a
   longer ``T`` with masked positions: its per-token gradient (and ``kl_penalty``'s / ``dpo_loss``'s
   per-element outputs) are bitwise equal, where its aggregation weight does not depend on the batch;
-* ``fused_linear_policy_loss`` is bitwise ``policy_loss(linear_logprob(...))``, entropy ``>= 0``.
+* ``fused_linear_policy_loss`` with ``mode="lean"`` is bitwise ``policy_loss(linear_logprob(...))``, entropy
+  ``>= 0``; on batch-invariant backends ``mode="one_pass"`` (fuzzed chunk sizes) gives the same loss, metrics and
+  entropy bit for bit and finite gradients; masked positions never matter in either mode.
 
 Exclusions, where the exact result is not representable in fp32 (so nothing can be asked of it):
 an unclamped log-ratio ``d`` makes the ratio ``exp(d)``, which overflows above ``d = 88.7``. Log-ratios
@@ -784,6 +786,8 @@ class FusedCase:
     return_entropy: bool = False
     one_sequence: bool = False
     tensors: tuple[str, ...] = ()  # "ref_logprob" given
+    mode: str = "lean"
+    chunk_tokens: int = 2048
 
 
 @st.composite
@@ -802,7 +806,9 @@ def fused_cases(draw, backend: str) -> FusedCase:
                      dtype=draw(st.sampled_from(dtype_names(backend, "linear_logprob"))),
                      temperature=draw(st.sampled_from([1.0, 0.05, 0.7, 2.0])),
                      ignored=draw(st.sampled_from([0.2, 0.0, 1.0])), return_entropy=draw(st.booleans()),
-                     one_sequence=one_sequence, tensors=tensors)
+                     one_sequence=one_sequence, tensors=tensors,
+                     mode=draw(st.sampled_from(["lean", "one_pass"])),
+                     chunk_tokens=draw(st.sampled_from([1, 7, 64, 2048])))
 
 
 def fused_inputs(case: FusedCase) -> dict[str, torch.Tensor]:
@@ -822,9 +828,9 @@ def fused_inputs(case: FusedCase) -> dict[str, torch.Tensor]:
     return to_device(x)
 
 
-def fused_call(x: dict[str, torch.Tensor], case: FusedCase, composed: bool) -> tuple:
-    """The fused op (``composed``: ``linear_logprob`` then ``policy_loss``) and its backward: (loss, metrics,
-    grad_hidden, grad_weight, entropy or None)."""
+def fused_call(x: dict[str, torch.Tensor], case: FusedCase, composed: bool, mode: str | None = None) -> tuple:
+    """The fused op in ``mode`` (default ``case.mode``; ``composed``: ``linear_logprob`` then ``policy_loss``) and
+    its backward: (loss, metrics, grad_hidden, grad_weight, entropy or None)."""
     kw = dict(case.kwargs)
     h, w = x["hidden"].detach().clone().requires_grad_(), x["weight"].detach().clone().requires_grad_()
     ref = x.get("ref_logprob")
@@ -844,7 +850,8 @@ def fused_call(x: dict[str, torch.Tensor], case: FusedCase, composed: bool) -> t
     else:
         out = rlk.fused_linear_policy_loss(h, w, x["targets"], x["old_logprob"], x["advantages"], x["mask"],
                                            temperature=case.temperature, ref_logprob=ref,
-                                           return_entropy=case.return_entropy, **kw)
+                                           return_entropy=case.return_entropy, mode=mode or case.mode,
+                                           chunk_tokens=case.chunk_tokens, **kw)
         loss, metrics = out[:2]
         entropy = out[2] if case.return_entropy else None
     loss.backward()
@@ -857,7 +864,7 @@ def check_fused_linear_policy_loss_is_the_composition(backend: str, case: FusedC
     properties); loss and gradients finite, entropy >= 0."""
     x = fused_inputs(case)
     with on_backend(backend):
-        fused = fused_call(x, case, composed=False)
+        fused = fused_call(x, case, composed=False, mode="lean")
         composed = fused_call(x, case, composed=True)
     check_equal("loss", fused[0], composed[0])
     assert set(fused[1]) == set(composed[1]), f"metrics {sorted(fused[1])} vs {sorted(composed[1])}"
@@ -871,9 +878,28 @@ def check_fused_linear_policy_loss_is_the_composition(backend: str, case: FusedC
         assert bool((fused[4] >= 0).all()), f"entropy < 0: min {fused[4].min().item()!r}"
 
 
+def check_fused_linear_policy_loss_modes_agree(backend: str, case: FusedCase) -> None:
+    """On a batch-invariant backend the one-pass mode's loss, metrics and entropy are the lean mode's bits (the
+    log-probs are linear_logprob's, the loss one call over the batch); its gradients are finite where the lean
+    mode's are, and zero on the rows of ignored targets."""
+    x = fused_inputs(case)
+    with on_backend(backend):
+        one = fused_call(x, case, composed=False, mode="one_pass")
+        lean = fused_call(x, case, composed=False, mode="lean")
+    check_equal("loss", one[0], lean[0])
+    for name in lean[1]:
+        check_equal(name, one[1][name], lean[1][name])
+    check_equal("entropy", one[4], lean[4])
+    ignored = (x["targets"] == -100).reshape(-1)
+    for k, name in ((2, "grad_hidden"), (3, "grad_weight")):
+        if bool(torch.isfinite(lean[k]).all()):
+            check_finite(name, one[k])
+    assert bool((one[2].reshape(ignored.shape[0], -1)[ignored] == 0).all()), "grad_hidden of an ignored target"
+
+
 def check_fused_linear_policy_loss_masked_positions(backend: str, case: FusedCase) -> None:
     """NaN / +-inf in old_logprob, advantages and ref_logprob at the positions left out of the loss (mask 0 or
-    an ignored target) versus 0 there: bitwise equal loss, metrics and gradients."""
+    an ignored target) versus 0 there: bitwise equal loss, metrics and gradients (in the case's mode)."""
     x = fused_inputs(case)
     out_of_loss = (x["mask"] == 0) | (x["targets"] == -100)
     g = generator(case.seed + 1)
@@ -892,6 +918,11 @@ def check_fused_linear_policy_loss_masked_positions(backend: str, case: FusedCas
 @pytest.mark.parametrize("backend", backends("linear_logprob", "policy_loss"))
 def test_fused_linear_policy_loss_is_the_composition(backend):
     fuzz_run(check_fused_linear_policy_loss_is_the_composition, backend, fused_cases(backend), ci=2)
+
+
+@pytest.mark.parametrize("backend", backends("linear_logprob_stored", "policy_loss", invariant_only=True))
+def test_fused_linear_policy_loss_modes_agree(backend):
+    fuzz_run(check_fused_linear_policy_loss_modes_agree, backend, fused_cases(backend), ci=2)
 
 
 @pytest.mark.parametrize("backend", backends("linear_logprob", "policy_loss"))

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from rlk_triton.common import dot, grouped_tile, on_device
+from rlk_triton.matmul import _gemm as _tree_gemm
 from rlk_triton.matmul import tree_leaves, tree_reduce
 
 #: Fixed tile configuration per kernel family and input dtype; the launchers read it
@@ -112,6 +113,20 @@ TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
         torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2},
         torch.float16: {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
         torch.bfloat16: {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    },
+    # linear_logprob_stored_bwd: "stored_grad", the in-place G pass (one program per row, BLOCK_V columns per
+    # step); "stored_grad_hidden", the tile of rlk_triton.matmul's tree GEMM for grad_hidden = G @ weight (K = V
+    # in tree_leaves(V) segments: up to 4 live fp32 tiles, hence 8 warps for 16-bit, which the distributed notes
+    # found free of spills at 64 x 128 x 128). Not yet swept on a GPU.
+    "stored_grad": {
+        torch.float32: {"BLOCK_V": 2048, "num_warps": 8},
+        torch.float16: {"BLOCK_V": 4096, "num_warps": 8},
+        torch.bfloat16: {"BLOCK_V": 4096, "num_warps": 8},
+    },
+    "stored_grad_hidden": {
+        torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+        torch.float16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+        torch.bfloat16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
     },
 }
 
@@ -330,17 +345,19 @@ def selected_logprob_bwd(
 
 @triton.jit
 def _linear_fwd_partial_kernel(
-    hidden_ptr, weight_ptr, targets_ptr, inv_t_ptr, part_m_ptr, part_s_ptr, part_b_ptr, z_tgt_ptr,
-    N, H, leaf_size, splits_per_leaf, n_splits,
+    hidden_ptr, weight_ptr, targets_ptr, inv_t_ptr, part_m_ptr, part_s_ptr, part_b_ptr, z_tgt_ptr, logits_ptr,
+    N, H, leaf_size, splits_per_leaf, n_splits, logits_stride,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, VOCAB_SPLIT: tl.constexpr,
-    GROUP_N: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_N: tl.constexpr, IEEE: tl.constexpr, STORE_LOGITS: tl.constexpr,
 ):
     """Online ``(m, s, b)`` of ``BLOCK_N`` rows over one vocab split; stores the target logit.
 
     Split ``i`` is split ``i % splits_per_leaf`` of leaf ``i // splits_per_leaf``: ``VOCAB_SPLIT``
     columns from the leaf's start on (the leaf's last split ends at the leaf's end). Partials go
     to ``part_*[split, row]``; ``z_tgt[row]`` is written only by the split holding the row's target
-    (exactly one program), so no two programs write the same element.
+    (exactly one program), so no two programs write the same element. With ``STORE_LOGITS`` every
+    scaled fp32 logit tile ``z`` is also stored to ``logits[row, col]`` (row stride ``logits_stride``),
+    the values the online state reads: the stores change no arithmetic, so no bit of the outputs.
     """
     row_tile, split = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
     rows = row_tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -360,6 +377,9 @@ def _linear_fwd_partial_kernel(
         x = _linear_logits_tile(hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, H,
                                 BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
         z = tl.where(col_mask[None, :], x * inv_t[:, None], float("-inf"))
+        if STORE_LOGITS:
+            tl.store(logits_ptr + rows[:, None] * logits_stride + cols[None, :], z,
+                     mask=row_mask[:, None] & col_mask[None, :])
         m, s, b = _online_update(m, s, b, z)
         # Exactly one column of one tile matches; adding zeros elsewhere keeps it exact.
         z_tgt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
@@ -437,20 +457,23 @@ def _split_layout(vocab: int, leaves: int, vocab_split: int) -> tuple[int, int]:
     return leaf_size, triton.cdiv(leaf_size, vocab_split)
 
 
-def _partials(hidden, weight, targets, inv_temperature, leaves, z_tgt):
-    """The partial kernel's ``part [3, n_splits, N]`` (fp32 ``m, s, b``) over ``leaves`` leaves of ``weight``."""
+def _partials(hidden, weight, targets, inv_temperature, leaves, z_tgt, logits_out=None):
+    """The partial kernel's ``part [3, n_splits, N]`` (fp32 ``m, s, b``) over ``leaves`` leaves of ``weight``;
+    with ``logits_out`` (``[N, V]`` fp32, unit column stride) the scaled logits are stored there too."""
     n_rows, hidden_size = hidden.shape
     cfg = TILE_CONFIGS["linear_fwd"][hidden.dtype]
     leaf_size, per_leaf = _split_layout(weight.shape[0], leaves, cfg["VOCAB_SPLIT"])
     n_splits = leaves * per_leaf
     part = torch.empty((3, n_splits, n_rows), dtype=torch.float32, device=hidden.device)
+    store = logits_out is not None
     with on_device(hidden.device):
         _linear_fwd_partial_kernel[(triton.cdiv(n_rows, cfg["BLOCK_N"]) * n_splits,)](
             hidden, weight, targets, inv_temperature, part[0], part[1], part[2], z_tgt,
-            n_rows, hidden_size, leaf_size, per_leaf, n_splits,
+            logits_out if store else z_tgt,
+            n_rows, hidden_size, leaf_size, per_leaf, n_splits, logits_out.stride(0) if store else 0,
             BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
             VOCAB_SPLIT=cfg["VOCAB_SPLIT"], GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
+            STORE_LOGITS=store, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
         )
     return part, per_leaf
 
@@ -488,6 +511,25 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
     leaves = tree_leaves(weight.shape[0], MAX_TREE_LEAVES)
     z_tgt = torch.empty((hidden.shape[0],), dtype=torch.float32, device=hidden.device)
     part, per_leaf = _partials(hidden, weight, targets, inv_temperature, leaves, z_tgt)
+    _combine(part, per_leaf, leaves, z_tgt, targets, ignore_index, logprob_out, entropy_out, lse_out, None)
+
+
+def linear_logprob_stored_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
+                              lse_out, logits_out):
+    """:func:`linear_logprob_fwd`, which also stores the scaled logits ``z`` it reduces into ``logits_out``.
+
+    Args:
+        hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out: as in
+            :func:`linear_logprob_fwd`; the log-prob, entropy and lse are its bits (the same kernels, tiles and
+            reduction order, the partial kernel with ``STORE_LOGITS``).
+        logits_out: ``[N, V]`` fp32, unit column stride (e.g. the first rows of a larger buffer), written
+            ``(hidden @ weight.T) * inv_temperature`` tile by tile, as the forward computed them.
+
+    Spec: :func:`rlk.reference.logprob.linear_logprob_stored_fwd`. Extra memory: ``logits_out`` (the caller's).
+    """
+    leaves = tree_leaves(weight.shape[0], MAX_TREE_LEAVES)
+    z_tgt = torch.empty((hidden.shape[0],), dtype=torch.float32, device=hidden.device)
+    part, per_leaf = _partials(hidden, weight, targets, inv_temperature, leaves, z_tgt, logits_out)
     _combine(part, per_leaf, leaves, z_tgt, targets, ignore_index, logprob_out, entropy_out, lse_out, None)
 
 
@@ -711,3 +753,96 @@ def linear_logprob_combine_bwd(partials, grad_hidden_out):
     """``grad_hidden_out`` = the shards' fp32 partials ``[P, N, H]`` added in the fixed tree, rounded once.
     Spec: :func:`rlk.reference.logprob.linear_logprob_combine_bwd`."""
     grad_hidden_out.copy_(tree_reduce(lambda j: partials[j], partials.shape[0], lambda a, b: a + b))
+
+
+# ----------------------------------------------------------------------------------------------
+# linear_logprob_stored backward: G from the forward's stored logits, in place, then two GEMMs
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _stored_grad_logits_kernel(
+    z_ptr, g_ptr, targets_ptr, inv_t_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr,
+    V, z_stride, g_stride, ignore_index,
+    HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Program ``row``: ``G[row, :] = d loss / d x`` from the stored ``z[row, :]``, over ``BLOCK_V`` tiles in order.
+
+    ``G`` is written in ``g``'s dtype; ``g`` may alias ``z``'s storage (the same elements for fp32, each row's
+    first half for a 16-bit G: ``z.view(dtype)[:, :V]``). The 16-bit store of a tile covers bytes of ``z`` that
+    only this tile and earlier ones hold, and the barrier makes every thread load the tile before any stores.
+    The formula and rounding are those of the backward's grad-logits kernel; ignored rows get 0.
+    """
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    tgt = tl.load(targets_ptr + rows)
+    valid = tgt != ignore_index
+    inv_t = tl.load(inv_t_ptr + rows)[:, None]
+    lse = tl.load(lse_ptr + rows)[:, None]
+    g_lp = tl.load(g_lp_ptr + rows)[:, None]
+    mean_z = lse
+    g_ent = g_lp
+    if HAS_ENT:
+        mean_z = lse - tl.load(entropy_ptr + rows)[:, None]
+        g_ent = tl.load(g_ent_ptr + rows)[:, None]
+    z_row = z_ptr + rows[:, None] * z_stride
+    g_row = g_ptr + rows[:, None] * g_stride
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        col_mask = cols[None, :] < V
+        z = tl.load(z_row + cols[None, :], mask=col_mask, other=0.0)
+        g = _grad_z(z, cols[None, :] == tgt[:, None], lse, g_lp, mean_z, g_ent, HAS_ENT)
+        g = tl.where(valid[:, None], g * inv_t, 0.0)
+        tl.debug_barrier()
+        tl.store(g_row + cols[None, :], g.to(g_ptr.dtype.element_ty), mask=col_mask)
+
+
+def stored_grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where :func:`linear_logprob_stored_bwd` writes ``G`` (``[N, V]`` in ``dtype``) over the fp32 ``logits``: the
+    same elements for fp32, else the first half of each row's storage (row stride ``2 V``)."""
+    if dtype == logits.dtype:
+        return logits
+    return logits.view(dtype)[:, : logits.shape[1]]
+
+
+def linear_logprob_stored_bwd(
+    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, logits,
+    grad_hidden_out, grad_weight_out, accumulate,
+):
+    """:func:`linear_logprob_bwd` from the forward's stored logits instead of recomputing them.
+
+    Args:
+        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index: as in
+            :func:`linear_logprob_bwd`.
+        logits: ``[N, V]`` fp32 from :func:`linear_logprob_stored_fwd`, unit column stride; overwritten with
+            ``G = d loss / d x`` in ``hidden.dtype`` (:func:`stored_grad_view`): its contents are spent.
+        grad_hidden_out: ``[N, H]`` in ``hidden.dtype`` or None: ``G @ weight``.
+        grad_weight_out: ``[V, H]`` or None: ``G.T @ hidden`` (fp32 or ``weight.dtype``), or with ``accumulate``
+            (fp32 only) ``grad_weight_out + G.T @ hidden``.
+
+    Spec: :func:`rlk.reference.logprob.linear_logprob_stored_bwd`. One launch of :data:`_stored_grad_logits_kernel`
+    (``N`` programs; ``G`` rounded to the input dtype as the recomputing backward rounds it), then
+    ``grad_hidden`` through :func:`rlk_triton.matmul._gemm` with the ``K = V`` sum in the ``tree_leaves(V)``
+    segments of the vocabulary's tree (fp32 registers, one rounding; a row's result depends on that row only), and
+    ``grad_weight`` through :func:`_gemm` (rows summed in fixed ``BLOCK_K`` steps, the fp32 ``grad_weight_out``
+    added before the store when accumulating: deterministic). No memory beyond the outputs.
+    """
+    n_rows, vocab = logits.shape
+    g = stored_grad_view(logits, hidden.dtype)
+    has_ent = grad_entropy is not None
+    if has_ent and entropy is None:
+        raise ValueError("linear_logprob_stored_bwd: grad_entropy needs the forward's entropy")
+    if accumulate and (grad_weight_out is None or grad_weight_out.dtype != torch.float32):
+        raise ValueError("linear_logprob_stored_bwd: accumulate needs an fp32 grad_weight_out")
+    cfg = TILE_CONFIGS["stored_grad"][hidden.dtype]
+    with on_device(hidden.device):
+        _stored_grad_logits_kernel[(n_rows,)](
+            logits, g, targets, inv_temperature, lse, entropy if has_ent else lse, grad_logprob,
+            grad_entropy if has_ent else grad_logprob,
+            vocab, logits.stride(0), g.stride(0), ignore_index,
+            HAS_ENT=has_ent, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **_NO_FP_FUSION,
+        )
+        if grad_hidden_out is not None:
+            _tree_gemm(g, weight, None, grad_hidden_out, tree_leaves(vocab, MAX_TREE_LEAVES),
+                       TILE_CONFIGS["stored_grad_hidden"][hidden.dtype])
+        if grad_weight_out is not None:
+            _gemm(g.T, hidden, grad_weight_out, c_in=grad_weight_out if accumulate else None)

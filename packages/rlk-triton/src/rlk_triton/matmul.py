@@ -201,9 +201,10 @@ def _leaves(k: int) -> int:
     return tree_leaves(k, MAX_TREE_LEAVES, MIN_LEAF)
 
 
-def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, leaves: int = 1) -> None:
-    """``out = a @ b (+ bias)`` through :func:`_matmul_kernel` with ``TILE_CONFIGS[a.dtype]``, the ``K`` sum in
-    ``leaves`` segments (``leaves`` divides ``K``).
+def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, leaves: int = 1,
+          cfg: dict[str, int] | None = None) -> None:
+    """``out = a @ b (+ bias)`` through :func:`_matmul_kernel` with ``TILE_CONFIGS[a.dtype]`` (or ``cfg``: another
+    op family's fixed tiles, same keys), the ``K`` sum in ``leaves`` segments (``leaves`` divides ``K``).
 
     ``a`` ``[M, K]`` and ``b`` ``[K, N]`` are any strided views of one dtype; ``out`` ``[M, N]``
     is written through its strides (an fp32 ``out`` for 16-bit inputs keeps the unrounded sum).
@@ -211,7 +212,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torc
     """
     m, k = a.shape
     n = b.shape[1]
-    cfg = TILE_CONFIGS[a.dtype]
+    cfg = TILE_CONFIGS[a.dtype] if cfg is None else cfg
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     with on_device(a.device):
         _matmul_kernel[grid](

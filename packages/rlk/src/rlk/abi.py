@@ -117,6 +117,26 @@ PRIMITIVES: dict[str, Primitive] = {
             "ignore_index: int, divergence: str, beta: float, grad_hidden_out[N,Hs] | None, "
             "grad_weight_out[V,Hs] | None) -> None",
         ),
+        # linear_logprob with stored logits (spec: rlk.reference.logprob): the forward also writes the scaled
+        # logits it reduces (its log-prob, entropy and lse are linear_logprob_fwd's bits on the same backend); the
+        # backward reads them instead of recomputing them. A chunk of rows at a time: fused_linear_policy_loss's
+        # one-pass mode.
+        Primitive(
+            "linear_logprob_stored_fwd",
+            "linear_logprob_stored",
+            "(hidden[N,H] float, weight[V,H] hidden.dtype, targets[N] int64, inv_temperature[N] fp32, "
+            "ignore_index: int, logprob_out[N] fp32, entropy_out[N] fp32 | None, lse_out[N] fp32, "
+            "logits_out[N,V] fp32 (unit column stride; z = x * inv_temperature)) -> None",
+        ),
+        Primitive(
+            "linear_logprob_stored_bwd",
+            "linear_logprob_stored",
+            "(hidden[N,H], weight[V,H], targets[N], inv_temperature[N], lse[N], entropy[N] | None, "
+            "grad_logprob[N] fp32, grad_entropy[N] fp32 | None, ignore_index: int, "
+            "logits[N,V] fp32 (the forward's logits_out; spent: the backend may overwrite it), "
+            "grad_hidden_out[N,H] hidden.dtype | None, grad_weight_out[V,H] fp32 | weight.dtype | None, "
+            "accumulate: bool (grad_weight_out += G.T @ hidden; fp32 only)) -> None",
+        ),
         # Value loss (spec: rlk.reference.losses): [B, T] fp32 tensors (fp64: reference only), bool mask,
         # per-row aggregation weights from rlk.reference.aggregation; old_values is not read when clip is None.
         Primitive(
@@ -313,6 +333,7 @@ OPS: dict[str, Op] = {
         Op("selected_logprob", "selected_logprob_fwd", "selected_logprob_bwd", _FLOAT_DTYPES),
         Op("linear_logprob", "linear_logprob_fwd", "linear_logprob_bwd", _FLOAT_DTYPES),
         Op("fused_linear_kl", "fused_linear_kl_fwd", "fused_linear_kl_bwd", _FLOAT_DTYPES),
+        Op("linear_logprob_stored", "linear_logprob_stored_fwd", "linear_logprob_stored_bwd", _FLOAT_DTYPES),
         # the op layer upcasts 16-bit inputs: the primitives see float32 only
         Op("value_loss", "value_loss_fwd", "value_loss_bwd", ("float32",)),
         Op("dpo_loss", "dpo_loss_fwd", "dpo_loss_bwd", ("float32",)),

@@ -342,6 +342,22 @@ def linear_logprob(
         fp32 ``logprob`` (and ``entropy``) of shape ``targets.shape``,
         differentiable w.r.t. ``hidden`` and ``weight``.
     """
+    flat_hidden, weight, flat_targets, inv_t, ignore_index = linear_inputs(hidden, weight, targets, temperature,
+                                                                           ignore_index)
+    lead = hidden.shape[:-1]
+    logprob, entropy, _ = _linear_logprob_fwd(
+        flat_hidden, weight, flat_targets, inv_t, ignore_index, bool(return_entropy)
+    )
+    if return_entropy:
+        return logprob.view(lead), entropy.view(lead)
+    return logprob.view(lead)
+
+
+def linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float | Tensor,
+                  ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """:func:`linear_logprob`'s argument checks (errors name the argument) and its primitives' inputs:
+    ``hidden`` as ``[N, H]``, ``weight`` contiguous, ``targets`` int64 ``[N]``, ``inv_temperature`` ``[N]``
+    (fp32; fp64 for fp64 inputs) and ``ignore_index`` as an int."""
     check_float("hidden", hidden)
     check_float("weight", weight)
     if hidden.dim() < 1 or hidden.shape[-1] == 0:
@@ -359,9 +375,10 @@ def linear_logprob(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
     inv_t = _inv_temperature(temperature, lead, hidden.device, checks.stat_dtype(hidden))
-    logprob, entropy, _ = _linear_logprob_fwd(
-        flat_hidden, weight.contiguous(), flat_targets, inv_t, ignore_index, bool(return_entropy)
-    )
-    if return_entropy:
-        return logprob.view(lead), entropy.view(lead)
-    return logprob.view(lead)
+    return flat_hidden, weight.contiguous(), flat_targets, inv_t, ignore_index
+
+
+def check_target_values(targets: Tensor, inv_temperature: Tensor, vocab: int, ignore_index: int) -> None:
+    """The value checks of :func:`linear_logprob`'s forward (targets in range, temperatures > 0): one host
+    synchronization, skipped with ``RLK_CHECK_VALUES=0``. For ops that run its primitives themselves."""
+    _check_values(targets, inv_temperature, vocab, ignore_index)

@@ -139,10 +139,22 @@ def _policy_loss_fwd(
     flags: list[bool],
     params: list[float],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    attrs = dict(zip(_BOOL_ATTRS, flags)) | dict(zip(_FLOAT_ATTRS, params))
-    with_entropy_grad = attrs.pop("with_entropy_grad")
     checks.check_normalizer_values(dict(zip(_NORMALIZERS, (global_tokens, global_seqs, loss_scale))))
     norms = _normalizers([global_tokens, global_seqs, loss_scale], params[len(_FLOAT_ATTRS):])
+    return forward_primitive(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy,
+                             norms, agg, loss, kl, flags, params)
+
+
+def forward_primitive(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
+                      importance_weights: Tensor | None, ref_logprob: Tensor | None, entropy: Tensor | None,
+                      norms: dict[str, object], agg: str, loss: str, kl: str, flags: list[bool],
+                      params: list[float]) -> tuple[Tensor, ...]:
+    """The body of ``rlk::policy_loss_fwd`` once its normalizers' values are checked: the outputs allocated, the
+    backend's ``policy_loss_fwd`` run on canonical inputs (:class:`PolicyLossCall`'s). ``norms`` maps each name of
+    ``_NORMALIZERS`` to a number, a one-element tensor or None. Also the per-chunk calls of
+    ``fused_linear_policy_loss``'s one-pass mode."""
+    attrs = dict(zip(_BOOL_ATTRS, flags)) | dict(zip(_FLOAT_ATTRS, params))
+    with_entropy_grad = attrs.pop("with_entropy_grad")
     out = _fwd_outputs(logprob, with_entropy_grad)
     loss_out, grad_lp, grad_ent, row_weight, stats, metrics = out
     backend = dispatch.select("policy_loss", logprob.device, logprob.dtype)
@@ -420,53 +432,74 @@ def policy_loss_and_grad(
     return PolicyLossAndGrad(loss_value, grad_lp, grad_ent, metrics)
 
 
-def _policy_loss(
-    fused: bool,
-    logprob: Tensor,
+class PolicyLossCall(NamedTuple):
+    """One policy-loss call, checked and in canonical form (what :func:`prepare` returns): the ``[B, T]`` inputs
+    other than the log-probs (compute dtype, contiguous; ``old`` None for on-policy, then the log-probs themselves),
+    and the arguments of ``rlk::policy_loss_fwd`` after its tensors."""
+
+    old: Tensor | None
+    advantages: Tensor
+    mask: Tensor
+    importance_weights: Tensor | None
+    ref_logprob: Tensor | None
+    norm_tensors: list[Tensor | None]
+    agg: str
+    loss: str
+    kl: str
+    flags: list[bool]
+    params: list[float]
+    with_entropy_grad: bool
+    metric_names: list[str]
+
+    def normalizers(self) -> dict[str, object]:
+        """The normalizers by name (numbers, one-element tensors or None), as the forward primitive takes them."""
+        return _normalizers(self.norm_tensors, self.params[len(_FLOAT_ATTRS):])
+
+
+def prepare(
+    shape: tuple[int, int],
+    device: torch.device,
+    cdt: torch.dtype,
     old_logprob: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
     *,
-    loss: str,
-    clip_low: float,
-    clip_high: float | None,
-    dual_clip: float | None,
-    clamp_log_ratio: float | tuple[float | None, float | None] | None,
-    cispo_form: str,
-    sapo_tau: tuple[float, float],
-    importance_weights: Tensor | None,
-    agg: str,
-    global_tokens: float | Tensor | None,
-    global_seqs: float | Tensor | None,
-    loss_scale: float | Tensor | None,
-    ref_logprob: Tensor | None,
-    kl: str,
-    kl_coef: float,
-    kl_k3_clamp: bool,
-    kl_clamp: float | None,
-    kl_unbiased: bool,
-    entropy: Tensor | None,
-    entropy_coef: float,
-    vespo_k: tuple[float, float],
-    vespo_lambda: tuple[float, float],
-) -> tuple[Tensor, Tensor | None, Tensor | None, dict[str, Tensor]]:
-    """The body of :func:`policy_loss` (``fused=False``: the loss differentiable, no gradients returned) and
-    :func:`policy_loss_and_grad` (``fused=True``: detached loss and the gradients)."""
-    # --- tensors -------------------------------------------------------------------------
-    if not isinstance(logprob, Tensor):
-        raise TypeError(f"logprob: expected a torch.Tensor, got {type(logprob).__name__}")
-    if logprob.dim() != 2:
-        raise ValueError(f"logprob: expected shape [B, T] (rows are sequences), got {tuple(logprob.shape)}")
-    device, shape = logprob.device, tuple(logprob.shape)
-    _check_tensor("logprob", logprob, (shape,), device)
+    entropy: Tensor | bool | None,
+    loss: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    clamp_log_ratio: float | tuple[float | None, float | None] | None = None,
+    cispo_form: str = "clip",
+    sapo_tau: tuple[float, float] = (1.0, 1.05),
+    importance_weights: Tensor | None = None,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    loss_scale: float | Tensor | None = None,
+    ref_logprob: Tensor | None = None,
+    kl: str = "k3",
+    kl_coef: float = 0.0,
+    kl_k3_clamp: bool = True,
+    kl_clamp: float | None = None,
+    kl_unbiased: bool = False,
+    entropy_coef: float = 0.0,
+    vespo_k: tuple[float, float] = (2.0, 3.0),
+    vespo_lambda: tuple[float, float] = (3.0, 2.0),
+) -> PolicyLossCall:
+    """Check the arguments of a policy-loss call on ``[B, T] = shape`` log-probs (compute dtype ``cdt``) and put
+    them in canonical form; errors name the argument. ``entropy``: the entropy tensor (checked here), ``True`` when
+    the caller computes it itself (``fused_linear_policy_loss``), or None. The keywords are
+    :func:`policy_loss`'s."""
     b = shape[0]
     if old_logprob is not None:
         _check_tensor("old_logprob", old_logprob, (shape,), device)
     _check_tensor("advantages", advantages, (shape, (b,), (b, 1)), device)
     _check_tensor("mask", mask, (shape,), device, floating=False)
     for name, x in (("importance_weights", importance_weights), ("ref_logprob", ref_logprob), ("entropy", entropy)):
-        if x is not None:
+        if x is not None and not (name == "entropy" and x is True):
             _check_tensor(name, x, (shape,), device)
+    has_entropy = entropy is not None
 
     # --- attributes ----------------------------------------------------------------------
     if loss not in LOSSES:
@@ -502,10 +535,9 @@ def _policy_loss(
         raise ValueError("ref_logprob: required when kl_coef != 0 (the KL term needs the reference log-probs)")
     kl_clamp_value = _INF if kl_clamp is None else checks.number("kl_clamp", kl_clamp, above=0.0)
     entropy_coef = checks.number("entropy_coef", entropy_coef)
-    if entropy_coef != 0 and entropy is None:
+    if entropy_coef != 0 and not has_entropy:
         raise ValueError("entropy: required when entropy_coef != 0")
     mask_bool = mask if mask.dtype == torch.bool else mask != 0
-    cdt = _compute_dtype(logprob)
     aggregation.check_agg(agg, device, global_tokens, global_seqs, loss_scale)
     norm_tensors = [x.detach().reshape(()).to(cdt) if isinstance(x, Tensor) else None
                     for x in (global_tokens, global_seqs, loss_scale)]
@@ -513,17 +545,58 @@ def _policy_loss(
                     for x in (global_tokens, global_seqs, loss_scale)]
 
     # --- canonical inputs ----------------------------------------------------------------
-    lp = (logprob.detach() if fused else logprob).to(cdt).contiguous()
-    old = lp.detach() if old_logprob is None else old_logprob.detach().to(cdt).contiguous()
+    old = None if old_logprob is None else old_logprob.detach().to(cdt).contiguous()
     adv = advantages.detach().to(cdt).reshape(b, 1 if advantages.dim() == 1 else advantages.shape[1]).contiguous()
 
     def detached(x: Tensor | None) -> Tensor | None:
         return None if x is None else x.detach().to(cdt).contiguous()
 
-    with_entropy_grad = entropy is not None and entropy_coef != 0
+    with_entropy_grad = has_entropy and entropy_coef != 0
+    flags = [cispo_form == "upper", bool(kl_k3_clamp), kl_straight, bool(kl_unbiased), with_entropy_grad]
+    params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos,
+              tau_neg, kl_coef, kl_clamp_value, entropy_coef, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+              vespo_lambda_neg, *norm_numbers]
+    names = ["clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
+    if has_entropy:
+        names.append("entropy_mean")
+    if ref_logprob is not None:
+        names.append("kl_mean")
+    return PolicyLossCall(old, adv, mask_bool.contiguous(), detached(importance_weights), detached(ref_logprob),
+                          norm_tensors, agg, loss, kl, flags, params, with_entropy_grad, names)
+
+
+def metrics_dict(call: PolicyLossCall, metrics: Tensor) -> dict[str, Tensor]:
+    """The public metrics dict of a call from the forward primitive's ``metrics_out`` (detached 0-d tensors)."""
+    values = dict(zip(METRICS, metrics.detach().unbind()))
+    return {name: values[name] for name in call.metric_names}
+
+
+def _policy_loss(
+    fused: bool,
+    logprob: Tensor,
+    old_logprob: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    entropy: Tensor | None,
+    **kwargs,
+) -> tuple[Tensor, Tensor | None, Tensor | None, dict[str, Tensor]]:
+    """The body of :func:`policy_loss` (``fused=False``: the loss differentiable, no gradients returned) and
+    :func:`policy_loss_and_grad` (``fused=True``: detached loss and the gradients)."""
+    if not isinstance(logprob, Tensor):
+        raise TypeError(f"logprob: expected a torch.Tensor, got {type(logprob).__name__}")
+    if logprob.dim() != 2:
+        raise ValueError(f"logprob: expected shape [B, T] (rows are sequences), got {tuple(logprob.shape)}")
+    device, shape = logprob.device, tuple(logprob.shape)
+    _check_tensor("logprob", logprob, (shape,), device)
+    cdt = _compute_dtype(logprob)
+    call = prepare(shape, device, cdt, old_logprob, advantages, mask, entropy=entropy, **kwargs)
+    lp = (logprob.detach() if fused else logprob).to(cdt).contiguous()
+    old = lp.detach() if call.old is None else call.old
+    with_entropy_grad = call.with_entropy_grad
     ent = None
     if entropy is not None:
-        ent = entropy.to(cdt).contiguous() if with_entropy_grad and not fused else detached(entropy)
+        ent = entropy.to(cdt).contiguous() if with_entropy_grad and not fused else entropy.detach().to(cdt).contiguous()
     if lp.numel() == 0:
         zero = lp.sum() * 0.0
         if with_entropy_grad:
@@ -532,21 +605,11 @@ def _policy_loss(
         grad_lp = torch.zeros_like(lp)
         grad_ent = torch.zeros_like(ent) if with_entropy_grad else None
     else:
-        flags = [cispo_form == "upper", bool(kl_k3_clamp), kl_straight, bool(kl_unbiased), with_entropy_grad]
-        params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos,
-                  tau_neg, kl_coef, kl_clamp_value, entropy_coef, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                  vespo_lambda_neg, *norm_numbers]
         out_loss, grad_lp, grad_ent, _, _, metrics = _policy_loss_fwd(
-            lp, old, adv, mask_bool.contiguous(), detached(importance_weights), detached(ref_logprob), ent,
-            *norm_tensors, agg, loss, kl, flags, params,
+            lp, old, call.advantages, call.mask, call.importance_weights, call.ref_logprob, ent,
+            *call.norm_tensors, call.agg, call.loss, call.kl, call.flags, call.params,
         )
-    values = dict(zip(METRICS, metrics.detach().unbind()))
-    names = ["clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
-    if entropy is not None:
-        names.append("entropy_mean")
-    if ref_logprob is not None:
-        names.append("kl_mean")
-    metrics = {name: values[name] for name in names}
+    metrics = metrics_dict(call, metrics)
     if not fused:
         return out_loss, None, None, metrics
     grad_lp = grad_lp.to(logprob.dtype)

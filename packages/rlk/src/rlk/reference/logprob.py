@@ -266,6 +266,23 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
     _forward(tile, hidden.shape[0], vocab, leaves, targets, ignore_index, logprob_out, entropy_out, lse_out)
 
 
+def linear_logprob_stored_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
+                              lse_out, logits_out):
+    """:func:`linear_logprob_fwd`, and every tile of scaled logits ``z`` it reduces is also written to
+    ``logits_out`` ``[N, V]`` (compute dtype): the same tiles in the same order, so the log-prob, entropy and lse
+    are ``linear_logprob_fwd``'s bits."""
+    vocab = weight.shape[0]
+    tile = _linear_tile(hidden, weight, inv_temperature)
+
+    def storing(r0: int, r1: int, v0: int, v1: int) -> torch.Tensor:
+        z = tile(r0, r1, v0, v1)
+        logits_out[r0:r1, v0:v1] = z
+        return z
+
+    leaves = tree_leaves(vocab, MAX_TREE_LEAVES)
+    _forward(storing, hidden.shape[0], vocab, leaves, targets, ignore_index, logprob_out, entropy_out, lse_out)
+
+
 def linear_logprob_shard_fwd(hidden, weight, targets, inv_temperature, leaves, state_out, z_target_out):
     """The partial forward of one vocab shard of ``leaves`` whole leaves of the full vocabulary's tree.
 
@@ -298,13 +315,16 @@ def linear_logprob_combine_fwd(states, z_target, targets, ignore_index, logprob_
 
 def _linear_bwd_leaves(
     hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
-    grad_weight_out, need_grad_hidden,
+    grad_weight_out, need_grad_hidden, tile: ZTile | None = None, accumulate: bool = False,
 ):
     """``grad_weight_out`` (if given) and the leaf tree's sum of ``G @ weight`` (if ``need_grad_hidden``), in the
-    compute dtype: each leaf sums its ``VOCAB_CHUNK`` chunks in order, the leaves are summed by :func:`tree_reduce`."""
+    compute dtype: each leaf sums its ``VOCAB_CHUNK`` chunks in order, the leaves are summed by :func:`tree_reduce`.
+    ``tile`` gives the scaled logits (default: recomputed from hidden and weight); ``accumulate`` adds the weight
+    gradient to ``grad_weight_out`` instead of writing it."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     cdt = _compute_dtype(hidden.dtype)
-    tile = _linear_tile(hidden, weight, inv_temperature)
+    if tile is None:
+        tile = _linear_tile(hidden, weight, inv_temperature)
     leaf_size = vocab // leaves
 
     def leaf(j: int):
@@ -330,7 +350,10 @@ def _linear_bwd_leaves(
                 if grad_weight_acc is not None:
                     grad_weight_acc += g.T @ hidden[rows].to(cdt)
             if grad_weight_acc is not None:
-                grad_weight_out[v0:v1] = grad_weight_acc
+                if accumulate:
+                    grad_weight_out[v0:v1] += grad_weight_acc
+                else:
+                    grad_weight_out[v0:v1] = grad_weight_acc
         return acc
 
     return tree_reduce(leaf, leaves, lambda a, b: None if a is None else a + b)
@@ -343,6 +366,26 @@ def linear_logprob_bwd(
     acc = _linear_bwd_leaves(
         hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
         tree_leaves(weight.shape[0], MAX_TREE_LEAVES), grad_weight_out, grad_hidden_out is not None,
+    )
+    if grad_hidden_out is not None:
+        grad_hidden_out.copy_(acc)
+
+
+def linear_logprob_stored_bwd(
+    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, logits,
+    grad_hidden_out, grad_weight_out, accumulate,
+):
+    """:func:`linear_logprob_bwd` with the scaled logits read from ``logits`` ``[N, V]`` (the forward's
+    ``logits_out``) instead of recomputed: the same tiles, sums and tree. ``grad_weight_out`` (compute dtype, or
+    ``weight.dtype`` when not accumulating) gets ``G.T @ hidden``, added to it with ``accumulate``; ``logits`` is
+    left as it is (the ABI lets a backend overwrite it)."""
+    def stored(r0: int, r1: int, v0: int, v1: int) -> torch.Tensor:
+        return logits[r0:r1, v0:v1]
+
+    acc = _linear_bwd_leaves(
+        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
+        tree_leaves(weight.shape[0], MAX_TREE_LEAVES), grad_weight_out, grad_hidden_out is not None, tile=stored,
+        accumulate=accumulate,
     )
     if grad_hidden_out is not None:
         grad_hidden_out.copy_(acc)
