@@ -36,9 +36,11 @@ CHUNK_TOKENS = 2048
 #: one-pass mode cuts their batch into chunks of whole sequences. Every other loss is token-local.
 SEQUENCE_LEVEL_LOSSES = ("gspo", "geo_mean", "vespo")
 #: The backends on which ``mode="auto"`` picks the one-pass mode: those whose one-pass kernels are written for
-#: speed. The reference backend implements the same primitives as a readable specification; ``auto`` keeps its
-#: lean path, the memory-bounded CPU default.
-ONE_PASS_BACKENDS = ("triton",)
+#: speed and verified on a GPU. The reference backend implements the same primitives as a readable specification;
+#: ``auto`` keeps its lean path, the memory-bounded CPU default. Empty for now: the Triton one-pass kernels are
+#: verified on the CPU (interpreter, fp32 and fp16) but not yet on a GPU (bf16, the in-place 16-bit gradient
+#: packing, time and memory: issue 19), so ``auto`` stays lean until they are; ``mode="one_pass"`` runs them.
+ONE_PASS_BACKENDS: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ def decide_mode(hidden: Tensor, weight: Tensor, targets: Tensor, *, mode: str = 
         return ModeDecision("lean", lin, reason)
     if mode == "auto":
         if lin not in ONE_PASS_BACKENDS:
-            return ModeDecision("lean", lin, f"auto picks one_pass on {', '.join(ONE_PASS_BACKENDS)} only")
+            where = ", ".join(ONE_PASS_BACKENDS) or "no backend yet (the one-pass kernels await a GPU check)"
+            return ModeDecision("lean", lin, f"auto picks one_pass on {where} only")
         length = targets.shape[-1] if targets.dim() else 1
         if loss in SEQUENCE_LEVEL_LOSSES and length > chunk_tokens:
             return ModeDecision("lean", lin, f"loss={loss!r} needs whole sequences in a chunk, and "
@@ -317,8 +320,10 @@ def fused_linear_policy_loss(
       written (summed) in place: ``rows (V 4 + H e) + V H e + N H e``. At B T = 16384, H = 4096, V = 151936 in bf16
       with the default ``chunk_tokens = 2048``: 2.32 + 1.17 + 0.125 GiB, about 3.6 GiB including the returned
       gradients. ``chunk_tokens`` trades the buffer for the size of the GEMMs.
-    * ``mode="auto"`` (default): one pass where ``linear_logprob`` runs on the Triton backend (the batch has
-      tokens and something needs a gradient; sequence-level losses with ``T <= chunk_tokens``), else lean.
+    * ``mode="auto"`` (default): one pass where ``linear_logprob`` runs on a backend of
+      :data:`ONE_PASS_BACKENDS` (the batch has tokens and something needs a gradient; sequence-level losses with
+      ``T <= chunk_tokens``), else lean. That tuple is empty until the Triton one-pass kernels are verified on a
+      GPU: today ``auto`` is lean, and ``mode="one_pass"`` (on the Triton backend) asks for the new path.
 
     On a batch-invariant backend (Triton) both modes give the same log-probs, entropy, loss and metrics bit for bit
     (the reference backend implements the one-pass primitives as their readable spec, but its matmuls may round
