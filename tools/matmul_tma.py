@@ -4,7 +4,7 @@ Not part of any package (it lives in tools/, next to its sweep). It exists to te
 loads and/or a persistent schedule bring the 16-bit forward of :mod:`rlk_triton.matmul` closer to
 cuBLAS with one tile configuration for every ``M`` (``tools/sweep_matmul_tma.py`` measures it).
 
-Result on an H200 (2026-11-29, Triton 3.6, ``docs/results/2026-11-29-h200-s3/sweep_matmul_tma.log``):
+Result on an H200 (2026-11-29, Triton 3.6, run 3 in ``docs/performance.md``; its log in the git history):
 no single configuration meets both targets. The best large-M candidate (128x256x64 w8 s3,
 persistent) reaches a worst 0.86x cuBLAS at M >= 1024 but 0.26x at M <= 64; the shipped
 pointer-load kernel gives 0.64x / 0.66x. Every candidate was batch-invariant and gave bitwise the
