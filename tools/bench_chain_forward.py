@@ -1,6 +1,6 @@
 """Forward throughput of rlk's batch-invariant chain vs stock kernels on a transformers causal LM.
 
-Issue 6's target: the invariant chain costs at most 20% over stock kernels on the H200 forward. ``rlk consistency``
+The target: the invariant chain costs at most 20% over stock kernels on the H200 forward. ``rlk consistency``
 times only its tiny prompt set (host-bound); this tool times realistic shapes, chain off and on, in one process on
 one model (:func:`rlk.consistency.harness.build_model`), switching with :func:`rlk.consistency.paths.chain`
 (on: ``rlk.batch_invariant()`` + ``rlk.patch_model(model)``; off: stock PyTorch / cuBLAS / SDPA). Inputs are fed

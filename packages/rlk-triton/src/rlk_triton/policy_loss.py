@@ -71,7 +71,7 @@ except ImportError:  # a Triton built without its CUDA backend (ROCm): programma
 #: step of the in-row sums; elements per program of the elementwise kernels; rows per step
 #: (lanes) of the final sum over rows. Fixed: results never depend on the batch. BLOCK_T and NUM_WARPS:
 #: the fastest token pass of tools/sweep_policy_loss.py on the H200 (BLOCK_T 512-4096 x 2-8 warps; again
-#: in session 6 under register limits of 40-64 per thread, see MAX_REGISTERS).
+#: under register limits of 40-64 per thread, see MAX_REGISTERS).
 BLOCK_T = 1024
 PARTS_BLOCK = 32
 BLOCK_ELEMENTWISE = 1024

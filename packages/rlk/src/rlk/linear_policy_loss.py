@@ -39,7 +39,7 @@ SEQUENCE_LEVEL_LOSSES = ("gspo", "geo_mean", "vespo")
 #: speed and verified on a GPU. The reference backend implements the same primitives as a readable specification;
 #: ``auto`` keeps its lean path, the memory-bounded CPU default. Empty for now: the Triton one-pass kernels are
 #: verified on the CPU (interpreter, fp32 and fp16) but not yet on a GPU (bf16, the in-place 16-bit gradient
-#: packing, time and memory: issue 19), so ``auto`` stays lean until they are; ``mode="one_pass"`` runs them.
+#: packing, time and memory), so ``auto`` stays lean until they are; ``mode="one_pass"`` runs them.
 ONE_PASS_BACKENDS: tuple[str, ...] = ()
 
 
