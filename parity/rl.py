@@ -356,7 +356,7 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOut
 # ---------------------------------------------------------------------------
 
 
-def _policy_scales(params: dict, x: dict, truth: RLOutputs) -> dict[str, torch.Tensor]:
+def _policy_scales(params: dict, x: dict, truth: RLOutputs) -> tuple[dict[str, torch.Tensor], float]:
     kw = _policy_kwargs(params, x)
     agg_kw = {k: kw.get(k) for k in ("global_tokens", "global_seqs", "loss_scale")}
     row_weight = aggregation.row_weights(x["mask"], kw["agg"], dtype=torch.float64, **agg_kw)
@@ -370,7 +370,7 @@ def _policy_scales(params: dict, x: dict, truth: RLOutputs) -> dict[str, torch.T
                               x["importance_weights"], x["ref_logprob"], x["entropy"], **attrs)
     extra = {"loss": s["loss"].reshape(1)}
     extra |= {name: s["metrics"][ref_pl.METRICS.index(name)].reshape(1) for name in truth.values if name != "loss"}
-    return {name: 1.0 + truth.values[name].abs() + extra[name] for name in truth.values}
+    return {name: 1.0 + truth.values[name].abs() + extra[name] for name in truth.values}, float(s["grad_max_scale"])
 
 
 def _dpo_scales(params: dict, x: dict, truth: RLOutputs) -> tuple[dict[str, torch.Tensor], float]:
@@ -384,7 +384,14 @@ def _dpo_scales(params: dict, x: dict, truth: RLOutputs) -> tuple[dict[str, torc
                                          x["len_chosen"], x["len_rejected"], beta, loss_type, eps)
     per_pair = 1 + truth.values["losses"].abs() + dl_dx.abs() * s
     reward = (1 + beta * s.mean()).reshape(1)
-    scales = {"losses": per_pair, "loss": per_pair.mean().reshape(1), "reward_accuracy": torch.ones_like(reward)}
+    # reward_accuracy counts [margin > 0]: a pair whose exact margin is within fp32 rounding of 0 may count either
+    # way, so each such pair adds 1 / P to the allowed error (scale * rtol)
+    raw = 1 + x["chosen"].abs() + x["rejected"].abs() + x["ref_chosen"].abs() + x["ref_rejected"].abs()
+    margin = beta * ((x["chosen"] - x["ref_chosen"]) - (x["rejected"] - x["ref_rejected"]))
+    rtol = contract.entry("dpo_loss", torch.float32).rtol
+    ties = (margin.abs() <= 8 * torch.finfo(torch.float32).eps * beta * raw).sum()
+    accuracy = (1 + ties / (max(margin.numel(), 1) * rtol)).reshape(1)
+    scales = {"losses": per_pair, "loss": per_pair.mean().reshape(1), "reward_accuracy": accuracy}
     scales |= {name: reward for name in ("rewards_chosen", "rewards_rejected", "reward_margin")}
     k = 1.0 if loss_type == "ipo" else beta
     return scales, float((k * s).max())
@@ -394,7 +401,7 @@ def scales(case: RLCase, x: dict[str, torch.Tensor], truth: RLOutputs) -> tuple[
     """Per-output scales and the gradients' ``max_scale``, as the op's contract entry describes them."""
     op, params, v = case.op, case.kwargs, truth.values
     if op == "policy_loss":
-        return _policy_scales(params, x, truth), 1.0
+        return _policy_scales(params, x, truth)
     if op == "kl_penalty":
         return {"kl": 1.0 + v["kl"].abs()}, 1.0
     if op == "rollout_correction":

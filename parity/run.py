@@ -232,8 +232,8 @@ def reference_lse(op: str, inputs: cs.Inputs) -> torch.Tensor:
 
 @dataclass
 class GroundTruth:
-    """fp64 reference outputs and gradients of one case, with the contract's row scales and, for the linear
-    log-prob's gradients, their terms' magnitudes (``rlk.contract.compare_grad``)."""
+    """fp64 reference outputs and gradients of one case, with the contract's row scales and the gradients' terms'
+    magnitudes (``rlk.contract.compare_grad``)."""
 
     outputs: Outputs
     scale: torch.Tensor
@@ -244,6 +244,24 @@ class GroundTruth:
 #: Rows per step, and the largest ``N * V``, of :func:`linear_grad_magnitudes` (bounded fp64 memory and time).
 _MAGNITUDE_ROWS = 256
 _MAGNITUDE_MAX_ELEMENTS = 1 << 28
+
+
+def selected_grad_magnitudes(exact: cs.Inputs, with_entropy: bool) -> dict[str, torch.Tensor]:
+    """The size of the terms of ``selected_logprob``'s logits gradient (the loss of :func:`forward_backward`), fp64:
+    ``|c1| (onehot + p) / T`` plus, with the entropy, ``|c2| p (|log p| + H) / T``. ``onehot - p`` cancels where
+    the target's probability is near 1 (``1 - p`` in fp32 is good to ``ulp(1)``, not to its own size)."""
+    t = exact.temperature
+    t = t[:, None] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+    valid = exact.targets != cs.IGNORE_INDEX
+    logp = torch.log_softmax(torch.where(valid[:, None], exact.x, 0.0) / t, dim=-1)
+    p = logp.exp()
+    onehot = torch.zeros_like(p)
+    onehot[valid.nonzero()[:, 0], exact.targets[valid]] = 1.0
+    mag = exact.c1.abs()[:, None] * (onehot + p) / t
+    if with_entropy:
+        p_abs_logp = torch.where(p > 0, -p * logp, 0.0)
+        mag = mag + exact.c2.abs()[:, None] * (p_abs_logp + p * p_abs_logp.sum(-1, keepdim=True)) / t
+    return {"grad_logits": torch.where(valid[:, None], mag, 0.0)}
 
 
 def linear_grad_magnitudes(exact: cs.Inputs, with_entropy: bool) -> dict[str, torch.Tensor]:
@@ -274,7 +292,10 @@ def ground_truth(op: str, low: cs.Inputs, with_entropy: bool) -> GroundTruth:
     scale = contract.row_scale(outputs.logprob, reference_lse(op, exact))
     valid = exact.targets != cs.IGNORE_INDEX
     max_scale = float(scale[valid].max()) if bool(valid.any()) else 0.0
-    magnitudes = linear_grad_magnitudes(exact, with_entropy) if op == "linear_logprob" else {}
+    if op == "linear_logprob":
+        magnitudes = linear_grad_magnitudes(exact, with_entropy)
+    else:
+        magnitudes = selected_grad_magnitudes(exact, with_entropy)
     return GroundTruth(outputs, scale, max_scale, magnitudes)
 
 

@@ -119,8 +119,8 @@ def check_logprob_matches_reference(backend: str, case: LogprobCase) -> None:
     low = logprob_inputs(case).cast(DTYPES[case.dtype], DEVICE)
     with on_backend(backend):
         got = parity_run.forward_backward(case.op, low, case.entropy)
-    if case.n:
-        truth = parity_run.ground_truth(case.op, low, case.entropy)
+    truth = parity_run.ground_truth(case.op, low, case.entropy) if case.n else None
+    if truth is not None:
         for dev in parity_run.compare(case.op, DTYPES[case.dtype], got, truth):
             assert dev.ok, f"{case.op} {dev.name}: {dev} (worst deviation / allowed = {dev.ratio:.3g})"
     check_finite("logprob", got.logprob)
@@ -133,7 +133,10 @@ def check_logprob_matches_reference(backend: str, case: LogprobCase) -> None:
     if got.entropy is not None:
         check_equal("entropy of ignored rows", got.entropy[ignored], torch.zeros_like(got.entropy[ignored]))
     for name, grad in got.grads.items():
-        check_finite(name, grad)
+        # finite wherever the exact gradient is representable: beyond the dtype's largest value a correctly
+        # rounded inf is the right answer (float16 weight gradients at temperature 0.05, say)
+        fits = None if truth is None else torch.isfinite(truth.outputs.grads[name].to(grad.dtype))
+        check_finite(name, grad, fits)
         if name != "grad_weight":
             check_equal(f"{name} of ignored rows", grad[ignored], torch.zeros_like(grad[ignored]))
 

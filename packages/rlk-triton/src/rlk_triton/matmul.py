@@ -61,9 +61,15 @@ from rlk_triton.common import dot, grouped_tile, on_device
 #: 0.18-0.53x. No single pointer-load config reached 0.85x at large M (see the sweep's notes).
 TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
     torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
-    torch.float16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
-    torch.bfloat16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+    torch.float16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4,
+                    "tree_num_warps": 8},
+    torch.bfloat16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4,
+                     "tree_num_warps": 8},
 }
+#: ``tree_num_warps``: the warps of a sum in more than one ``K`` segment (up to 4 fp32 accumulators live at once).
+#: On 4 warps ptxas spills them and the tree ran 7.1-8.5x slower than one segment on an H200 (Qwen3-8B
+#: projections, M = 1024-16384); on 8 warps 1.45-1.8x (``tools/bench_distributed_sim.py``, docs/distributed.md).
+#: The warps split the tile's columns, not ``K``.
 
 #: At most this many ``K`` segments (1: one segment, the plain ``K`` loop of the kernel before the tree;
 #: ``tools/bench_distributed_sim.py`` measures both). Read at every call, like :data:`TILE_CONFIGS`.
@@ -213,6 +219,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torc
     m, k = a.shape
     n = b.shape[1]
     cfg = TILE_CONFIGS[a.dtype] if cfg is None else cfg
+    warps = cfg.get("tree_num_warps", cfg["num_warps"]) if leaves > 1 else cfg["num_warps"]
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     with on_device(a.device):
         _matmul_kernel[grid](
@@ -221,7 +228,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torc
             HAS_BIAS=bias is not None, EVEN_K=(k // leaves) % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
             LEAVES=leaves,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=warps, num_stages=cfg["num_stages"],
         )
 
 

@@ -252,7 +252,10 @@ def _count_total(first_ptr, n_count_programs, COUNT_PROGRAMS: tl.constexpr):
     return tl.sum(parts, axis=0).to(tl.float32)
 
 
-@triton.jit
+# T and the advantages' row stride are not specialized: Triton picks a tensor's layout (elements per thread) from
+# what it can prove of their divisibility, and the layout sets the order of tl.sum; a row padded from 16 to 17
+# tokens gave geo_mean gradients 2 ulps apart on an H200 (fuzz long profile) until these two were plain integers.
+@triton.jit(do_not_specialize=["T", "adv_stride_b"])
 def _seq_partials_kernel(
     lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, parts_ptr,
     T, n_chunks, adv_stride_b, adv_stride_t, clip_low, clip_high, clamp_low, clamp_high,
@@ -366,7 +369,7 @@ def _add_stat_tuples(a0, a1, a2, a3, a4, a5, a6, a7, a8, b0, b1, b2, b3, b4, b5,
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, tl.maximum(a6, b6), a7 + b7, a8 + b8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "adv_stride_b"])
 def _policy_loss_chunk_kernel(
     lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, ref_ptr, ent_ptr, parts_ptr, sync_ptr,
     gtok_ptr, gseq_ptr, scale_ptr, grad_lp_ptr, grad_ent_ptr, chunk_stats_ptr, row_weight_ptr,
