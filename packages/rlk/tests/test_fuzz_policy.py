@@ -393,6 +393,39 @@ def test_policy_loss_batch_invariance(backend):
                                                                        limit(backend, 17, 300)), ci=3)
 
 
+#: The long profile's example on an H200: one geo_mean row (T = 16, token advantages, 8 of its 16 gradients
+#: nonzero) alone and padded to 17 in a batch of two were 2 ulps apart.
+PADDED_ROW = RowInBatch(probe=PolicyCase(
+    b=1, t=16, seed=1, kwargs=(("agg", "token-mean"), ("clip_low", 0.2), ("global_tokens", 37.0), ("loss", "geo_mean")),
+    dtype="float32", adv="token", mask="holes", float_mask=False, on_policy=False, tensors=(), norm_tensors=False,
+    spread=0.3, extreme=0.0, kl_extreme=0.0), others=1, position=0, pad=1, seed=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss", ["geo_mean", "gspo", "vespo", "ppo"])
+@pytest.mark.parametrize("pad", [1, 16])
+def test_policy_loss_row_padded_to_another_length_gpu(loss, pad):
+    """A row's gradients alone (T = 16) and padded to T + pad in a batch: the same bits on the Triton backend, whose
+    kernels do not specialize on ``T`` (its divisibility picks the loads' vector width, which sets ``tl.sum``'s
+    order)."""
+    kwargs = tuple((k, loss if k == "loss" else v) for k, v in PADDED_ROW.probe.kwargs)
+    check_policy_loss_batch_invariance("triton", replace(PADDED_ROW, probe=replace(PADDED_ROW.probe, kwargs=kwargs),
+                                                         pad=pad))
+
+
+@pytest.mark.gpu
+def test_policy_loss_kernels_specialized_on_t_break_the_padded_row_gpu(monkeypatch):
+    """Control for the test above: the same two kernels jitted with Triton's default specialization give the
+    H200's 2-ulp difference on the recorded geo_mean row."""
+    import triton
+    from rlk_triton import policy_loss as tk_policy
+
+    for name in ("_seq_partials_kernel", "_policy_loss_chunk_kernel"):
+        monkeypatch.setattr(tk_policy, name, triton.jit(getattr(tk_policy, name).fn))
+    with pytest.raises(AssertionError, match="not bitwise equal"):
+        check_policy_loss_batch_invariance("triton", PADDED_ROW)
+
+
 # =============================================================================================
 # kl_penalty
 # =============================================================================================
