@@ -418,6 +418,7 @@ def test_policy_loss_kernels_specialized_on_t_break_the_padded_row_gpu(monkeypat
     """Control for the test above: the same two kernels jitted with Triton's default specialization give the
     H200's 2-ulp difference on the recorded geo_mean row."""
     import triton
+
     from rlk_triton import policy_loss as tk_policy
 
     for name in ("_seq_partials_kernel", "_policy_loss_chunk_kernel"):
