@@ -67,8 +67,8 @@ TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
                      "tree_num_warps": 8},
 }
 #: ``tree_num_warps``: the warps of a sum in more than one ``K`` segment (up to 4 fp32 accumulators live at once).
-#: On 4 warps ptxas spills them and the tree ran 7.1-8.5x slower than one segment on an H200 (Qwen3-8B
-#: projections, M = 1024-16384); on 8 warps 1.3-1.9x (``tools/bench_distributed_sim.py``, docs/distributed.md).
+#: On 4 warps ptxas spills them and the tree ran 3.4-8.5x slower than one segment on an H200 (forward 7.1-8.5x;
+#: Qwen3-8B projections, M = 1024-16384); on 8 warps 1.3-1.9x (``tools/bench_distributed_sim.py``, docs/distributed.md).
 #: The warps split the tile's columns, not ``K``.
 
 #: At most this many ``K`` segments (1: one segment, the plain ``K`` loop of the kernel before the tree;
