@@ -219,6 +219,39 @@ def policy_inputs(case: PolicyCase) -> dict[str, torch.Tensor]:
     return cast(x, case.dtype)
 
 
+#: Tokens this many fp32 units of the trust-region test's magnitude from dppo's boundary are decided by rounding.
+DPPO_BOUNDARY_ULPS = 64
+
+
+def mask_dppo_boundary(x: dict[str, torch.Tensor], kw: dict) -> dict[str, torch.Tensor]:
+    """``x`` with the tokens whose dppo trust-region decision is rounding noise masked out (as its width-0 case:
+    no tolerance covers a decision that fp32 and the fp64 truth may take either way): ``|p - q - eps|`` (tv) or
+    ``|b - eps|`` (kl), and ``|p - q|`` (kl's ``p <= q``), within ``DPPO_BOUNDARY_ULPS`` fp32 units of the
+    magnitude of their terms. ``b``'s ``log((1 - q) / (1 - p))`` carries the relative error of ``1 - p`` near
+    ``p = 1``, ``2^-24 p / (1 - p)``. Other losses: ``x`` unchanged."""
+    if not kw["loss"].startswith("dppo") or "old_logprob" not in x:
+        return x
+    x64 = as64(x)
+    lp, old, adv = x64["logprob"], x64["old_logprob"], x64["advantages"]
+    adv = adv[:, None] if adv.dim() == 1 else adv
+    p, q = torch.exp(lp), torch.exp(old)
+    eps_low, eps_high = kw.get("clip_low", 0.2), kw.get("clip_high", kw.get("clip_low", 0.2))
+    eps = torch.where(adv > 0, eps_high, eps_low)
+    unit = DPPO_BOUNDARY_ULPS * 2.0**-24
+    near = (p - q).abs() <= unit * (p + q)
+    if kw["loss"] == "dppo_tv":
+        near |= ((p - q).abs() - eps).abs() <= unit * (1.0 + p + q)
+    else:
+        guard = ref_pl.DPPO_KL_GUARD
+        log_term = torch.log((1.0 - q + guard) / (1.0 - p + guard))
+        b = q * (old - lp) + (1.0 - q) * log_term
+        terms = (q * (old - lp)).abs() + (1.0 - q) * (log_term.abs() + p / (1.0 - p + guard) + q / (1.0 - q + guard))
+        near |= (b - eps).abs() <= unit * (1.0 + terms)
+    mask = x["mask"]
+    keep = (~near).to(mask.device)
+    return {**x, "mask": mask * keep.to(mask.dtype) if mask.dtype.is_floating_point else mask & keep}
+
+
 def policy_call_kwargs(case: PolicyCase) -> dict:
     kw = dict(case.kwargs)
     if case.norm_tensors:
@@ -309,7 +342,8 @@ def check_policy_against_truth(x: dict[str, torch.Tensor], kw: dict, got: Policy
         check_value(entry, name, got.metrics[name], value, 1.0 + value.abs() + s["metrics"][ref_pl.METRICS.index(name)])
     check_finite("grad_logprob", got.grad_logprob)
     # vespo's gradient carries phi's relative error (``grad_max_scale``); 1 for the other losses
-    check_grad(entry, "grad_logprob", got.grad_logprob, truth.grad_logprob, float(s["grad_max_scale"]))
+    check_grad(entry, "grad_logprob", got.grad_logprob, truth.grad_logprob, float(s["grad_max_scale"]),
+               s["grad_magnitude"])
     if truth.grad_entropy is not None:
         check_finite("grad_entropy", got.grad_entropy)
         check_grad(entry, "grad_entropy", got.grad_entropy, truth.grad_entropy, 1.0)
@@ -329,7 +363,8 @@ def check_policy_loss_matches_reference(backend: str, case: PolicyCase) -> None:
     upcast (the two entry points agree, and 16-bit inputs are upcast exactly; the gradient is rounded once to
     the input dtype), and those fp32 results agree with the fp64 ground truth under the contract (finite
     wherever the truth is)."""
-    x, kw = policy_inputs(case), policy_call_kwargs(case)
+    kw = policy_call_kwargs(case)
+    x = mask_dppo_boundary(policy_inputs(case), kw)
     with on_backend(backend):
         fused = policy_call(x, kw, fused=True)
         exact = policy_call(as32(x), kw, fused=False)

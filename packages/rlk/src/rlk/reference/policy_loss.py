@@ -387,6 +387,7 @@ def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weight
     elif loss == "geo_mean":
         grad = grad * n[:, None]
     t = {"m": m, "c": row_weight.to(cdt), "n": n, "policy": value, "objective": value, "coef": grad,
+         "coef_terms": grad.abs(),
          "clipped": clipped.to(cdt), "lower": lower.to(cdt), "neg_log_ratio": -log_ratio, "ratio": ratio,
          "log_ratio": lp - old, "kl": torch.zeros_like(lp), "kl_log_ratio": torch.zeros_like(lp),
          "entropy": torch.zeros_like(lp)}
@@ -400,6 +401,11 @@ def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weight
         if kl_coef != 0:
             t["objective"] = t["objective"] + kl_coef * k
             t["coef"] = t["coef"] + kl_coef * dk
+            # every estimator's derivative is a sum of terms bounded by 1, |delta| and exp(-delta) (k3's
+            # 1 - exp(-delta) cancels near delta = 0; its clamp bounds the exponent)
+            exponent = (-delta).clamp(max=K3_LOG_RATIO_CLAMP) if kl_k3_clamp else -delta
+            dk_terms = 1.0 + delta.abs() + torch.exp(exponent)
+            t["coef_terms"] = t["coef_terms"] + abs(kl_coef) * (times(dk_terms, w) if kl_unbiased else dk_terms)
     if entropy is not None:
         t["entropy"] = masked(entropy)
         if entropy_coef != 0:
@@ -506,7 +512,9 @@ def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importanc
         total[2] * inv, total[3] * inv, total[4] * inv, total[5] * inv, stats[:, 6].amax(), total[7] * inv,
         total[8] * inv, torch.ones_like(tokens),
     ])
-    return {"loss": total[0], "row_stats": stats, "metrics": metrics, "grad_max_scale": grad_max_scale}
+    grad_magnitude = t["c"].abs()[:, None] * t["coef_terms"]
+    return {"loss": total[0], "row_stats": stats, "metrics": metrics, "grad_max_scale": grad_max_scale,
+            "grad_magnitude": grad_magnitude}
 
 
 def _vespo_scale(t: dict[str, Tensor], advantages, importance_weights, attrs) -> Tensor:
