@@ -11,12 +11,12 @@
    order (a stock all-reduce) must differ. Writes ``report.json`` (the ``rlk consistency`` schema, parallel
    configurations in ``report["parallel"]``; plus ``drift.html`` when the consistency tool renders it).
 2. Overhead of the tree-aligned single-device kernels against today's (``MAX_TREE_LEAVES = 1``: the kernels'
-   previous reduction order, bit for bit), side by side, median ms from ``triton.testing.do_bench``:
-   ``linear_logprob`` forward / backward at N in 1024, 4096, 16384 (H = 4096, V = 151936; peak memory of the
-   backward) and ``linear`` forward / backward on the Qwen3-8B projections at M in 1024, 4096, 16384. The tree
-   matmul holds up to 4 fp32 accumulators; on the 64x128x128 tile's 4 warps ptxas spills (about 1.2 KB per
-   thread at 8 segments), so the tree runs on 8 warps (``TILE_CONFIGS[...]["tree_num_warps"]``); the
-   ``tree w4`` / ``today w8`` columns time the other warp counts.
+   previous reduction order, bit for bit; for the matmul, ``rlk.tensor_parallel`` off, its default), side by
+   side, median ms from ``triton.testing.do_bench``: ``linear_logprob`` forward / backward at N in 1024, 4096,
+   16384 (H = 4096, V = 151936; peak memory of the backward) and ``linear`` forward / backward on the Qwen3-8B
+   projections at M in 1024, 4096, 16384. The tree matmul holds up to 4 fp32 accumulators; on the 64x128x128
+   tile's 4 warps ptxas spills (about 1.2 KB per thread at 8 segments), so the tree runs on 8 warps
+   (``TILE_CONFIGS[...]["tree_num_warps"]``); the ``tree w4`` / ``today w8`` columns time the other warp counts.
    Target: the tree within 10% of today at M >= 1024.
 
 ``--quick``: the same code on the CPU (Triton interpreter, fp32, the chain test's tiny decoder, K segments of
@@ -205,21 +205,25 @@ def invariance(config, dtype, device, tokens, out_dir) -> dict:
 
 
 class _Tree:
-    """Set the kernels' MAX_TREE_LEAVES (and optionally the bf16 matmul's warps: ``num_warps`` of one segment and
-    ``tree_num_warps`` of the tree) inside a ``with``."""
+    """Set the kernels' MAX_TREE_LEAVES and the matmul's tensor-parallel switch (on for more than one leaf), and
+    optionally the bf16 matmul's warps (``num_warps`` of one segment and ``tree_num_warps`` of the tree), inside a
+    ``with``."""
 
     def __init__(self, leaves: int, warps: int | None = None, dtype=torch.bfloat16):
         self.leaves, self.warps, self.dtype = leaves, warps, dtype
 
     def __enter__(self):
-        self.saved = (tk_logprob.MAX_TREE_LEAVES, tk_matmul.MAX_TREE_LEAVES, dict(tk_matmul.TILE_CONFIGS[self.dtype]))
+        self.saved = (tk_logprob.MAX_TREE_LEAVES, tk_matmul.MAX_TREE_LEAVES, dict(tk_matmul.TILE_CONFIGS[self.dtype]),
+                      rlk.is_tensor_parallel_invariant())
         tk_logprob.MAX_TREE_LEAVES = tk_matmul.MAX_TREE_LEAVES = self.leaves
+        rlk.set_tensor_parallel_invariant(self.leaves > 1)
         if self.warps is not None:
             tk_matmul.TILE_CONFIGS[self.dtype] = dict(self.saved[2], num_warps=self.warps, tree_num_warps=self.warps)
 
     def __exit__(self, *exc):
         tk_logprob.MAX_TREE_LEAVES, tk_matmul.MAX_TREE_LEAVES = self.saved[:2]
         tk_matmul.TILE_CONFIGS[self.dtype] = self.saved[2]
+        rlk.set_tensor_parallel_invariant(self.saved[3])
 
 
 def _variants(device):
@@ -335,6 +339,7 @@ def main(args) -> int:
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else " (Triton interpreter)"))
     results: dict = {"device": str(device), "dtype": str(dtype), "quick": quick}
     ok = True
+    rlk.set_tensor_parallel_invariant(True)  # TP = 1 and the simulated ranks in the tensor-parallel order
     with rlk.use_backend("triton"):
         if not args.skip_invariance:
             results["invariance"] = invariance(config, dtype, device, tokens, args.out)

@@ -218,6 +218,11 @@ def test_tile_configs_are_consistent():
         # 16-bit: the tree's warps (more than one K segment holds up to 4 fp32 accumulators)
         assert set(cfg) == keys | ({"tree_num_warps"} if dtype != torch.float32 else set())
         assert all(isinstance(v, int) and v > 0 for v in cfg.values())
+    for dtype, buckets in tk.M_TILE_CONFIGS.items():
+        bounds = [m_max for m_max, _ in buckets]
+        assert all(isinstance(b, int) for b in bounds[:-1]) and bounds[:-1] == sorted(set(bounds[:-1])), dtype
+        for _, cfg in buckets:
+            assert cfg is None or (set(cfg) == keys and all(isinstance(v, int) and v > 0 for v in cfg.values()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,6 +258,33 @@ def test_probe_row_invariance_headline_gpu(dtype):
     sizes = FULL_M if dtype == torch.bfloat16 else (1, 17, 129, 1024)
     differ = _rows_vs_alone(lambda a, w: run_fwd(tk, a, w.T, bias), dtype, 4096, 4096, sizes)
     assert not differ, f"rows differ from the row computed alone at (M, position) {differ}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_m_tile_buckets_give_the_same_bits_gpu(dtype):
+    """The guard of M_TILE_CONFIGS on this GPU: every bucket's tiles give bitwise TILE_CONFIGS' output
+    (tile_buckets_agree: M 1 ... 1000, K a multiple of BLOCK_K or not, bias, both layouts). A GPU where this fails
+    must not be in SAME_BITS_CAPABILITIES. (test_probe_row_invariance_headline_gpu crosses the buckets through
+    matmul_fwd: rows at M = 1 ... 16384.)"""
+    assert tk.tile_buckets_agree(DEVICE, dtype) == []
+
+
+def test_m_tile_buckets_choice(monkeypatch):
+    """tiles_for: on a checked GPU the bucket of M (one K segment only), elsewhere TILE_CONFIGS; CPU tensors
+    never take the buckets."""
+    cpu = torch.device("cpu")
+    assert not tk.buckets_serve(cpu)
+    assert tk.tiles_for(torch.bfloat16, 1, 1, cpu) is tk.TILE_CONFIGS[torch.bfloat16]
+    monkeypatch.setattr(tk, "buckets_serve", lambda device: True)
+    buckets = tk.M_TILE_CONFIGS[torch.bfloat16]
+    small, large = buckets[0][1], buckets[-1][1]
+    assert tk.tiles_for(torch.bfloat16, 1, 1, cpu) is small and tk.tiles_for(torch.bfloat16, 64, 1, cpu) is small
+    assert tk.tiles_for(torch.bfloat16, 65, 1, cpu) is tk.TILE_CONFIGS[torch.bfloat16]
+    assert tk.tiles_for(torch.bfloat16, 1023, 1, cpu) is tk.TILE_CONFIGS[torch.bfloat16]
+    assert tk.tiles_for(torch.bfloat16, 1024, 1, cpu) is large
+    assert tk.tiles_for(torch.bfloat16, 1, 8, cpu) is tk.TILE_CONFIGS[torch.bfloat16]  # the tree keeps its tiles
+    assert tk.tiles_for(torch.float32, 1, 1, cpu) is tk.TILE_CONFIGS[torch.float32]
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
+import rlk
 from rlk_triton import logprob as tk
 from rlk_triton import matmul as tm
 
@@ -50,6 +51,13 @@ def small_tiles(monkeypatch):
     for dtype in list(tm.TILE_CONFIGS):
         monkeypatch.setitem(tm.TILE_CONFIGS, dtype, dict(SMALL["gemm"]))
     monkeypatch.setattr(tm, "MIN_LEAF", 8)
+
+
+@pytest.fixture(autouse=True)
+def _tensor_parallel_order():
+    """The matmul's K tree is rlk.tensor_parallel's (off by default); these tests are about the tree."""
+    with rlk.tensor_parallel_invariant():
+        yield
 
 
 def _gen(seed):
@@ -177,6 +185,35 @@ def test_matmul_k_shards_give_the_single_device_bits(small_tiles, dtype, k):
         grad_a2 = torch.empty_like(grad_a)
         tm.matmul_combine(parts, None, grad_a2)
         assert torch.equal(grad_a2, grad_a), p
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_is_one_segment_with_the_tensor_parallel_order_off(small_tiles, monkeypatch, dtype):
+    """The default (rlk.tensor_parallel off): the bits of MAX_TREE_LEAVES = 1 (the plain K loop), forward and grad_a;
+    with it on, 8 segments, and in fp32 other bits (a 16-bit output's rounding may hide the difference)."""
+    g = _gen(3)
+    m, k, n = 37, 8 * 20, 40
+    a, w, grad = _to(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5,
+                     torch.randn(m, n, generator=g), dtype=dtype)
+
+    def run():
+        out, grad_a = torch.empty(m, n, dtype=dtype, device=DEVICE), torch.empty_like(a)
+        tm.matmul_fwd(a, w.t(), None, out)
+        tm.matmul_bwd(grad, a, w.t(), grad_a, None, None)
+        return out, grad_a
+
+    tree = run()
+    with rlk.tensor_parallel_invariant(False):
+        off = run()
+    with monkeypatch.context() as mp:
+        mp.setattr(tm, "MAX_TREE_LEAVES", 1)
+        one = run()
+    assert torch.equal(off[0], one[0]) and torch.equal(off[1], one[1])
+    assert tm._leaves(k) == 8
+    with rlk.tensor_parallel_invariant(False):
+        assert tm._leaves(k) == 1
+    if dtype == torch.float32:
+        assert not torch.equal(off[0], tree[0]) and not torch.equal(off[1], tree[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

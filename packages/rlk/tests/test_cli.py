@@ -33,6 +33,26 @@ def test_console_script():
     _check_report(result.stdout)
 
 
+def test_info_selfcheck(monkeypatch, capsys):
+    """``rlk info --selfcheck``: each available backend's checks on the device, exit code 0 when all hold; a failed
+    check is printed and gives exit code 1."""
+    import dataclasses
+
+    from rlk import cli, dispatch
+
+    assert cli.main(["info", "--selfcheck"]) == 0
+    out = capsys.readouterr().out
+    assert "selfcheck on " in out and "reference  ok" in out
+    statuses = dispatch.discover()
+    ref = statuses["reference"]
+    failing = dataclasses.replace(ref.backend, selfcheck=lambda device: ["tiles differ"])
+    broken = dataclasses.replace(ref, backend=failing)
+    monkeypatch.setattr(dispatch, "discover", lambda: {**statuses, "reference": broken})
+    assert cli.main(["info", "--selfcheck"]) == 1
+    out = capsys.readouterr().out
+    assert "reference  FAILED (1)" in out and "tiles differ" in out
+
+
 def test_unknown_command_fails():
     result = subprocess.run([sys.executable, "-m", "rlk", "nope"], capture_output=True, text=True)
     assert result.returncode == 2 and "invalid choice" in result.stderr

@@ -42,7 +42,15 @@ CONFIG = decoder.Config(vocab=128, hidden=128, layers=2, heads=8, kv_heads=4, he
 SEQ = 8  # tokens per sequence
 
 
+@pytest.fixture(autouse=True)
+def _tensor_parallel_order():
+    """Every TP = 1 baseline and every simulated rank here sums K in the tensor-parallel tree."""
+    with rlk.tensor_parallel_invariant():
+        yield
+
+
 def _small(backend: str) -> None:
+    rlk.set_tensor_parallel_invariant(True)
     ref_matmul.MIN_LEAF = 8
     if backend == "triton":
         from rlk_triton import matmul as tk_matmul

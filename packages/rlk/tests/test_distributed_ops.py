@@ -55,7 +55,9 @@ def degrees(backend: str) -> tuple[int, ...]:
 
 
 def small_kernels(backend: str) -> None:
-    """Small tiles (Triton) and short K segments (both backends), set in this process."""
+    """Small tiles (Triton) and short K segments (both backends), and the matmul's tensor-parallel order, set in
+    this process."""
+    rlk.set_tensor_parallel_invariant(True)
     ref_matmul.MIN_LEAF = _MIN_LEAF
     if backend == "triton":
         from rlk_triton import logprob as tk_logprob
@@ -79,7 +81,7 @@ def kernels(monkeypatch, request):
             monkeypatch.setitem(tk_logprob.TILE_CONFIGS[family], torch.float32, dict(cfg))
         monkeypatch.setitem(tk_matmul.TILE_CONFIGS, torch.float32, dict(_MATMUL_TILES))
         monkeypatch.setattr(tk_matmul, "MIN_LEAF", _MIN_LEAF)
-    with rlk.use_backend(backend):
+    with rlk.use_backend(backend), rlk.tensor_parallel_invariant():
         yield backend
 
 
@@ -232,7 +234,7 @@ def test_row_parallel_negative_controls(monkeypatch):
     rlk.linear (the tree of its own K) summed left to right, and stock ``x @ w.T`` partials."""
     monkeypatch.setattr(ref_matmul, "MIN_LEAF", _MIN_LEAF)
     x, w, b, _ = linear_case((3, 5), 256, 48, seed=5)
-    with rlk.use_backend("reference"):
+    with rlk.use_backend("reference"), rlk.tensor_parallel_invariant():
         y = rlk.linear(x, w)
         xs, ws = x.chunk(4, dim=-1), w.chunk(4, dim=1)
         own = [rlk.linear(xi, wi) for xi, wi in zip(xs, ws)]
@@ -258,9 +260,19 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(TypeError, match="return_entropy: expected a bool"):
         rd.vocab_parallel_linear_logprob(hidden, list(weight.chunk(4)), targets, group=group, return_entropy=1)
     x, w, b, _ = linear_case((2,), 24, 16)
-    with pytest.raises(ValueError, match="x_shard: the K sum over 24"):  # 24 has 4 segments of >= 1: P = 8 won't do
-        with rlk.use_backend("reference"):
+    with pytest.raises(ValueError, match="x_shard: the K sum over 24"):  # 24 < 2 x 128: one segment, P = 8 won't do
+        with rlk.use_backend("reference"), rlk.tensor_parallel_invariant():
             rd.row_parallel_linear(list(x.chunk(8, dim=-1)), list(w.chunk(8, dim=1)), group=rd.SimulatedGroup(8))
+    assert not rlk.is_tensor_parallel_invariant()  # the default, restored after the block
+    x2, w2, _, _ = linear_case((2,), 256, 16)
+    for call in (lambda: rd.row_parallel_linear(list(x2.chunk(2, dim=-1)), list(w2.chunk(2, dim=1)),
+                                                group=rd.SimulatedGroup(2)),
+                 lambda: rd.column_parallel_linear(x2, list(w2.chunk(2)), group=rd.SimulatedGroup(2))):
+        with pytest.raises(RuntimeError, match=r"order, which is off: call rlk.set_tensor_parallel_invariant\(True\)"):
+            with rlk.use_backend("reference"):
+                call()
+    with pytest.raises(TypeError, match="enabled: expected a bool"):
+        rlk.set_tensor_parallel_invariant(1)
     with pytest.raises(ValueError, match=r"bias_shard\[0\]: expected shape \(8,\)"):
         rd.column_parallel_linear(x, list(w.chunk(2)), [b, b], group=rd.SimulatedGroup(2))
     with pytest.raises(TypeError, match="group: expected a torch.distributed ProcessGroup"):

@@ -63,6 +63,18 @@ def _supports(primitive: str, device: torch.device, dtype: torch.dtype) -> str |
     return None
 
 
+def _selfcheck(device: torch.device) -> list[str]:
+    """On a GPU: the matmul's ``M`` buckets give the bits of its fixed tiles (:func:`matmul.tile_buckets_agree`)."""
+    if device.type != "cuda":
+        return []
+    from rlk_triton import matmul
+
+    problems = []
+    for dtype in matmul.M_TILE_CONFIGS:
+        problems += matmul.tile_buckets_agree(device, dtype)
+    return problems
+
+
 def backend():
     """The ``rlk.Backend`` of this package (entry-point factory)."""
     from rlk.abi import ABI_VERSION, collect_primitives
@@ -95,4 +107,5 @@ def backend():
         supports=_supports,
         batch_invariant=True,
         limits={name: {"head_dim": attention.MAX_HEAD_DIM} for name in ("attention_fwd", "attention_bwd")},
+        selfcheck=_selfcheck,
     )

@@ -16,7 +16,8 @@ without copies. fp32 inputs use IEEE fp32 products (no TF32); 16-bit inputs use 
 dots with fp32 accumulation.
 
 Batch invariance by construction: the tile configuration is one constant per dtype in
-:data:`TILE_CONFIGS` (no autotuning, nothing derived from ``M``), there is no split-K (one
+:data:`TILE_CONFIGS` (no autotuning), or on GPUs where every configuration is checked to give the same bits, one
+per ``M`` bucket of :data:`M_TILE_CONFIGS` (so a row's bits do not depend on the bucket); there is no split-K (one
 program owns an output tile and walks all of ``K`` itself, in the same order for every row),
 rows past ``M`` are masked to zeros and never stored, and no program reads another's output.
 So a row of ``out`` (and of ``grad_a``) is bitwise the same whatever ``M`` is and wherever the
@@ -26,30 +27,33 @@ order), ``grad_bias`` a column sum over fixed row blocks in increasing order; no
 both are deterministic run to run. ``GROUP_M`` only orders the programs (row tiles of a group
 are scheduled together so that they share ``B`` tiles in L2); it changes no value.
 
-Tensor-parallel alignment: the ``K`` loop of the forward (and of ``grad_a``, whose ``K`` is ``N``)
-is cut into ``L = tree_leaves(K, MAX_TREE_LEAVES, MIN_LEAF)`` equal segments (the largest power of
-two <= 8 dividing ``K`` into segments of at least ``MIN_LEAF``); a program sums each segment into a
-fresh fp32 accumulator and adds the segments' sums in the fixed binary tree of :func:`tree_reduce`
-(one loop; at most 4 accumulators live, for ``L = 8``) before the bias and the one rounding. A row-parallel
-shard of ``P`` ranks (``P`` dividing ``L``) is ``L / P`` whole segments: :func:`matmul_shard_fwd` is
-the same kernel stopping at the fp32 partial, and :func:`matmul_combine` adds the ranks' partials in
-the same tree (IEEE fp32 additions, the same in torch as in the kernel), so ``rlk.distributed``
-reproduces the single-device bits. Spec: :mod:`rlk.reference.matmul`.
+Tensor-parallel alignment (with :mod:`rlk.tensor_parallel` on; off, the default, ``L = 1``): the ``K`` loop of
+the forward (and of ``grad_a``, whose ``K`` is ``N``) is cut into ``L = tree_leaves(K, MAX_TREE_LEAVES,
+MIN_LEAF)`` equal segments (the largest power of two <= 8 dividing ``K`` into segments of at least
+``MIN_LEAF``); a program sums each segment into a fresh fp32 accumulator and adds the segments' sums in the
+fixed binary tree of :func:`tree_reduce` (one loop; at most 4 accumulators live, for ``L = 8``) before the
+bias and the one rounding. A row-parallel shard of ``P`` ranks (``P`` dividing ``L``) is ``L / P`` whole
+segments: :func:`matmul_shard_fwd` is the same kernel stopping at the fp32 partial, and :func:`matmul_combine`
+adds the ranks' partials in the same tree (IEEE fp32 additions, the same in torch as in the kernel), so
+``rlk.distributed`` reproduces the single-device bits. Spec: :mod:`rlk.reference.matmul`.
 
 int64 offsets throughout (``M * K`` may exceed 2^31).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from rlk import tensor_parallel
 from rlk_triton.common import dot, grouped_tile, on_device
 
 #: The one tile configuration per input dtype, used for the forward and for both backward
-#: products (so ``grad_a`` rows are invariant too). The launchers read it at every call, so a
-#: sweep (``tools/sweep_matmul.py``) may overwrite entries. Nothing here depends on ``M``.
+#: products (so ``grad_a`` rows are invariant too) wherever :data:`M_TILE_CONFIGS` does not serve.
+#: The launchers read it at every call, so tests and sweeps may overwrite entries.
 #:
 #: 16-bit: the choice balances two regimes. Large ``M`` is compute-bound and wants big tiles
 #: (operand reuse); ``M <= 64`` is bound by reading ``b`` (``K * N`` elements) with only
@@ -70,6 +74,31 @@ TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
 #: On 4 warps ptxas spills them and the tree ran 3.4-8.5x slower than one segment on an H200 (forward 7.1-8.5x;
 #: Qwen3-8B projections, M = 1024-16384); on 8 warps 1.3-1.9x (``tools/bench_distributed_sim.py``, docs/distributed.md).
 #: The warps split the tile's columns, not ``K``.
+
+#: Tiles by ``M`` range for the 16-bit, one-segment product (the tensor-parallel tree keeps :data:`TILE_CONFIGS`):
+#: ``(m_max, config)`` pairs in increasing ``m_max`` (``m_max`` None: any ``M``; ``config`` None:
+#: :data:`TILE_CONFIGS`'s, read at the call); a call takes the first pair with ``M <= m_max``, an ``M`` past them
+#: all :data:`TILE_CONFIGS`. A row keeps its bits whatever bucket computes it only if every configuration computes
+#: each output element as the same chain of fp32 tensor-core accumulations in increasing ``k`` (``acc = dot(a[:,
+#: k0:k0 + BLOCK_K], b[k0:k0 + BLOCK_K], acc)`` lowers on sm_90 to wgmma steps of ``k = 16`` whatever ``BLOCK_M``,
+#: ``BLOCK_N``, ``BLOCK_K``, warps and stages are). That is a property of the compiler and the GPU, not of this
+#: code: :func:`tile_buckets_agree` checks it (the GPU tests and ``rlk info --selfcheck`` run it), and the buckets
+#: serve only GPUs of the compute capabilities in :data:`SAME_BITS_CAPABILITIES`, where it was checked; everywhere
+#: else (other GPUs, the CPU interpreter) :data:`TILE_CONFIGS` serves every ``M``. Read at every call, like
+#: :data:`TILE_CONFIGS`.
+#:
+#: The buckets are ``tools/sweep_matmul.py``'s on an H200 (bf16; N = K = 4096 and the Qwen3-8B MLP shapes, linear
+#: and row-major layouts; ratios cuBLAS / rlk, worst over shapes and layouts; every one of its 18 candidates gave
+#: the shipped bits): ``M <= 64``: 64x32x128 w4 s6, 0.77-0.89 (the 32-column tiles give ``N / 32`` programs to read
+#: the weight; the shipped 64x128x128: 0.57-0.67); ``M <= 1023``: :data:`TILE_CONFIGS` (0.66-0.71 at 128-512);
+#: larger: 128x256x64 w8 s3, 0.71-0.74 at 1024-16384 (0.62-0.67 shipped; 0.39 at M = 512). docs/performance.md.
+_SMALL_M = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 6}
+_LARGE_M = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+M_TILE_CONFIGS: dict[torch.dtype, list[tuple[int | None, dict[str, int] | None]]] = {
+    dtype: [(64, _SMALL_M), (1023, None), (None, _LARGE_M)] for dtype in (torch.float16, torch.bfloat16)
+}
+#: Compute capabilities where :func:`tile_buckets_agree` held (H200: 9.0).
+SAME_BITS_CAPABILITIES = frozenset({(9, 0)})
 
 #: At most this many ``K`` segments (1: one segment, the plain ``K`` loop of the kernel before the tree;
 #: ``tools/bench_distributed_sim.py`` measures both). Read at every call, like :data:`TILE_CONFIGS`.
@@ -203,14 +232,62 @@ def _column_sum_kernel(
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def buckets_serve(device: torch.device) -> bool:
+    """Whether :data:`M_TILE_CONFIGS` serve calls on ``device`` (a GPU of a checked capability)."""
+    return device.type == "cuda" and _capability(device.index if device.index is not None else
+                                                 torch.cuda.current_device()) in SAME_BITS_CAPABILITIES
+
+
+def tiles_for(dtype: torch.dtype, m: int, leaves: int, device: torch.device) -> dict[str, int]:
+    """The tiles of a product of ``m`` rows: the ``M`` bucket's (:data:`M_TILE_CONFIGS`, one segment, checked
+    GPUs) or :data:`TILE_CONFIGS`'."""
+    if leaves == 1 and buckets_serve(device):
+        for m_max, cfg in M_TILE_CONFIGS.get(dtype, ()):
+            if m_max is None or m <= m_max:
+                return TILE_CONFIGS[dtype] if cfg is None else cfg
+    return TILE_CONFIGS[dtype]
+
+
+def tile_buckets_agree(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    """Every configuration of :data:`M_TILE_CONFIGS` against :data:`TILE_CONFIGS` on the same operands: the
+    outputs' bits (``torch.equal``) for ``M`` in 1, 17, 64, 129, 1000 and ``K`` a multiple of each ``BLOCK_K``
+    or not, with a bias, in linear's layout and row-major. Returns the mismatches (empty: they agree)."""
+    configs = [("TILE_CONFIGS", TILE_CONFIGS[dtype])]
+    configs += [(f"M_TILE_CONFIGS[{dtype}] M <= {m_max if m_max is not None else 'any'}", cfg)
+                for m_max, cfg in M_TILE_CONFIGS.get(dtype, ()) if cfg is not None]
+    g = torch.Generator().manual_seed(0)
+    bad = []
+    for k, n in ((4096, 384), (1000, 264)):
+        weight = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+        bias = torch.randn(n, generator=g).to(device, dtype)
+        for m in (1, 17, 64, 129, 1000):
+            a = torch.randn(m, k, generator=g).to(device, dtype)
+            for layout, b in (("linear", weight.t()), ("row-major", weight.t().contiguous())):
+                outs = []
+                for _, cfg in configs:
+                    out = torch.empty(m, n, dtype=dtype, device=device)
+                    _gemm(a, b, bias, out, 1, cfg)
+                    outs.append(out)
+                for (name, _), out in zip(configs[1:], outs[1:]):
+                    if not torch.equal(out, outs[0]):
+                        bad.append(f"{name}: other bits than TILE_CONFIGS at M={m} K={k} N={n} ({layout})")
+    return bad
+
+
 def _leaves(k: int) -> int:
-    return tree_leaves(k, MAX_TREE_LEAVES, MIN_LEAF)
+    """The ``K`` segments of a product over ``k``: the tree's with ``rlk.tensor_parallel`` on, else 1."""
+    return tree_leaves(k, tensor_parallel.max_matmul_leaves(MAX_TREE_LEAVES), MIN_LEAF)
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, leaves: int = 1,
           cfg: dict[str, int] | None = None) -> None:
-    """``out = a @ b (+ bias)`` through :func:`_matmul_kernel` with ``TILE_CONFIGS[a.dtype]`` (or ``cfg``: another
-    op family's fixed tiles, same keys), the ``K`` sum in ``leaves`` segments (``leaves`` divides ``K``).
+    """``out = a @ b (+ bias)`` through :func:`_matmul_kernel` with the tiles of :func:`tiles_for` (or ``cfg``:
+    another op family's fixed tiles, same keys), the ``K`` sum in ``leaves`` segments (``leaves`` divides ``K``).
 
     ``a`` ``[M, K]`` and ``b`` ``[K, N]`` are any strided views of one dtype; ``out`` ``[M, N]``
     is written through its strides (an fp32 ``out`` for 16-bit inputs keeps the unrounded sum).
@@ -218,7 +295,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torc
     """
     m, k = a.shape
     n = b.shape[1]
-    cfg = TILE_CONFIGS[a.dtype] if cfg is None else cfg
+    cfg = tiles_for(a.dtype, m, leaves, a.device) if cfg is None else cfg
     warps = cfg.get("tree_num_warps", cfg["num_warps"]) if leaves > 1 else cfg["num_warps"]
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     with on_device(a.device):

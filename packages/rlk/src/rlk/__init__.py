@@ -16,6 +16,9 @@ Public API:
   linear`` works as well.)
 * backends: :func:`explain`, :func:`use_backend`, :func:`info`, :class:`BackendError`,
   and :class:`Backend` for backend authors (entry-point group ``rlk.backends``);
+* tensor-parallel reduction order of ``matmul`` / ``linear`` (for :mod:`rlk.distributed`, off by default):
+  :func:`set_tensor_parallel_invariant`, :func:`tensor_parallel_invariant`, :func:`is_tensor_parallel_invariant`
+  (or ``RLK_TENSOR_PARALLEL_INVARIANT=1``);
 * profiling: :func:`set_profiler_ranges` (or ``RLK_NVTX=1``) names every primitive call in NVTX and
   ``torch.profiler`` timelines;
 * the numerical contract: :mod:`rlk.contract`.
@@ -50,6 +53,7 @@ from rlk.policy_loss import PolicyLossAndGrad, kl_penalty, policy_loss, policy_l
 from rlk.rollout_correction import rollout_correction
 from rlk.rope import apply_rope
 from rlk.softmax import log_softmax, softmax
+from rlk.tensor_parallel import is_tensor_parallel_invariant, set_tensor_parallel_invariant, tensor_parallel_invariant
 
 __all__ = [
     "ABI_VERSION",
@@ -71,6 +75,7 @@ __all__ = [
     "group_advantages",
     "info",
     "is_batch_invariant_enabled",
+    "is_tensor_parallel_invariant",
     "kl_penalty",
     "linear",
     "linear_logprob",
@@ -85,7 +90,9 @@ __all__ = [
     "rollout_correction",
     "selected_logprob",
     "set_profiler_ranges",
+    "set_tensor_parallel_invariant",
     "softmax",
+    "tensor_parallel_invariant",
     "unpatch_model",
     "use_backend",
     "value_loss",

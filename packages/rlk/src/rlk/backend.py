@@ -24,6 +24,10 @@ def _no_reason(primitive: str, device: torch.device, dtype: torch.dtype) -> str 
     return None
 
 
+def _no_problems(device: torch.device) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class Backend:
     """A table of ABI primitives plus the probes rlk needs to choose it.
@@ -44,6 +48,9 @@ class Backend:
         limits: primitive name -> {size feature: the largest value served}, e.g.
             ``{"attention_fwd": {"head_dim": 256}}``; a call above a limit is declined
             with its reason and falls to the next backend of the chain.
+        selfcheck: ``device -> problems``: runs the backend's checks of what its invariance rests on
+            on this device (e.g. that tile configurations chosen by size give the same bits) and
+            returns one line per failed check (empty: all hold). ``rlk info --selfcheck`` runs it.
     """
 
     name: str
@@ -55,3 +62,4 @@ class Backend:
     supports: Callable[[str, torch.device, torch.dtype], str | None] = field(default=_no_reason)
     batch_invariant: bool = False
     limits: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    selfcheck: Callable[[torch.device], list[str]] = field(default=_no_problems)

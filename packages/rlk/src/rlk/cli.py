@@ -69,7 +69,11 @@ def _check_out(parser: argparse.ArgumentParser, out: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlk", description="rlk (RL-Kernel) command line")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, device, backends and which backend serves each op")
+    info = sub.add_parser("info", help="versions, device, backends and which backend serves each op")
+    info.add_argument("--selfcheck", action="store_true",
+                      help="also run each available backend's checks of what its invariance rests on, on this "
+                           "device (e.g. that the matmul's tiles per M range give the same bits); exit code 1 "
+                           "when one fails")
 
     cons = sub.add_parser(
         "consistency", help="rollout vs training log-probs with rlk's batch-invariant chain off and on",
@@ -139,9 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             return subprocess.run([sys.executable, "-m", "rlk", *argv], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
     if args.command == "info":
-        from rlk.info import info
+        from rlk.info import info, selfcheck
 
         print(info())
+        if args.selfcheck:
+            lines, ok = selfcheck()
+            print("\n".join(lines))
+            return 0 if ok else 1
         return 0
     if args.command == "consistency":
         from rlk.consistency.run import run_consistency

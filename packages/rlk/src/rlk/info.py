@@ -69,3 +69,18 @@ def info() -> str:
             served.append(f"{dtype_name}: {decision.backend or 'NONE'}")
         lines.append(f"  {op.name:<{width}} " + ", ".join(served))
     return "\n".join(lines)
+
+
+def selfcheck(device: torch.device | None = None) -> tuple[list[str], bool]:
+    """Each available backend's ``selfcheck`` on ``device`` (default: :func:`default_device`): report lines and
+    whether every check held (what ``rlk info --selfcheck`` prints)."""
+    device = default_device() if device is None else device
+    lines, ok = [f"selfcheck on {device}:"], True
+    for name, status in dispatch.discover().items():
+        if not status.available:
+            continue
+        problems = status.backend.selfcheck(device)
+        ok = ok and not problems
+        lines.append(f"  {name:<10} " + ("ok" if not problems else f"FAILED ({len(problems)})"))
+        lines += [f"    {p}" for p in problems]
+    return lines, ok

@@ -1,4 +1,5 @@
-"""Tensor-parallel ``linear`` in Megatron's layout, bitwise the single-device ``rlk.linear``.
+"""Tensor-parallel ``linear`` in Megatron's layout, bitwise the single-device ``rlk.linear`` (both with
+:mod:`rlk.tensor_parallel` on: at ``P > 1`` these ops refuse to run without it).
 
 Column-parallel: rank ``r`` of ``P`` holds output rows ``[r N_s, (r + 1) N_s)`` of the ``[N, K]`` weight;
 its output columns are the single-device columns (the same ``K`` segments per element). The backward's
@@ -17,6 +18,7 @@ import math
 import torch
 from torch import Tensor
 
+from rlk import tensor_parallel
 from rlk.checks import check_float
 from rlk.distributed import _kernels
 from rlk.distributed.group import Comm, Group
@@ -24,7 +26,12 @@ from rlk.distributed.group import Comm, Group
 
 def _tree_segments(kern, n: int, comm: Comm, name: str, what: str) -> int:
     """The full ``n``-sum's tree segments a shard holds (``tree_leaves(n) / P``), or an error naming ``name``."""
-    leaves = kern.tree_leaves(n, kern.MAX_TREE_LEAVES, kern.MIN_LEAF)
+    if comm.size > 1 and not tensor_parallel.is_tensor_parallel_invariant():
+        raise RuntimeError(f"{name}: {comm.size} ranks reproduce the single-device {what} sum only in its tensor-"
+                           "parallel order, which is off: call rlk.set_tensor_parallel_invariant(True) (or set "
+                           f"{tensor_parallel.ENV_VAR}=1) in every process whose numbers are compared, the "
+                           "single-device ones included")
+    leaves = kern.tree_leaves(n, tensor_parallel.max_matmul_leaves(kern.MAX_TREE_LEAVES), kern.MIN_LEAF)
     if leaves % comm.size:
         raise ValueError(f"{name}: the {what} sum over {n} = {comm.size} x {n // comm.size} has "
                          f"{leaves} tree segment(s) (power-of-two segments of >= MIN_LEAF = {kern.MIN_LEAF}, at "

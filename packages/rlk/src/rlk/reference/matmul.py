@@ -21,7 +21,8 @@ float64 error that no output dtype can see). float64 inputs are computed in floa
 chunked (``COL_CHUNK`` columns of ``b`` upcast at a time, ``ROW_CHUNK`` rows of ``a`` per
 product), so the extra memory is bounded whatever M, N and K are.
 
-Tensor-parallel alignment: the ``K`` sum of the forward (and the ``N`` sum of ``grad_a``) is cut into
+Tensor-parallel alignment (with :mod:`rlk.tensor_parallel` on; off, ``L = 1``: one plain ``K`` sum): the
+``K`` sum of the forward (and the ``N`` sum of ``grad_a``) is cut into
 ``L = tree_leaves(K, MAX_TREE_LEAVES, MIN_LEAF)`` equal segments, each summed on its own, and the
 segments' sums are added in the fixed binary tree of :func:`tree_reduce` before the bias and the
 rounding. A row-parallel shard of ``P`` ranks (``P`` in 1, 2, 4, 8 dividing ``L``; rank ``r`` holds
@@ -37,6 +38,8 @@ through their own strides. Deterministic; the reference does not promise batch i
 from __future__ import annotations
 
 import torch
+
+from rlk import tensor_parallel
 
 ROW_CHUNK = 1024
 COL_CHUNK = 1024
@@ -77,7 +80,8 @@ def tree_reduce(leaf, n: int, merge):
 
 
 def _leaves(k: int) -> int:
-    return tree_leaves(k, MAX_TREE_LEAVES, MIN_LEAF)
+    """The ``K`` segments of a product over ``k``: the tree's with ``rlk.tensor_parallel`` on, else 1."""
+    return tree_leaves(k, tensor_parallel.max_matmul_leaves(MAX_TREE_LEAVES), MIN_LEAF)
 
 
 def _tree_product(a: torch.Tensor, b: torch.Tensor, leaves: int) -> torch.Tensor:
