@@ -14,7 +14,10 @@ bucket of :data:`BUCKETS` the candidate with the best worst ratio over the bucke
 proposal for ``M_TILE_CONFIGS`` (copied by hand into ``rlk_triton/matmul.py``); ``--out FILE`` also
 writes it as JSON (``{"buckets": [[m_max, config], ...], "same_bits": ..., "table": ...}``).
 
-    python tools/sweep_matmul.py [--quick] [--out FILE]
+    python tools/sweep_matmul.py [--quick] [--tma] [--out FILE]
+
+``--tma`` adds the candidates of ``tools/matmul_tma.py`` (the Hopper TMA variant, which loads the weight as
+``[BLOCK_N, BLOCK_K]`` boxes: the large-M lever for linear's layout) to the same tables and bit checks.
 
 Targets (issue 19): ratio >= 0.85 for M >= 1024 and >= 0.7 for M <= 64. A few minutes on an H200.
 """
@@ -70,6 +73,27 @@ def name(c: tuple[int, ...]) -> str:
     return f"{c[0]}x{c[1]}x{c[2]} w{c[3]} s{c[4]} g{c[5]}"
 
 
+def pointer_runner(c: tuple[int, ...]):
+    """``out = x @ b`` through ``rlk_triton.matmul``'s kernel with the tiles ``c`` (one K segment)."""
+    cfg = config(c)
+    return lambda x, b, weight, layout, out: tk._gemm(x, b, None, out, 1, cfg)
+
+
+def tma_runners() -> dict[str, object]:
+    """``tools/matmul_tma.py``'s candidates, by name (linear's layout through the weight, row-major b as [K, N])."""
+    import matmul_tma as tt  # tools/, next to this script
+
+    def runner(cfg):
+        def run(x, b, weight, layout, out):
+            if layout == "linear":
+                tt.linear_tma(x, weight, None, cfg, out)
+            else:
+                tt.matmul_tma(x, b, None, cfg, out)
+        return run
+
+    return {"TMA " + tt.config_name(cfg): runner(cfg) for cfg in tt.CANDIDATES}
+
+
 def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
 
@@ -78,6 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="M in (1, 64, 4096), N=K=4096, linear layout only")
     parser.add_argument("--out", help="write the per-M table and the proposed buckets as JSON")
+    parser.add_argument("--tma", action="store_true", help="also time tools/matmul_tma.py's candidates")
     args = parser.parse_args()
     shapes = dict(list(SHAPES.items())[:1]) if args.quick else SHAPES
     m_values = (1, 64, 4096) if args.quick else M_VALUES
@@ -86,9 +111,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; "
           f"shipped bf16 TILE_CONFIGS {tk.TILE_CONFIGS[DTYPE]}")
     gen = torch.Generator(dev).manual_seed(0)
+    runners = {name(c): pointer_runner(c) for c in CANDIDATES}
+    configs = {name(c): config(c) for c in CANDIDATES}
+    if args.tma:
+        runners |= tma_runners()
+    shipped_name = name(CANDIDATES[0])
     # ratio[cand][m] = list over (shape, layout); same[cand] = bits equal to the shipped tiles everywhere
-    ratio = {c: {m: [] for m in m_values} for c in CANDIDATES}
-    same = dict.fromkeys(CANDIDATES, True)
+    ratio = {c: {m: [] for m in m_values} for c in runners}
+    same = dict.fromkeys(runners, True)
     failed = set()
     for shape_name, (n, k) in shapes.items():
         weight = torch.randn(n, k, generator=gen, device=dev, dtype=torch.float32).mul_(k**-0.5).to(DTYPE)
@@ -105,37 +135,36 @@ def main() -> None:
             print("| config | " + " | ".join(f"M={m} ({2 * m * n * k / cublas[m] / 1e9:.0f})" for m in m_values)
                   + " | same bits |")
             print("|---|" + "---:|" * len(m_values) + "---|")
-            for cand in CANDIDATES:
+            for cand, run in runners.items():
                 if cand in failed:
                     continue
-                cfg = config(cand)
                 try:
                     row = []
                     for m in m_values:
-                        ms = _ms(lambda xm=x[:m], om=out[:m], bm=b, c=cfg: tk._gemm(xm, bm, None, om, 1, c))
+                        ms = _ms(lambda xm=x[:m], om=out[:m], bm=b, w=weight, r=run, lay=layout: r(xm, bm, w, lay, om))
                         row.append(cublas[m] / ms)
                     bits = True
                     for m, want in shipped.items():
                         got = torch.empty_like(want)
-                        tk._gemm(x[:m], b, None, got, 1, cfg)
+                        run(x[:m], b, weight, layout, got)
                         bits &= torch.equal(got, want)
                 except Exception as exc:  # a config the compiler rejects (shared memory): report, keep going
-                    print(f"| {name(cand)} | FAILED {type(exc).__name__}: {str(exc)[:100]} |")
+                    print(f"| {cand} | FAILED {type(exc).__name__}: {str(exc)[:100]} |")
                     failed.add(cand)
                     continue
                 same[cand] &= bits
                 for m, r in zip(m_values, row):
                     ratio[cand][m].append(r)
-                print(f"| {name(cand)} | " + " | ".join(f"{r:.2f}" for r in row) + f" | {'yes' if bits else 'NO'} |")
-    usable = [c for c in CANDIDATES if c not in failed and same[c]]
-    print(f"\ncandidates with the shipped bits everywhere: {len(usable)} of {len(CANDIDATES)}"
-          + "".join(f"\n  OTHER BITS: {name(c)}" for c in CANDIDATES if c not in failed and not same[c]))
+                print(f"| {cand} | " + " | ".join(f"{r:.2f}" for r in row) + f" | {'yes' if bits else 'NO'} |")
+    usable = [c for c in runners if c not in failed and same[c]]
+    print(f"\ncandidates with the shipped bits everywhere: {len(usable)} of {len(runners)}"
+          + "".join(f"\n  OTHER BITS: {c}" for c in runners if c not in failed and not same[c]))
     print("\n### best same-bits candidate per M (worst ratio over shapes and layouts)")
     print("| M | best | worst ratio | shipped's worst ratio |")
     print("|---:|---|---:|---:|")
     for m in m_values:
         best = max(usable, key=lambda c: min(ratio[c][m]))
-        print(f"| {m} | {name(best)} | {min(ratio[best][m]):.2f} | {min(ratio[CANDIDATES[0]][m]):.2f} |")
+        print(f"| {m} | {best} | {min(ratio[best][m]):.2f} | {min(ratio[shipped_name][m]):.2f} |")
     print("\n### proposed buckets (best worst ratio over the bucket's M values)")
     buckets = []
     for m_max, ms in BUCKETS:
@@ -144,14 +173,14 @@ def main() -> None:
             continue
         best = max(usable, key=lambda c: min(min(ratio[c][m]) for m in ms))
         worst = min(min(ratio[best][m]) for m in ms)
-        shipped_worst = min(min(ratio[CANDIDATES[0]][m]) for m in ms)
-        print(f"M <= {m_max if m_max is not None else 'any'}: {name(best)}: worst {worst:.2f} "
+        shipped_worst = min(min(ratio[shipped_name][m]) for m in ms)
+        print(f"M <= {m_max if m_max is not None else 'any'}: {best}: worst {worst:.2f} "
               f"(shipped {shipped_worst:.2f})")
-        buckets.append([m_max, config(best)])
+        buckets.append([m_max, configs.get(best, best)])
     if args.out:
-        table = {name(c): {str(m): ratio[c][m] for m in m_values} for c in CANDIDATES if c not in failed}
+        table = {c: {str(m): ratio[c][m] for m in m_values} for c in runners if c not in failed}
         with open(args.out, "w") as f:
-            json.dump({"buckets": buckets, "same_bits": {name(c): same[c] for c in CANDIDATES if c not in failed},
+            json.dump({"buckets": buckets, "same_bits": {c: same[c] for c in runners if c not in failed},
                        "table": table}, f, indent=1)
 
 
