@@ -47,6 +47,7 @@ OPS = {
     "rms_norm": ("norm", "RmsNorm"),
     "matmul": ("matmul", "Matmul"),
     "attention": ("attention", "Attention"),
+    "chain": ("chain", "ChainForward"),
 }
 
 

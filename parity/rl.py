@@ -356,7 +356,8 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOut
 # ---------------------------------------------------------------------------
 
 
-def _policy_scales(params: dict, x: dict, truth: RLOutputs) -> tuple[dict[str, torch.Tensor], float]:
+def _policy_contract_scale(params: dict, x: dict) -> dict[str, torch.Tensor]:
+    """``rlk.reference.policy_loss.contract_scale`` for the parity case's keywords."""
     kw = _policy_kwargs(params, x)
     agg_kw = {k: kw.get(k) for k in ("global_tokens", "global_seqs", "loss_scale")}
     row_weight = aggregation.row_weights(x["mask"], kw["agg"], dtype=torch.float64, **agg_kw)
@@ -366,11 +367,30 @@ def _policy_scales(params: dict, x: dict, truth: RLOutputs) -> tuple[dict[str, t
         "tau_neg": 1.05, "kl": kw["kl"], "kl_coef": kw["kl_coef"], "kl_k3_clamp": True, "kl_clamp": INF,
         "kl_straight_through": False, "kl_unbiased": False, "entropy_coef": kw["entropy_coef"],
     }
-    s = ref_pl.contract_scale(x["logprob"], x["old_logprob"], x["advantages"], x["mask"], row_weight,
-                              x["importance_weights"], x["ref_logprob"], x["entropy"], **attrs)
+    return ref_pl.contract_scale(x["logprob"], x["old_logprob"], x["advantages"], x["mask"], row_weight,
+                                 x["importance_weights"], x["ref_logprob"], x["entropy"], **attrs)
+
+
+def _policy_scales(params: dict, x: dict, truth: RLOutputs) -> tuple[dict[str, torch.Tensor], float]:
+    s = _policy_contract_scale(params, x)
     extra = {"loss": s["loss"].reshape(1)}
     extra |= {name: s["metrics"][ref_pl.METRICS.index(name)].reshape(1) for name in truth.values if name != "loss"}
     return {name: 1.0 + truth.values[name].abs() + extra[name] for name in truth.values}, float(s["grad_max_scale"])
+
+
+def magnitudes(case: RLCase, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gradients' terms by absolute value where they may cancel (``rlk.contract.compare_grad``'s
+    ``magnitude``): the policy loss's and the KL penalty's ``grad_logprob`` (k3's ``1 - exp(-delta)``)."""
+    if case.op == "policy_loss":
+        return {"grad_logprob": _policy_contract_scale(case.kwargs, x)["grad_magnitude"]}
+    if case.op == "kl_penalty":
+        delta = x["logprob"] - x["ref_logprob"]
+        exponent = (-delta).clamp(max=ref_pl.K3_LOG_RATIO_CLAMP) if case.kwargs.get("k3_clamp", True) else -delta
+        terms = 1.0 + delta.abs() + torch.exp(exponent)
+        if case.kwargs.get("unbiased"):
+            terms = terms * torch.exp(x["logprob"] - x["old_logprob"])
+        return {"grad_logprob": x["c"].abs() * terms}
+    return {}
 
 
 def _dpo_scales(params: dict, x: dict, truth: RLOutputs) -> tuple[dict[str, torch.Tensor], float]:
@@ -440,6 +460,7 @@ class RLTruth:
     outputs: RLOutputs
     scales: dict[str, torch.Tensor]
     max_scale: float
+    magnitudes: dict[str, torch.Tensor]
 
 
 def ground_truth(case: RLCase, base: dict[str, torch.Tensor], device: torch.device) -> RLTruth:
@@ -448,7 +469,7 @@ def ground_truth(case: RLCase, base: dict[str, torch.Tensor], device: torch.devi
     with rlk.use_backend("reference"):
         outputs = forward_backward(case.op, case.kwargs, x64)
     scale, max_scale = scales(case, x64, outputs)
-    return RLTruth(outputs, scale, max_scale)
+    return RLTruth(outputs, scale, max_scale, magnitudes(case, x64))
 
 
 def compare(case: RLCase, got: RLOutputs, truth: RLTruth) -> list[contract.Deviation]:
@@ -460,7 +481,8 @@ def compare(case: RLCase, got: RLOutputs, truth: RLTruth) -> list[contract.Devia
                                  truth.scales[name].reshape(-1))
         for name in ref.values
     ]
-    deviations += [contract.compare_grad(entry, name, got.grads[name], ref.grads[name], truth.max_scale)
+    deviations += [contract.compare_grad(entry, name, got.grads[name], ref.grads[name], truth.max_scale,
+                                         truth.magnitudes.get(name))
                    for name in ref.grads]
     return deviations
 
