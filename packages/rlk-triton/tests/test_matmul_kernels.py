@@ -270,6 +270,17 @@ def test_m_tile_buckets_give_the_same_bits_gpu(dtype):
     assert tk.tile_buckets_agree(DEVICE, dtype) == []
 
 
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("m", [5, 70, 1030])
+def test_m_tile_buckets_compute_the_product(monkeypatch, dtype, m):
+    """Each bucket's tiles (M = 5, 70, 1030: small, fixed, large) give the product and its gradients under the
+    contract, taken as if this device were a checked one (on the CPU too, so the AOT check of CI compiles every
+    bucket's kernel for sm_90 and sm_80)."""
+    monkeypatch.setattr(tk, "buckets_serve", lambda device: True)
+    check_case(dtype, m, 40, 48, b_cm=True)
+
+
 def test_m_tile_buckets_choice(monkeypatch):
     """tiles_for: on a checked GPU the bucket of M (one K segment only), elsewhere TILE_CONFIGS; CPU tensors
     never take the buckets."""
