@@ -2,7 +2,9 @@
 
 Not part of any package (it lives in tools/, next to its sweep). It exists to test whether TMA
 loads and/or a persistent schedule bring the 16-bit forward of :mod:`rlk_triton.matmul` closer to
-cuBLAS with one tile configuration for every ``M`` (``tools/sweep_matmul_tma.py`` measures it).
+cuBLAS with one tile configuration for every ``M`` (``tools/sweep_matmul_tma.py`` measures it; since
+``rlk_triton.matmul.M_TILE_CONFIGS`` chooses tiles per M range, ``tools/sweep_matmul.py --tma`` times its
+candidates per M, as the lever for the large-M bucket in linear's layout).
 
 Result on an H200 (2026-11-29, Triton 3.6, run 3 in ``docs/performance.md``; its log in the git history):
 no single configuration meets both targets. The best large-M candidate (128x256x64 w8 s3,

@@ -1,9 +1,10 @@
 """Sweep the EXPERIMENTAL TMA variant of the batch-invariant Triton GEMM (bf16) on a CUDA GPU (Hopper).
 
 Question: do TMA loads (tensor descriptors) and/or a persistent schedule reach ratio >= 0.85 of
-cuBLAS at M >= 1024 while keeping >= 0.5 at M <= 64, with ONE tile configuration for every M
-(batch invariance forbids choosing tiles by M)? ``tools/sweep_matmul.py`` showed that no single
-pointer-load configuration of ``rlk_triton.matmul`` does (0.59-0.76x at large M for the shipped one).
+cuBLAS at M >= 1024 while keeping >= 0.5 at M <= 64, with one tile configuration for every M? (Written
+before ``rlk_triton.matmul.M_TILE_CONFIGS`` chose tiles by M range; ``tools/sweep_matmul.py --tma`` now times
+these candidates per M beside the pointer-load ones.) The pointer-load sweep then showed no single
+configuration of ``rlk_triton.matmul`` does (0.59-0.76x at large M for the shipped one).
 
 Shapes, in linear's layout (``x [M, K] @ weight.T``, weight ``[N, K]`` read in place): N = K = 4096,
 Qwen3-8B gate/up (N = 12288, K = 4096) and down (N = 4096, K = 12288); M in 1 ... 16384. Per shape it
