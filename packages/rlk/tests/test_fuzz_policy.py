@@ -219,34 +219,65 @@ def policy_inputs(case: PolicyCase) -> dict[str, torch.Tensor]:
     return cast(x, case.dtype)
 
 
-#: Tokens this many fp32 units of the trust-region test's magnitude from dppo's boundary are decided by rounding.
-DPPO_BOUNDARY_ULPS = 64
+#: Tokens this many fp32 units of a decision's magnitude from its boundary are decided by rounding.
+BOUNDARY_ULPS = 64
 
 
-def mask_dppo_boundary(x: dict[str, torch.Tensor], kw: dict) -> dict[str, torch.Tensor]:
-    """``x`` with the tokens whose dppo trust-region decision is rounding noise masked out (as its width-0 case:
-    no tolerance covers a decision that fp32 and the fp64 truth may take either way): ``|p - q - eps|`` (tv) or
-    ``|b - eps|`` (kl), and ``|p - q|`` (kl's ``p <= q``), within ``DPPO_BOUNDARY_ULPS`` fp32 units of the
-    magnitude of their terms. ``b``'s ``log((1 - q) / (1 - p))`` carries the relative error of ``1 - p`` near
-    ``p = 1``, ``2^-24 p / (1 - p)``. Other losses: ``x`` unchanged."""
-    if not kw["loss"].startswith("dppo") or "old_logprob" not in x:
+def _log_ratio_boundaries(kw: dict) -> list[float]:
+    """The log-ratios at which the loss's per-token value, gradient or clip flag jumps (module docstring of
+    ``rlk.reference.policy_loss``): ppo's clip range and dual clip, cispo's cap or clip range, geo_mean's
+    sign-aware clip, dppo's ratio cap, and the bounds of ``clamp_log_ratio``."""
+    loss = kw["loss"]
+    clip_low = kw.get("clip_low", 0.2)
+    clip_high = kw.get("clip_high", clip_low)
+    ratios = []
+    if loss in ("ppo", "gspo") or (loss == "cispo" and kw.get("cispo_form") != "upper"):
+        ratios += [1.0 - clip_low, 1.0 + clip_high]
+    if loss == "cispo" and kw.get("cispo_form") == "upper":
+        ratios.append(clip_high)
+    if loss in ("ppo", "gspo", "dppo_tv", "dppo_kl") and kw.get("dual_clip"):
+        ratios.append(kw["dual_clip"])
+    logs = [math.log(r) for r in ratios if r > 0]
+    if loss == "geo_mean":
+        logs += [clip_high, -clip_low]
+    clamp_low, clamp_high = _clamp_bounds(kw.get("clamp_log_ratio"))
+    return logs + [b for b in (clamp_low, clamp_high) if math.isfinite(b)]
+
+
+def mask_rounding_boundaries(x: dict[str, torch.Tensor], kw: dict) -> dict[str, torch.Tensor]:
+    """``x`` with the tokens whose clip decision is rounding noise masked out (no tolerance covers a decision that
+    fp32 and the fp64 truth may take either way; e.g. TRL's cispo cap of 1 counts ``exp(d) > 1``, which fp32
+    rounds to 1 for ``|d| < 2^-24``): log-ratios ``d`` within ``BOUNDARY_ULPS`` fp32 units of ``1 + |d|`` from a
+    boundary of :func:`_log_ratio_boundaries` (gspo: the rows whose sequence log-ratio is); and dppo's trust-region
+    tests ``|p - q - eps|`` (tv) or ``|b - eps|`` (kl), and ``|p - q|`` (kl's ``p <= q``), within as many units of
+    the magnitude of their terms. ``b``'s ``log((1 - q) / (1 - p))`` carries the relative error of ``1 - p`` near
+    ``p = 1``, ``2^-24 p / (1 - p)``."""
+    if "old_logprob" not in x:
         return x
     x64 = as64(x)
     lp, old, adv = x64["logprob"], x64["old_logprob"], x64["advantages"]
     adv = adv[:, None] if adv.dim() == 1 else adv
-    p, q = torch.exp(lp), torch.exp(old)
-    eps_low, eps_high = kw.get("clip_low", 0.2), kw.get("clip_high", kw.get("clip_low", 0.2))
-    eps = torch.where(adv > 0, eps_high, eps_low)
-    unit = DPPO_BOUNDARY_ULPS * 2.0**-24
-    near = (p - q).abs() <= unit * (p + q)
-    if kw["loss"] == "dppo_tv":
-        near |= ((p - q).abs() - eps).abs() <= unit * (1.0 + p + q)
-    else:
-        guard = ref_pl.DPPO_KL_GUARD
-        log_term = torch.log((1.0 - q + guard) / (1.0 - p + guard))
-        b = q * (old - lp) + (1.0 - q) * log_term
-        terms = (q * (old - lp)).abs() + (1.0 - q) * (log_term.abs() + p / (1.0 - p + guard) + q / (1.0 - q + guard))
-        near |= (b - eps).abs() <= unit * (1.0 + terms)
+    unit = BOUNDARY_ULPS * 2.0**-24
+    d = lp - old
+    if kw["loss"] == "gspo":  # the sequence log-ratio decides every token of its row
+        valid = as64(x)["mask"] != 0
+        d = (torch.where(valid, d, 0.0).sum(dim=1) / valid.sum(dim=1).clamp(min=1))[:, None].expand_as(lp)
+    near = torch.zeros_like(d, dtype=torch.bool)
+    for bound in _log_ratio_boundaries(kw):
+        near |= (d - bound).abs() <= unit * (1.0 + d.abs())
+    if kw["loss"].startswith("dppo"):
+        p, q = torch.exp(lp), torch.exp(old)
+        eps_low, eps_high = kw.get("clip_low", 0.2), kw.get("clip_high", kw.get("clip_low", 0.2))
+        eps = torch.where(adv > 0, eps_high, eps_low)
+        near |= (p - q).abs() <= unit * (p + q)
+        if kw["loss"] == "dppo_tv":
+            near |= ((p - q).abs() - eps).abs() <= unit * (1.0 + p + q)
+        else:
+            guard = ref_pl.DPPO_KL_GUARD
+            b, log_term = ref_pl.dppo_binary_kl(lp, old)
+            terms = (q * (old - lp)).abs() + (1.0 - q) * (log_term.abs() + p / (1.0 - p + guard)
+                                                          + q / (1.0 - q + guard))
+            near |= (b - eps).abs() <= unit * (1.0 + terms)
     mask = x["mask"]
     keep = (~near).to(mask.device)
     return {**x, "mask": mask * keep.to(mask.dtype) if mask.dtype.is_floating_point else mask & keep}
@@ -364,7 +395,7 @@ def check_policy_loss_matches_reference(backend: str, case: PolicyCase) -> None:
     the input dtype), and those fp32 results agree with the fp64 ground truth under the contract (finite
     wherever the truth is)."""
     kw = policy_call_kwargs(case)
-    x = mask_dppo_boundary(policy_inputs(case), kw)
+    x = mask_rounding_boundaries(policy_inputs(case), kw)
     with on_backend(backend):
         fused = policy_call(x, kw, fused=True)
         exact = policy_call(as32(x), kw, fused=False)

@@ -328,6 +328,14 @@ def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high
 DPPO_KL_GUARD = 1e-8
 
 
+def dppo_binary_kl(lp: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dppo_kl``'s binary KL ``b = q (log q - log p) + (1 - q) log((1 - q + g) / (1 - p + g))`` of the token
+    probabilities ``p = exp(lp)``, ``q = exp(old)`` (``g``: :data:`DPPO_KL_GUARD`), and its log term; any shape."""
+    p, q = torch.exp(lp), torch.exp(old)
+    log_term = torch.log((1.0 - q + DPPO_KL_GUARD) / (1.0 - p + DPPO_KL_GUARD))
+    return q * (old - lp) + (1.0 - q) * log_term, log_term
+
+
 def _dppo_token_losses(lp, old, adv, m, log_ratio, ratio, *, loss, clip_low, clip_high, cap):
     """``dppo_tv`` / ``dppo_kl``: the truncated ratio ``w`` times ``-A lp`` on the trust region (module docstring)."""
     w = torch.minimum(ratio, torch.full_like(ratio, cap)) if cap > 0 else ratio
@@ -335,7 +343,7 @@ def _dppo_token_losses(lp, old, adv, m, log_ratio, ratio, *, loss, clip_low, cli
     if loss == "dppo_tv":
         valid = torch.where(adv > 0, p - q <= clip_high, p - q >= -clip_low)
     else:
-        b = q * (old - lp) + (1.0 - q) * torch.log((1.0 - q + DPPO_KL_GUARD) / (1.0 - p + DPPO_KL_GUARD))
+        b, _ = dppo_binary_kl(lp, old)
         valid = torch.where(adv > 0, (b <= clip_high) | (p <= q), (b <= clip_low) | (p >= q))
     valid = valid & m
     grad = torch.where(valid, times(-adv, w), 0.0)
