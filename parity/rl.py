@@ -384,9 +384,7 @@ def magnitudes(case: RLCase, x: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     if case.op == "policy_loss":
         return {"grad_logprob": _policy_contract_scale(case.kwargs, x)["grad_magnitude"]}
     if case.op == "kl_penalty":
-        delta = x["logprob"] - x["ref_logprob"]
-        exponent = (-delta).clamp(max=ref_pl.K3_LOG_RATIO_CLAMP) if case.kwargs.get("k3_clamp", True) else -delta
-        terms = 1.0 + delta.abs() + torch.exp(exponent)
+        terms = ref_pl.kl_grad_terms(x["logprob"] - x["ref_logprob"], k3_clamp=case.kwargs.get("k3_clamp", True))
         if case.kwargs.get("unbiased"):
             terms = terms * torch.exp(x["logprob"] - x["old_logprob"])
         return {"grad_logprob": x["c"].abs() * terms}

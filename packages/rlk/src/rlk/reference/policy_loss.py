@@ -210,6 +210,14 @@ def kl_estimate(
     return value, grad
 
 
+def kl_grad_terms(delta: Tensor, *, k3_clamp: bool) -> Tensor:
+    """A bound on the terms of every KL estimator's derivative at ``delta = lp - ref`` by absolute value
+    (``1 + |delta| + exp(-delta)``, the exponent clamped as ``k3``'s): the contract's magnitude where they cancel
+    (``k3``'s ``1 - exp(-delta)`` near ``delta = 0``)."""
+    exponent = (-delta).clamp(max=K3_LOG_RATIO_CLAMP) if k3_clamp else -delta
+    return 1.0 + delta.abs() + torch.exp(exponent)
+
+
 def kl_penalty_fwd(logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estimator, straight_through, k3_clamp,
                    clamp):
     """Per-element KL estimate ``kl_out`` and its derivative ``coef_out = d kl / d logprob`` (all ``[N]``).
@@ -368,8 +376,9 @@ def vespo_weights(log_ratio, adv, m, *, iw, k_pos, lambda_pos, k_neg, lambda_neg
 def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, *, loss,
            cispo_upper, clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl, kl_coef,
            kl_k3_clamp, kl_clamp, kl_straight_through, kl_unbiased, entropy_coef, vespo_k_pos=2.0,
-           vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0) -> dict[str, Tensor]:
-    """Every per-token quantity of the objective (``[B, T]``, 0 off the mask) and the row weights ``c``."""
+           vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, bounds=False) -> dict[str, Tensor]:
+    """Every per-token quantity of the objective (``[B, T]``, 0 off the mask) and the row weights ``c``; with
+    ``bounds`` also ``coef_terms``, the gradient coefficient's terms by absolute value (for the contract)."""
     cdt = _compute_dtype(logprob.dtype)
     m = mask
     zero = torch.zeros((), dtype=cdt, device=logprob.device)
@@ -395,7 +404,7 @@ def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weight
     elif loss == "geo_mean":
         grad = grad * n[:, None]
     t = {"m": m, "c": row_weight.to(cdt), "n": n, "policy": value, "objective": value, "coef": grad,
-         "coef_terms": grad.abs(),
+         **({"coef_terms": grad.abs()} if bounds else {}),
          "clipped": clipped.to(cdt), "lower": lower.to(cdt), "neg_log_ratio": -log_ratio, "ratio": ratio,
          "log_ratio": lp - old, "kl": torch.zeros_like(lp), "kl_log_ratio": torch.zeros_like(lp),
          "entropy": torch.zeros_like(lp)}
@@ -409,11 +418,9 @@ def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weight
         if kl_coef != 0:
             t["objective"] = t["objective"] + kl_coef * k
             t["coef"] = t["coef"] + kl_coef * dk
-            # every estimator's derivative is a sum of terms bounded by 1, |delta| and exp(-delta) (k3's
-            # 1 - exp(-delta) cancels near delta = 0; its clamp bounds the exponent)
-            exponent = (-delta).clamp(max=K3_LOG_RATIO_CLAMP) if kl_k3_clamp else -delta
-            dk_terms = 1.0 + delta.abs() + torch.exp(exponent)
-            t["coef_terms"] = t["coef_terms"] + abs(kl_coef) * (times(dk_terms, w) if kl_unbiased else dk_terms)
+            if bounds:
+                dk_terms = kl_grad_terms(delta, k3_clamp=kl_k3_clamp)
+                t["coef_terms"] = t["coef_terms"] + abs(kl_coef) * (times(dk_terms, w) if kl_unbiased else dk_terms)
     if entropy is not None:
         t["entropy"] = masked(entropy)
         if entropy_coef != 0:
@@ -494,7 +501,8 @@ def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importanc
     is ``|I L| + |beta K| + |eta H|``); a mean divides it by ``n``; ``ratio_max`` takes
     ``max_t ratio_t (1 + |d_t| + |delta_t|)``. Call it with the fp64 inputs of the ground truth.
     """
-    t = _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, **attrs)
+    t = _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy,
+               bounds=True, **attrs)
     m = t["m"]
     amp = torch.where(m, 1.0 + t["log_ratio"].abs() + t["kl_log_ratio"].abs(), 0.0)
     loss_terms = t["policy"].abs() + abs(attrs["kl_coef"]) * t["kl"].abs() + abs(attrs["entropy_coef"]) * t[
