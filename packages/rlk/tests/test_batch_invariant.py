@@ -373,3 +373,54 @@ def test_patched_decode_and_chunked_prefill_see_the_padding(kind):
         assert torch.equal(step.logits[1, -1], alone_step.logits[0, -1]), f"{kind}: decode step sees the padding"
     finally:
         unpatch_model(model)
+
+
+def test_one_run_offsets_cut_each_row_around_its_run():
+    """Row ``b`` of a mask with one run per row becomes three sequences: the pads before the run, the run, the pads
+    after it (empty ones where there are none); a mask with holes is told apart."""
+    import rlk.hf.patch as hf
+
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0]], dtype=torch.bool)
+    expected = [0, 2, 4, 4, 4, 6, 8, 8, 12, 12, 16, 16, 16, 17, 19, 20]
+    assert hf._one_run_offsets(mask).tolist() == expected
+    assert hf._one_run_offsets(mask).dtype == torch.int32
+    assert hf._one_run_per_row(mask)
+    assert not hf._one_run_per_row(torch.tensor([[1, 0, 1, 1]], dtype=torch.bool))
+    assert not hf._one_run_per_row(torch.tensor([[0, 1, 0, 1]], dtype=torch.bool))
+
+
+@routed
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("seq_q", [9, 3, 1], ids=["prefill", "chunk", "decode"])
+def test_padded_attention_in_place_is_the_packed_attention_bitwise(side, seq_q, monkeypatch):
+    """A padding mask with one run per row runs in place (no host synchronization): bitwise the output of dropping
+    the pads and packing the valid tokens (a mask with holes), zeros at the pad rows."""
+    import types
+
+    import rlk.hf.patch as hf
+
+    g = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, seq_k, dim = 4, 4, 2, 9, 16
+    q = torch.randn(batch, heads, seq_q, dim, generator=g).to(DEVICE)
+    k = torch.randn(batch, kv_heads, seq_k, dim, generator=g).to(DEVICE)
+    v = torch.randn(batch, kv_heads, seq_k, dim, generator=g).to(DEVICE)
+    lengths = torch.tensor([9, 4, 1, 0])
+    cols = torch.arange(seq_k)[None, :]
+    mask = (cols >= seq_k - lengths[:, None]) if side == "left" else (cols < lengths[:, None])
+    mask = mask.to(DEVICE).long()
+    module = types.SimpleNamespace(is_causal=True, training=False)
+    hf._last_layout.clear()
+    layout = hf._varlen_index(mask, None, batch, seq_q, seq_k, q.device)
+    assert layout[0].dtype == torch.bool and layout[1] is None and layout[2].shape == (3 * batch + 1,)
+    out, _ = hf.rlk_attention_forward(module, q, k, v, mask)
+    monkeypatch.setattr(hf, "_one_run_per_row", lambda m: False)  # the packing path
+    hf._last_layout.clear()
+    assert hf._varlen_index(mask, None, batch, seq_q, seq_k, q.device)[0].dtype != torch.bool
+    packed, _ = hf.rlk_attention_forward(module, q, k, v, mask)
+    hf._last_layout.clear()
+    assert out.shape == (batch, seq_q, heads, dim)
+    assert torch.equal(out, packed)
+    pads = mask[:, -seq_q:] == 0
+    assert pads.any() and not (~pads).all()
+    assert torch.equal(out[pads], torch.zeros_like(out[pads]))
+    assert out[~pads].abs().sum() > 0
