@@ -7,14 +7,11 @@ The aten overrides of :mod:`rlk.batch_invariant` cannot reach two things in a tr
   (``LlamaRMSNorm``, ``Qwen3RMSNorm``, ...) by rlk's ``rms_norm`` primitives (same formula:
   ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, fp32 statistics), one program per row;
 * attention with padding masks: ``patch_model`` registers the attention function ``"rlk"`` with
-  ``transformers.AttentionInterface`` and switches the model to it. With a 2-D ``attention_mask`` whose
-  rows each hold one run of tokens (left or right padding), it runs rlk's varlen attention in place on the
-  padded ``[B * S]`` tokens, each row cut into three sequences by ``cu_seqlens`` (the pads before the run,
-  the run, the pads after it) computed on the device: no host synchronization, so a decode step can be
-  captured in a CUDA graph (with ``RLK_CHECK_VALUES=0``, which also skips the one check that the mask has
-  no holes). A mask with holes drops the padding and packs the valid tokens; packed rows without a mask
-  are split where ``position_ids`` restart at 0. Pad positions get zeros. A token's attention output is
-  then bitwise the same alone or batched, whatever the padding.
+  ``transformers.AttentionInterface`` and switches the model to it. It drops the padding (the 2-D
+  ``attention_mask``, left or right padding or holes) or splits packed rows (``position_ids`` restarting
+  at 0, when there is no mask), and runs rlk's varlen attention on the packed valid tokens with
+  ``cu_seqlens``; pad positions get zeros. A token's attention output is then bitwise the same alone
+  or batched, whatever the padding.
 
 Together with ``with rlk.batch_invariant():`` (matmuls, softmax, the remaining reductions) a sequence's
 logits and per-token gradients do not depend on the micro-batch it is in. Left padding needs
@@ -138,41 +135,15 @@ def _varlen_layout(attention_mask: Tensor | None, position_ids: Tensor | None, b
     return layout
 
 
-def _one_run_offsets(mask: Tensor) -> Tensor:
-    """int32 ``cu_seqlens [3 B + 1]`` of the flattened ``[B, S]`` tokens of a boolean mask with one run of
-    ``True`` per row: row ``b`` is cut at ``b S``, at its run's first token and after its last (empty cuts for an
-    empty run or no padding). Device ops only."""
-    batch, seq = mask.shape
-    ones = mask.sum(1, dtype=torch.int32)
-    before = (mask.cumsum(1, dtype=torch.int32) == 0).sum(1, dtype=torch.int32)  # the pads before the run
-    start = torch.arange(batch, dtype=torch.int32, device=mask.device) * seq
-    cuts = torch.stack([start, start + before, start + before + ones], dim=1).reshape(-1)
-    return torch.cat([cuts, cuts.new_full((1,), batch * seq)])
-
-
-def _one_run_per_row(mask: Tensor) -> bool:
-    """Whether every row of a boolean ``[B, S]`` mask holds at most one run of ``True`` (one host
-    synchronization; assumed without it under ``RLK_CHECK_VALUES=0``)."""
-    if not checks.values_checked():
-        return True
-    edges = (mask[:, 1:] != mask[:, :-1]).sum(1) + mask[:, 0].int() + mask[:, -1].int()
-    return bool((edges <= 2).all())
-
-
 def _varlen_index(attention_mask: Tensor | None, position_ids: Tensor | None, batch: int, seq_q: int, seq_k: int,
                   device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor, int, int] | None:
     """Rows of the flattened ``[B * S]`` tokens to keep (None: all) for queries and keys, ``cu_seqlens_q``,
-    ``cu_seqlens_k`` and the max lengths; None when the layout is not one this path handles.
-
-    A mask with one run per row keeps every row (the pads become sequences of their own, :func:`_one_run_offsets`);
-    the first row tensor is then the ``[B * Sq]`` query mask, so that the pad rows' outputs are zeroed."""
+    ``cu_seqlens_k`` and the max lengths; None when the layout is not one this path handles."""
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_k:
             return None
         mask = attention_mask[:, -seq_k:].to(device=device, dtype=torch.bool)
         q_mask = mask[:, -seq_q:]
-        if _one_run_per_row(mask):
-            return (q_mask.reshape(-1), None, _one_run_offsets(q_mask), _one_run_offsets(mask), seq_q, seq_k)
         q_len, k_len = q_mask.sum(1), mask.sum(1)
         zero = torch.zeros(1, dtype=torch.int32, device=device)
         cu_q = torch.cat([zero, q_len.cumsum(0).to(torch.int32)])
@@ -226,11 +197,10 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     q_rows, k_rows, cu_q, cu_k, max_q, max_k = layout
-    in_place = q_rows is not None and q_rows.dtype == torch.bool  # one run per row: the query mask
     q = query.transpose(1, 2).reshape(batch * seq_q, heads, head_dim)
     k = key.transpose(1, 2).reshape(batch * seq_k, key.shape[1], head_dim)
     v = value.transpose(1, 2).reshape(batch * seq_k, key.shape[1], head_dim)
-    if q_rows is not None and not in_place:
+    if q_rows is not None:
         q, k, v = q.index_select(0, q_rows), k.index_select(0, k_rows), v.index_select(0, k_rows)
     from rlk.attention import attention
 
@@ -239,9 +209,7 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
     with dispatch.use_backend(backend.name), checks.trusted_values():  # offsets built above from the mask
         out = attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                         causal=causal, softmax_scale=scale)
-    if in_place:  # the pad sequences attend among themselves: their rows are set to 0
-        out = torch.where(q_rows[:, None, None], out, 0.0)
-    elif q_rows is not None:
+    if q_rows is not None:
         out = out.new_zeros((batch * seq_q, heads, head_dim)).index_copy(0, q_rows, out)
     return out.view(batch, seq_q, heads, head_dim), None
 
