@@ -260,7 +260,7 @@ def mask_rounding_boundaries(x: dict[str, torch.Tensor], kw: dict) -> dict[str, 
     unit = BOUNDARY_ULPS * 2.0**-24
     d = lp - old
     if kw["loss"] == "gspo":  # the sequence log-ratio decides every token of its row
-        valid = as64(x)["mask"] != 0
+        valid = x64["mask"] != 0
         d = (torch.where(valid, d, 0.0).sum(dim=1) / valid.sum(dim=1).clamp(min=1))[:, None].expand_as(lp)
     near = torch.zeros_like(d, dtype=torch.bool)
     for bound in _log_ratio_boundaries(kw):
@@ -445,6 +445,24 @@ def test_policy_loss_matches_reference(backend):
 @pytest.mark.parametrize("backend", backends("policy_loss"))
 def test_policy_loss_matches_reference_at_extreme_log_ratios(backend):
     fuzz_run(check_policy_loss_matches_reference, backend, policy_cases(backend, extreme=True), ci=2)
+
+
+#: Found by the long profile on the H200: TRL's cispo cap ``clip_high = 1.0`` counts ``exp(d) > 1``, which fp32
+#: rounds to 1 for ``|d| < 2^-24``, so ``clip_fraction`` was one token apart from the fp64 truth.
+CISPO_CAP_AT_ONE = PolicyCase(b=3, t=63, seed=3, kwargs=(("agg", "token-mean"), ("cispo_form", "upper"),
+                                                         ("clip_high", 1.0), ("clip_low", 0.2), ("loss", "cispo")),
+                              dtype="float32", adv="token", mask="scattered", float_mask=False, on_policy=False,
+                              tensors=(), norm_tensors=False, spread=1e-05, extreme=90.0, kl_extreme=0.0)
+
+
+@pytest.mark.parametrize("backend", backends("policy_loss"))
+def test_policy_loss_clip_decisions_on_rounding_are_not_compared(backend, monkeypatch):
+    """The long profile's cispo finding passes with ``mask_rounding_boundaries``, and fails without it (the
+    rounding-decided token is what differs, not the kernel)."""
+    check_policy_loss_matches_reference(backend, CISPO_CAP_AT_ONE)
+    monkeypatch.setitem(globals(), "mask_rounding_boundaries", lambda x, kw: x)
+    with pytest.raises(AssertionError, match="clip_fraction"):
+        check_policy_loss_matches_reference(backend, CISPO_CAP_AT_ONE)
 
 
 @pytest.mark.parametrize("backend", backends("policy_loss"))
