@@ -18,6 +18,14 @@ the way :mod:`rlk.consistency.paths` feeds them (the shapes the consistency test
   (lengths as above), then (timed) ``K`` single-token steps ``input_ids [B_dec, 1]`` with the mask grown by one
   column and ``position_ids`` = each row's next position, ``logits_to_keep=1``. Reported per step;
   tokens/s = ``B_dec / step time``. The step tokens are drawn in advance (no sampling in the timed region).
+* ``decode_graph``: the decode step as a rollout engine runs it, captured in a CUDA graph: a
+  ``transformers.StaticCache`` of ``P_dec + K`` slots, fixed buffers for ``input_ids [B_dec, 1]``,
+  ``position_ids``, ``cache_position [1]`` and an ``attention_mask [B_dec, P_dec + K]`` over all the slots (0 where
+  not written yet); per repetition (untimed) the cache is reset in place and the prompts prefilled eagerly, then
+  (timed) ``K`` steps, each writing its inputs into the buffers and replaying the graph. The graph is captured
+  once per chain state, after one eager warmup step, with rlk's value checks off (``RLK_CHECK_VALUES=0``'s
+  context: they read tensors on the host). Same inputs and tokens/s as ``decode``. On the CPU (no graphs) the
+  same step runs eagerly: it checks the tool, not the timing.
 
 Timing: CUDA events on a GPU (``perf_counter`` + synchronize otherwise), the device synchronized before each timed
 region; 2 warmup repetitions (Triton compiles there), then ``--reps``; median and min in ms. Per scenario:
@@ -66,7 +74,7 @@ from pathlib import Path
 
 import torch
 
-SCENARIOS = ("training", "prefill", "decode")
+SCENARIOS = ("training", "prefill", "decode", "decode_graph")
 TARGET_OVERHEAD = 0.20
 WARMUP = 2
 
@@ -212,7 +220,100 @@ def _decode(model, args, gen, device) -> Scenario:
                      "logits": "last position (logits_to_keep=1)"})
 
 
-_BUILDERS = {"training": _training, "prefill": _prefill, "decode": _decode}
+class _StaticDecode:
+    """A static KV cache, the fixed input buffers of one decode step and, on CUDA, that step captured in a graph
+    (one per chain state: the patched model's kernels differ from the stock ones)."""
+
+    def __init__(self, model, ids, mask, position_ids, step_ids, device):
+        from transformers import StaticCache
+
+        from rlk.hf import compat
+
+        self.model, self.ids, self.prompt_mask, self.position_ids = model, ids, mask, position_ids
+        self.step_ids = step_ids
+        self.prompt_len, self.steps = ids.shape[1], step_ids.shape[0]
+        self.cache_keyword = compat.cache_keyword(model)
+        self.cache = StaticCache(config=model.config, max_cache_len=self.prompt_len + self.steps)
+        self.mask = torch.zeros((ids.shape[0], self.prompt_len + self.steps), dtype=mask.dtype, device=device)
+        self.step_input = torch.empty_like(step_ids[0])
+        self.step_pos = torch.empty_like(position_ids[:, -1:])
+        self.slot = torch.zeros((1,), dtype=torch.int64, device=device)
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.device = device
+
+    def _forward(self, **kwargs):
+        return self.model(**kwargs, attention_mask=self.mask, use_cache=True, logits_to_keep=1,
+                          **{self.cache_keyword: self.cache})
+
+    def prefill(self) -> None:
+        """Reset the cache in place and prefill the prompts (eager)."""
+        self.cache.reset()
+        self.mask.zero_()
+        self.mask[:, :self.prompt_len] = self.prompt_mask
+        self._forward(input_ids=self.ids, position_ids=self.position_ids,
+                      cache_position=torch.arange(self.prompt_len, device=self.device))
+
+    def set_inputs(self, k: int) -> None:
+        """Step ``k``'s inputs into the buffers: its tokens, positions, slot, and the slot's mask column."""
+        self.step_input.copy_(self.step_ids[k])
+        self.step_pos.copy_(self.position_ids[:, -1:] + 1 + k)
+        self.slot.fill_(self.prompt_len + k)
+        self.mask[:, self.prompt_len + k] = 1
+
+    def step(self) -> None:
+        self._forward(input_ids=self.step_input, position_ids=self.step_pos, cache_position=self.slot)
+
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The captured step of the current chain state (captured on first use); None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        from rlk import checks
+
+        chain_on = getattr(self.model, "_rlk_patch", None) is not None
+        if chain_on not in self.graphs:
+            self.prefill()
+            self.set_inputs(0)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side), checks.trusted_values():
+                self.step()  # warmup: compiles, allocates the step's workspace
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), checks.trusted_values():
+                self.step()
+            self.graphs[chain_on] = graph
+        return self.graphs[chain_on]
+
+
+def _decode_graph(model, args, gen, device) -> Scenario:
+    n, steps = args.decode_batch, args.decode_steps
+    lengths = _row_lengths(n, args.decode_len, gen)
+    ids, mask, position_ids = _left_padded(lengths, args.decode_len, model.config.vocab_size, gen, device)
+    step_ids = torch.randint(0, model.config.vocab_size, (steps, n, 1), generator=gen).to(device)
+    static = _StaticDecode(model, ids, mask, position_ids, step_ids, device)
+
+    def setup():
+        graph = static.graph()
+        static.prefill()
+        return graph
+
+    def body(graph):
+        for k in range(steps):
+            static.set_inputs(k)
+            if graph is None:
+                static.step()
+            else:
+                graph.replay()
+
+    return Scenario(setup, body, n, steps, "decode step",
+                    {"prompt_ids": list(ids.shape), "row_lengths": lengths, "steps": steps,
+                     "layout": f"StaticCache of {args.decode_len + steps} slots reset and prefilled (untimed) per "
+                               "repetition, then K timed steps: inputs copied into fixed buffers (mask over all "
+                               "slots, cache_position), the step replayed from a CUDA graph (eager off CUDA)",
+                     "logits": "last position (logits_to_keep=1)"})
+
+
+_BUILDERS = {"training": _training, "prefill": _prefill, "decode": _decode, "decode_graph": _decode_graph}
 
 
 # ---------------------------------------------------------------------------

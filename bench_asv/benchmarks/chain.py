@@ -7,7 +7,8 @@ thing); the model is ``rlk.consistency.harness.build_model``'s:
 * ``training``: one packed row of ``S x L`` tokens, full logits (a trainer's forward); one unit is the forward;
 * ``prefill``: ``B x P`` left-padded tokens into a fresh KV cache, last-position logits; one unit is the forward;
 * ``decode``: per repetition an untimed left-padded ``B_dec x P_dec`` prefill, then ``K`` single-token steps;
-  one unit is one step.
+  one unit is one step;
+* ``decode_graph``: the same steps on a static KV cache, each replayed from a CUDA graph (eager off CUDA).
 
 Implementations (``impl``): ``stock`` (PyTorch / cuBLAS / SDPA) and ``rlk`` (``rlk.batch_invariant()`` +
 ``rlk.patch_model``), switched on one model by ``rlk.consistency.paths.chain``. Shape ``(layers,)``: the model's
@@ -21,11 +22,12 @@ Work credited per unit, the same for both impls (the roofline of each regime):
 * training and prefill (``TFLOP/s``): ``2 x tokens x`` the weights of every ``nn.Linear`` (the decoder's
   projections and the LM head; prefill's head at one position per row): the dense GEMM FLOPs, attention's own
   FLOPs left out;
-* decode (``GB/s``): one read of every ``nn.Linear`` weight plus the KV cache a step reads
+* decode and decode_graph (``GB/s``): one read of every ``nn.Linear`` weight plus the KV cache a step reads
   (``2 x layers x B_dec x (P_dec + (K + 1) / 2) x Hkv x D`` elements, the mean over the K steps): the bytes
   a perfect step moves.
 
-``peak_extra_mib`` is that of one repetition (for decode: the prefill and the K steps).
+``peak_extra_mib`` is that of one repetition (for decode: the prefill and the K steps; for decode_graph also its
+graph's capture, which the first repetition does; its static cache is allocated when the scenario is built).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from .common import DEVICE, QUICK, REPEATS, SEED, WARMUP, CaseBase, _CaseSetup, peak_extra_mib
 
 IMPLS = ["stock", "rlk"]
-SCENARIOS = ["training", "prefill", "decode"]
+SCENARIOS = ["training", "prefill", "decode", "decode_graph"]
 MODEL = "tiny" if QUICK else "qwen3-8b-shape"
 DTYPE = torch.float32 if QUICK else torch.bfloat16
 SHAPES = [(2,)] if QUICK else [(8,)]

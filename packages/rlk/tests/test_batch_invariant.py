@@ -373,3 +373,266 @@ def test_patched_decode_and_chunked_prefill_see_the_padding(kind):
         assert torch.equal(step.logits[1, -1], alone_step.logits[0, -1]), f"{kind}: decode step sees the padding"
     finally:
         unpatch_model(model)
+
+
+def test_one_run_offsets_cut_each_row_around_its_run():
+    """Row ``b`` of a mask with one run per row becomes three sequences: the pads before the run, the run, the pads
+    after it (empty ones where there are none); a mask with holes is told apart."""
+    import rlk.hf.patch as hf
+
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0]], dtype=torch.bool)
+    expected = [0, 2, 4, 4, 4, 6, 8, 8, 12, 12, 16, 16, 16, 17, 19, 20]
+    assert hf._one_run_offsets(mask).tolist() == expected
+    assert hf._one_run_offsets(mask).dtype == torch.int32
+    assert hf._one_run_per_row(mask)
+    assert not hf._one_run_per_row(torch.tensor([[1, 0, 1, 1]], dtype=torch.bool))
+    assert not hf._one_run_per_row(torch.tensor([[0, 1, 0, 1]], dtype=torch.bool))
+
+
+@routed
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("seq_q", [9, 3, 1], ids=["prefill", "chunk", "decode"])
+def test_padded_attention_in_place_is_the_packed_attention_bitwise(side, seq_q, monkeypatch):
+    """A padding mask with one run per row runs in place (no host synchronization): bitwise the output of dropping
+    the pads and packing the valid tokens (a mask with holes), zeros at the pad rows."""
+    import types
+
+    import rlk.hf.patch as hf
+
+    g = torch.Generator().manual_seed(3)
+    batch, heads, kv_heads, seq_k, dim = 4, 4, 2, 9, 16
+    q = torch.randn(batch, heads, seq_q, dim, generator=g).to(DEVICE)
+    k = torch.randn(batch, kv_heads, seq_k, dim, generator=g).to(DEVICE)
+    v = torch.randn(batch, kv_heads, seq_k, dim, generator=g).to(DEVICE)
+    lengths = torch.tensor([9, 4, 1, 0])
+    cols = torch.arange(seq_k)[None, :]
+    mask = (cols >= seq_k - lengths[:, None]) if side == "left" else (cols < lengths[:, None])
+    mask = mask.to(DEVICE).long()
+    module = types.SimpleNamespace(is_causal=True, training=False)
+    hf._last_layout.clear()
+    layout = hf._varlen_index(mask, None, None, batch, seq_q, seq_k, q.device)
+    assert layout[0].dtype == torch.bool and layout[1] is None and layout[2].shape == (3 * batch + 1,)
+    out, _ = hf.rlk_attention_forward(module, q, k, v, mask)
+    monkeypatch.setattr(hf, "_one_run_per_row", lambda m: False)  # the packing path
+    hf._last_layout.clear()
+    assert hf._varlen_index(mask, None, None, batch, seq_q, seq_k, q.device)[0].dtype != torch.bool
+    packed, _ = hf.rlk_attention_forward(module, q, k, v, mask)
+    hf._last_layout.clear()
+    assert out.shape == (batch, seq_q, heads, dim)
+    assert torch.equal(out, packed)
+    pads = mask[:, -seq_q:] == 0
+    assert pads.any() and not (~pads).all()
+    assert torch.equal(out[pads], torch.zeros_like(out[pads]))
+    assert out[~pads].abs().sum() > 0
+
+
+def _static_cache_decodes(model, record_cache_calls: bool = True):
+    """Logits of a left-padded prefill + one decode step of the patched tiny model: ``DynamicCache``,
+    ``StaticCache`` with the ``[B, past + S]`` mask, and ``StaticCache`` with a mask over all 16 slots (0 where not
+    written yet; what a captured decode step feeds), with and without ``cache_position`` passed (a raised
+    ValueError stands for the logits where rlk refuses). ``record_cache_calls=False``: patched without the
+    attention modules' pre-hooks (the negative control)."""
+    from transformers import DynamicCache, StaticCache
+
+    from rlk.hf import patch_model, unpatch_model
+
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=g).to(DEVICE)
+    nxt = torch.randint(0, model.config.vocab_size, (2, 1), generator=g).to(DEVICE)
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]], device=DEVICE)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device=DEVICE)], 1)
+    logits = {}
+    hooks = []
+    patch_model(model)
+    if not record_cache_calls:
+        hooks, model._rlk_patch["hooks"] = model._rlk_patch["hooks"], []
+        for hook in hooks:
+            hook.remove()
+    try:
+        with batch_invariant(), torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("error", message="rlk")
+            for name in ("dynamic", "static"):
+                cache = DynamicCache() if name == "dynamic" else StaticCache(config=model.config, max_cache_len=16)
+                prefill = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                step = model(nxt, attention_mask=step_mask, position_ids=pos[:, -1:] + 1, past_key_values=cache,
+                             use_cache=True)
+                logits[name] = (prefill.logits, step.logits)
+            for name, passed in (("static, all slots", True), ("static, all slots, no cache_position", False)):
+                cache = StaticCache(config=model.config, max_cache_len=16)
+                slots = F.pad(mask, (0, 10))
+                where = {"cache_position": torch.arange(6, device=DEVICE)} if passed else {}
+                try:
+                    prefill = model(ids, attention_mask=slots, position_ids=pos, past_key_values=cache,
+                                    use_cache=True, **where)
+                    slots[:, 6] = 1
+                    where = {"cache_position": torch.tensor([6], device=DEVICE)} if passed else {}
+                    step = model(nxt, attention_mask=slots, position_ids=pos[:, -1:] + 1, past_key_values=cache,
+                                 use_cache=True, **where)
+                    logits[name] = (prefill.logits, step.logits)
+                except ValueError as error:
+                    logits[name] = error
+    finally:
+        unpatch_model(model)
+    assert not any(hasattr(m, "_rlk_cache_call") for m in model.modules())
+    return logits
+
+
+def _cache_position_reaches_attention() -> bool:
+    """transformers >= 5 forwards a ``cache_position`` passed to the model to the attention function (and
+    computes none itself); 4.x computes one and keeps it in the attention module."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
+@routed
+def test_patched_static_cache_decode_is_the_dynamic_cache_decode_bitwise():
+    """A ``StaticCache`` (keys of ``max_cache_len`` against the ``[B, past + S]`` mask; its unwritten slots are
+    padding) gives the left-padded prefill and decode step bitwise the logits of a ``DynamicCache``; so does a mask
+    over all the slots with ``cache_position``. Without it: transformers 4.x's own ``cache_position`` (recorded
+    by the attention modules' pre-hooks) serves; transformers 5 raises a ValueError naming ``cache_position``."""
+    model = tiny_model("qwen3", torch.float32, DEVICE)
+    logits = _static_cache_decodes(model)
+    names = ["static", "static, all slots"]
+    if _cache_position_reaches_attention():
+        error = logits["static, all slots, no cache_position"]
+        assert isinstance(error, ValueError) and "cache_position" in str(error), error
+    else:
+        names.append("static, all slots, no cache_position")
+    for name in names:
+        assert torch.equal(logits[name][0], logits["dynamic"][0]), name
+        assert torch.equal(logits[name][1], logits["dynamic"][1]), name
+
+
+@routed
+def test_patched_static_cache_without_padding_masks_the_unwritten_slots():
+    """An all-ones ``[B, past + S]`` mask with a ``StaticCache``: rlk's mask builder keeps it (transformers 4.x's
+    flash-attention builder dropped it, and the queries then saw the zero keys of the unwritten slots)."""
+    from transformers import DynamicCache, StaticCache
+
+    from rlk.hf import patch_model, unpatch_model
+    from rlk.hf.patch import padding_mask
+
+    model = tiny_model("qwen3", torch.float32, DEVICE)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=g).to(DEVICE)
+    nxt = torch.randint(0, model.config.vocab_size, (2, 1), generator=g).to(DEVICE)
+    mask = torch.ones((2, 5), dtype=torch.int64, device=DEVICE)
+    logits = {}
+    patch_model(model)
+    try:
+        with batch_invariant(), torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("error", message="rlk")
+            for name in ("dynamic", "static"):
+                cache = DynamicCache() if name == "dynamic" else StaticCache(config=model.config, max_cache_len=12)
+                model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                step = model(nxt, attention_mask=F.pad(mask, (0, 1), value=1), past_key_values=cache, use_cache=True)
+                logits[name] = step.logits
+    finally:
+        unpatch_model(model)
+    assert torch.equal(logits["static"], logits["dynamic"])
+    full = torch.ones((2, 6), dtype=torch.bool)
+    assert padding_mask(kv_length=6, attention_mask=full) is None  # no padding, as wide as the keys: packed rows
+    assert torch.equal(padding_mask(kv_length=12, attention_mask=full), full)  # narrower than the keys: kept
+    padded = full.clone()
+    padded[0, -1] = False
+    assert torch.equal(padding_mask(kv_length=4, attention_mask=padded), padded[:, -4:])  # the last columns
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_captured_static_cache_decode_is_the_eager_decode_gpu(dtype):
+    """A decode step captured in a CUDA graph (``StaticCache``, fixed buffers, a mask over all the slots and
+    ``cache_position``; rlk's value checks off) replays bitwise the logits of the eager ``DynamicCache`` decode, step
+    after step, and its capture synchronizes nowhere (a synchronization in a capture raises)."""
+    from transformers import DynamicCache, StaticCache
+
+    from rlk import checks
+    from rlk.hf import compat, patch_model, unpatch_model
+
+    model = tiny_model("qwen3", dtype, DEVICE, hidden=128, layers=2, heads=4, kv_heads=2, vocab=512)
+    keyword = compat.cache_keyword(model)
+    g = torch.Generator().manual_seed(8)
+    batch, prompt, steps = 4, 9, 4
+    lengths = [9, 3, 6, 1]
+    mask = torch.zeros((batch, prompt), dtype=torch.int64)
+    for i, n in enumerate(lengths):
+        mask[i, prompt - n:] = 1
+    mask = mask.to(DEVICE)
+    ids = torch.randint(0, 512, (batch, prompt), generator=g).to(DEVICE) * mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    tokens = torch.randint(0, 512, (steps, batch, 1), generator=g).to(DEVICE)
+    patch_model(model)
+    try:
+        with batch_invariant(), torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("error", message="rlk")
+            cache = DynamicCache()
+            model(ids, attention_mask=mask, position_ids=pos, use_cache=True, **{keyword: cache})
+            eager = []
+            for k in range(steps):
+                step_mask = torch.cat([mask, mask.new_ones((batch, k + 1))], 1)
+                out = model(tokens[k], attention_mask=step_mask, position_ids=pos[:, -1:] + 1 + k, use_cache=True,
+                            logits_to_keep=1, **{keyword: cache})
+                eager.append(out.logits)
+
+            static = StaticCache(config=model.config, max_cache_len=prompt + steps)
+            slots = F.pad(mask, (0, steps))
+            step_ids, step_pos = tokens[0].clone(), pos[:, -1:] + 1
+            slot = torch.tensor([prompt], device=DEVICE)
+
+            def prefill():
+                static.reset()
+                slots[:, prompt:] = 0
+                model(ids, attention_mask=slots, position_ids=pos, use_cache=True,
+                      cache_position=torch.arange(prompt, device=DEVICE), **{keyword: static})
+
+            def step():
+                return model(step_ids, attention_mask=slots, position_ids=step_pos, use_cache=True, logits_to_keep=1,
+                             cache_position=slot, **{keyword: static}).logits
+
+            def set_inputs(k):
+                step_ids.copy_(tokens[k])
+                step_pos.copy_(pos[:, -1:] + 1 + k)
+                slot.fill_(prompt + k)
+                slots[:, prompt + k] = 1
+
+            prefill()
+            set_inputs(0)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), checks.trusted_values():
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), checks.trusted_values():
+                captured = step()
+            prefill()
+            replayed = []
+            for k in range(steps):
+                set_inputs(k)
+                graph.replay()
+                replayed.append(captured.clone())
+    finally:
+        unpatch_model(model)
+    for k in range(steps):
+        assert torch.equal(replayed[k], eager[k]), f"step {k}"
+    assert not torch.equal(replayed[0], replayed[1])
+
+
+@routed
+def test_static_cache_slots_without_the_pre_hooks_are_misread():
+    """Negative control of the pre-hooks: without them, transformers 4.x's ``cache_position`` never reaches the
+    attention, a mask over all the slots is read as right padding and the decode step's logits are wrong (not
+    refused: the cache is unknown too); transformers 5 refuses the mask, hooks or not, when nothing is passed."""
+    model = tiny_model("qwen3", torch.float32, DEVICE)
+    logits = _static_cache_decodes(model, record_cache_calls=False)
+    unhooked = logits["static, all slots, no cache_position"]
+    if _cache_position_reaches_attention():
+        assert torch.equal(logits["static, all slots"][1], logits["dynamic"][1])
+        assert not isinstance(unhooked, ValueError)  # the cache is not known either: nothing to refuse on
+        assert not torch.equal(unhooked[1], logits["dynamic"][1])
+    else:
+        assert not isinstance(unhooked, ValueError)
+        assert not torch.equal(unhooked[1], logits["dynamic"][1])
+        assert not torch.equal(logits["static, all slots"][1], logits["dynamic"][1])

@@ -90,8 +90,8 @@ def test_tiny_model_on_cpu_reports_every_scenario(tmp_path, capsys):
     assert report["model"]["name"] == "tiny" and report["dtype"] == "float32"
     assert {"torch", "triton", "transformers"} <= set(report["versions"])
     assert report["settings"]["reps"] == 1 and report["settings"]["decode_steps"] == 2
-    assert list(report["scenarios"]) == ["training", "prefill", "decode"]
-    tokens = {"training": 2 * 8, "decode": 2}
+    assert list(report["scenarios"]) == ["training", "prefill", "decode", "decode_graph"]
+    tokens = {"training": 2 * 8, "decode": 2, "decode_graph": 2}
     for name, r in report["scenarios"].items():
         assert name in table
         for chain in ("off", "on"):

@@ -359,3 +359,28 @@ def test_logprob_ops_gpu(monkeypatch):
                 rlk.linear_logprob(x["hidden"], x["weight"], x["targets"], return_entropy=True))
 
     check_no_sync_and_graph_replay(make, op, wrt=("logits", "hidden", "weight"))
+
+
+def test_patched_attention_with_a_padding_mask_gpu(monkeypatch):
+    """``rlk.patch_model``'s attention on a left-padded decode step (one query per row against a padded KV): its
+    layout comes from the mask on the device, so a new padding replays correctly from the graph."""
+    import types
+
+    import rlk.hf.patch as hf
+
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")  # also skips the one check that the mask has no holes
+    module = types.SimpleNamespace(is_causal=True, training=False)
+    batch, seq_k = 16, 300
+
+    def make(seed):
+        g = _gen(seed)
+        lengths = torch.randint(1, seq_k + 1, (batch,), generator=g, device="cuda")
+        mask = (torch.arange(seq_k, device="cuda")[None, :] >= seq_k - lengths[:, None]).long()
+        return {"q": _randn(g, batch, 8, 1, 64), "k": _randn(g, batch, 2, seq_k, 64),
+                "v": _randn(g, batch, 2, seq_k, 64), "mask": mask}
+
+    def op(x):
+        hf._last_layout.clear()  # the layout is computed (and captured) on every call
+        return hf.rlk_attention_forward(module, x["q"], x["k"], x["v"], x["mask"])[0]
+
+    check_no_sync_and_graph_replay(make, op)

@@ -7,11 +7,20 @@ The aten overrides of :mod:`rlk.batch_invariant` cannot reach two things in a tr
   (``LlamaRMSNorm``, ``Qwen3RMSNorm``, ...) by rlk's ``rms_norm`` primitives (same formula:
   ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, fp32 statistics), one program per row;
 * attention with padding masks: ``patch_model`` registers the attention function ``"rlk"`` with
-  ``transformers.AttentionInterface`` and switches the model to it. It drops the padding (the 2-D
-  ``attention_mask``, left or right padding or holes) or splits packed rows (``position_ids`` restarting
-  at 0, when there is no mask), and runs rlk's varlen attention on the packed valid tokens with
-  ``cu_seqlens``; pad positions get zeros. A token's attention output is then bitwise the same alone
-  or batched, whatever the padding.
+  ``transformers.AttentionInterface`` and switches the model to it. With a 2-D ``attention_mask`` whose
+  rows each hold one run of tokens (left or right padding), it runs rlk's varlen attention in place on the
+  padded ``[B * S]`` tokens, each row cut into three sequences by ``cu_seqlens`` (the pads before the run,
+  the run, the pads after it) computed on the device: no host synchronization, so a decode step can be
+  captured in a CUDA graph (with ``RLK_CHECK_VALUES=0``, which also skips the one check that the mask has
+  no holes). A mask with holes drops the padding and packs the valid tokens; packed rows without a mask
+  are split where ``position_ids`` restart at 0. With a static KV cache (keys of ``max_cache_len`` slots, longer
+  than the mask) the slots after the mask are padding; a caller that passes ``cache_position`` may give a mask
+  over all the slots (0 where not written yet), one shape on every step, as a captured decode step needs.
+  transformers < 5 does not forward ``cache_position`` to the attention function: a pre-hook on each attention
+  module records the one it was called with; a mask over all of a static cache's slots whose query slots are not
+  known is refused (ValueError), never read as the last columns. While a CUDA graph is captured the layout is
+  recomputed in the graph (never taken from the per-forward cache). Pad positions get zeros. A token's attention
+  output is then bitwise the same alone or batched, whatever the padding.
 
 Together with ``with rlk.batch_invariant():`` (matmuls, softmax, the remaining reductions) a sequence's
 logits and per-token gradients do not depend on the micro-batch it is in. Left padding needs
@@ -28,6 +37,7 @@ transformers is imported only when :func:`patch_model` is called (optional depen
 
 from __future__ import annotations
 
+import inspect
 import math
 import types
 import warnings
@@ -118,32 +128,66 @@ def _tensor_key(x: Tensor | None) -> tuple | None:
     return None if x is None else (x.data_ptr(), x.storage_offset(), x._version, tuple(x.shape), x.device)
 
 
-def _varlen_layout(attention_mask: Tensor | None, position_ids: Tensor | None, batch: int, seq_q: int, seq_k: int,
-                   device: torch.device):
-    """:func:`_varlen_index`, computed once per (mask, position ids, shapes) for all the layers of a forward."""
+def _varlen_layout(attention_mask: Tensor | None, position_ids: Tensor | None, cache_position: Tensor | None,
+                   batch: int, seq_q: int, seq_k: int, device: torch.device):
+    """:func:`_varlen_index`, computed once per (mask, position ids, cache positions, shapes) for all the layers of
+    a forward; computed afresh while a CUDA graph is captured (the graph must recompute it from its buffers)."""
     if attention_mask is None and position_ids is None:
-        return _varlen_index(None, None, batch, seq_q, seq_k, device)
-    key = (_tensor_key(attention_mask), _tensor_key(position_ids), batch, seq_q, seq_k, device)
+        return _varlen_index(None, None, None, batch, seq_q, seq_k, device)
+    sources = (attention_mask, position_ids, cache_position)
+    if _capturing(device):
+        return _varlen_index(*sources, batch, seq_q, seq_k, device)
+    key = (*map(_tensor_key, sources), batch, seq_q, seq_k, device)
     refs = _last_layout.get("refs")
     if _last_layout.get("key") == key and refs is not None and all(
-            (ref is None and x is None) or (ref is not None and ref() is x)
-            for ref, x in zip(refs, (attention_mask, position_ids))):
+            (ref is None and x is None) or (ref is not None and ref() is x) for ref, x in zip(refs, sources)):
         return _last_layout["layout"]
-    layout = _varlen_index(attention_mask, position_ids, batch, seq_q, seq_k, device)
-    _last_layout.update(key=key, layout=layout,
-                        refs=tuple(None if x is None else weakref.ref(x) for x in (attention_mask, position_ids)))
+    layout = _varlen_index(*sources, batch, seq_q, seq_k, device)
+    _last_layout.update(key=key, layout=layout, refs=tuple(None if x is None else weakref.ref(x) for x in sources))
     return layout
 
 
-def _varlen_index(attention_mask: Tensor | None, position_ids: Tensor | None, batch: int, seq_q: int, seq_k: int,
+def _one_run_offsets(mask: Tensor) -> Tensor:
+    """int32 ``cu_seqlens [3 B + 1]`` of the flattened ``[B, S]`` tokens of a boolean mask with one run of
+    ``True`` per row: row ``b`` is cut at ``b S``, at its run's first token and after its last (empty cuts for an
+    empty run or no padding). Device ops only."""
+    batch, seq = mask.shape
+    ones = mask.sum(1, dtype=torch.int32)
+    before = (mask.cumsum(1, dtype=torch.int32) == 0).sum(1, dtype=torch.int32)  # the pads before the run
+    start = torch.arange(batch, dtype=torch.int32, device=mask.device) * seq
+    cuts = torch.stack([start, start + before, start + before + ones], dim=1).reshape(-1)
+    return torch.cat([cuts, cuts.new_full((1,), batch * seq)])
+
+
+def _one_run_per_row(mask: Tensor) -> bool:
+    """Whether every row of a boolean ``[B, S]`` mask holds at most one run of ``True`` (one host
+    synchronization; assumed without it under ``RLK_CHECK_VALUES=0``)."""
+    if not checks.values_checked():
+        return True
+    edges = (mask[:, 1:] != mask[:, :-1]).sum(1) + mask[:, 0].int() + mask[:, -1].int()
+    return bool((edges <= 2).all())
+
+
+def _varlen_index(attention_mask: Tensor | None, position_ids: Tensor | None, cache_position: Tensor | None,
+                  batch: int, seq_q: int, seq_k: int,
                   device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor, int, int] | None:
     """Rows of the flattened ``[B * S]`` tokens to keep (None: all) for queries and keys, ``cu_seqlens_q``,
-    ``cu_seqlens_k`` and the max lengths; None when the layout is not one this path handles."""
+    ``cu_seqlens_k`` and the max lengths; None when the layout is not one this path handles.
+
+    A mask with one run per row keeps every row (the pads become sequences of their own, :func:`_one_run_offsets`);
+    the first row tensor is then the ``[B * Sq]`` query mask, so that the pad rows' outputs are zeroed. The queries
+    are the mask's last ``Sq`` columns, or with ``cache_position`` (``[Sq]``, when the caller passes it) its columns
+    at those slots: a static cache's mask may then span all its slots, the ones not written yet 0."""
     if attention_mask is not None:
-        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_k:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_q:
             return None
         mask = attention_mask[:, -seq_k:].to(device=device, dtype=torch.bool)
-        q_mask = mask[:, -seq_q:]
+        slots = attention_mask.shape[1] <= seq_k and cache_position is not None and cache_position.shape == (seq_q,)
+        q_mask = mask.index_select(1, cache_position.to(device)) if slots else mask[:, -seq_q:]
+        if mask.shape[1] < seq_k:  # a static cache: its slots after the mask's ``past + S`` are not written yet
+            mask = torch.nn.functional.pad(mask, (0, seq_k - mask.shape[1]), value=False)
+        if _one_run_per_row(mask):
+            return (q_mask.reshape(-1), None, _one_run_offsets(q_mask), _one_run_offsets(mask), seq_q, seq_k)
         q_len, k_len = q_mask.sum(1), mask.sum(1)
         zero = torch.zeros(1, dtype=torch.int32, device=device)
         cu_q = torch.cat([zero, q_len.cumsum(0).to(torch.int32)])
@@ -162,6 +206,46 @@ def _varlen_index(attention_mask: Tensor | None, position_ids: Tensor | None, ba
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_q
     cu_k = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_k
     return None, None, cu_q, cu_k, seq_q, seq_k
+
+
+#: The keyword names under which transformers passes an attention module its KV cache (4.x, 5.x).
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache")
+
+
+def _is_attention_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an attention module of transformers that receives its KV cache: it has ``is_causal``
+    and its ``forward`` takes a cache argument (the module the attention function gets as ``module``)."""
+    if not hasattr(module, "is_causal"):
+        return False
+    try:
+        names = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in names for name in _CACHE_ARGUMENTS)
+
+
+def _record_cache_call(module, args, kwargs) -> None:
+    """Forward pre-hook of an attention module: the ``cache_position`` and the KV cache it is called with, which
+    transformers < 5 does not forward to the attention function (read by :func:`_query_slots`)."""
+    cache = next((kwargs[name] for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
+    module._rlk_cache_call = (kwargs.get("cache_position"), cache)
+
+
+def _query_slots(module, attention_mask: Tensor | None, seq_k: int, kwargs) -> Tensor | None:
+    """The cache slots of the queries: ``cache_position`` as the attention function or its module received it,
+    else None (the queries are the mask's last columns). Raises ValueError for a mask over all ``seq_k`` slots of
+    a static cache without them: there the last columns are slots not written yet."""
+    slots = kwargs.get("cache_position")
+    recorded, cache = getattr(module, "_rlk_cache_call", (None, None))
+    if slots is None:
+        slots = recorded
+    if (slots is None and cache is not None and getattr(cache, "is_compileable", False)
+            and attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == seq_k):
+        raise ValueError(
+            f"rlk.patch_model: attention_mask spans all {seq_k} slots of a static KV cache, and the queries' slots "
+            "are not known: pass cache_position= (the slots of this forward's tokens) to the model, or a mask of "
+            "[batch, past + new tokens]")
+    return slots
 
 
 def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -183,7 +267,8 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
     layout = None
     backend = None
     if why is None:
-        layout = _varlen_layout(attention_mask, kwargs.get("position_ids"), batch, seq_q, seq_k, query.device)
+        layout = _varlen_layout(attention_mask, kwargs.get("position_ids"),
+                                _query_slots(module, attention_mask, seq_k, kwargs), batch, seq_q, seq_k, query.device)
         if layout is None:
             why = f"an attention mask of shape {tuple(attention_mask.shape)}"
         else:
@@ -197,10 +282,11 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     q_rows, k_rows, cu_q, cu_k, max_q, max_k = layout
+    in_place = q_rows is not None and q_rows.dtype == torch.bool  # one run per row: the query mask
     q = query.transpose(1, 2).reshape(batch * seq_q, heads, head_dim)
     k = key.transpose(1, 2).reshape(batch * seq_k, key.shape[1], head_dim)
     v = value.transpose(1, 2).reshape(batch * seq_k, key.shape[1], head_dim)
-    if q_rows is not None:
+    if q_rows is not None and not in_place:
         q, k, v = q.index_select(0, q_rows), k.index_select(0, k_rows), v.index_select(0, k_rows)
     from rlk.attention import attention
 
@@ -209,7 +295,9 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
     with dispatch.use_backend(backend.name), checks.trusted_values():  # offsets built above from the mask
         out = attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                         causal=causal, softmax_scale=scale)
-    if q_rows is not None:
+    if in_place:  # the pad sequences attend among themselves: their rows are set to 0
+        out = torch.where(q_rows[:, None, None], out, 0.0)
+    elif q_rows is not None:
         out = out.new_zeros((batch * seq_q, heads, head_dim)).index_copy(0, q_rows, out)
     return out.view(batch, seq_q, heads, head_dim), None
 
@@ -232,10 +320,30 @@ def _register_attention() -> None:
 
     AttentionInterface.register(ATTENTION_NAME, rlk_attention_forward)
     try:
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:  # transformers < 4.53 passes the 2-D mask through unchanged
         return
-    AttentionMaskInterface.register(ATTENTION_NAME, flash_attention_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, padding_mask)
+
+
+def padding_mask(*, kv_length: int, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
+    """The mask builder of the ``"rlk"`` attention (``transformers.masking_utils.AttentionMaskInterface``): the 2-D
+    padding mask's last ``kv_length`` columns, or None when it has exactly ``kv_length`` columns and no padding
+    (packed rows are then split by ``position_ids``).
+
+    transformers' flash-attention builder does the same, except that 4.x also drops an all-ones mask narrower than
+    the keys (a static cache's, whose unwritten slots must stay masked) and that it reads the mask on the host even
+    while a CUDA graph is captured; here a captured forward keeps the mask as it is."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[1] != kv_length or _capturing(attention_mask.device):
+        return attention_mask
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _set_attention(model, name: str) -> None:
@@ -255,7 +363,8 @@ def patch_model(model):
     """Make a transformers causal LM batch-invariant where the aten overrides cannot reach; returns ``model``.
 
     Replaces the RMSNorm modules' ``forward`` and switches attention to rlk's varlen kernels (the
-    ``"rlk"`` attention function; see the module docstring). Idempotent: patching a patched model does
+    ``"rlk"`` attention function; see the module docstring), and registers on each attention module a forward
+    pre-hook that records its ``cache_position`` and KV cache. Idempotent: patching a patched model does
     nothing. :func:`unpatch_model` restores the stock behaviour exactly. Use together with
     ``rlk.batch_invariant()`` for the matmuls and softmaxes.
     """
@@ -271,9 +380,11 @@ def patch_model(model):
         if _is_rms_norm(module) and "forward" not in module.__dict__:
             module.forward = types.MethodType(_rms_norm_forward, module)
             norms.append(module)
+    hooks = [module.register_forward_pre_hook(_record_cache_call, with_kwargs=True)
+             for module in model.modules() if _is_attention_module(module)]
     if config is not None:
         _set_attention(model, ATTENTION_NAME)
-    model._rlk_patch = {"norms": norms, "attention": previous}
+    model._rlk_patch = {"norms": norms, "attention": previous, "hooks": hooks}
     return model
 
 
@@ -286,6 +397,10 @@ def unpatch_model(model):
         return model
     for module in state["norms"]:
         module.__dict__.pop("forward", None)
+    for hook in state["hooks"]:
+        hook.remove()
+    for module in model.modules():
+        module.__dict__.pop("_rlk_cache_call", None)
     if state["attention"] is not None:
         _set_attention(model, state["attention"])
     del model._rlk_patch
