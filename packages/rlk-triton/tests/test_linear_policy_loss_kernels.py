@@ -38,7 +38,8 @@ pytestmark = [
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 
 # V = 150 gives 2 vocab leaves of 75: splits of 32, 32, 11 columns per leaf, in 16-column tiles (a ragged one);
-# the G pass walks 64-column tiles (ragged last); the tree GEMM sums K = V in two segments of ragged BLOCK_K steps.
+# the G pass walks 64-column tiles (ragged last); grad_hidden sums K = V in two segments (one GEMM each, ragged
+# BLOCK_K steps).
 V, H = 150, 32
 SMALL_TILES = {
     "linear_fwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 32, "VOCAB_SPLIT": 32, "GROUP_N": 2,
@@ -47,8 +48,6 @@ SMALL_TILES = {
                    "num_warps": 4, "num_stages": 1},
     "gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
     "stored_grad": {"BLOCK_V": 64, "num_warps": 4},
-    "stored_grad_hidden": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4,
-                           "num_stages": 1},
 }
 
 
@@ -254,8 +253,7 @@ def test_stored_grad_hidden_is_batch_invariant_and_grad_weight_deterministic(sma
 
 
 def test_tile_configs_of_the_stored_kernels():
-    for family in ("stored_grad", "stored_grad_hidden"):
-        assert set(tk.TILE_CONFIGS[family]) == {torch.float32, torch.float16, torch.bfloat16}
+    assert set(tk.TILE_CONFIGS["stored_grad"]) == {torch.float32, torch.float16, torch.bfloat16}
     for cfg in tk.TILE_CONFIGS["stored_grad"].values():
         assert cfg["BLOCK_V"] & (cfg["BLOCK_V"] - 1) == 0
 

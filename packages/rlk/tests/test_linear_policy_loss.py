@@ -327,8 +327,6 @@ def small_tiles(monkeypatch):
                        "num_warps": 4, "num_stages": 1},
         "gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
         "stored_grad": {"BLOCK_V": 64, "num_warps": 4},
-        "stored_grad_hidden": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4,
-                               "num_stages": 1},
     }
     for family, cfg in tiles.items():
         for dtype in list(tk.TILE_CONFIGS[family]):

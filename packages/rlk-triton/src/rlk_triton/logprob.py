@@ -50,7 +50,6 @@ import triton
 import triton.language as tl
 
 from rlk_triton.common import dot, grouped_tile, on_device
-from rlk_triton.matmul import _gemm as _tree_gemm
 from rlk_triton.matmul import tree_leaves, tree_reduce
 
 #: Fixed tile configuration per kernel family and input dtype; the launchers read it
@@ -115,18 +114,11 @@ TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
         torch.bfloat16: {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
     },
     # linear_logprob_stored_bwd: "stored_grad", the in-place G pass (one program per row, BLOCK_V columns per
-    # step); "stored_grad_hidden", the tile of rlk_triton.matmul's tree GEMM for grad_hidden = G @ weight (K = V
-    # in tree_leaves(V) segments: up to 4 live fp32 tiles, hence 8 warps for 16-bit, which the distributed notes
-    # found free of spills at 64 x 128 x 128). Not yet swept on a GPU.
+    # step); its GEMMs use "gemm".
     "stored_grad": {
         torch.float32: {"BLOCK_V": 2048, "num_warps": 8},
         torch.float16: {"BLOCK_V": 4096, "num_warps": 8},
         torch.bfloat16: {"BLOCK_V": 4096, "num_warps": 8},
-    },
-    "stored_grad_hidden": {
-        torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
-        torch.float16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-        torch.bfloat16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
     },
 }
 
@@ -804,6 +796,21 @@ def stored_grad_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return logits.view(dtype)[:, : logits.shape[1]]
 
 
+def _leaf_gemms(g: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Tensor:
+    """fp32 ``g @ weight`` (``g [N, V]``, ``weight [V, H]``) with the ``K = V`` sum cut into ``leaves`` equal
+    segments: each one :func:`_gemm` (fp32 over its columns in fixed ``BLOCK_K`` steps), the segments added in
+    :func:`tree_reduce`'s tree. At most ``log2(leaves) + 1`` fp32 ``[N, H]`` buffers live at once."""
+    n_rows, vocab = g.shape
+    size = vocab // leaves
+
+    def leaf(j: int) -> torch.Tensor:
+        out = torch.empty((n_rows, weight.shape[1]), dtype=torch.float32, device=g.device)
+        _gemm(g[:, j * size:(j + 1) * size], weight[j * size:(j + 1) * size], out)
+        return out
+
+    return tree_reduce(leaf, leaves, lambda a, b: a.add_(b))
+
+
 def linear_logprob_stored_bwd(
     hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, logits,
     grad_hidden_out, grad_weight_out, accumulate,
@@ -821,10 +828,15 @@ def linear_logprob_stored_bwd(
 
     Spec: :func:`rlk.reference.logprob.linear_logprob_stored_bwd`. One launch of :data:`_stored_grad_logits_kernel`
     (``N`` programs; ``G`` rounded to the input dtype as the recomputing backward rounds it), then
-    ``grad_hidden`` through :func:`rlk_triton.matmul._gemm` with the ``K = V`` sum in the ``tree_leaves(V)``
-    segments of the vocabulary's tree (fp32 registers, one rounding; a row's result depends on that row only), and
-    ``grad_weight`` through :func:`_gemm` (rows summed in fixed ``BLOCK_K`` steps, the fp32 ``grad_weight_out``
-    added before the store when accumulating: deterministic). No memory beyond the outputs.
+    ``grad_hidden`` by :func:`_leaf_gemms`: the ``K = V`` sum in the ``tree_leaves(V)`` segments of the
+    vocabulary's tree, one :func:`_gemm` per segment, fp32 throughout, one rounding (a row's result depends on that
+    row only), and ``grad_weight`` through :func:`_gemm` (rows summed in fixed ``BLOCK_K`` steps, the fp32
+    ``grad_weight_out`` added before the store when accumulating: deterministic). Extra memory: up to
+    ``(log2(L) + 1) * 4 * N * H`` bytes (the segments' fp32 sums).
+
+    (Through the register-resident tree GEMM of :mod:`rlk_triton.matmul`, whose pending fp32 tiles limit it to
+    64 x 128 tiles, ``grad_hidden`` took 77 of the one-pass step's 175 ms on an H200 at N = 16384, H = 4096,
+    V = 151936 bf16, 264 TFLOP/s; docs/performance.md.)
     """
     n_rows, vocab = logits.shape
     g = stored_grad_view(logits, hidden.dtype)
@@ -842,7 +854,6 @@ def linear_logprob_stored_bwd(
             HAS_ENT=has_ent, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **_NO_FP_FUSION,
         )
         if grad_hidden_out is not None:
-            _tree_gemm(g, weight, None, grad_hidden_out, tree_leaves(vocab, MAX_TREE_LEAVES),
-                       TILE_CONFIGS["stored_grad_hidden"][hidden.dtype])
+            grad_hidden_out.copy_(_leaf_gemms(g, weight, tree_leaves(vocab, MAX_TREE_LEAVES)))
         if grad_weight_out is not None:
             _gemm(g.T, hidden, grad_weight_out, c_in=grad_weight_out if accumulate else None)
