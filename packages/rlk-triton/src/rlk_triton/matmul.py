@@ -123,14 +123,16 @@ def tree_leaves(n: int, max_leaves: int, min_leaf: int = 1) -> int:
 def tree_reduce(leaf, n: int, merge):
     """``merge`` over ``leaf(0), ..., leaf(n - 1)`` in the fixed binary tree (left subtree: the largest power of
     two ``< k`` of a node's ``k`` leaves). Spec: :func:`rlk.reference.matmul.tree_reduce`."""
+    return _tree_node(leaf, merge, 0, n)
 
-    def node(lo: int, hi: int):
-        if hi - lo == 1:
-            return leaf(lo)
-        mid = lo + (1 << ((hi - lo - 1).bit_length() - 1))
-        return merge(node(lo, mid), node(mid, hi))
 
-    return node(0, n)
+def _tree_node(leaf, merge, lo: int, hi: int):
+    """The subtree of leaves ``[lo, hi)`` (a module function: a recursive closure would form a reference cycle
+    that keeps the leaves' tensors alive until the garbage collector runs)."""
+    if hi - lo == 1:
+        return leaf(lo)
+    mid = lo + (1 << ((hi - lo - 1).bit_length() - 1))
+    return merge(_tree_node(leaf, merge, lo, mid), _tree_node(leaf, merge, mid, hi))
 
 
 @triton.jit

@@ -69,14 +69,16 @@ def tree_reduce(leaf, n: int, merge):
     ``merge(left, right)`` with a left subtree of the largest power of two ``< k`` leaves (for ``n`` a power of
     two: the balanced tree). Any aligned block of ``2^j`` leaves is a subtree. Leaves are evaluated in order,
     at most ``log2(n) + 1`` partial results live at a time."""
+    return _tree_node(leaf, merge, 0, n)
 
-    def node(lo: int, hi: int):
-        if hi - lo == 1:
-            return leaf(lo)
-        mid = lo + (1 << ((hi - lo - 1).bit_length() - 1))
-        return merge(node(lo, mid), node(mid, hi))
 
-    return node(0, n)
+def _tree_node(leaf, merge, lo: int, hi: int):
+    """The subtree of leaves ``[lo, hi)`` (a module function: a recursive closure would form a reference cycle
+    that keeps the leaves' tensors alive until the garbage collector runs)."""
+    if hi - lo == 1:
+        return leaf(lo)
+    mid = lo + (1 << ((hi - lo - 1).bit_length() - 1))
+    return merge(_tree_node(leaf, merge, lo, mid), _tree_node(leaf, merge, mid, hi))
 
 
 def _leaves(k: int) -> int:
