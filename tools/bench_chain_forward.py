@@ -48,7 +48,8 @@ host's time. The top ``N`` functions by cumulative time and by own time (``pstat
 ``<out>/host_profile_<scenario>_<off|on>.txt``, headed by the unit's wall time under cProfile (inflated by cProfile's
 own cost) and the aten calls rlk served in it.
 
-    python tools/bench_chain_forward.py [--model qwen3-8b-shape] [--reps 5] [--scenarios training,prefill,decode]
+    python tools/bench_chain_forward.py [--model qwen3-8b-shape] [--reps 5]
+        [--scenarios training,prefill,decode,decode_graph]
         [--out out/chain_bench]          # writes out/chain_bench/chain_forward.json
         [--host-profile 40 [--host-profile-scenario decode]]   # and out/chain_bench/host_profile_decode_{off,on}.txt
 

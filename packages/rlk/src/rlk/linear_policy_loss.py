@@ -37,9 +37,9 @@ CHUNK_TOKENS = 2048
 SEQUENCE_LEVEL_LOSSES = ("gspo", "geo_mean", "vespo")
 #: The backends on which ``mode="auto"`` picks the one-pass mode: those whose one-pass kernels are written for
 #: speed and verified on a GPU. The reference backend implements the same primitives as a readable specification;
-#: ``auto`` keeps its lean path, the memory-bounded CPU default. Empty: the Triton one-pass kernels pass the GPU
-#: tests on an H200 but ran slower than lean there (179.6 vs 159.3 ms at B=16, T=1024, H=4096, V=151936 bf16;
-#: docs/performance.md), so ``auto`` stays lean; ``mode="one_pass"`` runs them.
+#: ``auto`` keeps its lean path, the memory-bounded CPU default. Empty: the Triton one-pass kernels run faster than
+#: lean on an H200 (133.7 vs 156.2 ms at B=16, T=1024, H=4096, V=151936 bf16, 3.7 GiB extra; docs/performance.md),
+#: but the GPU test suite has not yet run with ``auto`` choosing them; ``mode="one_pass"`` runs them.
 ONE_PASS_BACKENDS: tuple[str, ...] = ()
 
 
