@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -529,6 +530,9 @@ def test_patched_static_cache_without_padding_masks_the_unwritten_slots():
                 model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
                 step = model(nxt, attention_mask=F.pad(mask, (0, 1), value=1), past_key_values=cache, use_cache=True)
                 logits[name] = step.logits
+                alive = weakref.ref(cache)
+                del cache, step  # (the output holds the cache too) the attention modules' hooks keep no record of it
+                assert alive() is None and not any("_rlk_cache_call" in m.__dict__ for m in model.modules())
     finally:
         unpatch_model(model)
     assert torch.equal(logits["static"], logits["dynamic"])

@@ -231,6 +231,11 @@ def _record_cache_call(module, args, kwargs) -> None:
     module._rlk_cache_call = (kwargs.get("cache_position"), cache)
 
 
+def _forget_cache_call(module, args, output) -> None:
+    """Forward hook (also after an exception): drop the record, so that no module keeps a KV cache alive."""
+    module.__dict__.pop("_rlk_cache_call", None)
+
+
 def _query_slots(module, attention_mask: Tensor | None, seq_k: int, kwargs) -> Tensor | None:
     """The cache slots of the queries: ``cache_position`` as the attention function or its module received it,
     else None (the queries are the mask's last columns). Raises ValueError for a mask over all ``seq_k`` slots of
@@ -363,8 +368,8 @@ def patch_model(model):
     """Make a transformers causal LM batch-invariant where the aten overrides cannot reach; returns ``model``.
 
     Replaces the RMSNorm modules' ``forward`` and switches attention to rlk's varlen kernels (the
-    ``"rlk"`` attention function; see the module docstring), and registers on each attention module a forward
-    pre-hook that records its ``cache_position`` and KV cache. Idempotent: patching a patched model does
+    ``"rlk"`` attention function; see the module docstring), and registers on each attention module forward hooks
+    that record its ``cache_position`` and KV cache for the duration of its forward. Idempotent: patching a patched model does
     nothing. :func:`unpatch_model` restores the stock behaviour exactly. Use together with
     ``rlk.batch_invariant()`` for the matmuls and softmaxes.
     """
@@ -380,8 +385,11 @@ def patch_model(model):
         if _is_rms_norm(module) and "forward" not in module.__dict__:
             module.forward = types.MethodType(_rms_norm_forward, module)
             norms.append(module)
-    hooks = [module.register_forward_pre_hook(_record_cache_call, with_kwargs=True)
-             for module in model.modules() if _is_attention_module(module)]
+    hooks = []
+    for module in model.modules():
+        if _is_attention_module(module):
+            hooks.append(module.register_forward_pre_hook(_record_cache_call, with_kwargs=True))
+            hooks.append(module.register_forward_hook(_forget_cache_call, always_call=True))
     if config is not None:
         _set_attention(model, ATTENTION_NAME)
     model._rlk_patch = {"norms": norms, "attention": previous, "hooks": hooks}
