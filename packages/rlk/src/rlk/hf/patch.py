@@ -369,8 +369,8 @@ def patch_model(model):
 
     Replaces the RMSNorm modules' ``forward`` and switches attention to rlk's varlen kernels (the
     ``"rlk"`` attention function; see the module docstring), and registers on each attention module forward hooks
-    that record its ``cache_position`` and KV cache for the duration of its forward. Idempotent: patching a patched model does
-    nothing. :func:`unpatch_model` restores the stock behaviour exactly. Use together with
+    that record its ``cache_position`` and KV cache for the duration of its forward. Idempotent: patching a patched
+    model does nothing. :func:`unpatch_model` restores the stock behaviour exactly. Use together with
     ``rlk.batch_invariant()`` for the matmuls and softmaxes.
     """
     if not isinstance(model, torch.nn.Module):
