@@ -16,8 +16,9 @@ writes it as JSON (``{"buckets": [[m_max, config], ...], "same_bits": ..., "tabl
 
     python tools/sweep_matmul.py [--quick] [--tma] [--out FILE]
 
-``--tma`` adds the candidates of ``tools/matmul_tma.py`` (the Hopper TMA variant, which loads the weight as
-``[BLOCK_N, BLOCK_K]`` boxes: the large-M lever for linear's layout) to the same tables and bit checks.
+``--tma`` adds each candidate with TMA loads (``"tma": True``: ``rlk_triton.matmul._matmul_tma_kernel`` in linear's
+layout, the pointer kernel row-major, as the large bucket runs) to the same tables and bit checks; a candidate
+whose TMA kernel does not fit the GPU's shared memory is listed as failed.
 
 Targets (issue 19): ratio >= 0.85 for M >= 1024 and >= 0.7 for M <= 64. A few minutes on an H200.
 """
@@ -79,19 +80,10 @@ def pointer_runner(c: tuple[int, ...]):
     return lambda x, b, weight, layout, out: tk._gemm(x, b, None, out, 1, cfg)
 
 
-def tma_runners() -> dict[str, object]:
-    """``tools/matmul_tma.py``'s candidates, by name (linear's layout through the weight, row-major b as [K, N])."""
-    import matmul_tma as tt  # tools/, next to this script
-
-    def runner(cfg):
-        def run(x, b, weight, layout, out):
-            if layout == "linear":
-                tt.linear_tma(x, weight, None, cfg, out)
-            else:
-                tt.matmul_tma(x, b, None, cfg, out)
-        return run
-
-    return {"TMA " + tt.config_name(cfg): runner(cfg) for cfg in tt.CANDIDATES}
+def tma_runner(c: tuple[int, ...]):
+    """``out = x @ b`` with the tiles ``c`` and TMA loads where ``rlk_triton.matmul`` takes them (linear's layout)."""
+    cfg = config(c) | {"tma": True}
+    return lambda x, b, weight, layout, out: tk._gemm(x, b, None, out, 1, cfg)
 
 
 def _ms(fn) -> float:
@@ -102,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="M in (1, 64, 4096), N=K=4096, linear layout only")
     parser.add_argument("--out", help="write the per-M table and the proposed buckets as JSON")
-    parser.add_argument("--tma", action="store_true", help="also time tools/matmul_tma.py's candidates")
+    parser.add_argument("--tma", action="store_true", help="also time each candidate with TMA loads")
     args = parser.parse_args()
     shapes = dict(list(SHAPES.items())[:1]) if args.quick else SHAPES
     m_values = (1, 64, 4096) if args.quick else M_VALUES
@@ -114,7 +106,8 @@ def main() -> None:
     runners = {name(c): pointer_runner(c) for c in CANDIDATES}
     configs = {name(c): config(c) for c in CANDIDATES}
     if args.tma:
-        runners |= tma_runners()
+        runners |= {"TMA " + name(c): tma_runner(c) for c in CANDIDATES}
+        configs |= {"TMA " + name(c): config(c) | {"tma": True} for c in CANDIDATES}
     shipped_name = name(CANDIDATES[0])
     # ratio[cand][m] = list over (shape, layout); same[cand] = bits equal to the shipped tiles everywhere
     ratio = {c: {m: [] for m in m_values} for c in runners}

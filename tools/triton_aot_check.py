@@ -4,17 +4,18 @@ Under ``TRITON_INTERPRET=1`` a kernel runs as Python and is never compiled, so a
 compiler sees (a constexpr default it cannot lower, an unsupported op, a type mismatch the
 interpreter's numpy tolerates) first shows on the GPU. This module closes that gap:
 
-* :func:`record_launches` (in the interpreting process): records every kernel launch inside the
-  ``with`` block: the kernel's module and name, each argument's Triton type (a tensor's pointer
-  type, ``i32`` / ``i64`` / ``fp32`` / ``i1`` scalars) or, for ``tl.constexpr`` parameters and ``None``,
-  its value, and ``num_warps`` / ``num_stages`` (a launch with an argument it cannot type is
-  recorded as left out, and the compile step lists it). The repository's ``conftest.py`` records a whole
-  pytest session this way when ``RLK_RECORD_TRITON_LAUNCHES=<dir>`` is set (one JSON file per
-  worker); ``ci/test.sh`` does.
+* :func:`record_launches` (in the interpreting process): records every kernel launch inside the ``with`` block:
+  the kernel's module and name, each argument's Triton type (a tensor's pointer type, a host TMA descriptor's
+  ``tensordesc<dtype[box]>``, ``i32`` / ``i64`` / ``fp32`` / ``i1`` scalars) or, for ``tl.constexpr`` parameters
+  and ``None``, its value, and ``num_warps`` / ``num_stages`` (a launch with an argument it cannot type is
+  recorded as left out, and the compile step lists it). The repository's ``conftest.py`` records a whole pytest
+  session this way when ``RLK_RECORD_TRITON_LAUNCHES=<dir>`` is set (one JSON file per worker); ``ci/test.sh``
+  does.
 * ``python tools/triton_aot_check.py RECORDS.json... [--arch 90 80]`` (a process WITHOUT
   ``TRITON_INTERPRET``, where ``@triton.jit`` gives real ``JITFunction`` objects): compiles each
   distinct record with ``triton.compile`` for ``GPUTarget("cuda", arch, 32)``, each arch given (Triton's own LLVM and
-  ptxas: no driver, no GPU) and prints one line per failure; exit status 1 if any failed.
+  ptxas: no driver, no GPU; a kernel with TMA descriptors only from sm_90) and prints one line per failure; exit
+  status 1 if any failed.
 
 Specialization attributes (16-byte alignment, integers equal to 1) are not recorded: they change
 the generated code, not whether it compiles. Only the kernels of ``--packages`` (default rlk and
@@ -45,6 +46,8 @@ def _arg_type(value) -> tuple[str, object]:
         return "value", None
     if isinstance(value, torch.Tensor):
         return "type", "*" + _TORCH_TO_TRITON[str(value.dtype)]
+    if type(value).__name__ == "TensorDescriptor":  # a host-side TMA descriptor: its dtype and box
+        return "type", f"tensordesc<{_TORCH_TO_TRITON[str(value.base.dtype)]}{list(value.block_shape)}>"
     if isinstance(value, bool):
         return "type", "i1"
     if isinstance(value, int):
@@ -124,6 +127,17 @@ def with_programmatic_launch(records: list[dict]) -> list[dict]:
     return unique(out)
 
 
+def uses_tma(record: dict) -> bool:
+    """Whether a record takes TMA descriptors (Hopper's tensor memory accelerator: compute capability 9.0 on)."""
+    return any(str(t).startswith("tensordesc") for t in record["signature"].values())
+
+
+def compiled_for(records: list[dict], arch: int) -> list[dict]:
+    """The records compiled for ``sm_arch``: from 90 on all, with :func:`with_programmatic_launch`'s variants;
+    below 90 those without TMA descriptors (rlk launches a TMA kernel only on a GPU of 9.0 or later)."""
+    return with_programmatic_launch(records) if arch >= 90 else [r for r in records if not uses_tma(r)]
+
+
 def compile_records(records: list[dict], arch: int) -> list[str]:
     """Compile each record for ``cuda:arch`` (from sm_90 on also :func:`with_programmatic_launch`'s variants); the
     failures as ``module.kernel(constants): error`` lines."""
@@ -133,7 +147,7 @@ def compile_records(records: list[dict], arch: int) -> list[str]:
 
     target = GPUTarget("cuda", arch, 32)
     failures = []
-    for r in with_programmatic_launch(records) if arch >= 90 else records:
+    for r in compiled_for(records, arch):
         fn = getattr(importlib.import_module(r["module"]), r["kernel"])
         signature = {name: "constexpr" if name in r["constants"] else r["signature"][name]
                      for name in fn.arg_names if name in r["signature"] or name in r["constants"]}
@@ -168,8 +182,9 @@ def main(argv: list[str]) -> int:
     failed = False
     for arch in args.arch:
         failures = compile_records(records, arch)
-        n = len(with_programmatic_launch(records) if arch >= 90 else records)
-        print(f"compiled {n - len(failures)} of {n} kernel specializations for sm_{arch}")
+        n = len(compiled_for(records, arch))
+        tma = "" if arch >= 90 else f" ({sum(map(uses_tma, records))} with TMA descriptors left out below sm_90)"
+        print(f"compiled {n - len(failures)} of {n} kernel specializations for sm_{arch}{tma}")
         for line in failures:
             print(f"FAILED sm_{arch}", line)
         failed = failed or bool(failures)

@@ -221,8 +221,9 @@ def test_tile_configs_are_consistent():
     for dtype, buckets in tk.M_TILE_CONFIGS.items():
         bounds = [m_max for m_max, _ in buckets]
         assert all(isinstance(b, int) for b in bounds[:-1]) and bounds[:-1] == sorted(set(bounds[:-1])), dtype
-        for _, cfg in buckets:
-            assert cfg is None or (set(cfg) == keys and all(isinstance(v, int) and v > 0 for v in cfg.values()))
+        for _, cfg in buckets:  # "tma": the large bucket's TMA loads, where the operands allow them
+            assert cfg is None or (set(cfg) - {"tma"} == keys
+                                   and all(isinstance(v, int) and v > 0 for v in cfg.values()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,6 +280,33 @@ def test_m_tile_buckets_compute_the_product(monkeypatch, dtype, m):
     bucket's kernel for sm_90 and sm_80)."""
     monkeypatch.setattr(tk, "buckets_serve", lambda device: True)
     check_case(dtype, m, 40, 48, b_cm=True)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("n", [48, 44])
+def test_tma_large_bucket_gives_the_pointer_kernels_bits(monkeypatch, dtype, n):
+    """The large bucket in linear's layout runs the TMA kernel (a persistent grid walking several tiles per
+    program; N = 48: TMA store, N = 44: rows not 16-byte aligned, masked stores; K = 40: a ragged, zero-filled
+    last K step) and gives bitwise the pointer kernel's output with the same tiles; a row-major b, a column-major a
+    and an fp32 output (too much shared memory for these tiles on an H200) stay on the pointer kernel."""
+    large = tk.M_TILE_CONFIGS[torch.float16][-1][1]
+    assert large.get("tma")
+    pointer = {key: value for key, value in large.items() if key != "tma"}
+    taken = []
+    real = tk._gemm_tma
+    monkeypatch.setattr(tk, "_gemm_tma", lambda *args: (taken.append(True), real(*args)))
+    m, k = 1030, 40
+    a, w, bias = _rand((m, k), 0, dtype), _rand((n, k), 1, dtype), _rand((n,), 2, dtype)
+    out, expected = (torch.empty(m, n, dtype=dtype, device=DEVICE) for _ in range(2))
+    tk._gemm(a, w.T, bias, out, 1, large)
+    assert taken == [True]
+    tk._gemm(a, w.T, bias, expected, 1, pointer)
+    assert torch.equal(out, expected)
+    tk._gemm(a, w.T.contiguous(), bias, torch.empty_like(out), 1, large)
+    tk._gemm(a.T.contiguous().T, w.T, bias, torch.empty_like(out), 1, large)
+    tk._gemm(a, w.T, bias, torch.empty(m, n, device=DEVICE), 1, large)
+    assert taken == [True]
 
 
 def test_m_tile_buckets_choice(monkeypatch):

@@ -67,6 +67,12 @@ def pdl_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL_WAIT: tl.constexpr):
     if PDL_WAIT:
         gdc_wait()
     tl.store(out_ptr + offs, x + 1.0, mask=inb)
+
+
+@triton.jit
+def tma_kernel(x_desc, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs[:, None] * BLOCK + offs[None, :], x_desc.load([0, 0]))
 '''
 
 
@@ -151,3 +157,23 @@ def test_programmatic_launch_switches_are_compiled_on_from_sm_90(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "compiled 2 of 2 kernel specializations for sm_90" in done.stdout
     assert "compiled 1 of 1 kernel specializations for sm_80" in done.stdout
+
+
+def test_tma_descriptors_are_typed_and_compiled_from_sm_90_only(tmp_path):
+    """A host TMA descriptor argument is recorded as ``tensordesc<dtype[box]>`` and compiled for sm_90; below 9.0
+    (no TMA unit) the record is left out of the count and said so."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    tool, probe, _ = _tool_and_probe(tmp_path)
+    x = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    out = torch.empty(16, 16)
+    records: list[dict] = []
+    with tool.record_launches(records):
+        probe.tma_kernel[(1,)](TensorDescriptor.from_tensor(x, [16, 16]), out, BLOCK=16)
+    assert torch.equal(out[:8, :8], x) and not out[8:].any() and not out[:, 8:].any()  # zero-filled box
+    assert records[0]["signature"] == {"x_desc": "tensordesc<fp32[16, 16]>", "out_ptr": "*fp32"}
+    done = _check(records, tmp_path, ("90", "80"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "compiled 1 of 1 kernel specializations for sm_90" in done.stdout
+    assert "compiled 0 of 0 kernel specializations for sm_80 (1 with TMA descriptors left out below sm_90)" in \
+        done.stdout

@@ -354,18 +354,20 @@ TRITON_CASES = [pytest.param(kw, torch.float32, id=kw["loss"]) for kw in TRITON_
 @pytest.mark.parametrize(("kwargs", "dtype"), TRITON_CASES)
 def test_one_pass_on_triton_is_lean_bit_for_bit_with_gradients_under_the_contract(small_tiles, kwargs, dtype,
                                                                                    monkeypatch):
-    """``auto`` picks one pass on a backend of ONE_PASS_BACKENDS (triton, once verified on a GPU). Loss, every
-    metric and the entropy are the lean mode's bits; gradients within the contract of fp64 and of the lean mode's."""
+    """``auto`` picks one pass on a backend of ONE_PASS_BACKENDS (triton, as shipped; lean on a backend not in it).
+    Loss, every metric and the entropy are the lean mode's bits; gradients within the contract of fp64 and of the
+    lean mode's."""
     x = _batch(seed=8, dtype=dtype)
     temperature = torch.tensor([[0.7], [1.0], [1.3]], device=DEVICE)
     h = x["hidden"].clone().requires_grad_()
-    with rlk.use_backend("triton"):
-        assert rlk.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], loss=kwargs["loss"],
-                                                  chunk_tokens=10).mode == "lean"  # shipped: not yet verified
-    monkeypatch.setattr(rlk.linear_policy_loss, "ONE_PASS_BACKENDS", ("triton",))
+    assert rlk.linear_policy_loss.ONE_PASS_BACKENDS == ("triton",)
     with rlk.use_backend("triton"):
         assert rlk.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], loss=kwargs["loss"],
                                                   chunk_tokens=10).mode == "one_pass"
+        with monkeypatch.context() as patched:
+            patched.setattr(rlk.linear_policy_loss, "ONE_PASS_BACKENDS", ())
+            assert rlk.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], loss=kwargs["loss"],
+                                                      chunk_tokens=10).mode == "lean"
     one = _run(x, "auto", "triton", chunk_tokens=10, temperature=temperature, **kwargs)
     lean = _run(x, "lean", "triton", temperature=temperature, **kwargs)
     assert torch.equal(one[0], lean[0])

@@ -7,7 +7,7 @@ The math is the spec in :mod:`rlk.reference.matmul`::
     grad_b    = a.T @ grad_out        [K, N]
     grad_bias = sum_i grad_out[i, :]  [N]
 
-All three products run through one kernel, :func:`_matmul_kernel`: ``C = A @ B (+ bias)`` over
+All three products run through one kernel (or its TMA twin, below), :func:`_matmul_kernel`: ``C = A @ B (+ bias)`` over
 ``BLOCK_M x BLOCK_N`` output tiles, the ``K`` loop in ``BLOCK_K`` steps in increasing ``k``,
 an fp32 accumulator, the bias added in fp32 to the accumulator, one rounding to C's dtype at
 the store. Operands are read through their strides, so ``A`` and ``B`` may be row-major or
@@ -20,6 +20,8 @@ Batch invariance by construction: the tile configuration is one constant per dty
 per ``M`` bucket of :data:`M_TILE_CONFIGS` (so a row's bits do not depend on the bucket); there is no split-K (one
 program owns an output tile and walks all of ``K`` itself, in the same order for every row),
 rows past ``M`` are masked to zeros and never stored, and no program reads another's output.
+The large-``M`` bucket in linear's layout loads through TMA descriptors instead (:func:`_matmul_tma_kernel`, same
+tiles and the same chain of ``dot`` steps, so the same bits; checked by :func:`tile_buckets_agree`).
 So a row of ``out`` (and of ``grad_a``) is bitwise the same whatever ``M`` is and wherever the
 row sits. ``grad_b`` and ``grad_bias`` are sums over the ``M`` rows: ``grad_b`` is the same
 kernel with ``M`` as its reduction dimension (fixed ``BLOCK_K`` steps in increasing row
@@ -47,6 +49,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rlk import tensor_parallel
 from rlk_triton.common import dot, grouped_tile, on_device
@@ -91,9 +94,15 @@ TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
 #: and row-major layouts; ratios cuBLAS / rlk, worst over shapes and layouts; every one of its 18 candidates gave
 #: the shipped bits): ``M <= 64``: 64x32x128 w4 s6, 0.77-0.89 (the 32-column tiles give ``N / 32`` programs to read
 #: the weight; the shipped 64x128x128: 0.57-0.67); ``M <= 1023``: :data:`TILE_CONFIGS` (0.66-0.71 at 128-512);
-#: larger: 128x256x64 w8 s3, 0.71-0.74 at 1024-16384 (0.62-0.67 shipped; 0.39 at M = 512). docs/performance.md.
+#: larger: 128x256x64 w8 s3, 0.71-0.74 at 1024-16384 (0.62-0.67 shipped; 0.39 at M = 512), with TMA loads in
+#: linear's layout 0.98-1.07 (``bench_asv/run.py --only matmul``; row-major: 0.87-0.93). docs/performance.md.
 _SMALL_M = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 6}
-_LARGE_M = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+#:
+#: The large bucket loads through TMA where the operands allow it (``"tma"``: :func:`_matmul_tma_kernel`, linear's
+#: layout, a persistent grid; elsewhere the pointer kernel with the same tiles): with pointer loads linear's layout
+#: reached 0.71-0.73 against 0.86-1.00 row-major.
+_LARGE_M = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+            "tma": True}
 M_TILE_CONFIGS: dict[torch.dtype, list[tuple[int | None, dict[str, int] | None]]] = {
     dtype: [(64, _SMALL_M), (1023, None), (None, _LARGE_M)] for dtype in (torch.float16, torch.bfloat16)
 }
@@ -215,6 +224,43 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(
+    a_desc, w_desc, c_desc, c_ptr, bias_ptr, M, N, K, stride_cm,
+    HAS_BIAS: tl.constexpr, TMA_STORE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``C = A @ W.T (+ bias)`` (linear's layout: ``b = W.T``, ``W`` ``[N, K]`` row-major) through TMA: program
+    ``p`` of ``P`` computes the output tiles ``p, p + P, ...`` in :func:`grouped_tile`'s order.
+
+    ``a_desc`` / ``w_desc``: descriptors of ``A [M, K]`` / ``W [N, K]`` with boxes ``[BLOCK_M, BLOCK_K]`` /
+    ``[BLOCK_N, BLOCK_K]``; the TMA unit fills a box's part past the tensor (rows >= M or N, columns >= K) with
+    zeros, whose products add exact zeros. ``c_desc`` (``TMA_STORE``): the descriptor of ``C [M, N]``, whose
+    store writes only the box's part inside ``C``; else ``c_ptr``, a row-major ``C`` written with masks.
+    Per tile the accumulation is :func:`_matmul_kernel`'s: ``acc = dot(A[rows, k0:k0 + BLOCK_K],
+    W[cols, k0:k0 + BLOCK_K].T, acc)`` for ``k0 = 0, BLOCK_K, ...``, fp32, then the bias, one rounding. ``M`` is
+    not specialized on (one binary for every ``M``); which program computes a tile changes no value.
+    """
+    n_row_tiles = tl.cdiv(M, BLOCK_M)
+    n_col_tiles = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), n_row_tiles * n_col_tiles, tl.num_programs(0), flatten=True):
+        tile_m, tile_n = grouped_tile(tile, n_row_tiles, n_col_tiles, GROUP_M)
+        off_m = tile_m * BLOCK_M  # TMA coordinates are int32 (each < 2^31); addressing is 64-bit in the unit
+        off_n = tile_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(a_desc.load([off_m, k0]), w_desc.load([off_n, k0]).T, acc)
+        offs_n = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        if TMA_STORE:
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        else:
+            offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                     mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
 @triton.jit
 def _column_sum_kernel(
     g_ptr, out_ptr, M, N, stride_gm, stride_gn,
@@ -239,10 +285,22 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+#: Programs of the persistent TMA grid under the CPU interpreter (a few, so that each walks several tiles).
+INTERPRETER_PROGRAMS = 3
+
+
 def buckets_serve(device: torch.device) -> bool:
     """Whether :data:`M_TILE_CONFIGS` serve calls on ``device`` (a GPU of a checked capability)."""
-    return device.type == "cuda" and _capability(device.index if device.index is not None else
-                                                 torch.cuda.current_device()) in SAME_BITS_CAPABILITIES
+    return device.type == "cuda" and _capability(_index(device)) in SAME_BITS_CAPABILITIES
 
 
 def tiles_for(dtype: torch.dtype, m: int, leaves: int, device: torch.device) -> dict[str, int]:
@@ -258,13 +316,15 @@ def tiles_for(dtype: torch.dtype, m: int, leaves: int, device: torch.device) -> 
 def tile_buckets_agree(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Every configuration of :data:`M_TILE_CONFIGS` against :data:`TILE_CONFIGS` on the same operands: the
     outputs' bits (``torch.equal``) for ``M`` in 1, 17, 64, 129, 1000 and ``K`` a multiple of each ``BLOCK_K``
-    or not, with a bias, in linear's layout and row-major. Returns the mismatches (empty: they agree)."""
+    or not, with a bias, in linear's layout and row-major (linear's layout takes the TMA kernel for the large
+    bucket's tiles, with a TMA store at ``N = 384`` and masked stores at ``N = 260``). Returns the mismatches
+    (empty: they agree)."""
     configs = [("TILE_CONFIGS", TILE_CONFIGS[dtype])]
     configs += [(f"M_TILE_CONFIGS[{dtype}] M <= {m_max if m_max is not None else 'any'}", cfg)
                 for m_max, cfg in M_TILE_CONFIGS.get(dtype, ()) if cfg is not None]
     g = torch.Generator().manual_seed(0)
     bad = []
-    for k, n in ((4096, 384), (1000, 264)):
+    for k, n in ((4096, 384), (1000, 260)):
         weight = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
         bias = torch.randn(n, generator=g).to(device, dtype)
         for m in (1, 17, 64, 129, 1000):
@@ -298,6 +358,9 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torc
     m, k = a.shape
     n = b.shape[1]
     cfg = tiles_for(a.dtype, m, leaves, a.device) if cfg is None else cfg
+    if cfg.get("tma") and leaves == 1 and _tma_operands(a, b, bias, out):
+        _gemm_tma(a, b.T, bias, out, cfg)
+        return
     warps = cfg.get("tree_num_warps", cfg["num_warps"]) if leaves > 1 else cfg["num_warps"]
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     with on_device(a.device):
@@ -308,6 +371,46 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torc
             LEAVES=leaves,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             num_warps=warps, num_stages=cfg["num_stages"],
+        )
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """A row-major 2-D tensor TMA can address: unit column stride, 16-byte aligned base and row stride."""
+    return (t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.stride(0) >= t.shape[1])
+
+
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
+    """Whether :func:`_matmul_tma_kernel` takes this product: 16-bit, ``K >= 1``, linear's layout (``b.T`` a
+    row-major ``[N, K]``), ``a`` row-major, both TMA-addressable, a GPU of compute capability 9.0 or later (or the
+    CPU interpreter); ``out`` of the inputs' dtype with a unit column stride (an fp32 ``out`` of the large tiles
+    needs more shared memory than an H200 has for the layout change of its masked stores), ``bias`` contiguous."""
+    if (a.dtype not in (torch.float16, torch.bfloat16) or a.shape[1] == 0 or out.dtype != a.dtype
+            or out.stride(1) != 1):
+        return False
+    if a.device.type == "cuda" and _capability(_index(a.device)) < (9, 0):
+        return False
+    return _aligned(a) and _aligned(b.T) and (bias is None or bias.stride(0) == 1)
+
+
+def _gemm_tma(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+              cfg: dict[str, int]) -> None:
+    """``out = a @ w.T (+ bias)`` through :func:`_matmul_tma_kernel` on a persistent grid (one program per SM at
+    most); the output through a TMA store when ``out`` is addressable, else masked stores."""
+    m, k = a.shape
+    n = w.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tma_store = _aligned(out)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = _num_sms(_index(a.device)) if a.device.type == "cuda" else INTERPRETER_PROGRAMS
+    with on_device(a.device):
+        _matmul_tma_kernel[(min(tiles, programs),)](
+            TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+            TensorDescriptor.from_tensor(out, [bm, bn]) if tma_store else None, out,
+            out if bias is None else bias, m, n, k, out.stride(0),
+            HAS_BIAS=bias is not None, TMA_STORE=tma_store,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
 
 

@@ -37,10 +37,10 @@ CHUNK_TOKENS = 2048
 SEQUENCE_LEVEL_LOSSES = ("gspo", "geo_mean", "vespo")
 #: The backends on which ``mode="auto"`` picks the one-pass mode: those whose one-pass kernels are written for
 #: speed and verified on a GPU. The reference backend implements the same primitives as a readable specification;
-#: ``auto`` keeps its lean path, the memory-bounded CPU default. Empty: the Triton one-pass kernels run faster than
-#: lean on an H200 (133.7 vs 156.2 ms at B=16, T=1024, H=4096, V=151936 bf16, 3.7 GiB extra; docs/performance.md),
-#: but the GPU test suite has not yet run with ``auto`` choosing them; ``mode="one_pass"`` runs them.
-ONE_PASS_BACKENDS: tuple[str, ...] = ()
+#: ``auto`` keeps its lean path, the memory-bounded CPU default. Triton: its one-pass kernels run faster than lean
+#: on an H200 (133.7 vs 156.2 ms at B=16, T=1024, H=4096, V=151936 bf16, 3.7 GiB extra; docs/performance.md), and
+#: the GPU test suite passed with ``auto`` choosing them.
+ONE_PASS_BACKENDS: tuple[str, ...] = ("triton",)
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def decide_mode(hidden: Tensor, weight: Tensor, targets: Tensor, *, mode: str = 
         return ModeDecision("lean", lin, reason)
     if mode == "auto":
         if lin not in ONE_PASS_BACKENDS:
-            where = ", ".join(ONE_PASS_BACKENDS) or "no backend yet (the one-pass kernels await a GPU check)"
+            where = ", ".join(ONE_PASS_BACKENDS) or "no backend"
             return ModeDecision("lean", lin, f"auto picks one_pass on {where} only")
         length = targets.shape[-1] if targets.dim() else 1
         if loss in SEQUENCE_LEVEL_LOSSES and length > chunk_tokens:
@@ -322,8 +322,8 @@ def fused_linear_policy_loss(
       gradients. ``chunk_tokens`` trades the buffer for the size of the GEMMs.
     * ``mode="auto"`` (default): one pass where ``linear_logprob`` runs on a backend of
       :data:`ONE_PASS_BACKENDS` (the batch has tokens and something needs a gradient; sequence-level losses with
-      ``T <= chunk_tokens``), else lean. That tuple is empty until the Triton one-pass kernels are verified on a
-      GPU: today ``auto`` is lean, and ``mode="one_pass"`` (on the Triton backend) asks for the new path.
+      ``T <= chunk_tokens``), else lean. That tuple holds the Triton backend: on a GPU without rlk-cuda (or with
+      ``RLK_BACKEND=triton``) ``auto`` is one pass; on the reference backend and rlk-cuda it is lean.
 
     On a batch-invariant backend (Triton) both modes give the same log-probs, entropy, loss and metrics bit for bit
     (the reference backend implements the one-pass primitives as their readable spec, but its matmuls may round
