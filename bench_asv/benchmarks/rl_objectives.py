@@ -20,7 +20,8 @@ Implementations (the ``impl`` parameter):
 * ``fused_linear_policy_loss`` fwd+bwd from bf16 ``[B, T, H]`` hidden states and a ``[V, H]`` head, the ``option``
   ``grpo_k3``: GRPO's loss as verl runs it (PPO clip 0.2 / 0.28, token-mean, plus ``0.001 *`` the k3 KL against
   reference log-probs with verl's clamps): ``one_pass`` and ``lean``, ``rlk.fused_linear_policy_loss`` in those
-  modes on the Triton backend (pinned: rlk-cuda, first in the CUDA chain when installed, has no one-pass kernels);
+  modes on the Triton backend (pinned); ``one_pass_auto`` and ``lean_auto``, the same modes on the backends rlk
+  selects (with rlk-cuda installed on a Hopper GPU: its log-prob kernels, the policy loss on Triton);
   ``torch_eager``, the plain formula (logits, ``log_softmax`` in fp32, gather, the loss); ``torch_compile``, the
   same through ``torch.compile(dynamic=False)``, which keeps the logits for the backward. FLOPs credited 6NHV
   (what the plain formula and ``one_pass`` do; ``lean`` does 8NHV).
@@ -279,10 +280,11 @@ class FusedLinearPolicyLossCase(CaseBase):
         _, self.old, self.advantages, self.mask = _token_inputs(b, t, gen)
         self.ref = self.old + 0.05 * torch.randn(b, t, generator=gen, device=DEVICE)
         self.work, self.unit = 6 * b * t * h * v, "TFLOP/s"
-        # rlk pinned to its Triton kernels on the GPU (the one-pass kernels' backend); the reference on the CPU
-        self.backend = "triton" if DEVICE.type == "cuda" else None
-        if impl in ("one_pass", "lean"):
-            self.fn = lambda *args: rlk_grpo_k3_loss(*args, mode=impl)
+        # one_pass / lean: rlk pinned to its Triton kernels on the GPU, the reference on the CPU; *_auto: the
+        # backends rlk selects
+        self.backend = "triton" if DEVICE.type == "cuda" and impl in ("one_pass", "lean") else None
+        if impl in ("one_pass", "lean", "one_pass_auto", "lean_auto"):
+            self.fn = lambda *args: rlk_grpo_k3_loss(*args, mode=impl.removesuffix("_auto"))
             with rlk.use_backend(self.backend):
                 self.decision = rlk.explain("linear_logprob", self.hidden, self.weight, self.targets)
         elif impl == "torch_eager":
@@ -367,7 +369,8 @@ class FusedLinearPolicyLoss(_CaseSetup):
     op, case_type, shape_names = "fused_linear_policy_loss", FusedLinearPolicyLossCase, "BTHV"
     baselines = ("torch_compile", "torch_eager", "lean")
     param_names = ["impl", "loss", "shape"]
-    params = [["one_pass", "lean", "torch_eager", "torch_compile"], ["grpo_k3"], LINEAR_SHAPES]
+    params = [["one_pass", "lean", "one_pass_auto", "lean_auto", "torch_eager", "torch_compile"], ["grpo_k3"],
+              LINEAR_SHAPES]
 
     def track_ms(self, impl: str, loss: str, shape: tuple[int, int, int, int]) -> float:
         return self.case.ms()

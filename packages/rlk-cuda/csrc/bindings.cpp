@@ -183,7 +183,8 @@ void expect_f32_vector(const OptArray& a, int64_t n, const char* name) {
 void linear_logprob_fwd_impl(bool wgmma, const Array& hidden, const Array& weight, const Array& targets,
                              const Array& inv_temperature, int64_t ignore_index, const Array& logprob_out,
                              const OptArray& entropy_out, const Array& lse_out, const Array& part_m,
-                             const Array& part_s, const OptArray& part_b, const Array& z_target, std::uintptr_t stream) {
+                             const Array& part_s, const OptArray& part_b, const Array& z_target, std::uintptr_t stream,
+                             const OptArray& logits_out = std::nullopt) {
   const LinearShapes s = linear_shapes(hidden, weight, targets, inv_temperature);
   for (auto [a, name] : {std::pair{&logprob_out, "logprob_out"}, {&lse_out, "lse_out"}, {&z_target, "z_target"}}) {
     expect_dtype(*a, DType::kFloat32, name);
@@ -200,13 +201,23 @@ void linear_logprob_fwd_impl(bool wgmma, const Array& hidden, const Array& weigh
     expect_dtype(*part_b, DType::kFloat32, "part_b");
     expect_shape(*part_b, {splits, s.n}, "part_b");
   }
+  if (logits_out) {
+    expect_dtype(*logits_out, DType::kFloat32, "logits_out");
+    expect_shape(*logits_out, {s.n, s.v}, "logits_out");
+  }
   const int d = s.device;
-  auto* launcher = wgmma ? &rlk_cuda::linear_logprob_fwd_wgmma : &rlk_cuda::linear_logprob_fwd;
-  launcher(s.dtype, on(hidden, d, "hidden"), on(weight, d, "weight"), on<const int64_t>(targets, d, "targets"),
-           on<const float>(inv_temperature, d, "inv_temperature"), s.n, s.v, s.h, ignore_index,
-           on<float>(logprob_out, d, "logprob_out"), on<float>(entropy_out, d, "entropy_out"),
-           on<float>(lse_out, d, "lse_out"), on<float>(part_m, d, "part_m"), on<float>(part_s, d, "part_s"),
-           on<float>(part_b, d, "part_b"), on<float>(z_target, d, "z_target"), d, stream);
+  auto call = [&](auto launcher, auto... store) {
+    launcher(s.dtype, on(hidden, d, "hidden"), on(weight, d, "weight"), on<const int64_t>(targets, d, "targets"),
+             on<const float>(inv_temperature, d, "inv_temperature"), s.n, s.v, s.h, ignore_index,
+             on<float>(logprob_out, d, "logprob_out"), on<float>(entropy_out, d, "entropy_out"),
+             on<float>(lse_out, d, "lse_out"), on<float>(part_m, d, "part_m"), on<float>(part_s, d, "part_s"),
+             on<float>(part_b, d, "part_b"), on<float>(z_target, d, "z_target"), d, stream, store...);
+  };
+  if (wgmma) {
+    call(&rlk_cuda::linear_logprob_fwd_wgmma, on<float>(logits_out, d, "logits_out"), s.v);
+  } else {
+    call(&rlk_cuda::linear_logprob_fwd);
+  }
 }
 
 void linear_logprob_fwd(const Array& hidden, const Array& weight, const Array& targets, const Array& inv_temperature,
@@ -224,6 +235,15 @@ void linear_logprob_fwd_wgmma(const Array& hidden, const Array& weight, const Ar
                               std::uintptr_t stream) {
   linear_logprob_fwd_impl(true, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
                           lse_out, part_m, part_s, part_b, z_target, stream);
+}
+
+void linear_logprob_stored_fwd_wgmma(const Array& hidden, const Array& weight, const Array& targets,
+                                     const Array& inv_temperature, int64_t ignore_index, const Array& logprob_out,
+                                     const OptArray& entropy_out, const Array& lse_out, const Array& part_m,
+                                     const Array& part_s, const OptArray& part_b, const Array& z_target,
+                                     const Array& logits_out, std::uintptr_t stream) {
+  linear_logprob_fwd_impl(true, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
+                          lse_out, part_m, part_s, part_b, z_target, stream, logits_out);
 }
 
 // The backward's checks, then the mma.sync launcher (wgmma = false) or the Hopper one (wgmma = true).
@@ -285,6 +305,47 @@ void linear_logprob_bwd_wgmma(const Array& hidden, const Array& weight, const Ar
                               const OptArray& g_scratch, const OptArray& grad_hidden_acc, std::uintptr_t stream) {
   linear_logprob_bwd_impl(true, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
                           ignore_index, grad_hidden_out, grad_weight_out, g_scratch, grad_hidden_acc, stream);
+}
+
+void linear_logprob_stored_bwd_wgmma(const Array& hidden, const Array& weight, const Array& targets,
+                                     const Array& inv_temperature, const Array& lse, const OptArray& entropy,
+                                     const Array& grad_logprob, const OptArray& grad_entropy, int64_t ignore_index,
+                                     const Array& logits, const OptArray& grad_hidden_out,
+                                     const OptArray& grad_weight_out, bool accumulate,
+                                     const OptArray& grad_hidden_acc, std::uintptr_t stream) {
+  const LinearShapes s = linear_shapes(hidden, weight, targets, inv_temperature);
+  for (auto [a, name] : {std::pair{&lse, "lse"}, {&grad_logprob, "grad_logprob"}}) {
+    expect_dtype(*a, DType::kFloat32, name);
+    expect_shape(*a, {s.n}, name);
+  }
+  expect_f32_vector(entropy, s.n, "entropy");
+  expect_f32_vector(grad_entropy, s.n, "grad_entropy");
+  expect_dtype(logits, DType::kFloat32, "logits");
+  if (logits.ndim() != 2 || static_cast<int64_t>(logits.shape(0)) != s.n || static_cast<int64_t>(logits.shape(1)) < s.v) {
+    fail("logits: expected shape [N, S] with S >= V (columns past V unused), got " + shape_of(logits));
+  }
+  if (grad_hidden_out) {
+    expect_dtype(*grad_hidden_out, s.dtype, "grad_hidden_out");
+    expect_shape(*grad_hidden_out, {s.n, s.h}, "grad_hidden_out");
+  }
+  bool weight_fp32 = false;
+  if (grad_weight_out) {
+    weight_fp32 = float_dtype(*grad_weight_out, "grad_weight_out") == DType::kFloat32;
+    if (!weight_fp32) expect_dtype(*grad_weight_out, s.dtype, "grad_weight_out");
+    expect_shape(*grad_weight_out, {s.v, s.h}, "grad_weight_out");
+  }
+  if (grad_hidden_acc) {
+    expect_dtype(*grad_hidden_acc, DType::kFloat32, "grad_hidden_acc");
+    expect_shape(*grad_hidden_acc, {s.n, s.h}, "grad_hidden_acc");
+  }
+  const int d = s.device;
+  rlk_cuda::linear_logprob_stored_bwd_wgmma(
+      s.dtype, on(hidden, d, "hidden"), on(weight, d, "weight"), on<const int64_t>(targets, d, "targets"),
+      on<const float>(inv_temperature, d, "inv_temperature"), on<const float>(lse, d, "lse"),
+      on<const float>(entropy, d, "entropy"), on<const float>(grad_logprob, d, "grad_logprob"),
+      on<const float>(grad_entropy, d, "grad_entropy"), s.n, s.v, s.h, ignore_index, on<float>(logits, d, "logits"),
+      static_cast<int64_t>(logits.shape(1)), on(grad_hidden_out, d, "grad_hidden_out"), on(grad_weight_out, d, "grad_weight_out"), weight_fp32,
+      accumulate, on<float>(grad_hidden_acc, d, "grad_hidden_acc"), d, stream);
 }
 
 // ---- rms_norm ----------------------------------------------------------------------------------
@@ -378,6 +439,24 @@ NB_MODULE(_C, m) {
         nb::arg("part_b").noconvert().none(), nb::arg("z_target").noconvert(), nb::arg("stream"),
         "Hopper (sm_90a) linear_logprob forward: TMA + wgmma, warp-specialized. Same arguments and "
         "scratch as linear_logprob_fwd; raises RuntimeError where linear_logprob_wgmma_problem(device) is not ''.");
+  m.def("linear_logprob_stored_fwd_wgmma", &linear_logprob_stored_fwd_wgmma, nb::arg("hidden").noconvert(),
+        nb::arg("weight").noconvert(), nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(),
+        nb::arg("ignore_index"), nb::arg("logprob_out").noconvert(), nb::arg("entropy_out").noconvert().none(),
+        nb::arg("lse_out").noconvert(), nb::arg("part_m").noconvert(), nb::arg("part_s").noconvert(),
+        nb::arg("part_b").noconvert().none(), nb::arg("z_target").noconvert(), nb::arg("logits_out").noconvert(),
+        nb::arg("stream"),
+        "linear_logprob_fwd_wgmma that also writes the scaled logits z it reduces into logits_out (fp32 [N, V], "
+        "C-contiguous): linear_logprob_stored_fwd (rlk.abi). Its other outputs are linear_logprob_fwd_wgmma's bits.");
+  m.def("linear_logprob_stored_bwd_wgmma", &linear_logprob_stored_bwd_wgmma, nb::arg("hidden").noconvert(),
+        nb::arg("weight").noconvert(), nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(),
+        nb::arg("lse").noconvert(), nb::arg("entropy").noconvert().none(), nb::arg("grad_logprob").noconvert(),
+        nb::arg("grad_entropy").noconvert().none(), nb::arg("ignore_index"), nb::arg("logits").noconvert(),
+        nb::arg("grad_hidden_out").noconvert().none(), nb::arg("grad_weight_out").noconvert().none(),
+        nb::arg("accumulate"), nb::arg("grad_hidden_acc").noconvert().none(), nb::arg("stream"),
+        "linear_logprob_stored_bwd (rlk.abi) on Hopper: G from the stored logits (fp32 [N, S], C-contiguous, "
+        "S >= V, S % 4 == 0, z in the first V columns), written over them, then the chunk GEMMs of linear_logprob_bwd_wgmma. grad_weight_out: "
+        "hidden's dtype, or fp32 (with accumulate: added to its contents). grad_hidden_acc: fp32 [N, H] when "
+        "grad_hidden_out is given and linear_logprob_bwd_num_chunks(V) > 1.");
   m.def("linear_logprob_wgmma_problem", &rlk_cuda::linear_logprob_wgmma_problem, nb::arg("device"),
         "'' if the wgmma forward can run on the device (sm_90a compiled in, compute capability 9.0), else why not.");
   m.def("linear_logprob_bwd", &linear_logprob_bwd, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),

@@ -262,12 +262,12 @@ __device__ __forceinline__ GradRow load_grad_row(int64_t row, const int64_t* tar
   return r;
 }
 
-// G[row, v] from the recomputed logit x = hidden[row] . weight[v] (fp32 GEMM result) of a column `in_range`
-// (v < V): inv_t * (g_lp * (onehot - p) + g_ent * p * (E_p[z] - z)), 0 for an ignored row or a padding
-// column. z is the forward's, bit for bit (the same rounded multiply).
+// G[row, v] from the scaled logit z of a column `in_range` (v < V): inv_t * (g_lp * (onehot - p) + g_ent * p *
+// (E_p[z] - z)), p = exp(z - lse), 0 for an ignored row or a padding column. grad_logit_of_z takes the forward's
+// stored z (the one-pass backward), grad_logit the recomputed logit x = hidden[row] . weight[v] (fp32 GEMM
+// result), from which it forms z as the forward did (the same rounded multiply).
 template <bool kEntropy>
-__device__ __forceinline__ float grad_logit(const GradRow& r, float x, int64_t v, bool in_range) {
-  const float z = __fmul_rn(x, r.inv_t);
+__device__ __forceinline__ float grad_logit_of_z(const GradRow& r, float z, int64_t v, bool in_range) {
   const float p = __expf(z - r.lse);
   float grad = -r.g_lp * p;
   if (v == r.target) grad += r.g_lp;
@@ -275,6 +275,11 @@ __device__ __forceinline__ float grad_logit(const GradRow& r, float x, int64_t v
     if (p > 0.0f) grad += r.g_ent * p * (r.mean_z - z);
   }
   return (r.valid && in_range) ? grad * r.inv_t : 0.0f;
+}
+
+template <bool kEntropy>
+__device__ __forceinline__ float grad_logit(const GradRow& r, float x, int64_t v, bool in_range) {
+  return grad_logit_of_z<kEntropy>(r, __fmul_rn(x, r.inv_t), v, in_range);
 }
 
 // G for vocab columns [v_start, v_start + cols) of all rows: g[row * g_stride + c], c < g_stride (columns

@@ -106,15 +106,16 @@ __device__ __forceinline__ BlockTile block_tile(int64_t n_rows, int64_t vocab, i
 
 // Grid: ceil(N / 128) * linear_num_splits(V) blocks of wgfwd::kThreads, wgfwd::kSmemBytes dynamic smem.
 // hidden_map: [N, H] (box 64 x 128), weight_map: [V, H] (box 64 x 256), both SWIZZLE_128B (host side below).
-// Outputs as linear_logprob_fwd_kernel: part_{m,s}[split, row] (part_b with kEntropy), z_target[row].
-template <typename T, bool kEntropy>
+// Outputs as linear_logprob_fwd_kernel: part_{m,s}[split, row] (part_b with kEntropy), z_target[row]; with kStore
+// also every z it folds, logits[row * logits_stride + v] (fp32; the one-pass mode's stored logits).
+template <typename T, bool kEntropy, bool kStore>
 __global__ void __launch_bounds__(wgfwd::kThreads, 1)
     linear_logprob_fwd_wgmma_kernel(const __grid_constant__ CUtensorMap hidden_map,
                                     const __grid_constant__ CUtensorMap weight_map, const int64_t* __restrict__ targets,
                                     const float* __restrict__ inv_temperature, int64_t n_rows, int64_t vocab,
                                     int64_t hidden_size, int64_t ignore_index, float* __restrict__ part_m,
                                     float* __restrict__ part_s, float* __restrict__ part_b,
-                                    float* __restrict__ z_target) {
+                                    float* __restrict__ z_target, float* __restrict__ logits, int64_t logits_stride) {
 #if RLK_SM90A_DEVICE
   using namespace wgfwd;
   extern __shared__ uint8_t smem_raw[];
@@ -214,6 +215,11 @@ __global__ void __launch_bounds__(wgfwd::kThreads, 1)
     const int col0 = vt * kBN + quad_col;  // column within the split of register 4 * 0 + 2 h + 0
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      float* z_row = nullptr;  // kStore: this row's z at the split's first column (nullptr past N)
+      if constexpr (kStore) {
+        const int64_t row = tile.row0() + local_row + 8 * h;
+        if (row < n_rows) z_row = logits + row * logits_stride + tile.v_begin();
+      }
 #pragma unroll
       for (int jq = 0; jq < kBN / 8 / (kFoldCols / 2); ++jq) {  // 8 groups of 4 column blocks
         float z[kFoldCols];
@@ -225,6 +231,9 @@ __global__ void __launch_bounds__(wgfwd::kThreads, 1)
             const int col = col0 + 8 * j + e;
             const float zv = __fmul_rn(acc[4 * j + 2 * h + e], inv_t[h]);  // z = x * inv_t, rounded on its own
             if (col == target_col[h]) z_t[h] = zv;
+            if constexpr (kStore) {
+              if (z_row != nullptr && col < tile.split_cols) z_row[col] = zv;
+            }
             z[2 * jj + e] = col < tile.split_cols ? zv : -INFINITY;
           }
         }
@@ -335,6 +344,69 @@ struct ChunkStoreEpilogue {
   }
 };
 
+// Epilogue of GEMM 3 into an fp32 grad_weight [rows, cols] (row-major, cols % 8 == 0): stored, or with `add`
+// added to what it holds (the one-pass mode's sum over row chunks, in chunk order).
+struct Fp32WeightEpilogue {
+  float* out;
+  bool add;
+  int64_t rows, cols;
+
+  __device__ __forceinline__ void operator()(const float (&acc)[wgmma::kAccRegs], int64_t row0, int64_t col0) const {
+#if RLK_SM90A_DEVICE
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row0 + 8 * h;
+      if (row >= rows) continue;
+#pragma unroll
+      for (int j = 0; j < wgmma::kAccN / 8; ++j) {
+        const int64_t c = col0 + 8 * j;
+        if (c >= cols) continue;
+        float2 r{acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]};
+        float2* at = reinterpret_cast<float2*>(out + row * cols + c);
+        if (add) {
+          const float2 prev = *at;
+          r.x = prev.x + r.x;
+          r.y = prev.y + r.y;
+        }
+        *at = r;
+      }
+    }
+#endif
+  }
+};
+
+constexpr int kStoredGradThreads = 256;
+
+// G from the forward's stored z, in place: row `blockIdx.x` of logits (fp32, row stride logits_stride) becomes
+// G[row, c] = grad_logit_of_z(z[row, c]) as T at g = (T*) logits with row stride 2 logits_stride, for c < padded
+// (= V rounded up to 8; zeros from V on, the GEMMs' padding). A step reads z columns [c0, c0 + 2 B) and, after a
+// barrier, writes G columns [c0, c0 + 2 B), i.e. the bytes of z columns [c0 / 2, c0 / 2 + B): those were read in
+// this step or an earlier one, never in a later one, so no z is overwritten before it is read.
+template <typename T, bool kEntropy>
+__global__ void __launch_bounds__(kStoredGradThreads)
+    stored_grad_logits_kernel(float* logits, int64_t logits_stride, const int64_t* __restrict__ targets,
+                              const float* __restrict__ inv_temperature, const float* __restrict__ lse,
+                              const float* __restrict__ entropy, const float* __restrict__ grad_logprob,
+                              const float* __restrict__ grad_entropy, int64_t vocab, int64_t padded,
+                              int64_t ignore_index) {
+  const int64_t row = blockIdx.x;
+  const GradRow r = load_grad_row<kEntropy>(row, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                                            ignore_index);
+  const float* z = logits + row * logits_stride;
+  T* g = reinterpret_cast<T*>(logits) + row * 2 * logits_stride;
+  for (int64_t c0 = 0; c0 < padded; c0 += 2 * kStoredGradThreads) {
+    const int64_t c = c0 + 2 * static_cast<int64_t>(threadIdx.x);
+    const float z0 = c < vocab ? z[c] : 0.0f;
+    const float z1 = c + 1 < vocab ? z[c + 1] : 0.0f;
+    __syncthreads();
+    if (c < padded) {
+      const float lo = grad_logit_of_z<kEntropy>(r, z0, c, c < vocab);
+      const float hi = grad_logit_of_z<kEntropy>(r, z1, c + 1, c + 1 < vocab);
+      *reinterpret_cast<uint32_t*>(g + c) = pack2<T>(lo, hi);
+    }
+  }
+}
+
 }  // namespace wgbwd
 
 namespace {
@@ -421,8 +493,8 @@ void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weigh
                               const float* inv_temperature, int64_t n_rows, int64_t vocab, int64_t hidden_size,
                               int64_t ignore_index, float* logprob_out, float* entropy_out, float* lse_out,
                               float* part_m, float* part_s, float* part_b, float* z_target, int device,
-                              std::uintptr_t stream) {
-  const std::string what = "linear_logprob_fwd_wgmma";
+                              std::uintptr_t stream, float* logits_out, int64_t logits_stride) {
+  const std::string what = logits_out != nullptr ? "linear_logprob_stored_fwd_wgmma" : "linear_logprob_fwd_wgmma";
   require(n_rows >= 1, what + ": n_rows must be >= 1");
   require(vocab >= 1, what + ": vocab must be >= 1");
   require(hidden_size >= 8 && hidden_size % 8 == 0,
@@ -436,6 +508,7 @@ void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weigh
   require(part_m != nullptr && part_s != nullptr && z_target != nullptr,
           what + ": part_m, part_s and z_target are required");
   require(entropy_out == nullptr || part_b != nullptr, what + ": part_b is required with entropy_out");
+  require(logits_out == nullptr || logits_stride >= vocab, what + ": logits_out needs a row stride >= V");
   if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
     throw std::invalid_argument("rlk_cuda: " + what + ": only float16 and bfloat16 are implemented");
   }
@@ -456,20 +529,30 @@ void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weigh
                        "cudaFuncSetAttribute(linear_logprob_fwd_wgmma_kernel)");
     kernel<<<static_cast<unsigned>(blocks), wgfwd::kThreads, wgfwd::kSmemBytes, s>>>(
         hidden_map, weight_map, targets, inv_temperature, n_rows, vocab, hidden_size, ignore_index, part_m, part_s, pb,
-        z_target);
+        z_target, logits_out, logits_stride);
+  };
+  // (dtype, entropy, store) -> one of the eight instantiations
+  auto by_store = [&](auto tag, auto entropy) {
+    using T = decltype(tag);
+    constexpr bool kEntropy = decltype(entropy)::value;
+    float* pb = kEntropy ? part_b : nullptr;
+    if (logits_out != nullptr) {
+      launch(linear_logprob_fwd_wgmma_kernel<T, kEntropy, true>, pb);
+    } else {
+      launch(linear_logprob_fwd_wgmma_kernel<T, kEntropy, false>, pb);
+    }
+  };
+  auto by_entropy = [&](auto tag) {
+    if (entropy_out != nullptr) {
+      by_store(tag, std::true_type{});
+    } else {
+      by_store(tag, std::false_type{});
+    }
   };
   if (dtype == DType::kBFloat16) {
-    if (entropy_out != nullptr) {
-      launch(linear_logprob_fwd_wgmma_kernel<__nv_bfloat16, true>, part_b);
-    } else {
-      launch(linear_logprob_fwd_wgmma_kernel<__nv_bfloat16, false>, nullptr);
-    }
+    by_entropy(__nv_bfloat16{});
   } else {
-    if (entropy_out != nullptr) {
-      launch(linear_logprob_fwd_wgmma_kernel<__half, true>, part_b);
-    } else {
-      launch(linear_logprob_fwd_wgmma_kernel<__half, false>, nullptr);
-    }
+    by_entropy(__half{});
   }
   check_launch("linear_logprob_fwd_wgmma_kernel launch");
   const int64_t combine_blocks = ceil_div(n_rows, int64_t{kCombineThreads});
@@ -480,24 +563,17 @@ void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weigh
   check_launch("linear_logprob_combine_kernel launch (wgmma forward)");
 }
 
-void linear_logprob_bwd_wgmma(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
-                              const float* inv_temperature, const float* lse, const float* entropy,
-                              const float* grad_logprob, const float* grad_entropy, int64_t n_rows, int64_t vocab,
-                              int64_t hidden_size, int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out,
-                              void* g_scratch, int64_t g_stride, float* grad_hidden_acc, int device,
-                              std::uintptr_t stream) {
-  const char* what = "linear_logprob_bwd_wgmma";
-  if (!check_linear_bwd_args(what, hidden, weight, n_rows, vocab, hidden_size, entropy, grad_entropy, grad_hidden_out,
-                             grad_weight_out, g_scratch, g_stride, grad_hidden_acc)) {
-    return;
-  }
-  // TMA coordinates and the kernel's tile counts are int32.
-  require(n_rows < (int64_t{1} << 31) - wggemm::kBN && vocab < (int64_t{1} << 31) && hidden_size < (int64_t{1} << 24),
-          std::string(what) + ": N and V must be < 2^31 and H < 2^24 (int32 TMA coordinates)");
-  DeviceGuard guard(device);
-  const std::string problem = linear_logprob_wgmma_problem(device);
-  if (!problem.empty()) throw std::runtime_error(std::string("rlk_cuda: ") + what + ": " + problem);
-  const cudaStream_t s = as_stream(stream);
+namespace {
+
+// The chunk GEMMs of the Hopper backward. stored == false: per chunk GEMM 1 writes G_c into g [N, g_stride] (the
+// chunk scratch); stored == true: g [N, g_stride] already holds G of the whole vocabulary (chunk c at column
+// v_start). grad_weight_out: T (stored per chunk) or fp32 (grad_weight_fp32: stored, or added with accumulate).
+void bwd_wgmma_chunks(const char* what, DType dtype, const void* hidden, const void* weight, const int64_t* targets,
+                      const float* inv_temperature, const float* lse, const float* entropy, const float* grad_logprob,
+                      const float* grad_entropy, int64_t n_rows, int64_t vocab, int64_t hidden_size,
+                      int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out, bool grad_weight_fp32,
+                      bool accumulate, void* g_scratch, int64_t g_stride, bool stored, float* grad_hidden_acc,
+                      cudaStream_t s) {
   const int64_t n_chunks = linear_logprob_bwd_num_chunks(vocab);
   const int m_row_tiles = static_cast<int>(ceil_div(n_rows, int64_t{wggemm::kBM}));
   const int h_tiles = static_cast<int>(ceil_div(hidden_size, int64_t{wggemm::kBN}));
@@ -510,7 +586,6 @@ void linear_logprob_bwd_wgmma(DType dtype, const void* hidden, const void* weigh
         std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     const T* h = static_cast<const T*>(hidden);
     const T* w = static_cast<const T*>(weight);
-    T* g = static_cast<T*>(g_scratch);
     // hidden as GEMM 1's K-major A and as GEMM 3's N-major B: the same for every chunk.
     const CUtensorMap hidden_k = make_map(tdt, h, n_rows, hidden_size, hidden_size, wggemm::kBM);
     const CUtensorMap hidden_mn = make_map(tdt, h, n_rows, hidden_size, hidden_size, wggemm::kMnBox);
@@ -529,20 +604,23 @@ void linear_logprob_bwd_wgmma(DType dtype, const void* hidden, const void* weigh
       const int64_t k_cols = ceil_div(cols, int64_t{8}) * 8;
       const T* w_chunk = w + v_start * hidden_size;
       const int col_tiles = static_cast<int>(ceil_div(k_cols, int64_t{wggemm::kBN}));
+      T* g = static_cast<T*>(g_scratch) + (stored ? v_start : 0);
 
       // 1. G_c
-      const CUtensorMap w_k = make_map(tdt, w_chunk, cols, hidden_size, hidden_size, wggemm::kBN);
-      if (grad_entropy != nullptr) {
-        const wgbwd::GradLogitsEpilogue<T, true> epi{targets, inv_temperature, lse, entropy, grad_logprob,
-                                                     grad_entropy, n_rows, ignore_index, v_start, cols, k_cols, g,
-                                                     g_stride};
-        launch(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles, h_steps,
-               0, 0, epi, "linear_logprob grad_logits (wgmma)");
-      } else {
-        const wgbwd::GradLogitsEpilogue<T, false> epi{targets, inv_temperature, lse, nullptr, grad_logprob, nullptr,
-                                                      n_rows, ignore_index, v_start, cols, k_cols, g, g_stride};
-        launch(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles, h_steps,
-               0, 0, epi, "linear_logprob grad_logits (wgmma)");
+      if (!stored) {
+        const CUtensorMap w_k = make_map(tdt, w_chunk, cols, hidden_size, hidden_size, wggemm::kBN);
+        if (grad_entropy != nullptr) {
+          const wgbwd::GradLogitsEpilogue<T, true> epi{targets, inv_temperature, lse, entropy, grad_logprob,
+                                                       grad_entropy, n_rows, ignore_index, v_start, cols, k_cols, g,
+                                                       g_stride};
+          launch(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles, h_steps,
+                 0, 0, epi, "linear_logprob grad_logits (wgmma)");
+        } else {
+          const wgbwd::GradLogitsEpilogue<T, false> epi{targets, inv_temperature, lse, nullptr, grad_logprob, nullptr,
+                                                        n_rows, ignore_index, v_start, cols, k_cols, g, g_stride};
+          launch(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles, h_steps,
+                 0, 0, epi, "linear_logprob grad_logits (wgmma)");
+        }
       }
       // 2. grad_hidden (+)= G_c @ W_c
       if (grad_hidden_out != nullptr) {
@@ -554,18 +632,99 @@ void linear_logprob_bwd_wgmma(DType dtype, const void* hidden, const void* weigh
                static_cast<int>(ceil_div(k_cols, int64_t{wggemm::kBK})), 0, static_cast<int>(hidden_size), epi,
                "linear_logprob grad_hidden (wgmma)");
       }
-      // 3. grad_weight[chunk] = G_c.T @ hidden
+      // 3. grad_weight[chunk] (+)= G_c.T @ hidden
       if (grad_weight_out != nullptr) {
         const CUtensorMap g_mn = make_map(tdt, g, n_rows, k_cols, g_stride, wggemm::kMnBox);
-        const wgbwd::ChunkStoreEpilogue<T> epi{AccumulateMode::kStore, nullptr,
-                                               static_cast<T*>(grad_weight_out) + v_start * hidden_size, cols,
-                                               hidden_size};
-        launch(wggemm::gemm_kernel<T, true, true, decltype(epi)>, g_mn, hidden_mn,
-               static_cast<int>(ceil_div(cols, int64_t{wggemm::kBM})), h_tiles, n_steps, static_cast<int>(k_cols),
-               static_cast<int>(hidden_size), epi, "linear_logprob grad_weight (wgmma)");
+        const int m_tiles = static_cast<int>(ceil_div(cols, int64_t{wggemm::kBM}));
+        if (grad_weight_fp32) {
+          const wgbwd::Fp32WeightEpilogue epi{static_cast<float*>(grad_weight_out) + v_start * hidden_size,
+                                              accumulate, cols, hidden_size};
+          launch(wggemm::gemm_kernel<T, true, true, decltype(epi)>, g_mn, hidden_mn, m_tiles, h_tiles, n_steps,
+                 static_cast<int>(k_cols), static_cast<int>(hidden_size), epi, "linear_logprob grad_weight (wgmma)");
+        } else {
+          const wgbwd::ChunkStoreEpilogue<T> epi{AccumulateMode::kStore, nullptr,
+                                                 static_cast<T*>(grad_weight_out) + v_start * hidden_size, cols,
+                                                 hidden_size};
+          launch(wggemm::gemm_kernel<T, true, true, decltype(epi)>, g_mn, hidden_mn, m_tiles, h_tiles, n_steps,
+                 static_cast<int>(k_cols), static_cast<int>(hidden_size), epi, "linear_logprob grad_weight (wgmma)");
+        }
       }
     }
   });
+}
+
+// The Hopper backward's checks shared by both entries: int32 TMA coordinates, a compute capability 9.0 GPU.
+void require_wgmma_bwd(const char* what, int64_t n_rows, int64_t vocab, int64_t hidden_size, int device) {
+  require(n_rows < (int64_t{1} << 31) - wggemm::kBN && vocab < (int64_t{1} << 31) && hidden_size < (int64_t{1} << 24),
+          std::string(what) + ": N and V must be < 2^31 and H < 2^24 (int32 TMA coordinates)");
+  const std::string problem = linear_logprob_wgmma_problem(device);
+  if (!problem.empty()) throw std::runtime_error(std::string("rlk_cuda: ") + what + ": " + problem);
+}
+
+}  // namespace
+
+void linear_logprob_bwd_wgmma(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
+                              const float* inv_temperature, const float* lse, const float* entropy,
+                              const float* grad_logprob, const float* grad_entropy, int64_t n_rows, int64_t vocab,
+                              int64_t hidden_size, int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out,
+                              void* g_scratch, int64_t g_stride, float* grad_hidden_acc, int device,
+                              std::uintptr_t stream) {
+  const char* what = "linear_logprob_bwd_wgmma";
+  if (!check_linear_bwd_args(what, hidden, weight, n_rows, vocab, hidden_size, entropy, grad_entropy, grad_hidden_out,
+                             grad_weight_out, g_scratch, g_stride, grad_hidden_acc)) {
+    return;
+  }
+  DeviceGuard guard(device);
+  require_wgmma_bwd(what, n_rows, vocab, hidden_size, device);
+  bwd_wgmma_chunks(what, dtype, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                   n_rows, vocab, hidden_size, ignore_index, grad_hidden_out, grad_weight_out, false, false, g_scratch,
+                   g_stride, false, grad_hidden_acc, as_stream(stream));
+}
+
+void linear_logprob_stored_bwd_wgmma(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
+                                     const float* inv_temperature, const float* lse, const float* entropy,
+                                     const float* grad_logprob, const float* grad_entropy, int64_t n_rows,
+                                     int64_t vocab, int64_t hidden_size, int64_t ignore_index, float* logits,
+                                     int64_t logits_stride, void* grad_hidden_out, void* grad_weight_out,
+                                     bool grad_weight_fp32, bool accumulate, float* grad_hidden_acc, int device,
+                                     std::uintptr_t stream) {
+  const char* what = "linear_logprob_stored_bwd_wgmma";
+  const std::string w(what);
+  check_linear_inputs(what, hidden, weight, n_rows, vocab, hidden_size);
+  require((entropy == nullptr) == (grad_entropy == nullptr), w + ": entropy and grad_entropy must be both given or "
+                                                                 "both None");
+  require(logits != nullptr && host_aligned16(logits) && logits_stride >= vocab && logits_stride % 4 == 0,
+          w + ": logits must be 16-byte aligned with a row stride >= V and a multiple of 4 (G is written over it "
+              "with a row stride of 2 logits_stride elements)");
+  const int64_t padded = ceil_div(vocab, int64_t{8}) * 8;
+  require(padded <= 2 * logits_stride, w + ": V rounded up to 8 must fit in 2 logits_stride");
+  require(!accumulate || grad_weight_fp32, w + ": accumulate needs an fp32 grad_weight_out");
+  require(grad_hidden_out == nullptr || host_aligned16(grad_hidden_out), w + ": grad_hidden_out must be 16-byte aligned");
+  require(grad_weight_out == nullptr || host_aligned16(grad_weight_out), w + ": grad_weight_out must be 16-byte aligned");
+  const int64_t n_chunks = linear_logprob_bwd_num_chunks(vocab);
+  require(grad_hidden_out == nullptr || n_chunks == 1 || (grad_hidden_acc != nullptr && host_aligned16(grad_hidden_acc)),
+          w + ": grad_hidden_acc (fp32 [N, H]) is required with grad_hidden_out when V > 4096");
+  if (grad_hidden_out == nullptr && grad_weight_out == nullptr) return;
+  DeviceGuard guard(device);
+  require_wgmma_bwd(what, n_rows, vocab, hidden_size, device);
+  const cudaStream_t s = as_stream(stream);
+  require(n_rows <= max_grid_x(), w + ": too many rows for one grid");
+  dispatch_half(dtype, what, [&](auto tag) {
+    using T = decltype(tag);
+    if (grad_entropy != nullptr) {
+      wgbwd::stored_grad_logits_kernel<T, true><<<static_cast<unsigned>(n_rows), wgbwd::kStoredGradThreads, 0, s>>>(
+          logits, logits_stride, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, vocab, padded,
+          ignore_index);
+    } else {
+      wgbwd::stored_grad_logits_kernel<T, false><<<static_cast<unsigned>(n_rows), wgbwd::kStoredGradThreads, 0, s>>>(
+          logits, logits_stride, targets, inv_temperature, lse, nullptr, grad_logprob, nullptr, vocab, padded,
+          ignore_index);
+    }
+    check_launch("linear_logprob stored_grad_logits");
+  });
+  bwd_wgmma_chunks(what, dtype, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                   n_rows, vocab, hidden_size, ignore_index, grad_hidden_out, grad_weight_out, grad_weight_fp32,
+                   accumulate, logits, 2 * logits_stride, true, grad_hidden_acc, s);
 }
 
 }  // namespace rlk_cuda

@@ -65,12 +65,26 @@ void linear_logprob_bwd(DType dtype, const void* hidden, const void* weight, con
 
 // Hopper forward (csrc/linear_logprob_wgmma.cu: TMA + wgmma, warp-specialized), chosen by rlk_cuda/logprob.py:
 // the same arguments, scratch and results contract as linear_logprob_fwd (not the same bits). Throws
-// std::runtime_error when linear_logprob_wgmma_problem(device) is not empty.
+// std::runtime_error when linear_logprob_wgmma_problem(device) is not empty. With logits_out (fp32, row stride
+// logits_stride >= vocab) it also stores the scaled logits z it reduces (linear_logprob_stored_fwd; its other
+// outputs are the same bits as without).
 void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
                               const float* inv_temperature, int64_t n_rows, int64_t vocab, int64_t hidden_size,
                               int64_t ignore_index, float* logprob_out, float* entropy_out, float* lse_out,
                               float* part_m, float* part_s, float* part_b, float* z_target, int device,
-                              std::uintptr_t stream);
+                              std::uintptr_t stream, float* logits_out = nullptr, int64_t logits_stride = 0);
+
+// Hopper backward from the stored logits (linear_logprob_stored_bwd): G = d loss / d z from logits [n_rows,
+// logits_stride] fp32 (the forward's z), written in place as dtype with row stride 2 logits_stride (the first half
+// of each row's bytes; logits_stride % 4 == 0, 16-byte aligned), then linear_logprob_bwd_wgmma's GEMMs 2 and 3 per
+// vocab chunk. grad_weight_out: dtype (stored) or fp32 (grad_weight_fp32; with accumulate, added to its contents).
+void linear_logprob_stored_bwd_wgmma(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
+                                     const float* inv_temperature, const float* lse, const float* entropy,
+                                     const float* grad_logprob, const float* grad_entropy, int64_t n_rows,
+                                     int64_t vocab, int64_t hidden_size, int64_t ignore_index, float* logits,
+                                     int64_t logits_stride, void* grad_hidden_out, void* grad_weight_out,
+                                     bool grad_weight_fp32, bool accumulate, float* grad_hidden_acc, int device,
+                                     std::uintptr_t stream);
 // Hopper backward (csrc/linear_logprob_wgmma.cu: the three GEMMs of each vocab chunk on a TMA + wgmma tile
 // GEMM): the same arguments, scratch and results contract as linear_logprob_bwd (not the same bits). Throws
 // std::runtime_error when linear_logprob_wgmma_problem(device) is not empty.

@@ -23,7 +23,7 @@ rlk_cuda = pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (ba
 _native = importlib.import_module("rlk_cuda._native")
 
 IMPLEMENTED = ("selected_logprob_fwd", "selected_logprob_bwd", "linear_logprob_fwd", "linear_logprob_bwd",
-               "rms_norm_fwd", "rms_norm_bwd")
+               "linear_logprob_stored_fwd", "linear_logprob_stored_bwd", "rms_norm_fwd", "rms_norm_bwd")
 
 
 def test_entry_point_is_registered():

@@ -194,8 +194,12 @@ def test_one_pass_on_the_reference_matches_fp64_and_lean(kwargs):
     truth = _fp64_truth(x, temperature=temperature, **kwargs)
     _check_against_truth(one, truth, x, temperature=temperature)
     _check_against_truth(lean, truth, x, temperature=temperature)
-    for k in (3, 4):
-        torch.testing.assert_close(one[k], lean[k], rtol=1e-5, atol=1e-7)
+    # against each other under the same contract (on a GPU the reference's matmuls round differently for another
+    # number of rows: the modes' chunks of rows are not the lean mode's whole batch)
+    e = contract.entry("linear_logprob", torch.float32)
+    for k, name in ((3, "grad_hidden"), (4, "grad_weight")):
+        dev = contract.compare_grad(e, name, one[k], lean[k].double(), _max_row_scale(x, temperature))
+        assert dev.ok, dev
 
 
 def test_one_pass_chunks_are_a_choice_not_a_result():

@@ -7,9 +7,10 @@ outputs are caller-allocated, the stream is torch's current stream passed as an 
 links libtorch, so one wheel serves every torch version. Every kernel is batch-invariant by
 construction (fixed block sizes, a fixed element-to-thread map, fixed-order reductions, no atomics).
 
-Implemented primitives: ``selected_logprob_fwd/bwd`` and ``linear_logprob_fwd/bwd`` (``logprob.py``;
-``linear_logprob`` for float16 / bfloat16 only: ``supports`` declines float32, which falls through to
-triton), ``rms_norm_fwd/bwd`` (``norm.py``). Every other op falls through to the next backend of the chain
+Implemented primitives: ``selected_logprob_fwd/bwd``, ``linear_logprob_fwd/bwd`` and ``linear_logprob_stored_fwd/bwd``
+(``logprob.py``; ``linear_logprob`` for float16 / bfloat16 only: ``supports`` declines float32, which falls through
+to triton; the stored pair, ``fused_linear_policy_loss``'s one-pass mode, on the Hopper kernels only),
+``rms_norm_fwd/bwd`` (``norm.py``). Every other op falls through to the next backend of the chain
 (triton, reference).
 
 Importing this package is cheap and never fails for a missing GPU or driver: the probe says why the
@@ -125,7 +126,12 @@ def _supports(primitive: str, device, dtype) -> str | None:
         return f"{primitive}: float32 not implemented in rlk-cuda (tensor-core path for bfloat16 / float16 only)"
     import torch
 
-    return _device_problem(torch.cuda.current_device() if device.index is None else device.index)
+    problem = _device_problem(torch.cuda.current_device() if device.index is None else device.index)
+    if problem is None and primitive.startswith("linear_logprob_stored"):
+        from rlk_cuda import logprob
+
+        problem = logprob.stored_problem(device)
+    return problem
 
 
 def backend():

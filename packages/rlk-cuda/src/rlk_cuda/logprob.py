@@ -38,6 +38,10 @@ compute capability 9.0 GPU and a build with sm_90a kernels, :func:`wgmma_problem
 environment variables ``RLK_CUDA_LINEAR_FWD`` and ``RLK_CUDA_LINEAR_BWD`` (``mma`` or ``wgmma``) choose per
 direction, see :func:`forward_kernel` / :func:`backward_kernel`. Both kernels are batch-invariant and within the
 contract; they are not bitwise equal to each other (different instruction and fold grouping).
+
+``linear_logprob_stored_fwd`` / ``_bwd`` (``fused_linear_policy_loss``'s one-pass mode) run on the Hopper kernels
+only (:func:`stored_problem`): the forward also stores the fp32 logits it folds; the backward computes G from them in
+place and runs the backward's GEMMs 2 and 3 per vocab chunk.
 """
 
 from __future__ import annotations
@@ -161,7 +165,8 @@ def _require_wgmma(device, what: str) -> None:
         raise RuntimeError(f"rlk_cuda linear_logprob wgmma {what} unavailable: {problem}")
 
 
-def _linear_fwd(native, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
+def _linear_fwd(native, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out,
+                *logits_out):
     _check_half(hidden)
     n = hidden.shape[0]
     width = _kernel_layout(hidden, weight)
@@ -175,7 +180,7 @@ def _linear_fwd(native, hidden, weight, targets, inv_temperature, ignore_index, 
         native(
             array(hidden), array(weight), array(targets), array(inv_temperature), int(ignore_index),
             array(logprob_out), array(entropy_out), array(lse_out), part[0], part[1],
-            part[2] if with_entropy else None, z_target, stream_of(hidden),
+            part[2] if with_entropy else None, z_target, *logits_out, stream_of(hidden),
         )
 
 
@@ -270,6 +275,102 @@ def _linear_bwd(native, hidden, weight, targets, inv_temperature, lse, entropy, 
             array(hidden), array(weight), array(targets), array(inv_temperature), array(lse), array(entropy),
             array(grad_logprob), array(grad_entropy), int(ignore_index), array(gh), array(gw), g_scratch, acc,
             stream_of(hidden),
+        )
+    if width is not None:
+        if grad_hidden_out is not None:
+            grad_hidden_out.copy_(gh[:, :h])
+        if grad_weight_out is not None:
+            grad_weight_out.copy_(gw[:, :h])
+
+
+def stored_problem(device) -> str | None:
+    """None if :func:`linear_logprob_stored_fwd` / ``_bwd`` serve CUDA ``device``, else why not: they exist for the
+    Hopper forward only, and must give the bits of the forward :func:`linear_logprob_fwd` runs there."""
+    problem = wgmma_problem(device)
+    if problem is not None:
+        return f"linear_logprob_stored: Hopper kernels only ({problem})"
+    if forward_kernel(device) != "wgmma":
+        return (f"linear_logprob_stored: {FORWARD_ENV}=mma selects the mma.sync forward, whose bits the stored "
+                f"(Hopper) forward does not give")
+    return None
+
+
+def linear_logprob_stored_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
+                              lse_out, logits_out):
+    """:func:`linear_logprob_fwd` on the Hopper kernel, which also stores the scaled logits it reduces.
+
+    Args:
+        hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out: as in
+            :func:`linear_logprob_fwd`; the log-prob, entropy and lse are its bits (the same kernel, with a store
+            of each folded ``z`` added).
+        logits_out: ``[N, V]`` fp32, contiguous: ``z = (hidden @ weight.T) * inv_temperature`` as the kernel folds it.
+
+    Spec: :func:`rlk.reference.logprob.linear_logprob_stored_fwd`. Raises RuntimeError where
+    :func:`stored_problem` is not None (the backend's ``supports`` declines those devices first).
+    """
+    problem = stored_problem(hidden.device)
+    if problem is not None:
+        raise RuntimeError(f"rlk_cuda {problem}")
+    if not logits_out.is_contiguous():
+        raise ValueError(f"logits_out: expected a contiguous [N, V] fp32 tensor, got strides {logits_out.stride()}")
+    _linear_fwd(C.linear_logprob_stored_fwd_wgmma, hidden, weight, targets, inv_temperature, ignore_index,
+                logprob_out, entropy_out, lse_out, logits_out)
+
+
+def linear_logprob_stored_bwd(
+    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, logits,
+    grad_hidden_out, grad_weight_out, accumulate,
+):
+    """:func:`linear_logprob_bwd` from the forward's stored logits (:func:`linear_logprob_stored_fwd`).
+
+    Args:
+        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index: as in
+            :func:`linear_logprob_bwd`.
+        logits: ``[N, V]`` fp32, contiguous, the forward's ``logits_out``; spent: ``G = d loss / d z`` is written
+            over it in ``hidden.dtype`` (the first half of each row's bytes) when its row stride is a multiple of 4
+            elements and it is 16-byte aligned, else into a padded copy.
+        grad_hidden_out: ``[N, H]`` in ``hidden.dtype`` or None: ``G @ weight``, summed over the vocab chunks of 4096
+            in order (fp32), rounded once.
+        grad_weight_out: ``[V, H]`` or None: ``G.T @ hidden`` in ``weight.dtype`` or fp32, or with ``accumulate``
+            (fp32 only) ``grad_weight_out + G.T @ hidden``; rows summed in 64-row steps in order (deterministic).
+
+    Spec: :func:`rlk.reference.logprob.linear_logprob_stored_bwd`. One kernel for ``G`` (a block per row), then
+    :func:`linear_logprob_bwd`'s Hopper GEMMs 2 and 3 per vocab chunk. Each row's ``grad_hidden`` depends on that
+    row only (batch-invariant).
+    """
+    problem = stored_problem(hidden.device)
+    if problem is not None:
+        raise RuntimeError(f"rlk_cuda {problem}")
+    _check_half(hidden)
+    if grad_entropy is None:
+        entropy = None
+    elif entropy is None:
+        raise ValueError("entropy: required when grad_entropy is given (the forward's entropy output)")
+    if accumulate and (grad_weight_out is None or grad_weight_out.dtype != torch.float32):
+        raise ValueError("accumulate: needs an fp32 grad_weight_out")
+    if grad_hidden_out is None and grad_weight_out is None:
+        return
+    n, h = hidden.shape
+    vocab = weight.shape[0]
+    width = _kernel_layout(hidden, weight, grad_hidden_out, grad_weight_out)
+    gh, gw = grad_hidden_out, grad_weight_out
+    if width is not None:
+        hidden, weight = _padded(hidden, width), _padded(weight, width)
+        gh = None if gh is None else torch.empty((n, width), dtype=hidden.dtype, device=hidden.device)
+        if gw is not None:
+            gw = _padded(gw, width) if accumulate else torch.empty((vocab, width), dtype=gw.dtype, device=gw.device)
+    if not (logits.is_contiguous() and vocab % 4 == 0 and _aligned(logits)):
+        padded = torch.empty((n, -(-vocab // 4) * 4), dtype=torch.float32, device=logits.device)
+        padded[:, :vocab] = logits
+        logits = padded
+    acc = None
+    if gh is not None and C.linear_logprob_bwd_num_chunks(vocab) > 1:
+        acc = torch.empty((n, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+    with on_device(hidden):
+        C.linear_logprob_stored_bwd_wgmma(
+            array(hidden), array(weight), array(targets), array(inv_temperature), array(lse), array(entropy),
+            array(grad_logprob), array(grad_entropy), int(ignore_index), array(logits), array(gh), array(gw),
+            bool(accumulate), acc, stream_of(hidden),
         )
     if width is not None:
         if grad_hidden_out is not None:

@@ -39,7 +39,8 @@ SEQUENCE_LEVEL_LOSSES = ("gspo", "geo_mean", "vespo")
 #: speed and verified on a GPU. The reference backend implements the same primitives as a readable specification;
 #: ``auto`` keeps its lean path, the memory-bounded CPU default. Triton: its one-pass kernels run faster than lean
 #: on an H200 (133.7 vs 156.2 ms at B=16, T=1024, H=4096, V=151936 bf16, 3.7 GiB extra; docs/performance.md), and
-#: the GPU test suite passed with ``auto`` choosing them.
+#: the GPU test suite passed with ``auto`` choosing them. Not rlk-cuda: its one-pass Hopper kernels are slower than
+#: its lean mode at that shape (165.3 vs 139.9 ms; the fp32 weight-gradient sums over the row chunks).
 ONE_PASS_BACKENDS: tuple[str, ...] = ("triton",)
 
 
@@ -66,8 +67,8 @@ def decide_mode(hidden: Tensor, weight: Tensor, targets: Tensor, *, mode: str = 
       lean in every mode (the forward of both modes is ``linear_logprob``'s; nothing to store).
     * The backend that runs ``linear_logprob`` must implement ``linear_logprob_stored``: the one-pass log-probs must
       be ``linear_logprob``'s bits (rollout log-probs come from ``linear_logprob``; the first micro-step's ratio is
-      exactly 1 only then), so another backend's kernels may not stand in. When it does not (rlk-cuda, which comes
-      first on CUDA GPUs when installed; the domestic backend): ``auto`` is lean, ``one_pass`` raises
+      exactly 1 only then), so another backend's kernels may not stand in. When it does not (rlk-cuda off Hopper
+      or with ``RLK_CUDA_LINEAR_FWD=mma``; the domestic backend): ``auto`` is lean, ``one_pass`` raises
       :class:`rlk.BackendError` (pin ``RLK_BACKEND=triton`` to run the one-pass mode on the Triton kernels).
     * ``auto``: lean unless that backend is in :data:`ONE_PASS_BACKENDS`; lean for a loss of
       :data:`SEQUENCE_LEVEL_LOSSES` whose sequences are longer than ``chunk_tokens`` (a chunk would hold a
@@ -332,8 +333,9 @@ def fused_linear_policy_loss(
     where the lean backward recomputes them, and sums ``grad_weight`` per chunk. One pass keeps the guarantees:
     each row's ``grad_hidden`` is bitwise independent of the other rows (batch-invariant) whenever its
     aggregation weight is (``token-sum``, or global normalizers), and ``grad_weight`` is deterministic run to run.
-    Double backward is not supported (neither mode). The rlk-cuda backend has no one-pass kernels: on it, and on
-    any backend whose ``linear_logprob`` lacks them, ``auto`` is lean and ``one_pass`` raises. Under
+    Double backward is not supported (neither mode). rlk-cuda has one-pass kernels on Hopper GPUs (its TMA + wgmma
+    forward with the logits stored; slower than its lean mode on an H200, so ``auto`` stays lean there); on a
+    backend whose ``linear_logprob`` lacks them ``auto`` is lean and ``one_pass`` raises. Under
     ``torch.compile`` the mode (and the pinned backend it depends on) is decided when the call is traced.
 
     Args:
