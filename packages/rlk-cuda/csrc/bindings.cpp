@@ -246,6 +246,17 @@ void linear_logprob_stored_fwd_wgmma(const Array& hidden, const Array& weight, c
                           lse_out, part_m, part_s, part_b, z_target, stream, logits_out);
 }
 
+// The backward's per-row inputs: lse, grad_logprob (and entropy, grad_entropy when given) fp32 [N].
+void expect_bwd_rows(int64_t n, const Array& lse, const OptArray& entropy, const Array& grad_logprob,
+                     const OptArray& grad_entropy) {
+  for (auto [a, name] : {std::pair{&lse, "lse"}, {&grad_logprob, "grad_logprob"}}) {
+    expect_dtype(*a, DType::kFloat32, name);
+    expect_shape(*a, {n}, name);
+  }
+  expect_f32_vector(entropy, n, "entropy");
+  expect_f32_vector(grad_entropy, n, "grad_entropy");
+}
+
 // The backward's checks, then the mma.sync launcher (wgmma = false) or the Hopper one (wgmma = true).
 void linear_logprob_bwd_impl(bool wgmma, const Array& hidden, const Array& weight, const Array& targets,
                              const Array& inv_temperature, const Array& lse, const OptArray& entropy,
@@ -253,12 +264,7 @@ void linear_logprob_bwd_impl(bool wgmma, const Array& hidden, const Array& weigh
                              const OptArray& grad_hidden_out, const OptArray& grad_weight_out,
                              const OptArray& g_scratch, const OptArray& grad_hidden_acc, std::uintptr_t stream) {
   const LinearShapes s = linear_shapes(hidden, weight, targets, inv_temperature);
-  for (auto [a, name] : {std::pair{&lse, "lse"}, {&grad_logprob, "grad_logprob"}}) {
-    expect_dtype(*a, DType::kFloat32, name);
-    expect_shape(*a, {s.n}, name);
-  }
-  expect_f32_vector(entropy, s.n, "entropy");
-  expect_f32_vector(grad_entropy, s.n, "grad_entropy");
+  expect_bwd_rows(s.n, lse, entropy, grad_logprob, grad_entropy);
   if (grad_hidden_out) {
     expect_dtype(*grad_hidden_out, s.dtype, "grad_hidden_out");
     expect_shape(*grad_hidden_out, {s.n, s.h}, "grad_hidden_out");
@@ -314,12 +320,7 @@ void linear_logprob_stored_bwd_wgmma(const Array& hidden, const Array& weight, c
                                      const OptArray& grad_weight_out, bool accumulate,
                                      const OptArray& grad_hidden_acc, std::uintptr_t stream) {
   const LinearShapes s = linear_shapes(hidden, weight, targets, inv_temperature);
-  for (auto [a, name] : {std::pair{&lse, "lse"}, {&grad_logprob, "grad_logprob"}}) {
-    expect_dtype(*a, DType::kFloat32, name);
-    expect_shape(*a, {s.n}, name);
-  }
-  expect_f32_vector(entropy, s.n, "entropy");
-  expect_f32_vector(grad_entropy, s.n, "grad_entropy");
+  expect_bwd_rows(s.n, lse, entropy, grad_logprob, grad_entropy);
   expect_dtype(logits, DType::kFloat32, "logits");
   if (logits.ndim() != 2 || static_cast<int64_t>(logits.shape(0)) != s.n || static_cast<int64_t>(logits.shape(1)) < s.v) {
     fail("logits: expected shape [N, S] with S >= V (columns past V unused), got " + shape_of(logits));

@@ -344,37 +344,6 @@ struct ChunkStoreEpilogue {
   }
 };
 
-// Epilogue of GEMM 3 into an fp32 grad_weight [rows, cols] (row-major, cols % 8 == 0): stored, or with `add`
-// added to what it holds (the one-pass mode's sum over row chunks, in chunk order).
-struct Fp32WeightEpilogue {
-  float* out;
-  bool add;
-  int64_t rows, cols;
-
-  __device__ __forceinline__ void operator()(const float (&acc)[wgmma::kAccRegs], int64_t row0, int64_t col0) const {
-#if RLK_SM90A_DEVICE
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row0 + 8 * h;
-      if (row >= rows) continue;
-#pragma unroll
-      for (int j = 0; j < wgmma::kAccN / 8; ++j) {
-        const int64_t c = col0 + 8 * j;
-        if (c >= cols) continue;
-        float2 r{acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]};
-        float2* at = reinterpret_cast<float2*>(out + row * cols + c);
-        if (add) {
-          const float2 prev = *at;
-          r.x = prev.x + r.x;
-          r.y = prev.y + r.y;
-        }
-        *at = r;
-      }
-    }
-#endif
-  }
-};
-
 constexpr int kStoredGradThreads = 256;
 
 // G from the forward's stored z, in place: row `blockIdx.x` of logits (fp32, row stride logits_stride) becomes
@@ -635,19 +604,17 @@ void bwd_wgmma_chunks(const char* what, DType dtype, const void* hidden, const v
       // 3. grad_weight[chunk] (+)= G_c.T @ hidden
       if (grad_weight_out != nullptr) {
         const CUtensorMap g_mn = make_map(tdt, g, n_rows, k_cols, g_stride, wggemm::kMnBox);
-        const int m_tiles = static_cast<int>(ceil_div(cols, int64_t{wggemm::kBM}));
-        if (grad_weight_fp32) {
-          const wgbwd::Fp32WeightEpilogue epi{static_cast<float*>(grad_weight_out) + v_start * hidden_size,
-                                              accumulate, cols, hidden_size};
-          launch(wggemm::gemm_kernel<T, true, true, decltype(epi)>, g_mn, hidden_mn, m_tiles, h_tiles, n_steps,
-                 static_cast<int>(k_cols), static_cast<int>(hidden_size), epi, "linear_logprob grad_weight (wgmma)");
-        } else {
-          const wgbwd::ChunkStoreEpilogue<T> epi{AccumulateMode::kStore, nullptr,
-                                                 static_cast<T*>(grad_weight_out) + v_start * hidden_size, cols,
-                                                 hidden_size};
-          launch(wggemm::gemm_kernel<T, true, true, decltype(epi)>, g_mn, hidden_mn, m_tiles, h_tiles, n_steps,
-                 static_cast<int>(k_cols), static_cast<int>(hidden_size), epi, "linear_logprob grad_weight (wgmma)");
-        }
+        // fp32: written (kWrite) or added to (kAdd) as an fp32 "accumulator"; else rounded to T (kStore)
+        const int64_t at = v_start * hidden_size;
+        const wgbwd::ChunkStoreEpilogue<T> epi =
+            grad_weight_fp32
+                ? wgbwd::ChunkStoreEpilogue<T>{accumulate ? AccumulateMode::kAdd : AccumulateMode::kWrite,
+                                               static_cast<float*>(grad_weight_out) + at, nullptr, cols, hidden_size}
+                : wgbwd::ChunkStoreEpilogue<T>{AccumulateMode::kStore, nullptr, static_cast<T*>(grad_weight_out) + at,
+                                               cols, hidden_size};
+        launch(wggemm::gemm_kernel<T, true, true, decltype(epi)>, g_mn, hidden_mn,
+               static_cast<int>(ceil_div(cols, int64_t{wggemm::kBM})), h_tiles, n_steps, static_cast<int>(k_cols),
+               static_cast<int>(hidden_size), epi, "linear_logprob grad_weight (wgmma)");
       }
     }
   });

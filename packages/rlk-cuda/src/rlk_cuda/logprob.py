@@ -249,23 +249,48 @@ def linear_logprob_bwd_wgmma(hidden, weight, targets, inv_temperature, lse, entr
                 grad_entropy, ignore_index, grad_hidden_out, grad_weight_out)
 
 
+def _entropy_arg(entropy, grad_entropy):
+    """The forward's entropy where the backward uses it (with ``grad_entropy``), else None."""
+    if grad_entropy is None:
+        return None
+    if entropy is None:
+        raise ValueError("entropy: required when grad_entropy is given (the forward's entropy output)")
+    return entropy
+
+
+def _grad_layout(hidden, weight, grad_hidden_out, grad_weight_out, accumulate=False):
+    """``(width, hidden, weight, gh, gw)``: the operands and gradient buffers the kernels take (``width`` None: the
+    caller's own), else zero-padded copies of ``width`` columns (``gw`` holding ``grad_weight_out`` when the kernel
+    adds to it)."""
+    width = _kernel_layout(hidden, weight, grad_hidden_out, grad_weight_out)
+    gh, gw = grad_hidden_out, grad_weight_out
+    if width is not None:
+        hidden, weight = _padded(hidden, width), _padded(weight, width)
+        gh = None if gh is None else torch.empty((hidden.shape[0], width), dtype=hidden.dtype, device=hidden.device)
+        if gw is not None:
+            gw = _padded(gw, width) if accumulate else torch.empty((weight.shape[0], width), dtype=gw.dtype,
+                                                                   device=gw.device)
+    return width, hidden, weight, gh, gw
+
+
+def _copy_back(width, h, grad_hidden_out, grad_weight_out, gh, gw) -> None:
+    """The padded gradient buffers of :func:`_grad_layout` into the caller's (their first ``h`` columns)."""
+    if width is not None:
+        if grad_hidden_out is not None:
+            grad_hidden_out.copy_(gh[:, :h])
+        if grad_weight_out is not None:
+            grad_weight_out.copy_(gw[:, :h])
+
+
 def _linear_bwd(native, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
                 ignore_index, grad_hidden_out, grad_weight_out):
     _check_half(hidden)
     if grad_hidden_out is None and grad_weight_out is None:
         return
-    if grad_entropy is None:
-        entropy = None
-    elif entropy is None:
-        raise ValueError("entropy: required when grad_entropy is given (the forward's entropy output)")
+    entropy = _entropy_arg(entropy, grad_entropy)
     n, h = hidden.shape
     vocab = weight.shape[0]
-    width = _kernel_layout(hidden, weight, grad_hidden_out, grad_weight_out)
-    gh, gw = grad_hidden_out, grad_weight_out
-    if width is not None:
-        hidden, weight = _padded(hidden, width), _padded(weight, width)
-        gh = None if gh is None else torch.empty((n, width), dtype=hidden.dtype, device=hidden.device)
-        gw = None if gw is None else torch.empty((vocab, width), dtype=hidden.dtype, device=hidden.device)
+    width, hidden, weight, gh, gw = _grad_layout(hidden, weight, grad_hidden_out, grad_weight_out)
     g_scratch = torch.empty((n, C.linear_logprob_bwd_chunk_cols(vocab)), dtype=hidden.dtype, device=hidden.device)
     acc = None
     if gh is not None and C.linear_logprob_bwd_num_chunks(vocab) > 1:
@@ -276,11 +301,7 @@ def _linear_bwd(native, hidden, weight, targets, inv_temperature, lse, entropy, 
             array(grad_logprob), array(grad_entropy), int(ignore_index), array(gh), array(gw), g_scratch, acc,
             stream_of(hidden),
         )
-    if width is not None:
-        if grad_hidden_out is not None:
-            grad_hidden_out.copy_(gh[:, :h])
-        if grad_weight_out is not None:
-            grad_weight_out.copy_(gw[:, :h])
+    _copy_back(width, h, grad_hidden_out, grad_weight_out, gh, gw)
 
 
 def stored_problem(device) -> str | None:
@@ -342,23 +363,14 @@ def linear_logprob_stored_bwd(
     if problem is not None:
         raise RuntimeError(f"rlk_cuda {problem}")
     _check_half(hidden)
-    if grad_entropy is None:
-        entropy = None
-    elif entropy is None:
-        raise ValueError("entropy: required when grad_entropy is given (the forward's entropy output)")
+    entropy = _entropy_arg(entropy, grad_entropy)
     if accumulate and (grad_weight_out is None or grad_weight_out.dtype != torch.float32):
         raise ValueError("accumulate: needs an fp32 grad_weight_out")
     if grad_hidden_out is None and grad_weight_out is None:
         return
     n, h = hidden.shape
     vocab = weight.shape[0]
-    width = _kernel_layout(hidden, weight, grad_hidden_out, grad_weight_out)
-    gh, gw = grad_hidden_out, grad_weight_out
-    if width is not None:
-        hidden, weight = _padded(hidden, width), _padded(weight, width)
-        gh = None if gh is None else torch.empty((n, width), dtype=hidden.dtype, device=hidden.device)
-        if gw is not None:
-            gw = _padded(gw, width) if accumulate else torch.empty((vocab, width), dtype=gw.dtype, device=gw.device)
+    width, hidden, weight, gh, gw = _grad_layout(hidden, weight, grad_hidden_out, grad_weight_out, accumulate)
     if not (logits.is_contiguous() and vocab % 4 == 0 and _aligned(logits)):
         padded = torch.empty((n, -(-vocab // 4) * 4), dtype=torch.float32, device=logits.device)
         padded[:, :vocab] = logits
@@ -372,8 +384,4 @@ def linear_logprob_stored_bwd(
             array(grad_logprob), array(grad_entropy), int(ignore_index), array(logits), array(gh), array(gw),
             bool(accumulate), acc, stream_of(hidden),
         )
-    if width is not None:
-        if grad_hidden_out is not None:
-            grad_hidden_out.copy_(gh[:, :h])
-        if grad_weight_out is not None:
-            grad_weight_out.copy_(gw[:, :h])
+    _copy_back(width, h, grad_hidden_out, grad_weight_out, gh, gw)
