@@ -7,8 +7,8 @@ The math is the spec in :mod:`rlk.reference.matmul`::
     grad_b    = a.T @ grad_out        [K, N]
     grad_bias = sum_i grad_out[i, :]  [N]
 
-All three products run through one kernel (or its TMA twin, below), :func:`_matmul_kernel`: ``C = A @ B (+ bias)`` over
-``BLOCK_M x BLOCK_N`` output tiles, the ``K`` loop in ``BLOCK_K`` steps in increasing ``k``,
+All three products run through one kernel, :func:`_matmul_kernel` (one bucket through its TMA twin, below):
+``C = A @ B (+ bias)`` over ``BLOCK_M x BLOCK_N`` output tiles, the ``K`` loop in ``BLOCK_K`` steps in increasing ``k``,
 an fp32 accumulator, the bias added in fp32 to the accumulator, one rounding to C's dtype at
 the store. Operands are read through their strides, so ``A`` and ``B`` may be row-major or
 column-major views: ``linear`` passes ``weight.t()`` and the backward passes ``b.T`` and ``a.T``
