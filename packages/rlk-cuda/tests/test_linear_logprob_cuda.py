@@ -31,6 +31,31 @@ IGNORE = -100
 ENTROPY_MODES = ["off", "fwd_only", "fwd_and_grad"]
 
 
+#: RLK_REQUIRE_WGMMA=1: the Hopper-only test modules fail (instead of collecting nothing) where their kernels
+#: cannot run.
+REQUIRE_WGMMA = os.environ.get("RLK_REQUIRE_WGMMA") == "1"
+
+
+def hopper_problem(check: str) -> str | None:
+    """``rlk_cuda.logprob.<check>`` (``wgmma_problem``, ``stored_problem``) on the current GPU: why the Hopper
+    kernels cannot run, or None (also without a GPU: the ``gpu`` marker deselects everything then)."""
+    if not torch.cuda.is_available():
+        return None
+    from rlk_cuda import logprob as ck
+
+    return getattr(ck, check)(torch.device("cuda", torch.cuda.current_device()))
+
+
+def hopper_module(problem: str | None, what: str):
+    """``rlk_cuda.logprob`` for a test of a Hopper-only module; fails saying why where ``problem`` is not None (the
+    module is collected there only under RLK_REQUIRE_WGMMA=1)."""
+    if problem is not None:
+        pytest.fail(f"RLK_REQUIRE_WGMMA=1 but {what} cannot run here: {problem}", pytrace=False)
+    from rlk_cuda import logprob as ck
+
+    return ck
+
+
 def probe_placements(probe: int, batches=(7, 133, 1024), device: str = "cuda"):
     """``(batch, position, index)`` for each batch size and the first, middle and last position: ``index`` takes
     rows ``0 .. batch - 1`` with the probe row swapped into ``position`` (every batch is larger than ``probe``)."""

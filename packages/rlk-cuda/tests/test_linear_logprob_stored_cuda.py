@@ -11,14 +11,12 @@ fails saying why), like ``test_linear_logprob_wgmma.py``.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 
-from test_linear_logprob_cuda import IGNORE, make_inputs, probe_placements  # noqa: E402  (the sibling test module's helpers)
+from test_linear_logprob_cuda import IGNORE, REQUIRE_WGMMA, hopper_module, hopper_problem, make_inputs, probe_placements  # noqa: E402  (the sibling test module's helpers)
 
 import rlk  # noqa: E402
 from rlk import contract  # noqa: E402
@@ -27,27 +25,12 @@ from rlk.reference import logprob as ref  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float16, torch.bfloat16]
-REQUIRED = os.environ.get("RLK_REQUIRE_WGMMA") == "1"
-
-
-def _problem() -> str | None:
-    if not torch.cuda.is_available():
-        return None
-    from rlk_cuda import logprob as ck
-
-    return ck.stored_problem(torch.device("cuda", torch.cuda.current_device()))
-
-
-PROBLEM = _problem()
-__test__ = PROBLEM is None or REQUIRED
+PROBLEM = hopper_problem("stored_problem")
+__test__ = PROBLEM is None or REQUIRE_WGMMA
 
 
 def _ck():
-    if PROBLEM is not None:
-        pytest.fail(f"RLK_REQUIRE_WGMMA=1 but the stored Hopper pair cannot run here: {PROBLEM}", pytrace=False)
-    from rlk_cuda import logprob as ck
-
-    return ck
+    return hopper_module(PROBLEM, "the stored Hopper pair")
 
 
 def _forward(ck, hidden, weight, targets, inv_t, with_entropy=True, stored=True):

@@ -14,14 +14,12 @@ Each contract check prints ``RATIO <test> <output> <dtype> <worst/allowed>`` (``
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 
-from test_linear_logprob_cuda import IGNORE, make_inputs, probe_placements  # noqa: E402  (the sibling test module's helpers)
+from test_linear_logprob_cuda import IGNORE, REQUIRE_WGMMA, hopper_module, hopper_problem, make_inputs, probe_placements  # noqa: E402  (the sibling test module's helpers)
 
 from rlk import contract  # noqa: E402
 from rlk.reference import logprob as ref  # noqa: E402
@@ -29,30 +27,13 @@ from rlk.reference import logprob as ref  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float16, torch.bfloat16]
-REQUIRED = os.environ.get("RLK_REQUIRE_WGMMA") == "1"
-
-
-def _problem() -> str | None:
-    """Why the wgmma forward cannot run on the current GPU, or None (also None without a GPU: the ``gpu``
-    marker deselects everything then)."""
-    if not torch.cuda.is_available():
-        return None
-    from rlk_cuda import logprob as ck
-
-    return ck.wgmma_problem(torch.device("cuda", torch.cuda.current_device()))
-
-
-PROBLEM = _problem()
+PROBLEM = hopper_problem("wgmma_problem")
 # Collect nothing where the kernel cannot run, unless it is required (pytest honours a module's __test__).
-__test__ = PROBLEM is None or REQUIRED
+__test__ = PROBLEM is None or REQUIRE_WGMMA
 
 
 def _ck():
-    if PROBLEM is not None:
-        pytest.fail(f"RLK_REQUIRE_WGMMA=1 but the wgmma forward cannot run here: {PROBLEM}", pytrace=False)
-    from rlk_cuda import logprob as ck
-
-    return ck
+    return hopper_module(PROBLEM, "the wgmma forward")
 
 
 def forward(fn, hidden, weight, targets, inv_t, with_entropy: bool = True, ignore_index: int = IGNORE):
