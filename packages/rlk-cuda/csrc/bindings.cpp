@@ -349,6 +349,103 @@ void linear_logprob_stored_bwd_wgmma(const Array& hidden, const Array& weight, c
       accumulate, on<float>(grad_hidden_acc, d, "grad_hidden_acc"), d, stream);
 }
 
+// ---- fused_linear_kl ---------------------------------------------------------------------------
+
+struct KlShapes {
+  int64_t n, v, hs, ht;
+  DType dtype;
+  int device;
+};
+
+// The checks shared by the forward and the gradient: the two models' operands, targets, inv_temperature and the
+// logits scratch zq, zp (fp32 [N, linear_logprob_bwd_chunk_cols(V)]).
+KlShapes kl_shapes(const Array& student_hidden, const Array& student_weight, const Array& teacher_hidden,
+                   const Array& teacher_weight, const OptArray& targets, const Array& inv_temperature, const Array& zq,
+                   const Array& zp) {
+  if (student_hidden.ndim() != 2) fail("student_hidden: expected shape [N, Hs], got " + shape_of(student_hidden));
+  if (student_weight.ndim() != 2) fail("student_weight: expected shape [V, Hs], got " + shape_of(student_weight));
+  if (teacher_hidden.ndim() != 2) fail("teacher_hidden: expected shape [N, Ht], got " + shape_of(teacher_hidden));
+  KlShapes s{static_cast<int64_t>(student_hidden.shape(0)), static_cast<int64_t>(student_weight.shape(0)),
+             static_cast<int64_t>(student_hidden.shape(1)), static_cast<int64_t>(teacher_hidden.shape(1)),
+             float_dtype(student_hidden, "student_hidden"), student_hidden.device_id()};
+  expect_dtype(student_weight, s.dtype, "student_weight");
+  expect_shape(student_weight, {s.v, s.hs}, "student_weight");
+  expect_dtype(teacher_hidden, s.dtype, "teacher_hidden");
+  expect_shape(teacher_hidden, {s.n, s.ht}, "teacher_hidden");
+  expect_dtype(teacher_weight, s.dtype, "teacher_weight");
+  expect_shape(teacher_weight, {s.v, s.ht}, "teacher_weight");
+  if (targets) {
+    expect_int64(*targets, "targets");
+    expect_shape(*targets, {s.n}, "targets");
+  }
+  expect_dtype(inv_temperature, DType::kFloat32, "inv_temperature");
+  expect_shape(inv_temperature, {s.n}, "inv_temperature");
+  const int64_t cols = rlk_cuda::linear_logprob_bwd_chunk_cols(s.v);
+  for (auto [a, name] : {std::pair{&zq, "zq"}, {&zp, "zp"}}) {
+    expect_dtype(*a, DType::kFloat32, name);
+    expect_shape(*a, {s.n, cols}, name);
+  }
+  return s;
+}
+
+void fused_linear_kl_fwd_wgmma(const Array& student_hidden, const Array& student_weight, const Array& teacher_hidden,
+                               const Array& teacher_weight, const OptArray& targets, const Array& inv_temperature,
+                               int64_t ignore_index, int divergence, double beta, const Array& loss_out,
+                               const Array& stats_out, const Array& zq, const Array& zp, const Array& state,
+                               std::uintptr_t stream) {
+  const KlShapes s = kl_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, targets,
+                               inv_temperature, zq, zp);
+  expect_dtype(loss_out, DType::kFloat32, "loss_out");
+  expect_shape(loss_out, {s.n}, "loss_out");
+  expect_dtype(stats_out, DType::kFloat32, "stats_out");
+  expect_shape(stats_out, {3, s.n}, "stats_out");
+  expect_dtype(state, DType::kFloat32, "state");
+  expect_shape(state, {5, s.n}, "state");
+  const int d = s.device;
+  rlk_cuda::fused_linear_kl_fwd_wgmma(
+      s.dtype, on(student_hidden, d, "student_hidden"), on(student_weight, d, "student_weight"),
+      on(teacher_hidden, d, "teacher_hidden"), on(teacher_weight, d, "teacher_weight"),
+      on<const int64_t>(targets, d, "targets"), on<const float>(inv_temperature, d, "inv_temperature"), s.n, s.v, s.hs,
+      s.ht, ignore_index, divergence, static_cast<float>(beta), on<float>(loss_out, d, "loss_out"),
+      on<float>(stats_out, d, "stats_out"), on<float>(zq, d, "zq"), on<float>(zp, d, "zp"),
+      static_cast<int64_t>(zq.shape(1)), on<float>(state, d, "state"), d, stream);
+}
+
+void fused_linear_kl_grad_wgmma(const Array& student_hidden, const Array& student_weight,
+                                const Array& teacher_hidden, const Array& teacher_weight, const OptArray& targets,
+                                const Array& inv_temperature, const Array& stats, const Array& coef,
+                                int64_t ignore_index, int divergence, double beta, const OptArray& grad_hidden_out,
+                                const OptArray& grad_weight_out, const Array& zq, const Array& zp,
+                                const OptArray& grad_hidden_acc, std::uintptr_t stream) {
+  const KlShapes s = kl_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, targets,
+                               inv_temperature, zq, zp);
+  expect_dtype(stats, DType::kFloat32, "stats");
+  expect_shape(stats, {3, s.n}, "stats");
+  expect_dtype(coef, DType::kFloat32, "coef");
+  expect_shape(coef, {s.n}, "coef");
+  if (grad_hidden_out) {
+    expect_dtype(*grad_hidden_out, s.dtype, "grad_hidden_out");
+    expect_shape(*grad_hidden_out, {s.n, s.hs}, "grad_hidden_out");
+  }
+  if (grad_weight_out) {
+    expect_dtype(*grad_weight_out, s.dtype, "grad_weight_out");
+    expect_shape(*grad_weight_out, {s.v, s.hs}, "grad_weight_out");
+  }
+  if (grad_hidden_acc) {
+    expect_dtype(*grad_hidden_acc, DType::kFloat32, "grad_hidden_acc");
+    expect_shape(*grad_hidden_acc, {s.n, s.hs}, "grad_hidden_acc");
+  }
+  const int d = s.device;
+  rlk_cuda::fused_linear_kl_grad_wgmma(
+      s.dtype, on(student_hidden, d, "student_hidden"), on(student_weight, d, "student_weight"),
+      on(teacher_hidden, d, "teacher_hidden"), on(teacher_weight, d, "teacher_weight"),
+      on<const int64_t>(targets, d, "targets"), on<const float>(inv_temperature, d, "inv_temperature"),
+      on<const float>(stats, d, "stats"), on<const float>(coef, d, "coef"), s.n, s.v, s.hs, s.ht, ignore_index,
+      divergence, static_cast<float>(beta), on(grad_hidden_out, d, "grad_hidden_out"),
+      on(grad_weight_out, d, "grad_weight_out"), on<float>(zq, d, "zq"), on<float>(zp, d, "zp"),
+      static_cast<int64_t>(zq.shape(1)), on<float>(grad_hidden_acc, d, "grad_hidden_acc"), d, stream);
+}
+
 // ---- rms_norm ----------------------------------------------------------------------------------
 
 void rms_norm_fwd(const Array& x, const Array& weight, const OptArray& residual, double eps, bool gemma,
@@ -480,6 +577,26 @@ NB_MODULE(_C, m) {
   m.def("linear_logprob_num_splits", &rlk_cuda::linear_logprob_num_splits, nb::arg("vocab"));
   m.def("linear_logprob_bwd_chunk_cols", &rlk_cuda::linear_logprob_bwd_chunk_cols, nb::arg("vocab"));
   m.def("linear_logprob_bwd_num_chunks", &rlk_cuda::linear_logprob_bwd_num_chunks, nb::arg("vocab"));
+  m.def("fused_linear_kl_fwd_wgmma", &fused_linear_kl_fwd_wgmma, nb::arg("student_hidden").noconvert(),
+        nb::arg("student_weight").noconvert(), nb::arg("teacher_hidden").noconvert(),
+        nb::arg("teacher_weight").noconvert(), nb::arg("targets").noconvert().none(),
+        nb::arg("inv_temperature").noconvert(), nb::arg("ignore_index"), nb::arg("divergence"), nb::arg("beta"),
+        nb::arg("loss_out").noconvert(), nb::arg("stats_out").noconvert(), nb::arg("zq").noconvert(),
+        nb::arg("zp").noconvert(), nb::arg("state").noconvert(), nb::arg("stream"),
+        "fused_linear_kl forward on Hopper (sm_90a), float16 / bfloat16: per-row loss_out [N] and stats_out [3, N] "
+        "(fp32). divergence: 0 forward_kl, 1 reverse_kl, 2 jsd. Scratch: zq, zp fp32 [N, "
+        "linear_logprob_bwd_chunk_cols(V)], state fp32 [5, N].");
+  m.def("fused_linear_kl_grad_wgmma", &fused_linear_kl_grad_wgmma, nb::arg("student_hidden").noconvert(),
+        nb::arg("student_weight").noconvert(), nb::arg("teacher_hidden").noconvert(),
+        nb::arg("teacher_weight").noconvert(), nb::arg("targets").noconvert().none(),
+        nb::arg("inv_temperature").noconvert(), nb::arg("stats").noconvert(), nb::arg("coef").noconvert(),
+        nb::arg("ignore_index"), nb::arg("divergence"), nb::arg("beta"),
+        nb::arg("grad_hidden_out").noconvert().none(), nb::arg("grad_weight_out").noconvert().none(),
+        nb::arg("zq").noconvert(), nb::arg("zp").noconvert(), nb::arg("grad_hidden_acc").noconvert().none(),
+        nb::arg("stream"),
+        "fused_linear_kl gradients of sum_i coef_i loss_i on Hopper from the forward's stats: grad_hidden_out "
+        "[N, Hs] and grad_weight_out [V, Hs] in the inputs' dtype (each optional). Scratch: zq, zp as the forward's; "
+        "grad_hidden_acc fp32 [N, Hs] when grad_hidden_out is given and linear_logprob_bwd_num_chunks(V) > 1.");
   m.def("rms_norm_fwd", &rms_norm_fwd, nb::arg("x").noconvert(), nb::arg("weight").noconvert(),
         nb::arg("residual").noconvert().none(), nb::arg("eps"), nb::arg("gemma"), nb::arg("out").noconvert(),
         nb::arg("residual_out").noconvert().none(), nb::arg("rstd_out").noconvert(), nb::arg("stream"),

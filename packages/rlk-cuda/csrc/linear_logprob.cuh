@@ -372,6 +372,17 @@ __device__ __forceinline__ void store_tile(const mma::Acc& acc, int64_t row0, in
   }
 }
 
+// GEMMs 2 and 3 of one vocab chunk of the Hopper backward (linear_logprob_wgmma.cu, sm_90a only), from the
+// chunk's G (g: [n_rows, k_cols] at row stride g_stride, k_cols = cols rounded up to 8, zeros past cols; 16-byte
+// aligned; w_chunk: the chunk's `cols` weight rows): grad_hidden_out (+)= G_c @ W_c under grad_hidden_mode(chunk,
+// n_chunks) with the fp32 [n_rows, hidden_size] accumulator grad_hidden_acc, and grad_weight_chunk = G_c.T @ hidden,
+// [cols, hidden_size] of the 16-bit dtype, or fp32 with grad_weight_fp32 (written, or added to with accumulate).
+// Either output may be null. Shared with distill.cu.
+void wgmma_chunk_grad_gemms(DType dtype, const void* hidden, const void* w_chunk, const void* g, int64_t g_stride,
+                            int64_t n_rows, int64_t cols, int64_t hidden_size, int64_t chunk, int64_t n_chunks,
+                            void* grad_hidden_out, float* grad_hidden_acc, void* grad_weight_chunk,
+                            bool grad_weight_fp32, bool accumulate, cudaStream_t s);
+
 // Host side (linear_logprob.cu), shared by the mma.sync and the wgmma backward: the argument checks (false:
 // nothing to compute) and the grad_hidden mode of chunk `chunk` of `n_chunks`.
 bool check_linear_bwd_args(const char* what, const void* hidden, const void* weight, int64_t n_rows, int64_t vocab,

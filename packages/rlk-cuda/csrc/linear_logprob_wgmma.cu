@@ -51,6 +51,7 @@
 
 #include "launch.cuh"
 #include "wgmma.cuh"
+#include "tma_map.cuh"
 #include "wgmma_gemm.cuh"
 
 #include "linear_logprob.cuh"
@@ -380,57 +381,6 @@ __global__ void __launch_bounds__(kStoredGradThreads)
 
 namespace {
 
-// cuTensorMapEncodeTiled (driver API, CUDA >= 12.0), fetched at run time through the runtime's entry
-// point query: the module links only the static cudart, never libcuda (the driver's libcuda.so.1 is
-// loaded by cudart itself).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                                             &status);
-#else
-    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &status);
-#endif
-    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || p == nullptr) {
-      cudaGetLastError();
-      throw std::runtime_error(std::string("rlk_cuda: cuTensorMapEncodeTiled not available from the driver (") +
-                               cudaGetErrorName(err) + ")");
-    }
-    return reinterpret_cast<EncodeTiledFn>(p);
-  }();
-  return fn;
-}
-
-// A 2-D tensor map over a row-major [rows, cols] 16-bit matrix (cols contiguous, `row_stride` >= cols
-// elements between rows), box [box_rows, 64 columns], 128-byte swizzle, out-of-bounds elements (columns
-// >= cols, rows >= rows) read as zero.
-// cuTensorMapEncodeTiled's requirements (CUDA driver API reference): global address 16-byte aligned, the
-// row stride a multiple of 16 bytes (row_stride % 8 == 0), every box dimension <= 256, the inner box extent
-// in bytes (64 x 2 = 128) a multiple of 16 and, with SWIZZLE_128B, <= 128.
-CUtensorMap make_map(CUtensorMapDataType dtype, const void* ptr, int64_t rows, int64_t cols, int64_t row_stride,
-                     uint32_t box_rows) {
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * 2};  // bytes between rows (dimension 1)
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(wgfwd::kBK), box_rows};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult res =
-      encode_tiled()(&map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, element_strides,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) {
-    throw std::runtime_error("rlk_cuda: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(res) + ") for a [" +
-                             std::to_string(rows) + ", " + std::to_string(cols) + "] tensor");
-  }
-  return map;
-}
-
 bool sm90a_compiled() {
   for (const std::string& arch : compiled_architectures()) {
     if (arch.rfind("90a", 0) == 0) return true;
@@ -534,6 +484,15 @@ void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weigh
 
 namespace {
 
+template <typename K, typename E>
+void launch_gemm(K kernel, const CUtensorMap& a, const CUtensorMap& b, int m_tiles, int n_tiles, int k_steps,
+                 int a_extent, int b_extent, const E& epilogue, const char* name, cudaStream_t s) {
+  allow_smem(wggemm::kSmemBytes, kernel, name);
+  kernel<<<grid_of(int64_t{m_tiles} * n_tiles, name), wggemm::kThreads, wggemm::kSmemBytes, s>>>(
+      a, b, m_tiles, n_tiles, k_steps, a_extent, b_extent, epilogue);
+  check_launch(name);
+}
+
 // The chunk GEMMs of the Hopper backward. stored == false: per chunk GEMM 1 writes G_c into g [N, g_stride] (the
 // chunk scratch); stored == true: g [N, g_stride] already holds G of the whole vocabulary (chunk c at column
 // v_start). grad_weight_out: T (stored per chunk) or fp32 (grad_weight_fp32: stored, or added with accumulate).
@@ -545,27 +504,15 @@ void bwd_wgmma_chunks(const char* what, DType dtype, const void* hidden, const v
                       cudaStream_t s) {
   const int64_t n_chunks = linear_logprob_bwd_num_chunks(vocab);
   const int m_row_tiles = static_cast<int>(ceil_div(n_rows, int64_t{wggemm::kBM}));
-  const int h_tiles = static_cast<int>(ceil_div(hidden_size, int64_t{wggemm::kBN}));
   const int h_steps = static_cast<int>(ceil_div(hidden_size, int64_t{wggemm::kBK}));
-  const int n_steps = static_cast<int>(ceil_div(n_rows, int64_t{wggemm::kBK}));
 
   dispatch_half(dtype, what, [&](auto tag) {
     using T = decltype(tag);
-    const CUtensorMapDataType tdt =
-        std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    const CUtensorMapDataType tdt = tma_dtype<T>();
     const T* h = static_cast<const T*>(hidden);
     const T* w = static_cast<const T*>(weight);
-    // hidden as GEMM 1's K-major A and as GEMM 3's N-major B: the same for every chunk.
     const CUtensorMap hidden_k = make_map(tdt, h, n_rows, hidden_size, hidden_size, wggemm::kBM);
-    const CUtensorMap hidden_mn = make_map(tdt, h, n_rows, hidden_size, hidden_size, wggemm::kMnBox);
-
-    auto launch = [&](auto kernel, const CUtensorMap& a, const CUtensorMap& b, int m_tiles, int n_tiles, int k_steps,
-                      int a_extent, int b_extent, const auto& epilogue, const char* name) {
-      allow_smem(wggemm::kSmemBytes, kernel, name);
-      kernel<<<grid_of(int64_t{m_tiles} * n_tiles, what), wggemm::kThreads, wggemm::kSmemBytes, s>>>(
-          a, b, m_tiles, n_tiles, k_steps, a_extent, b_extent, epilogue);
-      check_launch(name);
-    };
+    const int64_t elem = grad_weight_fp32 ? 4 : 2;
 
     for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
       const int64_t v_start = chunk * kVocabChunk;
@@ -582,40 +529,21 @@ void bwd_wgmma_chunks(const char* what, DType dtype, const void* hidden, const v
           const wgbwd::GradLogitsEpilogue<T, true> epi{targets, inv_temperature, lse, entropy, grad_logprob,
                                                        grad_entropy, n_rows, ignore_index, v_start, cols, k_cols, g,
                                                        g_stride};
-          launch(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles, h_steps,
-                 0, 0, epi, "linear_logprob grad_logits (wgmma)");
+          launch_gemm(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles,
+                      h_steps, 0, 0, epi, "linear_logprob grad_logits (wgmma)", s);
         } else {
           const wgbwd::GradLogitsEpilogue<T, false> epi{targets, inv_temperature, lse, nullptr, grad_logprob, nullptr,
                                                         n_rows, ignore_index, v_start, cols, k_cols, g, g_stride};
-          launch(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles, h_steps,
-                 0, 0, epi, "linear_logprob grad_logits (wgmma)");
+          launch_gemm(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles,
+                      h_steps, 0, 0, epi, "linear_logprob grad_logits (wgmma)", s);
         }
       }
-      // 2. grad_hidden (+)= G_c @ W_c
-      if (grad_hidden_out != nullptr) {
-        const CUtensorMap g_k = make_map(tdt, g, n_rows, k_cols, g_stride, wggemm::kBM);
-        const CUtensorMap w_mn = make_map(tdt, w_chunk, cols, hidden_size, hidden_size, wggemm::kMnBox);
-        const wgbwd::ChunkStoreEpilogue<T> epi{grad_hidden_mode(chunk, n_chunks), grad_hidden_acc,
-                                               static_cast<T*>(grad_hidden_out), n_rows, hidden_size};
-        launch(wggemm::gemm_kernel<T, false, true, decltype(epi)>, g_k, w_mn, m_row_tiles, h_tiles,
-               static_cast<int>(ceil_div(k_cols, int64_t{wggemm::kBK})), 0, static_cast<int>(hidden_size), epi,
-               "linear_logprob grad_hidden (wgmma)");
-      }
-      // 3. grad_weight[chunk] (+)= G_c.T @ hidden
-      if (grad_weight_out != nullptr) {
-        const CUtensorMap g_mn = make_map(tdt, g, n_rows, k_cols, g_stride, wggemm::kMnBox);
-        // fp32: written (kWrite) or added to (kAdd) as an fp32 "accumulator"; else rounded to T (kStore)
-        const int64_t at = v_start * hidden_size;
-        const wgbwd::ChunkStoreEpilogue<T> epi =
-            grad_weight_fp32
-                ? wgbwd::ChunkStoreEpilogue<T>{accumulate ? AccumulateMode::kAdd : AccumulateMode::kWrite,
-                                               static_cast<float*>(grad_weight_out) + at, nullptr, cols, hidden_size}
-                : wgbwd::ChunkStoreEpilogue<T>{AccumulateMode::kStore, nullptr, static_cast<T*>(grad_weight_out) + at,
-                                               cols, hidden_size};
-        launch(wggemm::gemm_kernel<T, true, true, decltype(epi)>, g_mn, hidden_mn,
-               static_cast<int>(ceil_div(cols, int64_t{wggemm::kBM})), h_tiles, n_steps, static_cast<int>(k_cols),
-               static_cast<int>(hidden_size), epi, "linear_logprob grad_weight (wgmma)");
-      }
+      // 2. and 3.
+      void* gw = grad_weight_out == nullptr
+                     ? nullptr
+                     : static_cast<void*>(static_cast<char*>(grad_weight_out) + v_start * hidden_size * elem);
+      wgmma_chunk_grad_gemms(dtype, hidden, w_chunk, g, g_stride, n_rows, cols, hidden_size, chunk, n_chunks,
+                             grad_hidden_out, grad_hidden_acc, gw, grad_weight_fp32, accumulate, s);
     }
   });
 }
@@ -629,6 +557,46 @@ void require_wgmma_bwd(const char* what, int64_t n_rows, int64_t vocab, int64_t 
 }
 
 }  // namespace
+
+void wgmma_chunk_grad_gemms(DType dtype, const void* hidden, const void* w_chunk, const void* g, int64_t g_stride,
+                            int64_t n_rows, int64_t cols, int64_t hidden_size, int64_t chunk, int64_t n_chunks,
+                            void* grad_hidden_out, float* grad_hidden_acc, void* grad_weight_chunk,
+                            bool grad_weight_fp32, bool accumulate, cudaStream_t s) {
+  const int64_t k_cols = ceil_div(cols, int64_t{8}) * 8;
+  const int m_row_tiles = static_cast<int>(ceil_div(n_rows, int64_t{wggemm::kBM}));
+  const int h_tiles = static_cast<int>(ceil_div(hidden_size, int64_t{wggemm::kBN}));
+  const int n_steps = static_cast<int>(ceil_div(n_rows, int64_t{wggemm::kBK}));
+  dispatch_half(dtype, "wgmma_chunk_grad_gemms", [&](auto tag) {
+    using T = decltype(tag);
+    const CUtensorMapDataType tdt = tma_dtype<T>();
+    const T* gc = static_cast<const T*>(g);
+    // 2. grad_hidden (+)= G_c @ W_c
+    if (grad_hidden_out != nullptr) {
+      const CUtensorMap g_k = make_map(tdt, gc, n_rows, k_cols, g_stride, wggemm::kBM);
+      const CUtensorMap w_mn = make_map(tdt, w_chunk, cols, hidden_size, hidden_size, wggemm::kMnBox);
+      const wgbwd::ChunkStoreEpilogue<T> epi{grad_hidden_mode(chunk, n_chunks), grad_hidden_acc,
+                                             static_cast<T*>(grad_hidden_out), n_rows, hidden_size};
+      launch_gemm(wggemm::gemm_kernel<T, false, true, decltype(epi)>, g_k, w_mn, m_row_tiles, h_tiles,
+                  static_cast<int>(ceil_div(k_cols, int64_t{wggemm::kBK})), 0, static_cast<int>(hidden_size), epi,
+                  "linear_logprob grad_hidden (wgmma)", s);
+    }
+    // 3. grad_weight[chunk] (+)= G_c.T @ hidden
+    if (grad_weight_chunk != nullptr) {
+      const CUtensorMap g_mn = make_map(tdt, gc, n_rows, k_cols, g_stride, wggemm::kMnBox);
+      const CUtensorMap hidden_mn = make_map(tdt, hidden, n_rows, hidden_size, hidden_size, wggemm::kMnBox);
+      // fp32: written (kWrite) or added to (kAdd) as an fp32 "accumulator"; else rounded to T (kStore)
+      const wgbwd::ChunkStoreEpilogue<T> epi =
+          grad_weight_fp32
+              ? wgbwd::ChunkStoreEpilogue<T>{accumulate ? AccumulateMode::kAdd : AccumulateMode::kWrite,
+                                             static_cast<float*>(grad_weight_chunk), nullptr, cols, hidden_size}
+              : wgbwd::ChunkStoreEpilogue<T>{AccumulateMode::kStore, nullptr, static_cast<T*>(grad_weight_chunk),
+                                             cols, hidden_size};
+      launch_gemm(wggemm::gemm_kernel<T, true, true, decltype(epi)>, g_mn, hidden_mn,
+                  static_cast<int>(ceil_div(cols, int64_t{wggemm::kBM})), h_tiles, n_steps, static_cast<int>(k_cols),
+                  static_cast<int>(hidden_size), epi, "linear_logprob grad_weight (wgmma)", s);
+    }
+  });
+}
 
 void linear_logprob_bwd_wgmma(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
                               const float* inv_temperature, const float* lse, const float* entropy,

@@ -6,7 +6,7 @@
 // * writes caller-allocated outputs only (destination passing) and allocates nothing;
 // * throws std::invalid_argument for bad sizes and std::runtime_error when a launch fails.
 // Pointers marked "nullable" may be null (an absent optional tensor). Math, shapes and dtypes:
-// the ABI text in rlk/abi.py and the specs in rlk/reference/{logprob,norm}.py.
+// the ABI text in rlk/abi.py and the specs in rlk/reference/{logprob,norm,distill}.py.
 #pragma once
 
 #include <cstdint>
@@ -96,6 +96,34 @@ void linear_logprob_bwd_wgmma(DType dtype, const void* hidden, const void* weigh
                               std::uintptr_t stream);
 // "" if the wgmma kernels can run on `device` (sm_90a compiled in and a compute capability 9.0 GPU), else why not.
 std::string linear_logprob_wgmma_problem(int device);
+
+// ---- fused_linear_kl (csrc/distill.cu; Hopper kernels only) ----------------------------------------
+
+// Student hidden [n_rows, student_size] and head [vocab, student_size], teacher hidden [n_rows, teacher_size] and
+// head [vocab, teacher_size], all of dtype (float16 / bfloat16), 16-byte aligned, sizes multiples of 8; targets
+// [n_rows] int64 (nullable: every row counts), inv_temperature [n_rows] fp32; divergence 0 forward_kl, 1
+// reverse_kl, 2 jsd (0 < beta < 1). Outputs: loss_out [n_rows] fp32 (0 on ignored rows), stats_out [3, n_rows] fp32
+// (lse of the student, lse of the teacher, the gradient's row constant). Scratch: zq, zp [n_rows, z_stride] fp32
+// with z_stride = linear_logprob_bwd_chunk_cols(vocab), state [5, n_rows] fp32. Throws std::runtime_error when
+// linear_logprob_wgmma_problem(device) is not empty.
+void fused_linear_kl_fwd_wgmma(DType dtype, const void* student_hidden, const void* student_weight,
+                               const void* teacher_hidden, const void* teacher_weight, const int64_t* targets,
+                               const float* inv_temperature, int64_t n_rows, int64_t vocab, int64_t student_size,
+                               int64_t teacher_size, int64_t ignore_index, int divergence, float beta,
+                               float* loss_out, float* stats_out, float* zq, float* zp, int64_t z_stride,
+                               float* state, int device, std::uintptr_t stream);
+
+// The gradients of sum_i coef_i loss_i (coef [n_rows] fp32) from the forward's stats: grad_hidden_out [n_rows,
+// student_size] and grad_weight_out [vocab, student_size] of dtype (each nullable, 16-byte aligned). Same inputs
+// and logits scratch as the forward (zq also holds each chunk's G); grad_hidden_acc fp32 [n_rows, student_size],
+// required with grad_hidden_out when linear_logprob_bwd_num_chunks(vocab) > 1.
+void fused_linear_kl_grad_wgmma(DType dtype, const void* student_hidden, const void* student_weight,
+                                const void* teacher_hidden, const void* teacher_weight, const int64_t* targets,
+                                const float* inv_temperature, const float* stats, const float* coef, int64_t n_rows,
+                                int64_t vocab, int64_t student_size, int64_t teacher_size, int64_t ignore_index,
+                                int divergence, float beta, void* grad_hidden_out, void* grad_weight_out, float* zq,
+                                float* zp, int64_t z_stride, float* grad_hidden_acc, int device,
+                                std::uintptr_t stream);
 
 // ---- rms_norm ----------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import torch
 import rlk
 from rlk import abi, dispatch
 from rlk.info import info
+from rlk.reference import distill as ref_distill
 from rlk.reference import logprob as ref_logprob
 from rlk.reference import norm as ref_norm
 
@@ -23,7 +24,8 @@ rlk_cuda = pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (ba
 _native = importlib.import_module("rlk_cuda._native")
 
 IMPLEMENTED = ("selected_logprob_fwd", "selected_logprob_bwd", "linear_logprob_fwd", "linear_logprob_bwd",
-               "linear_logprob_stored_fwd", "linear_logprob_stored_bwd", "rms_norm_fwd", "rms_norm_bwd")
+               "linear_logprob_stored_fwd", "linear_logprob_stored_bwd", "rms_norm_fwd", "rms_norm_bwd",
+               "fused_linear_kl_fwd", "fused_linear_kl_bwd")
 
 
 def test_entry_point_is_registered():
@@ -46,7 +48,8 @@ def test_primitive_table_follows_the_abi():
     assert backend.name == "cuda" and backend.batch_invariant and backend.abi_version == abi.ABI_VERSION
     assert sorted(backend.primitives) == sorted(IMPLEMENTED)
     for name, fn in backend.primitives.items():
-        spec = getattr(ref_logprob if name.startswith(("selected", "linear")) else ref_norm, name)
+        family = ref_logprob if name.startswith(("selected", "linear")) else ref_norm
+        spec = getattr(ref_distill if name.startswith("fused_linear_kl") else family, name)
         assert list(inspect.signature(fn).parameters) == list(inspect.signature(spec).parameters), name
 
 
@@ -80,6 +83,8 @@ def test_native_layer_rejects_cpu_tensors():
 def test_supports_declines_other_dtypes_and_devices():
     assert "float64" in rlk_cuda._supports("rms_norm_fwd", torch.device("cuda", 0), torch.float64)
     assert "cpu" in rlk_cuda._supports("rms_norm_fwd", torch.device("cpu"), torch.float32)
+    assert "float32 not implemented" in rlk_cuda._supports("fused_linear_kl_fwd", torch.device("cuda", 0),
+                                                           torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -113,3 +118,10 @@ def test_available_on_gpu():
     for dtype in (torch.float16, torch.bfloat16):
         assert dispatch.decide("linear_logprob", torch.device("cuda", 0), dtype).backend == "cuda"
     assert dispatch.decide("linear_logprob", torch.device("cuda", 0), torch.float32).backend != "cuda"
+    # fused_linear_kl: the Hopper kernels only (16-bit); elsewhere it falls through with the reason
+    from rlk_cuda import distill
+
+    for dtype in (torch.float16, torch.bfloat16):
+        decision = dispatch.decide("fused_linear_kl", torch.device("cuda", 0), dtype)
+        assert (decision.backend == "cuda") == (distill.problem(torch.device("cuda", 0)) is None), decision
+    assert dispatch.decide("fused_linear_kl", torch.device("cuda", 0), torch.float32).backend != "cuda"

@@ -11,6 +11,7 @@ Each contract check prints ``RATIO <test> <output> <dtype> <worst/allowed>`` (``
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -36,24 +37,22 @@ ENTROPY_MODES = ["off", "fwd_only", "fwd_and_grad"]
 REQUIRE_WGMMA = os.environ.get("RLK_REQUIRE_WGMMA") == "1"
 
 
-def hopper_problem(check: str) -> str | None:
-    """``rlk_cuda.logprob.<check>`` (``wgmma_problem``, ``stored_problem``) on the current GPU: why the Hopper
-    kernels cannot run, or None (also without a GPU: the ``gpu`` marker deselects everything then)."""
+def hopper_problem(check: str, module: str = "logprob") -> str | None:
+    """``rlk_cuda.<module>.<check>`` (``logprob.wgmma_problem``, ``logprob.stored_problem``, ``distill.problem``) on
+    the current GPU: why the Hopper kernels cannot run, or None (also without a GPU: the ``gpu`` marker deselects
+    everything then)."""
     if not torch.cuda.is_available():
         return None
-    from rlk_cuda import logprob as ck
-
+    ck = importlib.import_module(f"rlk_cuda.{module}")
     return getattr(ck, check)(torch.device("cuda", torch.cuda.current_device()))
 
 
-def hopper_module(problem: str | None, what: str):
-    """``rlk_cuda.logprob`` for a test of a Hopper-only module; fails saying why where ``problem`` is not None (the
+def hopper_module(problem: str | None, what: str, module: str = "logprob"):
+    """``rlk_cuda.<module>`` for a test of a Hopper-only module; fails saying why where ``problem`` is not None (the
     module is collected there only under RLK_REQUIRE_WGMMA=1)."""
     if problem is not None:
         pytest.fail(f"RLK_REQUIRE_WGMMA=1 but {what} cannot run here: {problem}", pytrace=False)
-    from rlk_cuda import logprob as ck
-
-    return ck
+    return importlib.import_module(f"rlk_cuda.{module}")
 
 
 def probe_placements(probe: int, batches=(7, 133, 1024), device: str = "cuda"):

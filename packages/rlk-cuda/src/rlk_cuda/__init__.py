@@ -10,7 +10,8 @@ construction (fixed block sizes, a fixed element-to-thread map, fixed-order redu
 Implemented primitives: ``selected_logprob_fwd/bwd``, ``linear_logprob_fwd/bwd`` and ``linear_logprob_stored_fwd/bwd``
 (``logprob.py``; ``linear_logprob`` for float16 / bfloat16 only: ``supports`` declines float32, which falls through
 to triton; the stored pair, ``fused_linear_policy_loss``'s one-pass mode, on the Hopper kernels only),
-``rms_norm_fwd/bwd`` (``norm.py``). Every other op falls through to the next backend of the chain
+``rms_norm_fwd/bwd`` (``norm.py``), ``fused_linear_kl_fwd/bwd`` (``distill.py``; float16 / bfloat16 on the Hopper
+kernels only). Every other op falls through to the next backend of the chain
 (triton, reference).
 
 Importing this package is cheap and never fails for a missing GPU or driver: the probe says why the
@@ -30,7 +31,7 @@ ABI_VERSION = 3
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
 #: Primitives with a tensor-core path only (mma.sync on 16-bit inputs): float32 falls through.
-_HALF_ONLY = ("linear_logprob_",)
+_HALF_ONLY = ("linear_logprob_", "fused_linear_kl_")
 
 
 def _cuda_version(version: int) -> str:
@@ -131,6 +132,10 @@ def _supports(primitive: str, device, dtype) -> str | None:
         from rlk_cuda import logprob
 
         problem = logprob.stored_problem(device)
+    if problem is None and primitive.startswith("fused_linear_kl_"):
+        from rlk_cuda import distill
+
+        problem = distill.problem(device)
     return problem
 
 
@@ -145,13 +150,13 @@ def backend():
         return Backend(name="cuda", version=__version__, abi_version=ABI_VERSION, primitives={},
                        probe=lambda: mismatch, device_types=lambda: ())
 
-    from rlk_cuda import logprob, norm
+    from rlk_cuda import distill, logprob, norm
 
     return Backend(
         name="cuda",
         version=__version__,
         abi_version=ABI_VERSION,
-        primitives=collect_primitives(logprob, norm),
+        primitives=collect_primitives(logprob, norm, distill),
         probe=_probe,
         device_types=_device_types,
         supports=_supports,
