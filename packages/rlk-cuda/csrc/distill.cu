@@ -345,6 +345,22 @@ void scaled_logits(const Head<T>& m, int64_t v_start, int64_t cols, int64_t n_ro
   check_launch("fused_linear_kl logits (wgmma)");
 }
 
+// Both models' scaled logits of vocab chunk `chunk` into zq, zp; returns the chunk's column count.
+template <typename T>
+int64_t chunk_logits(const Head<T>& student, const Head<T>& teacher, int64_t chunk, int64_t vocab, int64_t n_rows,
+                     const float* inv_temperature, float* zq, float* zp, int64_t z_stride, cudaStream_t s) {
+  const int64_t v_start = chunk * kVocabChunk;
+  const int64_t cols = vocab - v_start < kVocabChunk ? vocab - v_start : kVocabChunk;
+  scaled_logits(student, v_start, cols, n_rows, inv_temperature, zq, z_stride, s);
+  scaled_logits(teacher, v_start, cols, n_rows, inv_temperature, zp, z_stride, s);
+  return cols;
+}
+
+// (log beta, log(1 - beta)), the JSD mixture's weights in log space; zeros for the KLs.
+inline float2 log_betas(int divergence, float beta) {
+  return divergence == kJsd ? make_float2(logf(beta), log1pf(-beta)) : make_float2(0.0f, 0.0f);
+}
+
 // Calls f(std::integral_constant<int, divergence>{}).
 template <typename F>
 void dispatch_divergence(int divergence, F&& f) {
@@ -401,23 +417,18 @@ void fused_linear_kl_fwd_wgmma(DType dtype, const void* student_hidden, const vo
   const int64_t n_chunks = linear_logprob_bwd_num_chunks(vocab);
   const unsigned rows = static_cast<unsigned>(n_rows);
   const unsigned finish_blocks = grid_of(ceil_div(n_rows, int64_t{kFinishThreads}), what);
-  const float log_beta = divergence == kJsd ? logf(beta) : 0.0f;
-  const float log_1m_beta = divergence == kJsd ? log1pf(-beta) : 0.0f;
+  const float2 lb = log_betas(divergence, beta);
   dispatch_half(dtype, what, [&](auto tag) {
     using T = decltype(tag);
     const Head<T> student = head<T>(student_hidden, student_weight, n_rows, student_size);
     const Head<T> teacher = head<T>(teacher_hidden, teacher_weight, n_rows, teacher_size);
-    auto chunk_logits = [&](int64_t chunk) {
-      const int64_t v_start = chunk * kVocabChunk;
-      const int64_t cols = vocab - v_start < kVocabChunk ? vocab - v_start : kVocabChunk;
-      scaled_logits(student, v_start, cols, n_rows, inv_temperature, zq, z_stride, s);
-      scaled_logits(teacher, v_start, cols, n_rows, inv_temperature, zp, z_stride, s);
-      return cols;
+    auto logits = [&](int64_t chunk) {
+      return chunk_logits(student, teacher, chunk, vocab, n_rows, inv_temperature, zq, zp, z_stride, s);
     };
     dispatch_divergence(divergence, [&](auto div) {
       constexpr int kDiv = decltype(div)::value;
       for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
-        const int64_t cols = chunk_logits(chunk);
+        const int64_t cols = logits(chunk);
         fold_kernel<kDiv><<<rows, kRowThreads, 0, s>>>(zq, zp, z_stride, cols, chunk == 0, state, n_rows);
         check_launch("fused_linear_kl fold_kernel");
       }
@@ -426,8 +437,8 @@ void fused_linear_kl_fwd_wgmma(DType dtype, const void* student_hidden, const vo
       check_launch("fused_linear_kl finish_kernel");
       if constexpr (kDiv == kJsd) {
         for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
-          const int64_t cols = chunk_logits(chunk);
-          jsd_kernel<<<rows, kRowThreads, 0, s>>>(zq, zp, z_stride, cols, stats_out, log_beta, log_1m_beta,
+          const int64_t cols = logits(chunk);
+          jsd_kernel<<<rows, kRowThreads, 0, s>>>(zq, zp, z_stride, cols, stats_out, lb.x, lb.y,
                                                   chunk == 0, state, n_rows);
           check_launch("fused_linear_kl jsd_kernel");
         }
@@ -461,8 +472,7 @@ void fused_linear_kl_grad_wgmma(DType dtype, const void* student_hidden, const v
   if (grad_hidden_out == nullptr && grad_weight_out == nullptr) return;
   const cudaStream_t s = as_stream(stream);
   const unsigned rows = static_cast<unsigned>(n_rows);
-  const float log_beta = divergence == kJsd ? logf(beta) : 0.0f;
-  const float log_1m_beta = divergence == kJsd ? log1pf(-beta) : 0.0f;
+  const float2 lb = log_betas(divergence, beta);
   dispatch_half(dtype, what, [&](auto tag) {
     using T = decltype(tag);
     const Head<T> student = head<T>(student_hidden, student_weight, n_rows, student_size);
@@ -471,13 +481,11 @@ void fused_linear_kl_grad_wgmma(DType dtype, const void* student_hidden, const v
       constexpr int kDiv = decltype(div)::value;
       for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
         const int64_t v_start = chunk * kVocabChunk;
-        const int64_t cols = vocab - v_start < kVocabChunk ? vocab - v_start : kVocabChunk;
+        const int64_t cols = chunk_logits(student, teacher, chunk, vocab, n_rows, inv_temperature, zq, zp, z_stride, s);
         const int64_t k_cols = ceil_div(cols, int64_t{8}) * 8;
-        scaled_logits(student, v_start, cols, n_rows, inv_temperature, zq, z_stride, s);
-        scaled_logits(teacher, v_start, cols, n_rows, inv_temperature, zp, z_stride, s);
         grad_kernel<T, kDiv><<<rows, kRowThreads, 0, s>>>(zq, zp, z_stride, cols, k_cols, targets, ignore_index,
-                                                          inv_temperature, stats, coef, log_beta, log_1m_beta,
-                                                          1.0f - beta, n_rows);
+                                                          inv_temperature, stats, coef, lb.x, lb.y, 1.0f - beta,
+                                                          n_rows);
         check_launch("fused_linear_kl grad_kernel");
         const int64_t elem = 2;  // grad_weight_out in the inputs' 16-bit dtype
         void* gw = grad_weight_out == nullptr

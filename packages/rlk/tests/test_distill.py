@@ -13,7 +13,7 @@ from compile_check import assert_compiled_matches_eager
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rlk
-from rlk import contract
+from rlk import abi, contract, dispatch
 from rlk.reference import distill as reference_distill
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -479,10 +479,18 @@ def test_torch_compile_fullgraph_matches_eager(reduction):
     assert_compiled_matches_eager(loss_fn, (sh, sw), backend="aot_eager")
 
 
+def _gpu_backends() -> list[str]:
+    """The GPU backends that serve this op on the current GPU (cuda: rlk-cuda's Hopper kernels; triton)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    op = abi.OPS["fused_linear_kl"]
+    return [name for name in ("cuda", "triton") if dispatch.why_not(name, op, device, torch.bfloat16) is None]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("divergence", DIVERGENCES)
 def test_gpu_backend_under_compile_and_opcheck(divergence):
-    """On a GPU (rlk picks Triton: there is no CUDA kernel of this op) under opcheck and inductor fullgraph."""
+    """On a GPU, each GPU backend that serves the op (rlk-cuda on Hopper, Triton) under opcheck and inductor
+    fullgraph; rlk picks the first of them."""
     g = torch.Generator().manual_seed(7)
     sh = torch.randn(3, 11, 64, generator=g).to("cuda", torch.bfloat16)
     sw = (torch.randn(1000, 64, generator=g) / 8).to("cuda", torch.bfloat16)
@@ -490,13 +498,16 @@ def test_gpu_backend_under_compile_and_opcheck(divergence):
     tw = (torch.randn(1000, 96, generator=g) / 8).to("cuda", torch.bfloat16)
     targets = torch.randint(0, 1000, (3, 11), generator=g).cuda()
     targets[0, :4] = IGNORE
-    assert rlk.explain("fused_linear_kl", sh).backend == "triton"
+    backends = _gpu_backends()
+    assert "triton" in backends and rlk.explain("fused_linear_kl", sh).backend == backends[0]
     inv_t = torch.full((33,), 1 / 0.7, device="cuda")
-    torch.library.opcheck(torch.ops.rlk.fused_linear_kl_fwd.default,
-                          (sh.reshape(33, 64).requires_grad_(), sw.requires_grad_(), th.reshape(33, 96), tw,
-                           targets.reshape(-1), inv_t, IGNORE, divergence, 0.5, "mean", True, True, False))
+    for backend in backends:
+        with dispatch.use_backend(backend):
+            torch.library.opcheck(torch.ops.rlk.fused_linear_kl_fwd.default,
+                                  (sh.reshape(33, 64).requires_grad_(), sw.requires_grad_(), th.reshape(33, 96), tw,
+                                   targets.reshape(-1), inv_t, IGNORE, divergence, 0.5, "mean", True, True, False))
 
-    def loss_fn(h, w):
-        return rlk.fused_linear_kl(h, w, th, tw, targets, divergence=divergence, temperature=0.7)
+            def loss_fn(h, w):
+                return rlk.fused_linear_kl(h, w, th, tw, targets, divergence=divergence, temperature=0.7)
 
-    assert_compiled_matches_eager(loss_fn, (sh, sw))
+            assert_compiled_matches_eager(loss_fn, (sh, sw))
