@@ -53,6 +53,52 @@ def test_info_selfcheck(monkeypatch, capsys):
     assert "reference  FAILED (1)" in out and "tiles differ" in out
 
 
+def test_version():
+    result = subprocess.run([sys.executable, "-m", "rlk", "--version"], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == f"rlk {rlk.__version__}"
+
+
+def test_info_json_is_the_report_as_data(capsys):
+    """``rlk info --json``: the text report's facts as JSON; every ABI op with the backend of each of its dtypes;
+    with ``--selfcheck`` its verdict and lines."""
+    import json
+
+    from rlk import abi
+
+    assert cli.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["rlk"] == rlk.__version__ and data["abi_version"] == rlk.ABI_VERSION
+    assert set(data["ops"]) == set(abi.OPS)
+    assert all(set(by_dtype) == set(abi.OPS[op].dtypes) for op, by_dtype in data["ops"].items())
+    ref = next(b for b in data["backends"] if b["name"] == "reference")
+    assert ref["available"] and ref["reason"] is None and ref["source"] == "built-in"
+    assert data["device"]["device"] == "cpu" and data["chain"][-1] == "reference"
+    assert cli.main(["info", "--json", "--selfcheck"]) == 0
+    checked = json.loads(capsys.readouterr().out)["selfcheck"]
+    assert checked["ok"] is True and any("reference" in line for line in checked["lines"])
+
+
+def test_missing_optional_dependency_is_one_line_and_exit_code_2(monkeypatch, capsys):
+    """A command whose optional dependency is missing ends in one line naming the extra, exit code 2; any other
+    missing module is a bug and raises."""
+    from rlk.consistency import run
+
+    def missing(name):
+        def run_consistency(model, **kw):
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+
+        return run_consistency
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(run, "run_consistency", missing("transformers"))
+    assert cli.main(["consistency", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "rlk consistency: error: needs the optional dependency transformers (pip install 'rlk[hf]')"
+    monkeypatch.setattr(run, "run_consistency", missing("not_a_dependency_of_rlk"))
+    with pytest.raises(ModuleNotFoundError):
+        cli.main(["consistency", "--device", "cpu"])
+
+
 def test_unknown_command_fails():
     result = subprocess.run([sys.executable, "-m", "rlk", "nope"], capture_output=True, text=True)
     assert result.returncode == 2 and "invalid choice" in result.stderr

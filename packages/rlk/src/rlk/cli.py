@@ -1,4 +1,8 @@
-"""The ``rlk`` command line: ``rlk info``, ``rlk consistency`` and ``rlk demo``.
+"""The ``rlk`` command line: ``rlk info``, ``rlk consistency`` and ``rlk demo`` (and ``rlk --version``).
+
+Exit codes: 0 success; 1 a failed verdict (a consistency claim, a selfcheck); 2 a usage error, reported in one
+line without a traceback (bad arguments, no GPU for ``--device cuda``, a missing optional dependency, an input the
+run rejects).
 
 On the CPU rlk's batch-invariant chain runs through the Triton interpreter, which reads ``TRITON_INTERPRET=1``
 when triton is first imported. ``main`` therefore sets the variable before anything imports triton when the
@@ -9,6 +13,7 @@ imported it), the command is re-run as ``python -m rlk ...`` in a child process 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +22,9 @@ import tempfile
 from rlk.consistency.harness import MODELS as MODEL_NAMES  # any existing directory is a local checkpoint
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: Optional dependencies the commands import, and the extra that installs each.
+OPTIONAL_DEPENDENCIES = {"transformers": "rlk[hf]", "matplotlib": "rlk[hf]", "tqdm": "rlk[hf]",
+                         "triton": "rlk[triton]"}
 DEVICE_HELP = "torch device (default: the GPU if any, else cpu)"
 
 
@@ -67,9 +75,14 @@ def _check_out(parser: argparse.ArgumentParser, out: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rlk import __version__
+
     parser = argparse.ArgumentParser(prog="rlk", description="rlk (RL-Kernel) command line")
+    parser.add_argument("--version", action="version", version=f"rlk {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, device, backends and which backend serves each op")
+    info.add_argument("--json", action="store_true", help="the same report as JSON (with --selfcheck: its lines "
+                                                          "and verdict under 'selfcheck')")
     info.add_argument("--selfcheck", action="store_true",
                       help="also run each available backend's checks of what its invariance rests on, on this "
                            "device (e.g. that the matmul's tiles per M range give the same bits); exit code 1 "
@@ -142,28 +155,45 @@ def main(argv: list[str] | None = None) -> int:
             argv = sys.argv[1:] if argv is None else list(argv)
             return subprocess.run([sys.executable, "-m", "rlk", *argv], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
-    if args.command == "info":
-        from rlk.info import info, selfcheck
+    try:
+        return _run(args)
+    except ModuleNotFoundError as exc:
+        extra = OPTIONAL_DEPENDENCIES.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"rlk {args.command}: error: needs the optional dependency {exc.name} (pip install '{extra}')",
+              file=sys.stderr)
+        return 2
 
-        print(info())
-        if args.selfcheck:
-            lines, ok = selfcheck()
-            print("\n".join(lines))
-            return 0 if ok else 1
-        return 0
+
+def _run(args) -> int:
+    if args.command == "info":
+        from rlk.info import info, report, selfcheck
+
+        checked = selfcheck() if args.selfcheck else None
+        if args.json:
+            data = report()
+            if checked is not None:
+                data["selfcheck"] = {"ok": checked[1], "lines": checked[0]}
+            print(json.dumps(data, indent=2))
+        else:
+            print(info())
+            if checked is not None:
+                print("\n".join(checked[0]))
+        return 0 if checked is None or checked[1] else 1
     if args.command == "consistency":
         from rlk.consistency.run import run_consistency
         from rlk.dispatch import BackendError
 
         try:
-            report = run_consistency(args.model, device=args.device, dtype=args.dtype, prompts=args.prompts,
+            result = run_consistency(args.model, device=args.device, dtype=args.dtype, prompts=args.prompts,
                                      max_new_tokens=args.max_new_tokens, seed=args.seed,
                                      out=args.out, progress=not args.no_progress,
                                      timing=not args.no_timing)
         except (ValueError, BackendError) as exc:
             print(f"rlk consistency: error: {exc}", file=sys.stderr)
             return 2
-        return 0 if report["passed"] else 1
+        return 0 if result["passed"] else 1
     from rlk.demo import run_demo
 
     return run_demo(args.device, out=args.out, consistency=not args.skip_consistency)

@@ -9,20 +9,24 @@ import torch
 from rlk import abi, dispatch
 
 
-def _versions() -> list[str]:
-    import rlk
-
-    lines = [f"rlk {rlk.__version__} (op ABI {abi.ABI_VERSION})"]
-    accel = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
-    if torch.version.hip:
-        accel = f"HIP {torch.version.hip}"
-    lines.append(f"python {platform.python_version()}, torch {torch.__version__} ({accel})")
+def _triton_version() -> tuple[str | None, str | None]:
+    """``(version, None)``, or ``(None, the import error's type)`` when triton does not import (it is optional)."""
     try:
         import triton
 
-        lines.append(f"triton {triton.__version__}")
-    except Exception as exc:  # triton is optional
-        lines.append(f"triton not importable ({type(exc).__name__})")
+        return triton.__version__, None
+    except Exception as exc:
+        return None, type(exc).__name__
+
+
+def _versions(report: dict) -> list[str]:
+    lines = [f"rlk {report['rlk']} (op ABI {report['abi_version']})"]
+    accel = f"CUDA {report['cuda']}" if report["cuda"] else "no CUDA"
+    if report["hip"]:
+        accel = f"HIP {report['hip']}"
+    lines.append(f"python {report['python']}, torch {report['torch']} ({accel})")
+    triton = f"triton {report['triton']}" if report["triton"] else f"triton not importable ({report['triton_error']})"
+    lines.append(triton)
     return lines
 
 
@@ -33,41 +37,69 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _device_line(device: torch.device) -> str:
+def _device_report(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return (f"device: {device} {props.name} (compute capability {props.major}.{props.minor}, "
-                f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)")
-    return f"device: cpu ({platform.processor() or platform.machine()})"
+        return {"device": str(device), "name": props.name, "compute_capability": f"{props.major}.{props.minor}",
+                "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1)}
+    return {"device": "cpu", "name": platform.processor() or platform.machine()}
+
+
+def _device_line(d: dict) -> str:
+    if d["device"] == "cpu":
+        return f"device: cpu ({d['name']})"
+    return (f"device: {d['device']} {d['name']} (compute capability {d['compute_capability']}, {d['sms']} SMs, "
+            f"{d['memory_gib']:.0f} GiB)")
+
+
+def report() -> dict:
+    """rlk's environment as plain data (what ``rlk info --json`` prints): versions, the device, the pinned backend,
+    every discovered backend with its state, and the backend each op gets per dtype on the device."""
+    import rlk
+
+    device = default_device()
+    pinned = dispatch._pinned()
+    triton_version, triton_error = _triton_version()
+    backends = []
+    for name, status in dispatch.discover().items():
+        entry = {"name": name, "version": status.backend.version if status.backend else None,
+                 "source": status.source, "available": status.available, "reason": status.reason}
+        if status.available:
+            entry["device_types"] = list(status.backend.device_types())
+            entry["batch_invariant"] = bool(status.backend.batch_invariant)
+        backends.append(entry)
+    ops = {op.name: {dtype: dispatch.decide(op.name, device, getattr(torch, dtype)).backend for dtype in op.dtypes}
+           for op in abi.OPS.values()}
+    return {
+        "rlk": rlk.__version__, "abi_version": abi.ABI_VERSION, "python": platform.python_version(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip, "triton": triton_version,
+        "triton_error": triton_error,
+        "device": _device_report(device), "pinned_backend": pinned,
+        "pinned_by": dispatch._pin_source() if pinned else None, "backends": backends,
+        "chain": list(dispatch.chain_for(device)), "ops": ops,
+    }
 
 
 def info() -> str:
-    """A readable report of rlk's environment (what ``rlk info`` prints)."""
-    device = default_device()
-    lines = _versions()
-    lines.append(_device_line(device))
-    pinned = dispatch._pinned()
-    if pinned:
-        lines.append(f"pinned backend: {pinned} ({dispatch._pin_source()})")
+    """A readable report of rlk's environment (what ``rlk info`` prints): :func:`report` as text."""
+    r = report()
+    lines = _versions(r)
+    lines.append(_device_line(r["device"]))
+    if r["pinned_backend"]:
+        lines.append(f"pinned backend: {r['pinned_backend']} ({r['pinned_by']})")
     lines.append("backends:")
-    for name, status in dispatch.discover().items():
-        version = status.backend.version if status.backend else "?"
-        if status.available:
-            devices = status.backend.device_types()
-            served = "any device" if "*" in devices else ", ".join(devices)
-            invariant = "yes" if status.backend.batch_invariant else "no"
-            state = f"available (serves {served}; batch-invariant: {invariant})"
+    for b in r["backends"]:
+        if b["available"]:
+            served = "any device" if "*" in b["device_types"] else ", ".join(b["device_types"])
+            state = f"available (serves {served}; batch-invariant: {'yes' if b['batch_invariant'] else 'no'})"
         else:
-            state = f"unavailable: {status.reason}"
-        lines.append(f"  {name:<10} {version:<8} [{status.source}] {state}")
-    lines.append(f"ops on {device} (chain {' -> '.join(dispatch.chain_for(device))}):")
-    width = max(len(name) for name in abi.OPS) + 1
-    for op in abi.OPS.values():
-        served = []
-        for dtype_name in op.dtypes:
-            decision = dispatch.decide(op.name, device, getattr(torch, dtype_name))
-            served.append(f"{dtype_name}: {decision.backend or 'NONE'}")
-        lines.append(f"  {op.name:<{width}} " + ", ".join(served))
+            state = f"unavailable: {b['reason']}"
+        lines.append(f"  {b['name']:<10} {b['version'] or '?':<8} [{b['source']}] {state}")
+    lines.append(f"ops on {r['device']['device']} (chain {' -> '.join(r['chain'])}):")
+    width = max(len(name) for name in r["ops"]) + 1
+    for name, by_dtype in r["ops"].items():
+        served = ", ".join(f"{dtype}: {backend or 'NONE'}" for dtype, backend in by_dtype.items())
+        lines.append(f"  {name:<{width}} {served}")
     return "\n".join(lines)
 
 

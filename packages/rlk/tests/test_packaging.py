@@ -1,0 +1,68 @@
+"""Packaging: the license file ships in every distribution, the wheels carry the metadata a registry needs, and the
+versions written in the packages agree (the backend extras pin them exactly)."""
+
+from __future__ import annotations
+
+import email
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import tomllib
+
+import rlk
+
+ROOT = Path(__file__).resolve().parents[3]
+PACKAGES = {"rlk": ROOT / "packages/rlk", "rlk-triton": ROOT / "packages/rlk-triton",
+            "rlk-cuda": ROOT / "packages/rlk-cuda"}
+
+
+def _project(name: str) -> dict:
+    return tomllib.loads((PACKAGES[name] / "pyproject.toml").read_text())["project"]
+
+
+def test_every_distribution_ships_the_license():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0" in text
+    for name, folder in PACKAGES.items():
+        assert (folder / "LICENSE").read_text() == text, name
+        project = _project(name)
+        assert project["authors"] and any(c.startswith("Programming Language :: Python :: 3") for c in
+                                          project["classifiers"]), name
+
+
+def test_versions_agree():
+    """rlk, rlk-triton and rlk-cuda carry one version; rlk's backend extras and the backends' rlk dependency pin
+    it exactly, and so do the Python packages' ``__version__``."""
+    import rlk_triton
+
+    version = rlk.__version__
+    assert {_project(name)["version"] for name in PACKAGES} == {version}
+    assert rlk_triton.__version__ == version
+    cuda_init = (PACKAGES["rlk-cuda"] / "src/rlk_cuda/__init__.py").read_text()
+    assert re.search(r'^__version__ = "([^"]+)"', cuda_init, re.M).group(1) == version
+    for extra, pins in _project("rlk")["optional-dependencies"].items():
+        for pin in pins:
+            if pin.startswith("rlk-"):
+                assert pin.endswith(f"=={version}"), (extra, pin)
+    for name in ("rlk-triton", "rlk-cuda"):
+        assert f"rlk=={version}" in _project(name)["dependencies"], name
+
+
+@pytest.mark.parametrize("name", ["rlk", "rlk-triton"])
+def test_wheel_metadata(name, tmp_path):
+    """The pure-Python wheels build offline (no build isolation) and carry the SPDX license, the license file and
+    the classifiers."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    str(PACKAGES[name]), "-w", str(tmp_path)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = email.message_from_bytes(z.read(meta_name))
+        assert any(n.endswith(".dist-info/licenses/LICENSE") for n in z.namelist())
+    assert meta["Name"] == name and meta["Version"] == rlk.__version__
+    assert meta["License-Expression"] == "Apache-2.0" and meta["License-File"] == "LICENSE"
+    assert meta.get_all("Classifier") == _project(name)["classifiers"]
