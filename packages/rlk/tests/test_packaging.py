@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import email
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -54,11 +55,13 @@ def test_versions_agree():
 
 @pytest.mark.parametrize("name", ["rlk", "rlk-triton"])
 def test_wheel_metadata(name, tmp_path):
-    """The pure-Python wheels build offline (no build isolation) and carry the SPDX license, the license file and
-    the classifiers."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    str(PACKAGES[name]), "-w", str(tmp_path)], check=True, capture_output=True)
-    (wheel,) = tmp_path.glob("*.whl")
+    """The pure-Python wheels build offline (no build isolation; from a copy, so the checkout gets no build folder)
+    and carry the SPDX license, the license file and the classifiers."""
+    source = tmp_path / "source"
+    shutil.copytree(PACKAGES[name], source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
+                    "-w", str(tmp_path / "dist")], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
     with zipfile.ZipFile(wheel) as z:
         meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         meta = email.message_from_bytes(z.read(meta_name))

@@ -76,10 +76,6 @@ def _bool_mask(mask: Tensor) -> Tensor:
     return mask != 0
 
 
-def _out_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 # ---------------------------------------------------------------------------
 # group_advantages
 # ---------------------------------------------------------------------------

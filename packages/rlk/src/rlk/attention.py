@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from rlk import checks, custom_op, dispatch
-from rlk.checks import check_float
+from rlk.checks import check_float, stat_dtype
 
 # ---------------------------------------------------------------------------
 # argument checks (shape and dtype at call time; values inside the custom op)
@@ -39,11 +39,6 @@ def _check_values(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, tota
                                     ("cu_seqlens_k", cu_seqlens_k, total_k, "k and v", max_seqlen_k)])
 
 
-def _lse_dtype(q: Tensor) -> torch.dtype:
-    """fp32, or fp64 for fp64 inputs (reference runs)."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 # ---------------------------------------------------------------------------
 # custom ops
 # ---------------------------------------------------------------------------
@@ -55,7 +50,7 @@ def _attention_fwd(
     max_seqlen_k: int, causal: bool, softmax_scale: float,
 ) -> tuple[Tensor, Tensor]:
     out = torch.empty_like(q)
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype(q))
     _check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if q.shape[0] == 0:
         return out, lse
@@ -72,7 +67,7 @@ def _attention_fwd(
 
 @_attention_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q))
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype(q))
 
 
 @custom_op.define("rlk::attention_bwd")

@@ -31,9 +31,15 @@ def check_float(name: str, x) -> None:
                         f"got {x.dtype}")
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype rlk computes and returns statistics in for inputs of ``dtype``: float64 for float64 (reference
+    runs, the contract's ground truth), else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def stat_dtype(x: Tensor) -> torch.dtype:
-    """The dtype rlk computes and returns statistics in: float64 for float64 inputs (reference runs), else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+    """:func:`compute_dtype` of ``x``'s dtype."""
+    return compute_dtype(x.dtype)
 
 
 # ---------------------------------------------------------------------------

@@ -165,6 +165,12 @@ def first_order_only(name: str, backward: Callable[..., Any] | None = None) -> C
     return checked
 
 
+def placeholder(like: Tensor) -> Tensor:
+    """The empty tensor a custom op returns in place of an output it was asked not to compute (a custom op's
+    outputs must all be tensors): ``like.new_empty((0,))``, on ``like``'s device and dtype."""
+    return like.new_empty((0,))
+
+
 def define(name: str) -> Callable[[Callable[..., Any]], Op]:
     """Decorator: ``@define("rlk::x_fwd")`` on the body makes the custom op ``rlk::x_fwd`` (schema from the
     annotations, no mutated arguments) and returns its :class:`Op`."""

@@ -24,10 +24,6 @@ REDUCTIONS = ("mean", "sum", "none")
 _SCALE_CHUNK = 1 << 24
 
 
-def _placeholder(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
-
-
 def _valid_rows(targets: Tensor | None, ignore_index: int, n_rows: int, like: Tensor) -> Tensor:
     if targets is None:
         return torch.ones(n_rows, dtype=torch.bool, device=like.device)
@@ -48,8 +44,8 @@ def _outputs(student_hidden: Tensor, student_weight: Tensor, reduction: str, fus
     dtype = checks.stat_dtype(student_hidden)
     loss = student_hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=dtype)
     stats = student_hidden.new_empty((3, n_rows), dtype=dtype)
-    grad_hidden = torch.empty_like(student_hidden) if fused_hidden else _placeholder(student_hidden)
-    grad_weight = torch.empty_like(student_weight) if fused_weight else _placeholder(student_weight)
+    grad_hidden = torch.empty_like(student_hidden) if fused_hidden else custom_op.placeholder(student_hidden)
+    grad_weight = torch.empty_like(student_weight) if fused_weight else custom_op.placeholder(student_weight)
     return loss, stats, grad_hidden, grad_weight
 
 
@@ -126,8 +122,8 @@ def _fused_linear_kl_bwd(
     need_grad_hidden: bool,
     need_grad_weight: bool,
 ) -> tuple[Tensor, Tensor]:
-    grad_hidden = torch.empty_like(student_hidden) if need_grad_hidden else _placeholder(student_hidden)
-    grad_weight = torch.empty_like(student_weight) if need_grad_weight else _placeholder(student_weight)
+    grad_hidden = torch.empty_like(student_hidden) if need_grad_hidden else custom_op.placeholder(student_hidden)
+    grad_weight = torch.empty_like(student_weight) if need_grad_weight else custom_op.placeholder(student_weight)
     if student_hidden.shape[0] == 0:
         grad_weight.zero_()
         return grad_hidden, grad_weight
@@ -145,8 +141,8 @@ def _fused_linear_kl_bwd(
 @_fused_linear_kl_bwd.register_fake
 def _(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats, grad_loss,
       ignore_index, divergence, beta, backend, need_grad_hidden, need_grad_weight):
-    grad_hidden = torch.empty_like(student_hidden) if need_grad_hidden else _placeholder(student_hidden)
-    grad_weight = torch.empty_like(student_weight) if need_grad_weight else _placeholder(student_weight)
+    grad_hidden = torch.empty_like(student_hidden) if need_grad_hidden else custom_op.placeholder(student_hidden)
+    grad_weight = torch.empty_like(student_weight) if need_grad_weight else custom_op.placeholder(student_weight)
     return grad_hidden, grad_weight
 
 

@@ -74,10 +74,6 @@ def _check_values(targets: Tensor, inv_temperature: Tensor, vocab: int, ignore_i
         checks.check_positive_values("temperature", inv_temperature, reciprocal=True)
 
 
-def _no_grad_placeholder(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
-
-
 # ---------------------------------------------------------------------------
 # selected_logprob
 # ---------------------------------------------------------------------------
@@ -262,8 +258,8 @@ def _linear_logprob_bwd(
     need_grad_hidden: bool,
     need_grad_weight: bool,
 ) -> tuple[Tensor, Tensor]:
-    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else _no_grad_placeholder(hidden)
-    grad_weight = torch.empty_like(weight) if need_grad_weight else _no_grad_placeholder(weight)
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else custom_op.placeholder(hidden)
+    grad_weight = torch.empty_like(weight) if need_grad_weight else custom_op.placeholder(weight)
     if hidden.shape[0] == 0:
         grad_weight.zero_()
         return grad_hidden, grad_weight
@@ -278,8 +274,8 @@ def _linear_logprob_bwd(
 @_linear_logprob_bwd.register_fake
 def _(hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, backend,
       need_grad_hidden, need_grad_weight):
-    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else _no_grad_placeholder(hidden)
-    grad_weight = torch.empty_like(weight) if need_grad_weight else _no_grad_placeholder(weight)
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else custom_op.placeholder(hidden)
+    grad_weight = torch.empty_like(weight) if need_grad_weight else custom_op.placeholder(weight)
     return grad_hidden, grad_weight
 
 

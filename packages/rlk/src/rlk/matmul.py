@@ -45,10 +45,6 @@ def _empty_in_layout_of(x: Tensor) -> Tensor:
     return x.new_empty(x.shape)
 
 
-def _no_grad_placeholder(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
-
-
 # ---------------------------------------------------------------------------
 # custom ops
 # ---------------------------------------------------------------------------
@@ -81,9 +77,9 @@ def _(a, b, bias):
 
 
 def _bwd_outputs(a: Tensor, b: Tensor, need_a: bool, need_b: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    grad_a = _empty_in_layout_of(a) if need_a else _no_grad_placeholder(a)
-    grad_b = _empty_in_layout_of(b) if need_b else _no_grad_placeholder(b)
-    grad_bias = a.new_empty((b.shape[-1],)) if need_bias else _no_grad_placeholder(a)
+    grad_a = _empty_in_layout_of(a) if need_a else custom_op.placeholder(a)
+    grad_b = _empty_in_layout_of(b) if need_b else custom_op.placeholder(b)
+    grad_bias = a.new_empty((b.shape[-1],)) if need_bias else custom_op.placeholder(a)
     return grad_a, grad_b, grad_bias
 
 

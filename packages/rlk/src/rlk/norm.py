@@ -13,16 +13,11 @@ import torch
 from torch import Tensor
 
 from rlk import checks, custom_op, dispatch
-from rlk.checks import check_float
+from rlk.checks import check_float, stat_dtype
 
 # ---------------------------------------------------------------------------
 # dtypes and argument checks
 # ---------------------------------------------------------------------------
-
-
-def _stat_dtype(x: Tensor) -> torch.dtype:
-    """Dtype of ``rstd``: fp32, or fp64 for fp64 inputs (reference runs)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def output_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, gemma: bool) -> torch.dtype:
@@ -33,7 +28,6 @@ def output_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, gemma: bool) -
     with 16-bit x (fp32 master weights).
     """
     return x_dtype if gemma else torch.promote_types(x_dtype, weight_dtype)
-
 
 
 def _check_inputs(x, weight, residual) -> None:
@@ -68,7 +62,7 @@ def _check_inputs(x, weight, residual) -> None:
 def _fwd_outputs(x: Tensor, weight: Tensor, residual: Tensor | None, gemma: bool) -> tuple[Tensor, Tensor, Tensor]:
     y = x.new_empty(x.shape, dtype=output_dtype(x.dtype, weight.dtype, gemma))
     s = torch.empty_like(x) if residual is not None else x.new_empty((0,))
-    rstd = x.new_empty((x.shape[0],), dtype=_stat_dtype(x))
+    rstd = x.new_empty((x.shape[0],), dtype=stat_dtype(x))
     return y, s, rstd
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from rlk import checks, custom_op, dispatch
-from rlk.checks import INPUT_DTYPES
+from rlk.checks import INPUT_DTYPES, stat_dtype
 from rlk.reference import aggregation
 from rlk.reference.policy_loss import KL_ESTIMATORS, LOSSES, METRICS, ROW_STATS
 
@@ -35,11 +35,6 @@ _INF = math.inf
 # ---------------------------------------------------------------------------
 # argument checks
 # ---------------------------------------------------------------------------
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """fp32, or fp64 for fp64 inputs (reference-only ground-truth runs)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _check_tensor(name: str, x, shapes: tuple[tuple[int, ...], ...], device: torch.device,
@@ -86,10 +81,6 @@ def _clamp_bounds(clamp_log_ratio) -> tuple[float, float]:
     return -c, c
 
 
-def _no_grad_placeholder(like: Tensor) -> Tensor:
-    return like.new_empty((0,))
-
-
 # ---------------------------------------------------------------------------
 # policy_loss
 # ---------------------------------------------------------------------------
@@ -99,7 +90,7 @@ def _fwd_outputs(logprob: Tensor, with_entropy_grad: bool) -> tuple[Tensor, ...]
     b, t = logprob.shape
     loss = logprob.new_empty(())
     grad_lp = torch.empty_like(logprob)
-    grad_ent = torch.empty_like(logprob) if with_entropy_grad else _no_grad_placeholder(logprob)
+    grad_ent = torch.empty_like(logprob) if with_entropy_grad else custom_op.placeholder(logprob)
     row_weight = logprob.new_empty((b,))
     stats = logprob.new_empty((b, len(ROW_STATS)))
     metrics = logprob.new_empty((len(METRICS),))
@@ -177,7 +168,7 @@ def _policy_loss_bwd(
     grad_loss: Tensor, grad_logprob: Tensor, grad_entropy: Tensor | None, backend: str
 ) -> tuple[Tensor, Tensor]:
     grad_lp = torch.empty_like(grad_logprob)
-    grad_ent = torch.empty_like(grad_logprob) if grad_entropy is not None else _no_grad_placeholder(grad_logprob)
+    grad_ent = torch.empty_like(grad_logprob) if grad_entropy is not None else custom_op.placeholder(grad_logprob)
     dispatch.backend_named(backend).primitives["policy_loss_bwd"](
         grad_loss, grad_logprob, grad_entropy, grad_lp, grad_ent if grad_entropy is not None else None
     )
@@ -186,7 +177,7 @@ def _policy_loss_bwd(
 
 @_policy_loss_bwd.register_fake
 def _(grad_loss, grad_logprob, grad_entropy, backend):
-    grad_ent = torch.empty_like(grad_logprob) if grad_entropy is not None else _no_grad_placeholder(grad_logprob)
+    grad_ent = torch.empty_like(grad_logprob) if grad_entropy is not None else custom_op.placeholder(grad_logprob)
     return torch.empty_like(grad_logprob), grad_ent
 
 
@@ -589,7 +580,7 @@ def _policy_loss(
         raise ValueError(f"logprob: expected shape [B, T] (rows are sequences), got {tuple(logprob.shape)}")
     device, shape = logprob.device, tuple(logprob.shape)
     _check_tensor("logprob", logprob, (shape,), device)
-    cdt = _compute_dtype(logprob)
+    cdt = stat_dtype(logprob)
     call = prepare(shape, device, cdt, old_logprob, advantages, mask, entropy=entropy, **kwargs)
     lp = (logprob.detach() if fused else logprob).to(cdt).contiguous()
     old = lp.detach() if call.old is None else call.old
@@ -726,7 +717,7 @@ def kl_penalty(
         _check_tensor("old_logprob", old_logprob, (shape,), device)
     name, straight = _kl_spec("estimator", estimator)
     clamp_value = _INF if clamp is None else checks.number("clamp", clamp, above=0.0)
-    cdt = _compute_dtype(logprob)
+    cdt = stat_dtype(logprob)
     lp = logprob.to(cdt).reshape(-1).contiguous()
     ref = ref_logprob.detach().to(cdt).reshape(-1).contiguous()
     old = None if old_logprob is None else old_logprob.detach().to(cdt).reshape(-1).contiguous()

@@ -123,6 +123,8 @@ from __future__ import annotations
 
 import torch
 
+from rlk.checks import compute_dtype
+
 GROUP_MODES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg")
 #: Pass@k: only each group's best response gets an advantage, its margin over the runner-up.
 PASSK_MODES = ("grpo_passk", "dr_grpo_passk")
@@ -130,14 +132,10 @@ RETURN_MASK_MODES = ("carry", "reset", "zero")
 EPS_MODES = ("add", "clamp")
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def recurrence_constants(gamma: float, lam: float, dtype: torch.dtype) -> tuple[float, float]:
     """``gamma`` and ``gamma * lam`` (the product taken in double) rounded to ``dtype``'s compute dtype:
     the constants the returns / GAE primitives receive for inputs of ``dtype``."""
-    cdt = _compute_dtype(dtype)
+    cdt = compute_dtype(dtype)
     return (float(torch.tensor(gamma, dtype=torch.float64).to(cdt)),
             float(torch.tensor(gamma * lam, dtype=torch.float64).to(cdt)))
 
@@ -198,7 +196,7 @@ def group_advantages_fwd(scores, group_index, group_size, lengths, mode, eps, ou
         eps: added to the std in ``grpo`` (and to the singleton std 1).
         out: ``[B]``, ``scores.dtype``: written with the advantages.
     """
-    cdt = _compute_dtype(scores.dtype)
+    cdt = compute_dtype(scores.dtype)
     members = dense_groups(group_index, group_size, scores.shape[0], scores.device)
     valid = members >= 0
     safe = members.clamp(min=0)
@@ -275,7 +273,7 @@ def _whiten_stats(x: torch.Tensor, mask: torch.Tensor, unbiased: bool, eps: floa
     """The scaled statistics of the module docstring: ``(centered', mu, rstd', down)`` with
     ``centered' = (x' - mu')`` where mask (0 elsewhere), ``mu`` unscaled, ``rstd'`` and ``down = 2^-k``
     (so ``rstd = rstd' * down``)."""
-    cdt = _compute_dtype(x.dtype)
+    cdt = compute_dtype(x.dtype)
     x = x.to(cdt)
     count = mask.sum()
     down, up = pow2_scale(torch.where(mask, x.abs(), 0.0).amax() if x.numel() else x.new_zeros(()))
@@ -338,7 +336,7 @@ def discounted_returns_fwd(rewards, mask, gamma, mask_mode, out):
         mask_mode: ``"carry"``, ``"reset"`` or ``"zero"`` (see the module docstring).
         out: ``[B, T]``, ``rewards.dtype``: written with ``G``.
     """
-    cdt = _compute_dtype(rewards.dtype)
+    cdt = compute_dtype(rewards.dtype)
     g = torch.zeros(rewards.shape[0], dtype=cdt, device=rewards.device)
     for t in reversed(range(rewards.shape[1])):
         r, m = rewards[:, t].to(cdt), mask[:, t]
@@ -379,7 +377,7 @@ def gae_fwd(rewards, values, mask, gamma, gamma_lam, advantages_out, returns_out
         gamma, gamma_lam: ``gamma`` and ``gamma * lam``, in ``[0, 1]`` (see :func:`recurrence_constants`).
         advantages_out, returns_out: ``[B, T]``, ``rewards.dtype``: written with ``a`` and ``a + V``.
     """
-    cdt = _compute_dtype(rewards.dtype)
+    cdt = compute_dtype(rewards.dtype)
     next_value = torch.zeros(rewards.shape[0], dtype=cdt, device=rewards.device)
     adv = torch.zeros_like(next_value)
     for t in reversed(range(rewards.shape[1])):

@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import torch
 
+from rlk.checks import compute_dtype
+
 Q_CHUNK = 1024
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
@@ -72,7 +70,7 @@ def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
     ``max_seqlen_*`` are not needed here (the reference reads the lengths from ``cu_seqlens``).
     """
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         n_q, n_k = q1 - q0, k1 - k0
@@ -93,7 +91,7 @@ def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 def attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out):
     """Gradients of ``q``, ``k``, ``v`` from ``grad_out`` and (optionally) ``grad_lse`` (module docstring)."""
-    cdt = _compute_dtype(q.dtype)
+    cdt = compute_dtype(q.dtype)
     n_kv_heads = k.shape[1]
     group = q.shape[1] // n_kv_heads
     for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):

@@ -35,21 +35,19 @@ import math
 
 import torch
 
+from rlk.checks import compute_dtype
+
 ROW_CHUNK = 256
 VOCAB_CHUNK = 8192
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class _Tiles:
     """Scaled logit tiles of the student and the teacher, in the compute dtype."""
 
     def __init__(self, student_hidden, student_weight, teacher_hidden, teacher_weight, inv_temperature):
-        self.cdt = _compute_dtype(student_hidden.dtype)
+        self.cdt = compute_dtype(student_hidden.dtype)
         self.hs, self.ws, self.ht, self.wt = student_hidden, student_weight, teacher_hidden, teacher_weight
         self.inv_t = inv_temperature.to(self.cdt)
 

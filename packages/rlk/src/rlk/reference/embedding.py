@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from rlk.checks import compute_dtype
 
 
 def embedding_fwd(weight: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -54,7 +52,7 @@ def embedding_bwd(grad_out: torch.Tensor, ids: torch.Tensor, padding_idx: int, g
     order = torch.sort(ids, stable=True).indices  # positions grouped by id, in position order within an id
     unique_ids, counts = torch.unique_consecutive(ids[order], return_counts=True)
     starts = torch.cumsum(counts, 0) - counts
-    acc = grad_out.new_zeros((unique_ids.shape[0], grad_out.shape[1]), dtype=_compute_dtype(grad_out.dtype))
+    acc = grad_out.new_zeros((unique_ids.shape[0], grad_out.shape[1]), dtype=compute_dtype(grad_out.dtype))
     by_count = torch.argsort(counts, descending=True, stable=True)  # ids occurring more than k times: a prefix
     host_counts = counts[by_count].tolist()
     live = len(host_counts)

@@ -66,6 +66,7 @@ from collections.abc import Callable
 
 import torch
 
+from rlk.checks import compute_dtype
 from rlk.reference.matmul import tree_leaves, tree_reduce
 
 ROW_CHUNK = 256
@@ -75,12 +76,8 @@ VOCAB_CHUNK = 8192
 ZTile = Callable[[int, int, int, int], torch.Tensor]
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _logits_tile(logits: torch.Tensor, inv_t: torch.Tensor) -> ZTile:
-    cdt = _compute_dtype(logits.dtype)
+    cdt = compute_dtype(logits.dtype)
 
     def tile(r0: int, r1: int, v0: int, v1: int) -> torch.Tensor:
         return logits[r0:r1, v0:v1].to(cdt) * inv_t[r0:r1, None].to(cdt)
@@ -89,7 +86,7 @@ def _logits_tile(logits: torch.Tensor, inv_t: torch.Tensor) -> ZTile:
 
 
 def _linear_tile(hidden: torch.Tensor, weight: torch.Tensor, inv_t: torch.Tensor) -> ZTile:
-    cdt = _compute_dtype(hidden.dtype)
+    cdt = compute_dtype(hidden.dtype)
 
     def tile(r0: int, r1: int, v0: int, v1: int) -> torch.Tensor:
         x = hidden[r0:r1].to(cdt) @ weight[v0:v1].to(cdt).T
@@ -256,7 +253,7 @@ def selected_logprob_bwd(
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the partial results a vocab shard hands to the combine (fp32; fp64 for fp64 inputs)."""
-    return _compute_dtype(dtype)
+    return compute_dtype(dtype)
 
 
 def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
@@ -322,7 +319,7 @@ def _linear_bwd_leaves(
     ``tile`` gives the scaled logits (default: recomputed from hidden and weight); ``accumulate`` adds the weight
     gradient to ``grad_weight_out`` instead of writing it."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    cdt = _compute_dtype(hidden.dtype)
+    cdt = compute_dtype(hidden.dtype)
     if tile is None:
         tile = _linear_tile(hidden, weight, inv_temperature)
     leaf_size = vocab // leaves

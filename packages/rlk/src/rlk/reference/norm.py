@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import torch
 
+from rlk.checks import compute_dtype
+
 ROW_CHUNK = 1024
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _normalized(s: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -50,7 +48,7 @@ def rms_norm_fwd(x, weight, residual, eps, gemma, out, residual_out, rstd_out):
         out: ``[N, H]``, x.dtype (or the promoted dtype described above). residual_out: ``[N, H]`` x.dtype,
         or None (then residual is None). rstd_out: ``[N]`` fp32 (fp64 for fp64 inputs).
     """
-    cdt = _compute_dtype(x.dtype)
+    cdt = compute_dtype(x.dtype)
     w = weight.to(cdt)
     w_gemma = 1.0 + w
     for r0 in range(0, x.shape[0], ROW_CHUNK):
@@ -78,7 +76,7 @@ def rms_norm_bwd(grad_out, s, weight, rstd, gemma, grad_residual, grad_input_out
         grad_residual: ``[N, H]`` upstream gradient of the returned residual, or None.
         grad_input_out: ``[N, H]`` x.dtype. grad_weight_out: ``[H]`` weight.dtype, or None.
     """
-    cdt = _compute_dtype(s.dtype)
+    cdt = compute_dtype(s.dtype)
     w = weight.to(cdt)
     if gemma:
         w = 1.0 + w

@@ -134,6 +134,7 @@ import math
 import torch
 from torch import Tensor
 
+from rlk.checks import compute_dtype
 from rlk.reference import aggregation
 
 #: Policy-loss variants (the ``loss`` attribute of ``policy_loss_fwd``).
@@ -158,10 +159,6 @@ VESPO_LOG_W_MIN = math.log(1e-8)
 VESPO_LOG_W_MAX = 20.0
 #: vespo's ``phi`` is 0 above this exponent (``exp`` overflows float32 there), in every dtype.
 VESPO_LOG_PHI_MAX = math.log(torch.finfo(torch.float32).max)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def times(a: Tensor, b: Tensor) -> Tensor:
@@ -224,7 +221,7 @@ def kl_penalty_fwd(logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estim
 
     With ``old_logprob`` both are multiplied by the detached weight ``exp(logprob - old_logprob)``.
     """
-    cdt = _compute_dtype(logprob.dtype)
+    cdt = compute_dtype(logprob.dtype)
     lp = logprob.to(cdt)
     value, grad = kl_estimate(lp - ref_logprob.to(cdt), estimator, k3_clamp=k3_clamp, clamp=clamp,
                               straight_through=straight_through)
@@ -379,7 +376,7 @@ def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weight
            vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, bounds=False) -> dict[str, Tensor]:
     """Every per-token quantity of the objective (``[B, T]``, 0 off the mask) and the row weights ``c``; with
     ``bounds`` also ``coef_terms``, the gradient coefficient's terms by absolute value (for the contract)."""
-    cdt = _compute_dtype(logprob.dtype)
+    cdt = compute_dtype(logprob.dtype)
     m = mask
     zero = torch.zeros((), dtype=cdt, device=logprob.device)
 
@@ -476,7 +473,7 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
     The backward of an upstream gradient ``G`` is ``grad * G`` (:func:`policy_loss_bwd`).
     """
     row_weight = aggregation.row_weights(mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
-                                         loss_scale=loss_scale, dtype=_compute_dtype(logprob.dtype))
+                                         loss_scale=loss_scale, dtype=compute_dtype(logprob.dtype))
     row_weight_out.copy_(row_weight)
     t = _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, **attrs)
     c = t["c"][:, None]

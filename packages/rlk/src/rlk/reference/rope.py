@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from rlk.checks import compute_dtype
 
 
 def _pair_slices(rotary_dim: int, interleaved: bool) -> tuple[slice, slice]:
@@ -49,7 +47,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
             out: torch.Tensor) -> None:
     rotary_dim = cos.shape[-1]
     a, b = _pair_slices(rotary_dim, interleaved)
-    cdt = _compute_dtype(x.dtype)
+    cdt = compute_dtype(x.dtype)
     xa, xb = x[..., a].to(cdt), x[..., b].to(cdt)
     ca, cb = cos[:, None, a].to(cdt), cos[:, None, b].to(cdt)  # [T, 1, R/2], broadcast over heads
     sa, sb = sin[:, None, a].to(cdt), sin[:, None, b].to(cdt)

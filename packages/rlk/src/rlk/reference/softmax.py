@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import torch
 
+from rlk.checks import compute_dtype
+
 ROW_CHUNK = 256
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def softmax_fwd(x, log, out):
     """``out = log_softmax(x)`` if ``log`` else ``softmax(x)``, over the last dim of ``x [N, V]``."""
-    cdt = _compute_dtype(x.dtype)
+    cdt = compute_dtype(x.dtype)
     for r0 in range(0, x.shape[0], ROW_CHUNK):
         z = x[r0:r0 + ROW_CHUNK].to(cdt)
         shifted = z - z.amax(dim=1, keepdim=True)
@@ -43,7 +41,7 @@ def softmax_fwd(x, log, out):
 
 def softmax_bwd(grad_out, out, log, grad_x_out):
     """Gradient of ``sum(grad_out * y)`` w.r.t. ``x``, from the forward's output ``y = out``."""
-    cdt = _compute_dtype(out.dtype)
+    cdt = compute_dtype(out.dtype)
     for r0 in range(0, out.shape[0], ROW_CHUNK):
         g = grad_out[r0:r0 + ROW_CHUNK].to(cdt)
         y = out[r0:r0 + ROW_CHUNK].to(cdt)
