@@ -2,7 +2,7 @@
 // below, and the backward (end of file): the three GEMMs of each vocab chunk on wggemm::gemm_kernel
 // (wgmma_gemm.cuh) with linear_logprob-specific epilogues.
 //
-// STATUS: verified on an H200 (docs/results/2026-11-29-h200-s4/): the rlk-cuda GPU tests on both kernel pairs,
+// STATUS: verified on an H200 (docs/performance.md): the rlk-cuda GPU tests on both kernel pairs,
 // compute-sanitizer memcheck / racecheck, the parity suite. rlk_cuda/logprob.py uses these kernels by default
 // where they can run (compute capability 9.0, sm_90a built; RLK_CUDA_LINEAR_FWD / RLK_CUDA_LINEAR_BWD=mma
 // select the mma.sync ones).

@@ -1,7 +1,7 @@
 """``tools/triton_aot_check.py``: interpreted launches are recorded and compiled for sm_90 without a GPU, and a
 kernel that only the compiler rejects is reported.
 
-The bad kernel is the bug the H200 found in session 5 and the interpreter did not: a string
+The bad kernel is a bug the H200 once found and the interpreter did not: a string
 ``tl.constexpr`` parameter of a device function with a default value, called without it (Triton 3.6
 cannot lower the default; Triton 3.6, the version ci/requirements-dev.txt pins).
 """

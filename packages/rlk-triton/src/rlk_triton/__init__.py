@@ -14,6 +14,10 @@ import torch
 
 __version__ = "0.1.0"
 
+#: The rlk op ABI this backend implements (rlk.abi.ABI_VERSION it was written for); rlk refuses a backend whose ABI
+#: differs from its own.
+ABI_VERSION = 3
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Primitives declined for bfloat16 under the CPU interpreter: kernels that use tl.dot (wrong results there), and
 #: the forward-chain ops whose bf16 outputs the interpreter truncates instead of rounding (verified on the GPU).
@@ -75,10 +79,25 @@ def _selfcheck(device: torch.device) -> list[str]:
     return problems
 
 
+def version_problem(rlk_version: str) -> str | None:
+    """None if this backend may run under rlk ``rlk_version``, else why not (rlk's ``triton`` extra pins them). Kept
+    in the backend, not imported from rlk: it has to work against an rlk of another version."""
+    if rlk_version == __version__:
+        return None
+    return (f"rlk-triton {__version__} needs rlk {__version__}, found rlk {rlk_version}: install matching versions "
+            f"(pip install 'rlk[triton]=={rlk_version}' pins both)")
+
+
 def backend():
     """The ``rlk.Backend`` of this package (entry-point factory)."""
-    from rlk.abi import ABI_VERSION, collect_primitives
+    import rlk
+    from rlk.abi import collect_primitives
     from rlk.backend import Backend
+
+    mismatch = version_problem(rlk.__version__)
+    if mismatch is not None:
+        return Backend(name="triton", version=__version__, abi_version=ABI_VERSION, primitives={},
+                       probe=lambda: mismatch, device_types=lambda: ())
     from rlk_triton import (
         advantages,
         attention,

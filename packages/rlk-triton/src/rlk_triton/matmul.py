@@ -65,7 +65,7 @@ from rlk_triton.common import dot, grouped_tile, on_device
 #: of ``tools/sweep_matmul.py`` on an H200 (bf16, linear layout, N = K = 4096 and the Qwen3-8B
 #: MLP shapes; two runs): 0.59-0.76x cuBLAS at M >= 1024 and 0.61-1.04x at M <= 64, where the
 #: large-M favourites (128 x 256 x 64 w8: 0.65-0.78x; 128 x 128 x 64 w4: 0.72-0.86x) fall to
-#: 0.18-0.53x. No single pointer-load config reached 0.85x at large M (docs/performance.md, run 3).
+#: 0.18-0.53x. No single pointer-load config reached 0.85x at large M (docs/performance.md, 2026-11-29).
 TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
     torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
     torch.float16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4,
