@@ -53,6 +53,17 @@ def test_versions_agree():
         assert f"rlk=={version}" in _project(name)["dependencies"], name
 
 
+def test_one_torch_floor():
+    """Every distribution declares the same torch floor, and the torch running the tests satisfies it."""
+    floors = {dep for name in PACKAGES for dep in _project(name)["dependencies"] if dep.startswith("torch")}
+    assert len(floors) == 1
+    (floor,) = floors
+    minimum = tuple(int(x) for x in floor.removeprefix("torch>=").split("."))
+    import torch
+
+    assert tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= minimum
+
+
 @pytest.mark.parametrize("name", ["rlk", "rlk-triton"])
 def test_wheel_metadata(name, tmp_path):
     """The pure-Python wheels build offline (no build isolation; from a copy, so the checkout gets no build folder)
