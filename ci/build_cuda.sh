@@ -7,7 +7,8 @@
 #
 # Default mode: the distribution name follows nvcc's major version (packages/rlk-cuda/tools/set_flavor.py
 # auto), RLK_CUDA_ARCHS defaults to 90a (one architecture keeps the build near 30 s on 2 cores), the
-# package is installed without build isolation (scikit-build-core and nanobind are pip-installed first),
+# package is built from its sdist and installed without build isolation (scikit-build-core, nanobind and
+# build are pip-installed first),
 # then `python -m rlk info` must list backend cuda, and without a GPU as unavailable with a reason,
 # and the CPU tests of packages/rlk-cuda/tests run.
 set -euo pipefail
@@ -38,10 +39,13 @@ echo "== toolchain"
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 nvcc --version | tail -n 2
 cmake --version | head -n 1
-python3 -m pip install -q --disable-pip-version-check "scikit-build-core>=0.10" "nanobind>=2.0"
+python3 -m pip install -q --disable-pip-version-check "scikit-build-core>=0.10" "nanobind>=2.0" "build>=1.2"
 echo "== flavour: $(python3 packages/rlk-cuda/tools/set_flavor.py auto), RLK_CUDA_ARCHS=$RLK_CUDA_ARCHS"
-echo "== build + install"
-python3 -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps packages/rlk-cuda
+echo "== sdist, then build + install from it (the sdist must be self-contained)"
+sdist_dir=$(mktemp -d)
+python3 -m build -q --sdist --no-isolation packages/rlk-cuda -o "$sdist_dir"
+python3 -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps "$sdist_dir"/*.tar.gz
+rm -rf "$sdist_dir"
 echo "build + install took $(( $(date +%s) - start )) s"
 
 echo "== rlk info"
