@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU test suite (what CI runs): lint, unit tests (reference backend, Triton kernels through
+# The CPU test suite (what CI runs): lint, the docs site, unit tests (reference backend, Triton kernels through
 # the Triton interpreter), every Triton kernel specialization the tests launched compiled for sm_90 and sm_80,
 # the CPU parity matrix (quick subset) and the quick benchmark run.
 set -euo pipefail
@@ -12,6 +12,8 @@ out=${RLK_CI_OUT:-out/ci}
 mkdir -p "$out"
 
 echo "== ruff"; ruff check .
+echo "== docs site (mkdocs build --strict: broken links, missing pages, API pages from the docstrings)"
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q -d "$out/site"
 echo "== rlk-cuda native build (nvcc, sm_90a)"; bash ci/build_cuda.sh
 export RLK_REQUIRE_INSTALLED=cuda   # built and installed above; unavailable without a GPU, with its reason
 echo "== rlk info"; python3 -m rlk info
