@@ -1,5 +1,5 @@
-"""Helpers every Triton op family of rlk shares: the launch device, the dot product and tile scheduling, and one
-fix to Triton's CPU interpreter (tests only)."""
+"""Helpers every Triton op family of rlk shares: the launch device, the dot product and tile scheduling, and two
+fixes to Triton's CPU interpreter (tests only)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,34 @@ def _type_interpreter_comparisons_as_int1() -> bool:
     return True
 
 
+def _make_interpreted_dot_row_independent() -> None:
+    """Make the CPU interpreter's ``tl.dot`` sum each output element over K in order, whatever the other rows hold.
+
+    The interpreter computes ``tl.dot`` with ``np.matmul``, i.e. OpenBLAS, whose kernel is picked for the CPU at run
+    time: on some CPUs (an AMD EPYC, where OpenBLAS picks its Zen / Haswell kernels) an output row's bits depend on
+    the rows around it, so a kernel that is batch-invariant on a GPU is not under the interpreter, and the tests
+    of invariance fail by machine. ``np.einsum(..., optimize=False)`` (no BLAS) gives every output element the same
+    sequence of operations. Compiled kernels are not affected.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8 or a.data.ndim != 2 or b.data.ndim != 2:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.dtype
+        # C-ordered copies: einsum picks its loop order from the strides
+        out = np.einsum("mk,kn->mn", a.data.astype(acc, order="C"), b.data.astype(acc, order="C"), optimize=False)
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     INTERPRETER_COMPARISONS_RETYPED = _type_interpreter_comparisons_as_int1()
+    _make_interpreted_dot_row_independent()
 
 
 def on_device(device: torch.device):
