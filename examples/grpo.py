@@ -7,8 +7,9 @@
 Each step: a rollout by the Hugging Face model (left-padded prefill, then KV-cache decode; the next token is
 sampled on the CPU from per-sequence generators, apart from scoring), the verifier's rewards, group advantages,
 then the policy loss on the training layout (right-padded, micro-batched) and one optimizer step. The behaviour
-log-probs are the rollout's own (not recomputed). With rlk on, the model runs under ``rlk.hf.apply(model,
-batch_invariant=True)``: the rollout's log-probs come from ``rlk.hf.logprobs_from_hidden`` on the hidden states
+log-probs are the rollout's own (not recomputed). With rlk on, the model runs under ``rlk.integrations.hf.apply(model,
+batch_invariant=True)``: the rollout's log-probs come from ``rlk.integrations.hf.logprobs_from_hidden`` on the
+hidden states
 its forwards gave, training's from the same fused head, so the first micro-step's importance ratio is exactly 1
 for every token (logged as ``max_abs_delta`` = 0). ``--stock``: stock kernels, logits and ``log_softmax``,
 and a PyTorch PPO-clip loss.
@@ -75,7 +76,7 @@ def verify(prompt: list[int], response: list[int]) -> float:
 def rollout(model, prompts: list[list[int]], max_new: int, seed: int, rlk_on: bool):
     """Responses and their fp32 log-probs ``[N, max_new]`` (the behaviour policy's, temperature 1)."""
     import rlk
-    from rlk.hf import compat
+    from rlk.integrations.hf import compat
 
     device = next(model.parameters()).device
     n, width = len(prompts), max(len(p) for p in prompts)
@@ -103,7 +104,7 @@ def rollout(model, prompts: list[list[int]], max_new: int, seed: int, rlk_on: bo
                 token = torch.tensor([int(torch.multinomial(probs[i], 1, generator=gens[i])) for i in range(n)],
                                      device=device)
                 if rlk_on:  # the very op, weight and backend training's fused head will use on these hidden rows
-                    lp = rlk.hf.logprobs_from_hidden(model, seen["hidden"][:, -1], token)
+                    lp = rlk.integrations.hf.logprobs_from_hidden(model, seen["hidden"][:, -1], token)
                 else:
                     lp = torch.log_softmax(logits, -1).gather(1, token[:, None])[:, 0]
                 tokens.append(token)
@@ -179,13 +180,13 @@ def main(argv=None) -> list[dict]:
             raise SystemExit("set TRITON_INTERPRET=1 before importing triton (or run this script directly)")
         os.environ["TRITON_INTERPRET"] = "1"
     import rlk
-    from rlk.consistency.harness import build_model
+    from rlk.app.consistency.harness import build_model
 
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     model = build_model(args.model, dtype=dtype, device=device, seed=args.seed, num_layers=args.layers)
     model.train()
     if not args.stock:
-        rlk.hf.apply(model, batch_invariant=True)
+        rlk.integrations.hf.apply(model, batch_invariant=True)
     lr = args.lr if args.lr is not None else (1e-2 if args.model.startswith("tiny") else 1e-5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)

@@ -1,13 +1,13 @@
 """The batch-invariant forward chain in the parity matrix: cases, inputs, calls, contract scales, invariance.
 
-Ops: ``rms_norm`` (with the fused residual), ``matmul`` (through ``rlk.matmul.linear`` with a bias),
+Ops: ``rms_norm`` (with the fused residual), ``matmul`` (through ``rlk.ops.matmul.linear`` with a bias),
 ``attention`` (packed varlen, causal, GQA), ``softmax`` (and ``log_softmax``), ``rope`` (packed
 ``[T, H, D]`` layout) and ``embedding``. Each is run in bf16, fp16 and fp32, forward and backward
 (the loss ``sum(cotangent * output)`` with fixed random cotangents); ground truth is the same public
 op on fp64 copies of the same values (the inputs as cast to the tested dtype), pinned to the reference
 backend.
 
-Scales (what each deviation is measured against; ``rlk/contract.json`` states them per op):
+Scales (what each deviation is measured against; ``rlk/core/contract.json`` states them per op):
 
 * ``rms_norm``, ``softmax``: per element ``1 + |ref|`` (``log_softmax``: ``1 + |ref| + |x|``,
   since fp32 rounds ``x - lse`` to ``|x - lse| 2^-24``);
@@ -33,17 +33,17 @@ from dataclasses import dataclass
 import torch
 
 from parity.cases import generator
-from rlk import contract
 from rlk import use_backend as _use_backend
+from rlk.core import contract
 from rlk.reference import matmul as ref_matmul
 from rlk.reference import rope as ref_rope
 
 CHAIN_OPS = ("rms_norm", "matmul", "attention", "softmax", "rope", "embedding")
 #: The public function each op is called through: (module, name).
-_PUBLIC = {"rms_norm": ("rlk.norm", "rms_norm"), "matmul": ("rlk.matmul", "linear"),
-           "attention": ("rlk.attention", "attention"), "softmax": ("rlk.softmax", "softmax"),
-           "log_softmax": ("rlk.softmax", "log_softmax"), "rope": ("rlk.rope", "apply_rope"),
-           "embedding": ("rlk.embedding", "embedding")}
+_PUBLIC = {"rms_norm": ("rlk.ops.norm", "rms_norm"), "matmul": ("rlk.ops.matmul", "linear"),
+           "attention": ("rlk.ops.attention", "attention"), "softmax": ("rlk.ops.softmax", "softmax"),
+           "log_softmax": ("rlk.ops.softmax", "log_softmax"), "rope": ("rlk.ops.rope", "apply_rope"),
+           "embedding": ("rlk.ops.embedding", "embedding")}
 
 
 def _public(name: str) -> Callable:

@@ -5,7 +5,7 @@ The same interface as :mod:`parity.chain` (``value_cases``, ``make_inputs``, ``c
 Each case runs the public op in bf16, fp16 and fp32, forward and backward (``sum(cotangent * loss)``); ground
 truth is the same op on fp64 copies of the inputs as cast to the tested dtype, pinned to the reference backend.
 Scale (``contract.json``): per row ``1 + |lse_student| + |lse_teacher|`` of the fp64 logits
-(:func:`rlk.contract.divergence_scale`), its mean / sum for a reduced loss; gradients: ``compare_grad`` with
+(:func:`rlk.core.contract.divergence_scale`), its mean / sum for a reduced loss; gradients: ``compare_grad`` with
 ``max_scale`` the largest row scale. Batch invariance: a probe row alone versus inside batches at first, middle
 and last position: its loss and ``grad_hidden`` rows under ``reduction='none'`` (recomputing backward) and its
 ``grad_hidden`` row under ``'sum'`` (the gradient made in the forward) must be equal bit for bit.
@@ -20,9 +20,9 @@ import torch
 
 from parity.cases import generator
 from parity.chain import ChainCase, ChainInvariancePlan, ChainOutputs
-from rlk import contract
 from rlk import use_backend as _use_backend
-from rlk.distill import fused_linear_kl
+from rlk.core import contract
+from rlk.ops.distill import fused_linear_kl
 from rlk.reference import distill as ref_distill
 
 DISTILL_OPS = ("fused_linear_kl",)

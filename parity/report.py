@@ -18,7 +18,7 @@ import rlk
 from parity import cases as cs
 from parity import chain, distill, rl
 from parity.run import FAIL, NA, Cell, Config
-from rlk import dispatch
+from rlk.core import dispatch
 
 
 def environment(device: torch.device, command: str) -> dict:
@@ -182,7 +182,7 @@ def to_markdown(config: Config, cells: list[Cell], not_run: dict[str, str], env:
     lines += _table(["op", "dtype"] + config.backends, rows)
     lines += [
         "",
-        "PASS: every case is within the numerical contract (`rlk/contract.json`) on every output and gradient, "
+        "PASS: every case is within the numerical contract (`rlk/core/contract.json`) on every output and gradient, "
         "against the reference backend run in fp64 on the same input values, and a backend that declares batch "
         "invariance gives the probe row the same bits alone and in every batch. worst: the largest "
         "deviation / allowed over all cases and checks (a check passes at <= 1). n/a: the backend declines the "

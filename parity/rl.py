@@ -29,7 +29,7 @@ import torch
 
 import rlk
 from parity.cases import generator
-from rlk import contract
+from rlk.core import abi, contract
 from rlk.reference import advantages as ref_adv
 from rlk.reference import aggregation
 from rlk.reference import losses as ref_losses
@@ -374,12 +374,12 @@ def _policy_contract_scale(params: dict, x: dict) -> dict[str, torch.Tensor]:
 def _policy_scales(params: dict, x: dict, truth: RLOutputs) -> tuple[dict[str, torch.Tensor], float]:
     s = _policy_contract_scale(params, x)
     extra = {"loss": s["loss"].reshape(1)}
-    extra |= {name: s["metrics"][ref_pl.METRICS.index(name)].reshape(1) for name in truth.values if name != "loss"}
+    extra |= {name: s["metrics"][abi.POLICY_METRICS.index(name)].reshape(1) for name in truth.values if name != "loss"}
     return {name: 1.0 + truth.values[name].abs() + extra[name] for name in truth.values}, float(s["grad_max_scale"])
 
 
 def magnitudes(case: RLCase, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The gradients' terms by absolute value where they may cancel (``rlk.contract.compare_grad``'s
+    """The gradients' terms by absolute value where they may cancel (``rlk.core.contract.compare_grad``'s
     ``magnitude``): the policy loss's and the KL penalty's ``grad_logprob`` (k3's ``1 - exp(-delta)``)."""
     if case.op == "policy_loss":
         return {"grad_logprob": _policy_contract_scale(case.kwargs, x)["grad_magnitude"]}
@@ -428,7 +428,7 @@ def scales(case: RLCase, x: dict[str, torch.Tensor], truth: RLOutputs) -> tuple[
                                   mode=params["mode"], upper=INF if upper is None else upper,
                                   lower=0.0 if lower is None else lower, clamp=INF if clamp is None else clamp)
         out = {"weights": s["weights"]}
-        return out | {name: s["metrics"][i].reshape(1) for i, name in enumerate(ref_rc.METRICS)}, 1.0
+        return out | {name: s["metrics"][i].reshape(1) for i, name in enumerate(abi.CORRECTION_METRICS)}, 1.0
     if op == "value_loss":
         m = x["mask"]
         v_abs = torch.where(m, x["values"].abs(), 0.0).sum() / m.sum().clamp(min=1)

@@ -4,7 +4,7 @@ For each op, dtype and backend (pinned with :func:`rlk.use_backend`), every valu
 case runs the public op forward and backward (loss ``sum(c1 * logprob + c2 *
 entropy)``). Ground truth is the same public op on fp64 copies of the same input
 values, pinned to the reference backend. Outputs and gradients are compared
-with :mod:`rlk.contract`; no tolerance is defined here.
+with :mod:`rlk.core.contract`; no tolerance is defined here.
 
 Backends that declare ``batch_invariant`` must give a probe row the same bits
 alone and inside batches (``torch.equal``); for the others the same check is
@@ -28,7 +28,7 @@ import torch
 import rlk
 from parity import cases as cs
 from parity import chain, distill, rl
-from rlk import abi, contract, dispatch
+from rlk.core import abi, contract, dispatch
 
 PASS, FAIL, NA = "PASS", "FAIL", "n/a"
 
@@ -233,7 +233,7 @@ def reference_lse(op: str, inputs: cs.Inputs) -> torch.Tensor:
 @dataclass
 class GroundTruth:
     """fp64 reference outputs and gradients of one case, with the contract's row scales and the gradients' terms'
-    magnitudes (``rlk.contract.compare_grad``)."""
+    magnitudes (``rlk.core.contract.compare_grad``)."""
 
     outputs: Outputs
     scale: torch.Tensor

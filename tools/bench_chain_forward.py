@@ -2,9 +2,9 @@
 
 The target: the invariant chain costs at most 20% over stock kernels on the H200 forward. ``rlk consistency``
 times only its tiny prompt set (host-bound); this tool times realistic shapes, chain off and on, in one process on
-one model (:func:`rlk.consistency.harness.build_model`), switching with :func:`rlk.consistency.paths.chain`
+one model (:func:`rlk.app.consistency.harness.build_model`), switching with :func:`rlk.app.consistency.paths.chain`
 (on: ``rlk.batch_invariant()`` + ``rlk.patch_model(model)``; off: stock PyTorch / cuBLAS / SDPA). Inputs are fed
-the way :mod:`rlk.consistency.paths` feeds them (the shapes the consistency test checks bitwise), all under
+the way :mod:`rlk.app.consistency.paths` feeds them (the shapes the consistency test checks bitwise), all under
 ``torch.no_grad()``; token ids are drawn from ``torch.Generator(seed)``:
 
 * ``training``: one packed row of ``S`` sequences of ``L`` tokens, ``input_ids [1, S*L]``, ``position_ids``
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------
-# inputs (fed as rlk.consistency.paths feeds them)
+# inputs (fed as rlk.app.consistency.paths feeds them)
 # ---------------------------------------------------------------------------
 
 
@@ -178,7 +178,7 @@ def _training(model, args, gen, device) -> Scenario:
 
 
 def _prefill(model, args, gen, device) -> Scenario:
-    from rlk.hf import compat
+    from rlk.integrations.hf import compat
 
     lengths = _row_lengths(args.prefill_batch, args.prefill_len, gen)
     ids, mask, position_ids = _left_padded(lengths, args.prefill_len, model.config.vocab_size, gen, device)
@@ -194,7 +194,7 @@ def _prefill(model, args, gen, device) -> Scenario:
 
 
 def _decode(model, args, gen, device) -> Scenario:
-    from rlk.hf import compat
+    from rlk.integrations.hf import compat
 
     n, steps = args.decode_batch, args.decode_steps
     lengths = _row_lengths(n, args.decode_len, gen)
@@ -228,7 +228,7 @@ class _StaticDecode:
     def __init__(self, model, ids, mask, position_ids, step_ids, device):
         from transformers import StaticCache
 
-        from rlk.hf import compat
+        from rlk.integrations.hf import compat
 
         self.model, self.ids, self.prompt_mask, self.position_ids = model, ids, mask, position_ids
         self.step_ids = step_ids
@@ -268,7 +268,7 @@ class _StaticDecode:
         """The captured step of the current chain state (captured on first use); None off CUDA."""
         if self.device.type != "cuda":
             return None
-        from rlk import checks
+        from rlk.core import checks
 
         chain_on = getattr(self.model, "_rlk_patch", None) is not None
         if chain_on not in self.graphs:
@@ -380,8 +380,8 @@ def build_scenario(model, name: str, args, device: torch.device) -> Scenario:
 def run_scenario(model, name: str, args, device: torch.device) -> dict:
     """Time ``name`` with the chain off, then on, on the same inputs (drawn from ``args.seed``); then, per chain,
     one profiled repetition for the GPU kernel time."""
-    from rlk.batch_invariant import served_calls
-    from rlk.consistency.paths import chain
+    from rlk.app.consistency.paths import chain
+    from rlk.integrations.batch_invariant import served_calls
 
     scenario = build_scenario(model, name, args, device)
     out: dict = {"shape": scenario.shape, "unit": scenario.unit, "tokens_per_unit": scenario.tokens}
@@ -416,8 +416,8 @@ def host_profile(model, args, device: torch.device, warm: bool) -> dict:
     ``warm`` (the scenario already ran in this process). Writes the top ``args.host_profile`` functions by cumulative
     and by own time to ``<args.out>/host_profile_<scenario>_<off|on>.txt``; returns the file paths, the unit's wall
     ms under cProfile and the aten calls rlk served in it, per chain."""
-    from rlk.batch_invariant import served_calls
-    from rlk.consistency.paths import chain
+    from rlk.app.consistency.paths import chain
+    from rlk.integrations.batch_invariant import served_calls
 
     name, top = args.host_profile_scenario, args.host_profile
     scenario = build_scenario(model, name, args, device)
@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--host-profile writes its files under --out: give a directory")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from rlk.consistency import run
+    from rlk.app.consistency import run
 
     dtype = run.parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda"
                                                             else torch.float32)
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict:
         notes.append("CPU: rlk's chain runs in the Triton interpreter, stock kernels natively: the overhead says "
                      "nothing about the GPU")
 
-    from rlk.consistency import harness
+    from rlk.app.consistency import harness
 
     model = harness.build_model(args.model, dtype=dtype, device=device, seed=args.seed, num_layers=args.num_layers)
     for p in model.parameters():

@@ -11,7 +11,7 @@
    order (a stock all-reduce) must differ. Writes ``report.json`` (the ``rlk consistency`` schema, parallel
    configurations in ``report["parallel"]``; plus ``drift.html`` when the consistency tool renders it).
 2. Overhead of the tree-aligned single-device kernels against today's (``MAX_TREE_LEAVES = 1``: the kernels'
-   previous reduction order, bit for bit; for the matmul, ``rlk.tensor_parallel`` off, its default), side by
+   previous reduction order, bit for bit; for the matmul, ``rlk.core.tensor_parallel`` off, its default), side by
    side, median ms from ``triton.testing.do_bench``: ``linear_logprob`` forward / backward at N in 1024, 4096,
    16384 (H = 4096, V = 151936; peak memory of the backward) and ``linear`` forward / backward on the Qwen3-8B
    projections at M in 1024, 4096, 16384. The tree matmul holds up to 4 fp32 accumulators; on the 64x128x128
@@ -186,11 +186,11 @@ def invariance(config, dtype, device, tokens, out_dir) -> dict:
     print("report:", "PASSED" if report["passed"] else f"FAILED {report['failed']}")
     if out_dir:
         try:
-            from rlk.consistency import report as rep
+            from rlk.app.consistency import report as rep
 
             report["files"] = rep.write_all(report, out_dir)
         except Exception as exc:  # the consistency tool's HTML may need fields this report lacks
-            from rlk.consistency import report as rep
+            from rlk.app.consistency import report as rep
 
             report.setdefault("notes", []).append(f"drift.html not written: {type(exc).__name__}: {exc}")
             report["files"] = {"json": rep.write_json(report, os.path.join(out_dir, "report.json"))}

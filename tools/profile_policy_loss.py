@@ -67,8 +67,8 @@ def host_us(fn, n: int = 500) -> float:
 
 def _layers(logprob, old, adv, mask):
     """(name, call) from the whole step down to the backend's kernels, to tell where host time goes."""
-    from rlk import dispatch
     from rlk import policy_loss as _  # noqa: F401  (registers torch.ops.rlk.policy_loss_fwd)
+    from rlk.core import dispatch
 
     detached = logprob.detach()
     flags = [False, True, False, False, False]
@@ -88,7 +88,7 @@ def _layers(logprob, old, adv, mask):
             return func(*args, **(kwargs or {}))
 
     def dispatcher_step():
-        with PassThrough():  # any dispatch mode sends rlk's ops through torch's custom-op path (rlk.custom_op)
+        with PassThrough():  # any dispatch mode sends rlk's ops through torch's custom-op path (rlk.core.custom_op)
             loss, _ = rlk.policy_loss(logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP,
                                       clamp_log_ratio=CLAMP, agg="token-mean")
         return torch.autograd.grad(loss, logprob)

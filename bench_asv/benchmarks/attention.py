@@ -1,8 +1,8 @@
-"""Benchmarks of ``rlk.attention.attention`` (varlen, batch-invariant flash attention) against SDPA flash.
+"""Benchmarks of ``rlk.ops.attention.attention`` (varlen, batch-invariant flash attention) against SDPA flash.
 
 Implementations (the ``impl`` parameter), modes (the ``mode`` option) ``fwd`` and ``fwd+bwd``:
 
-* ``rlk``: ``rlk.attention.attention`` on the packed varlen tensors (``[total, H, D]``, ``cu_seqlens``);
+* ``rlk``: ``rlk.ops.attention.attention`` on the packed varlen tensors (``[total, H, D]``, ``cu_seqlens``);
 * ``sdpa_flash``: ``torch.nn.functional.scaled_dot_product_attention`` under
   ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` on ``[B, H, S, D]`` tensors, GQA through
   ``enable_gqa=True`` (no repeat of k/v). The packed mix runs one SDPA call per sequence (torch exposes
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk.attention import attention
+from rlk.ops.attention import attention
 
 from .common import DEVICE, QUICK, SEED, CaseBase, _CaseSetup, _MemorySetup
 

@@ -2,7 +2,7 @@
 prefill and a decode step (the suite's view of ``tools/bench_chain_forward.py``).
 
 The tool builds the inputs and times each scenario (it is loaded by path, so the suite and the tool time the same
-thing); the model is ``rlk.consistency.harness.build_model``'s:
+thing); the model is ``rlk.app.consistency.harness.build_model``'s:
 
 * ``training``: one packed row of ``S x L`` tokens, full logits (a trainer's forward); one unit is the forward;
 * ``prefill``: ``B x P`` left-padded tokens into a fresh KV cache, last-position logits; one unit is the forward;
@@ -11,7 +11,7 @@ thing); the model is ``rlk.consistency.harness.build_model``'s:
 * ``decode_graph``: the same steps on a static KV cache, each replayed from a CUDA graph (eager off CUDA).
 
 Implementations (``impl``): ``stock`` (PyTorch / cuBLAS / SDPA) and ``rlk`` (``rlk.batch_invariant()`` +
-``rlk.patch_model``), switched on one model by ``rlk.consistency.paths.chain``. Shape ``(layers,)``: the model's
+``rlk.patch_model``), switched on one model by ``rlk.app.consistency.paths.chain``. Shape ``(layers,)``: the model's
 decoder layers. On a GPU: ``qwen3-8b-shape`` (hidden 4096, 32 / 8 heads of 128, MLP 12288, V = 151936) with 8
 layers in bf16, S = 16, L = 512, B = 16, P = 512, B_dec = 32, P_dec = 512, K = 16 (issue 19's decode figure).
 Quick mode (or no GPU): the tiny model in float32 with sizes of 2-8, rlk's chain in the Triton interpreter, so
@@ -68,7 +68,7 @@ def tool():
 def model(layers: int):
     """The benchmark's model with ``layers`` decoder layers, no gradients (built once, shared by both impls)."""
     if layers not in _model:
-        from rlk.consistency import harness
+        from rlk.app.consistency import harness
 
         _model.clear()
         built = harness.build_model(MODEL, dtype=DTYPE, device=DEVICE, seed=SEED, num_layers=layers)
@@ -112,7 +112,7 @@ class ChainCase(CaseBase):
         self._times = None
 
     def _chain(self):
-        from rlk.consistency.paths import chain
+        from rlk.app.consistency.paths import chain
 
         return chain(self.lm, self.enabled)
 

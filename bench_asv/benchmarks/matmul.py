@@ -1,4 +1,4 @@
-"""Forward benchmarks of the batch-invariant GEMM ``rlk.matmul.linear`` / ``rlk.matmul.matmul`` against cuBLAS.
+"""Forward benchmarks of the batch-invariant GEMM ``rlk.ops.matmul.linear`` / ``rlk.ops.matmul.matmul`` against cuBLAS.
 
 Implementations (the ``impl`` parameter):
 
@@ -7,8 +7,8 @@ Implementations (the ``impl`` parameter):
 * ``cublas``: ``torch.mm`` on the same operands (cuBLAS on a GPU), which is not batch-invariant.
 
 The option ``layout`` says how ``b`` is stored: ``linear`` is ``x @ weight.T`` with the weight
-``[N, K]`` read in place (``rlk.matmul.linear``; ``torch.mm(x, weight.t())``), ``row_major`` a
-contiguous ``[K, N]`` ``b`` (``rlk.matmul.matmul``; ``torch.mm(x, b)``).
+``[N, K]`` read in place (``rlk.ops.matmul.linear``; ``torch.mm(x, weight.t())``), ``row_major`` a
+contiguous ``[K, N]`` ``b`` (``rlk.ops.matmul.matmul``; ``torch.mm(x, b)``).
 
 Shapes ``(M, N, K)``: ``M`` in 1, 16, 64, 256, 1024, 4096, 16384 at N = K = 4096 and at the
 Qwen3-8B MLP shapes (gate/up: N = 12288, K = 4096; down: N = 4096, K = 12288), bf16.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 import rlk
-from rlk.matmul import linear, matmul
+from rlk.ops.matmul import linear, matmul
 
 from .common import DEVICE, QUICK, SEED, CaseBase, _CaseSetup
 

@@ -1,4 +1,4 @@
-"""Forward + backward benchmarks of ``rlk.norm.rms_norm`` (Llama / Qwen3 form) against PyTorch.
+"""Forward + backward benchmarks of ``rlk.ops.norm.rms_norm`` (Llama / Qwen3 form) against PyTorch.
 
 Implementations (the ``impl`` parameter):
 
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 import rlk
-from rlk.norm import rms_norm
+from rlk.ops.norm import rms_norm
 
 from .common import DEVICE, QUICK, SEED, CaseBase, _CaseSetup, _MemorySetup
 

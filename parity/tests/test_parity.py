@@ -2,7 +2,7 @@
 
 Tiny matrices (V in {1000, 3000}, N in {1, 7}) keep these tests fast on the CPU;
 the Triton backend runs under its CPU interpreter when no GPU is visible.
-Deliberately broken backends are registered by patching ``rlk.dispatch.discover``.
+Deliberately broken backends are registered by patching ``rlk.core.dispatch.discover``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from parity import cases as cs
 from parity import chain, distill, report, rl
 from parity.__main__ import main
 from parity.run import ALL_OPS, FAIL, NA, PASS, Config, run_matrix, runnable_backends
-from rlk import abi, dispatch
-from rlk.reference import rollout_correction as ref_rollout_correction
+from rlk.core import abi, dispatch
 
 CPU = torch.device("cpu")
 
@@ -187,7 +186,7 @@ RL_CHECKS = {
     "masked_whiten": {"whitened"},
     "discounted_returns": {"returns"},
     "gae": {"advantages", "returns"},
-    "rollout_correction": {"weights", *ref_rollout_correction.METRICS},
+    "rollout_correction": {"weights", *abi.CORRECTION_METRICS},
 }
 
 

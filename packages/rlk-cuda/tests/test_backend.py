@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import rlk
-from rlk import abi, dispatch
-from rlk.info import info
+from rlk.app.info import info
+from rlk.core import abi, dispatch, version
 from rlk.reference import distill as ref_distill
 from rlk.reference import logprob as ref_logprob
 from rlk.reference import norm as ref_norm
@@ -67,7 +67,7 @@ def test_version_check_refuses_another_rlk(monkeypatch):
     reason = rlk_cuda.version_problem("9.9.9")
     assert reason and rlk_cuda.__version__ in reason and "9.9.9" in reason
     assert rlk_cuda.version_problem(rlk_cuda.__version__) is None
-    monkeypatch.setattr(rlk, "__version__", "9.9.9")
+    monkeypatch.setattr(version, "__version__", "9.9.9")
     backend = rlk_cuda.backend()
     assert backend.primitives == {} and backend.probe() == reason and backend.device_types() == ()
 

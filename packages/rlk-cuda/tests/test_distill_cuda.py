@@ -20,7 +20,7 @@ pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build
 from test_linear_logprob_cuda import IGNORE, REQUIRE_WGMMA, hopper_module, hopper_problem, probe_placements  # noqa: E402  (the sibling test module's helpers)
 
 import rlk  # noqa: E402
-from rlk import contract, dispatch  # noqa: E402
+from rlk.core import contract, dispatch
 from rlk.reference import distill as ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu

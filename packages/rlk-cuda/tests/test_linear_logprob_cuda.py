@@ -22,7 +22,7 @@ pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build
 from test_logprob_cuda import check_entropy_of_large_logits, check_row_outputs  # noqa: E402  (sibling's helpers)
 
 import rlk  # noqa: E402
-from rlk import contract, dispatch  # noqa: E402
+from rlk.core import contract, dispatch
 from rlk.reference import logprob as ref
 
 pytestmark = pytest.mark.gpu

@@ -19,7 +19,7 @@ pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build
 from test_linear_logprob_cuda import IGNORE, REQUIRE_WGMMA, hopper_module, hopper_problem, make_inputs, probe_placements  # noqa: E402  (the sibling test module's helpers)
 
 import rlk  # noqa: E402
-from rlk import contract  # noqa: E402
+from rlk.core import contract
 from rlk.reference import logprob as ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -179,9 +179,9 @@ def test_fused_linear_policy_loss_one_pass_on_cuda_is_the_lean_mode():
         return loss.detach(), metrics, hh.grad, ww.grad
 
     probe = hidden.clone().requires_grad_()
-    decision = rlk.linear_policy_loss.decide_mode(probe, weight, targets, mode="auto")
+    decision = rlk.ops.linear_policy_loss.decide_mode(probe, weight, targets, mode="auto")
     assert decision.mode == "lean" and decision.backend == "cuda", decision
-    decision = rlk.linear_policy_loss.decide_mode(probe, weight, targets, mode="one_pass")
+    decision = rlk.ops.linear_policy_loss.decide_mode(probe, weight, targets, mode="one_pass")
     assert decision.mode == "one_pass" and decision.backend == "cuda", decision
     one, lean = run("one_pass"), run("lean")
     assert torch.equal(one[0], lean[0])

@@ -21,7 +21,7 @@ pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build
 
 from test_linear_logprob_cuda import IGNORE, REQUIRE_WGMMA, hopper_module, hopper_problem, make_inputs, probe_placements  # noqa: E402  (the sibling test module's helpers)
 
-from rlk import contract  # noqa: E402
+from rlk.core import contract
 from rlk.reference import logprob as ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 
 import rlk
-from rlk import contract, dispatch
+from rlk.core import contract, dispatch
 from rlk.reference import logprob as ref
 
 pytestmark = pytest.mark.gpu

@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 
 import rlk
-from rlk import contract, dispatch
-from rlk.norm import output_dtype, rms_norm
+from rlk.core import contract, dispatch
+from rlk.ops.norm import output_dtype, rms_norm
 from rlk.reference import norm as ref
 
 pytestmark = pytest.mark.gpu

@@ -3,7 +3,7 @@
 On a machine without CUDA the kernels run under the Triton CPU interpreter
 (``TRITON_INTERPRET=1``, set below before triton is imported), with small shapes and, where
 chunking matters, tiny tiles; with CUDA the same tests run on the GPU, plus the ``gpu``-marked
-ones (realistic shapes). Tolerances come from the numerical contract (``rlk.contract``); batch
+ones (realistic shapes). Tolerances come from the numerical contract (``rlk.core.contract``); batch
 invariance and determinism are checked bit for bit (``torch.equal``).
 """
 
@@ -14,13 +14,15 @@ import os
 
 import torch
 
+from rlk.core import abi
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
 import rlk
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import advantages as ref
 from rlk_triton import advantages as tk
 
@@ -101,7 +103,7 @@ def check_group(scores, ids, size, lengths, mode, eps=1e-6):
     return got, ratio
 
 
-@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+@pytest.mark.parametrize("mode", abi.GROUP_MODES)
 def test_group_index_matches_reference(tiles, mode):
     sizes = [1, 2, 3, 4, 5, 8, 9, 13, 1, 16]
     scores, ids, lengths = group_inputs(sizes, seed=1)
@@ -114,7 +116,7 @@ def test_group_index_matches_reference(tiles, mode):
             assert torch.equal(got[single], expected)
 
 
-@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+@pytest.mark.parametrize("mode", abi.GROUP_MODES)
 @pytest.mark.parametrize("size", [1, 5, 16])
 def test_group_size_matches_reference(tiles, mode, size):
     g = _gen(2)
@@ -150,7 +152,7 @@ HUGE_SCORES_RLOO = [0.0, 1e20, -1e20, 3e19, 1e38, -1e38, 5e37, 0.0, 3e38, 3e38, 
 HUGE_LENGTHS = [3.0, 1.0, 0.0, 7.0, 2.0, 2.0, 1.0, 1.0, 3.0, 1.0, 0.0, 7.0, 3.0, 1.0, 0.0, 7.0]
 
 
-@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+@pytest.mark.parametrize("mode", abi.GROUP_MODES)
 def test_group_huge_spread(tiles, mode):
     """A spread above ~1e19 overflowed the fp32 variance (advantages 0, or NaN at +-3e38); against the
     fp64 reference, with group_size and with shuffled group_index."""
@@ -169,7 +171,7 @@ def test_group_huge_spread(tiles, mode):
 
 
 @pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
-@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+@pytest.mark.parametrize("mode", abi.GROUP_MODES)
 def test_group_non_finite_scores_stay_in_their_group(small_tiles, mode, fill):
     """Every row is in a group, and a group reads only its own scores and lengths: a NaN / inf there
     leaves the other groups bitwise as with finite values (distinct ones, so that gpg's count of
@@ -322,7 +324,7 @@ def test_whiten_equal_huge_values(small_tiles):
     x = torch.full((40,), 3e38, device=DEVICE)
     mask = torch.ones(40, dtype=torch.bool, device=DEVICE)
     mask[7] = False
-    for eps_mode in ref.EPS_MODES:
+    for eps_mode in abi.EPS_MODES:
         assert torch.equal(run_whiten(tk, x, mask, True, eps_mode, True), torch.zeros(40, device=DEVICE))
         assert torch.equal(run_whiten(tk, x, mask, True, eps_mode, False), torch.where(mask, x, 0.0))
 
@@ -358,13 +360,13 @@ def row_masks(b: int, t: int, seed: int) -> torch.Tensor:
 def run_returns(impl, rewards, mask, gamma, mode):
     """Both backends get the op layer's constant: gamma rounded to float32 (the kernels' inputs)."""
     out = torch.empty_like(rewards)
-    impl.discounted_returns_fwd(rewards, mask, ref.recurrence_constants(gamma, 1.0, torch.float32)[0], mode, out)
+    impl.discounted_returns_fwd(rewards, mask, abi.recurrence_constants(gamma, 1.0, torch.float32)[0], mode, out)
     return out
 
 
 def run_gae(impl, rewards, values, mask, gamma, lam):
     adv, ret = torch.empty_like(rewards), torch.empty_like(rewards)
-    impl.gae_fwd(rewards, values, mask, *ref.recurrence_constants(gamma, lam, torch.float32), adv, ret)
+    impl.gae_fwd(rewards, values, mask, *abi.recurrence_constants(gamma, lam, torch.float32), adv, ret)
     return adv, ret
 
 
@@ -389,7 +391,7 @@ SCAN_CASES = [("default", (1, 1)), ("default", (6, 37)), ("default", (2, 2500)),
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.99])
-@pytest.mark.parametrize("mode", ref.RETURN_MASK_MODES)
+@pytest.mark.parametrize("mode", abi.RETURN_MASK_MODES)
 @pytest.mark.parametrize("tiles, shape", SCAN_CASES)
 def test_returns_match_reference(monkeypatch, tiles, shape, mode, gamma):
     _use_tiles(monkeypatch, tiles)
@@ -420,7 +422,7 @@ def test_scans_large_values(small_tiles):
     rewards = (torch.randn(3, 300, generator=g) * 1e4).to(DEVICE)
     values = (1e5 + torch.randn(3, 300, generator=g) * 10).to(DEVICE)
     mask = row_masks(3, 300, 8)
-    for mode in ref.RETURN_MASK_MODES:
+    for mode in abi.RETURN_MASK_MODES:
         check_returns(rewards, mask, 0.99, mode)
     check_gae(rewards, values, mask, 0.99, 0.95)
 
@@ -463,7 +465,7 @@ def test_scans_masked_garbage_does_not_leak(monkeypatch, tiles, shape, fill):
     mask = _garbage_mask(b, t, 18)
     clean_r, clean_v = torch.where(mask, rewards, 0.0), torch.where(mask, values, 0.0)
     dirty_r, dirty_v = torch.where(mask, rewards, fill), torch.where(mask, values, fill)
-    for mode in ref.RETURN_MASK_MODES:
+    for mode in abi.RETURN_MASK_MODES:
         want = run_returns(tk, clean_r, mask, 0.99, mode)
         got = run_returns(tk, dirty_r, mask, 0.99, mode)
         assert torch.equal(got[mask], want[mask]), mode
@@ -483,7 +485,7 @@ def test_scans_masked_garbage_does_not_leak(monkeypatch, tiles, shape, fill):
 
 def _scan_outputs(rewards, values, mask):
     """Every scan output of the kernels for one batch: returns in each mode (two gammas) and GAE."""
-    outs = [run_returns(tk, rewards, mask, gamma, mode) for mode in ref.RETURN_MASK_MODES for gamma in (1.0, 0.99)]
+    outs = [run_returns(tk, rewards, mask, gamma, mode) for mode in abi.RETURN_MASK_MODES for gamma in (1.0, 0.99)]
     return outs + list(run_gae(tk, rewards, values, mask, 0.99, 0.95))
 
 
@@ -529,7 +531,7 @@ def test_public_ops_run_the_triton_primitives(small_tiles):
     values = torch.randn(4, 30, generator=g).to(DEVICE)
     mask = row_masks(4, 30, 11)
     with rlk.use_backend("triton"):
-        for mode in ref.GROUP_MODES:
+        for mode in abi.GROUP_MODES:
             lens = lengths if mode == "opo" else None
             assert torch.equal(rlk.group_advantages(scores, group_index=ids, mode=mode, lengths=lens),
                                run_group(tk, scores, ids, 0, lengths, mode))
@@ -561,13 +563,13 @@ def test_realistic_shapes_gpu():
     rewards = (torch.randn(b, t, generator=g) * 0.1).to(DEVICE)
     values = torch.randn(b, t, generator=g).to(DEVICE)
     mask = row_masks(b, t, 12)
-    for mode in ref.RETURN_MASK_MODES:
+    for mode in abi.RETURN_MASK_MODES:
         check_returns(rewards, mask, 0.99, mode)
     check_gae(rewards, values, mask, 0.99, 0.95)
     check_gae(rewards, values, mask, 1.0, 1.0)
     check_whiten(rewards.reshape(-1), mask.reshape(-1), True, "add", True)
     scores, ids, lengths = group_inputs([16] * 512 + [1, 2, 300], seed=12)
-    for mode in ref.GROUP_MODES:
+    for mode in abi.GROUP_MODES:
         check_group(scores, ids, 0, lengths, mode)
         check_group(scores[:8192], None, 16, lengths[:8192], mode)
 
@@ -577,7 +579,7 @@ def test_realistic_shapes_gpu():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ref.PASSK_MODES)
+@pytest.mark.parametrize("mode", abi.PASSK_MODES)
 def test_passk_matches_reference(tiles, mode):
     scores, ids, lengths = group_inputs([1, 2, 5, 9, 130, 3], seed=8, equal_group=None)
     five = next(g for g in ids.tolist() if int((ids == g).sum()) == 5)
@@ -590,7 +592,7 @@ def test_passk_matches_reference(tiles, mode):
     check_group(huge, None, 4, torch.ones_like(huge), mode)
 
 
-@pytest.mark.parametrize("mode", ref.PASSK_MODES)
+@pytest.mark.parametrize("mode", abi.PASSK_MODES)
 def test_passk_batch_invariance_and_nan(small_tiles, mode):
     g = _gen(9)
     probe = (torch.randn(9, generator=g) * 4 + 1).to(DEVICE)

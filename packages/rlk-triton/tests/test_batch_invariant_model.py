@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlk.batch_invariant import batch_invariant, served_calls
+from rlk.integrations.batch_invariant import batch_invariant, served_calls
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import pytest
 
 import rlk
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import distill as ref
 from rlk_triton import distill as tk
 from rlk_triton import logprob as tk_logprob

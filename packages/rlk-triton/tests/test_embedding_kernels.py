@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
 import pytest
 
 import rlk
-from rlk import contract
-from rlk.embedding import embedding
+from rlk.core import contract
+from rlk.ops.embedding import embedding
 from rlk.reference import embedding as ref
 from rlk_triton import embedding as tk
 

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import logprob as ref
 from rlk_triton import logprob as tk
 

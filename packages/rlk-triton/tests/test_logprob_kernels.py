@@ -3,7 +3,7 @@
 On a machine without CUDA the kernels run under the Triton CPU interpreter
 (``TRITON_INTERPRET=1``, set below before triton is imported), with small shapes;
 with CUDA the same tests run on the GPU, plus the ``gpu``-marked ones (bf16 dots,
-realistic shapes). Tolerances come from the numerical contract (``rlk.contract``);
+realistic shapes). Tolerances come from the numerical contract (``rlk.core.contract``);
 batch invariance and determinism are checked bit for bit (``torch.equal``).
 """
 
@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import logprob as ref
 from rlk_triton import logprob as tk
 

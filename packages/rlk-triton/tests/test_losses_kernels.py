@@ -2,7 +2,7 @@
 
 On a machine without CUDA the kernels run under the Triton CPU interpreter (``TRITON_INTERPRET=1``,
 set below before triton is imported), with small shapes. Tolerances come from the numerical
-contract (``rlk.contract``); batch invariance and determinism are checked bit for bit
+contract (``rlk.core.contract``); batch invariance and determinism are checked bit for bit
 (``torch.equal``).
 """
 
@@ -13,13 +13,15 @@ import os
 
 import torch
 
+from rlk.core import abi
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
 import rlk
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import aggregation
 from rlk.reference import losses as ref
 from rlk_triton import losses as tk
@@ -338,7 +340,7 @@ def test_dpo_extreme_margins(small_blocks):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("agg", aggregation.AGG_MODES)
+@pytest.mark.parametrize("agg", abi.AGG_MODES)
 def test_public_value_loss_micro_batch_gradients_are_bitwise(agg):
     """With global normalizers, each micro-batch's gradient rows equal the full batch's, bit for bit."""
     values, old_values, returns, mask = value_inputs(11, 70, seed=41, garbage=True)

@@ -3,7 +3,7 @@
 Without CUDA the kernels run under the Triton CPU interpreter (``TRITON_INTERPRET=1``) on small
 shapes, in fp32 and fp16 (bf16 ``tl.dot`` is wrong under the interpreter); with CUDA the same
 tests run on the GPU, plus the ``gpu``-marked ones (bf16, N = K = 4096, a negative control on
-cuBLAS). Tolerances come from the numerical contract (``rlk.contract``, scale
+cuBLAS). Tolerances come from the numerical contract (``rlk.core.contract``, scale
 ``(|a| @ |b|) + |bias|``); batch invariance and determinism are checked bit for bit.
 """
 
@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import matmul as ref
 from rlk_triton import matmul as tk
 

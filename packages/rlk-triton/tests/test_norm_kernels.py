@@ -3,7 +3,7 @@
 Without CUDA the kernels run under the Triton CPU interpreter (``TRITON_INTERPRET=1``, tests marked
 ``triton_interpreter``, tiny shapes, fp32 and fp16: the interpreter truncates fp32 -> bf16 casts, so
 bf16 is checked on the GPU only); with CUDA the ``gpu`` tests add bf16 and realistic shapes. Tolerances
-come from the numerical contract (``rlk.contract``); batch invariance and determinism are checked bit
+come from the numerical contract (``rlk.core.contract``); batch invariance and determinism are checked bit
 for bit (``torch.equal``).
 """
 
@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from rlk import contract
-from rlk.norm import output_dtype
+from rlk.core import contract
+from rlk.ops.norm import output_dtype
 from rlk.reference import norm as ref
 from rlk_triton import norm as tk
 

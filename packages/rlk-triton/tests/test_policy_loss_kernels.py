@@ -2,7 +2,7 @@
 
 On a machine without CUDA the kernels run under the Triton CPU interpreter
 (``TRITON_INTERPRET=1``, set below before triton is imported), with small shapes. Tolerances
-come from the numerical contract (``rlk.contract``, entries ``policy_loss`` / ``kl_penalty``,
+come from the numerical contract (``rlk.core.contract``, entries ``policy_loss`` / ``kl_penalty``,
 scale ``1 + |ref|``); batch invariance and determinism are checked bit for bit (``torch.equal``).
 """
 
@@ -16,13 +16,15 @@ import textwrap
 
 import torch
 
+from rlk.core import abi
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
 import rlk
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import aggregation
 from rlk.reference import policy_loss as ref
 from rlk_triton import policy_loss as tk
@@ -30,7 +32,7 @@ from rlk_triton import policy_loss as tk
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ENTRY = contract.entry("policy_loss", torch.float32)
 KL_ENTRY = contract.entry("kl_penalty", torch.float32)
-LOSSES = list(ref.LOSSES)
+LOSSES = list(abi.LOSSES)
 INF = math.inf
 
 # Worst deviation / allowed per output (printed with RLK_REPORT_RATIOS=1 and -s).
@@ -115,8 +117,8 @@ def run_fwd(impl, inputs: dict, dtype=torch.float32, with_entropy_grad=True, **a
         "grad_logprob": torch.empty(b, t, dtype=dtype, device=DEVICE),
         "grad_entropy": torch.empty(b, t, dtype=dtype, device=DEVICE) if with_entropy_grad else None,
         "row_weight": torch.empty(b, dtype=dtype, device=DEVICE),
-        "row_stats": torch.empty(b, len(ref.ROW_STATS), dtype=dtype, device=DEVICE),
-        "metrics": torch.empty(len(ref.METRICS), dtype=dtype, device=DEVICE),
+        "row_stats": torch.empty(b, len(abi.ROW_STATS), dtype=dtype, device=DEVICE),
+        "metrics": torch.empty(len(abi.POLICY_METRICS), dtype=dtype, device=DEVICE),
     }
     impl.policy_loss_fwd(*args, *norms, out["loss"], out["grad_logprob"], out["grad_entropy"], out["row_weight"],
                          out["row_stats"], out["metrics"], **attrs)
@@ -612,7 +614,7 @@ def test_dppo_matches_reference(attrs, shape):
     inputs = make_inputs(*shape, seed=3 * shape[0] + shape[1])
     got = check_against_reference(inputs, **attrs)
     if shape == (7, 37):  # the region and the cap are both active on these inputs
-        metrics = dict(zip(ref.METRICS, got["metrics"].tolist()))
+        metrics = dict(zip(abi.POLICY_METRICS, got["metrics"].tolist()))
         assert 0.0 < metrics["clip_fraction"] < 1.0
         if attrs.get("dual_clip"):
             assert metrics["lower_clip_fraction"] > 0.0
@@ -646,7 +648,7 @@ def _phi_is_not_trivial(got: dict, inputs: dict, ratios_near_one: bool = True) -
     live = (got["grad_logprob"] != 0) & inputs["mask"]
     assert int(live.sum()) > int(inputs["mask"].sum()) // 3
     if ratios_near_one:
-        assert 0.5 < float(got["metrics"][ref.METRICS.index("ratio_max")]) < 3.0
+        assert 0.5 < float(got["metrics"][abi.POLICY_METRICS.index("ratio_max")]) < 3.0
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (5, 13), (7, 37), (2, 1100)])

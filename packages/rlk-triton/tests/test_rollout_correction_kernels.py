@@ -13,13 +13,15 @@ import os
 
 import torch
 
+from rlk.core import abi
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
 import rlk
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import rollout_correction as ref
 from rlk_triton import rollout_correction as tk
 
@@ -85,7 +87,7 @@ def run_fwd(impl, x: dict, dtype=torch.float32, **attrs) -> tuple[torch.Tensor, 
     """``impl.rollout_correction_fwd`` on ``x`` in ``dtype``: ``(weights [B, T], metrics [len(METRICS)])``."""
     old = x["old"].to(dtype).contiguous()
     weights = torch.empty_like(old)
-    metrics = torch.empty(len(ref.METRICS), dtype=dtype, device=old.device)
+    metrics = torch.empty(len(abi.CORRECTION_METRICS), dtype=dtype, device=old.device)
     impl.rollout_correction_fwd(old, x["roll"].to(dtype).contiguous(), x["mask"].contiguous(), weights, metrics,
                                 **attrs)
     return weights, metrics
@@ -98,7 +100,7 @@ def check_against_reference(x: dict, **attrs) -> tuple[torch.Tensor, torch.Tenso
     dev = contract.compare_outputs(ENTRY, "weights", weights.reshape(-1), truth_w.reshape(-1),
                                    scale["weights"].reshape(-1))
     assert dev.ok, (attrs, dev)
-    for i, name in enumerate(ref.METRICS):
+    for i, name in enumerate(abi.CORRECTION_METRICS):
         dev = contract.compare_outputs(ENTRY, name, metrics[i:i + 1], truth_m[i:i + 1], scale["metrics"][i:i + 1])
         assert dev.ok, (attrs, dev)
     assert bool((weights[~x["mask"]] == 0).all())
@@ -117,7 +119,7 @@ def test_small_blocks(small_blocks, attrs):
     exercised (tokens truncated or masked, not all of them)."""
     x = make_inputs(11, 53, seed=1, level=attrs["level"])
     _, metrics = check_against_reference(x, **attrs)
-    values = dict(zip(ref.METRICS, metrics.tolist()))
+    values = dict(zip(abi.CORRECTION_METRICS, metrics.tolist()))
     assert 0 < values["clipped_fraction"] < 1 and values["sequences"] == 10 and values["weight_std"] > 0
 
 
@@ -125,7 +127,7 @@ def test_the_small_block_cases_are_not_trivial():
     """Row sums at the sequence level put rows on both sides of the thresholds (not all truncated or masked)."""
     for attrs in CASES[4:]:
         _, metrics = run_fwd(ref, make_inputs(11, 53, seed=1, level="sequence"), torch.float64, **attrs)
-        values = dict(zip(ref.METRICS, metrics.tolist()))
+        values = dict(zip(abi.CORRECTION_METRICS, metrics.tolist()))
         assert 0 < values["seq_clipped_fraction"] < 1, attrs
 
 

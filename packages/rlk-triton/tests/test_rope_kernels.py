@@ -4,7 +4,7 @@ On a machine without CUDA the kernels run under the Triton CPU interpreter
 (``TRITON_INTERPRET=1``, set below before triton is imported) with small shapes; bf16 is compared
 on the GPU only (the interpreter truncates fp32 -> bf16 casts instead of rounding). With CUDA the
 same tests run on the GPU, plus the ``gpu``-marked ones (bf16, realistic shapes). Tolerances come
-from the numerical contract (``rlk.contract``); batch invariance is checked bit for bit.
+from the numerical contract (``rlk.core.contract``); batch invariance is checked bit for bit.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
 import pytest
 
 import rlk
-from rlk import contract
+from rlk.core import contract
+from rlk.ops.rope import apply_rope
 from rlk.reference import rope as ref
-from rlk.rope import apply_rope
 from rlk_triton import rope as tk
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

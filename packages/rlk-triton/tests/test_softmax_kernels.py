@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import softmax as ref
 from rlk_triton import softmax as tk
 

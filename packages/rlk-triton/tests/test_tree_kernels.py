@@ -55,7 +55,7 @@ def small_tiles(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _tensor_parallel_order():
-    """The matmul's K tree is rlk.tensor_parallel's (off by default); these tests are about the tree."""
+    """The matmul's K tree is rlk.core.tensor_parallel's (off by default); these tests are about the tree."""
     with rlk.tensor_parallel_invariant():
         yield
 
@@ -189,8 +189,8 @@ def test_matmul_k_shards_give_the_single_device_bits(small_tiles, dtype, k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_is_one_segment_with_the_tensor_parallel_order_off(small_tiles, monkeypatch, dtype):
-    """The default (rlk.tensor_parallel off): the bits of MAX_TREE_LEAVES = 1 (the plain K loop), forward and grad_a;
-    with it on, 8 segments, and in fp32 other bits (a 16-bit output's rounding may hide the difference)."""
+    """The default (rlk.core.tensor_parallel off): the bits of MAX_TREE_LEAVES = 1 (the plain K loop), forward and
+    grad_a; with it on, 8 segments, and in fp32 other bits (a 16-bit output's rounding may hide the difference)."""
     g = _gen(3)
     m, k, n = 37, 8 * 20, 40
     a, w, grad = _to(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5,

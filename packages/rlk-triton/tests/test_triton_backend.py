@@ -19,18 +19,17 @@ def test_an_older_triton_is_refused_with_the_supported_range(monkeypatch):
 def test_the_abi_version_is_the_backends_own_and_an_other_rlk_is_refused(monkeypatch):
     """The backend states the ABI it was written for as a literal (rlk compares it with its own), and refuses an rlk
     of another version with the reason, serving nothing."""
-    import rlk
-    from rlk import abi, dispatch
+    from rlk.core import abi, dispatch, version
 
     assert rlk_triton.ABI_VERSION == abi.ABI_VERSION
     assert rlk_triton.backend().abi_version == rlk_triton.ABI_VERSION and rlk_triton.backend().primitives
     reason = rlk_triton.version_problem("9.9.9")
     assert reason and rlk_triton.__version__ in reason and "9.9.9" in reason
     assert rlk_triton.version_problem(rlk_triton.__version__) is None
-    monkeypatch.setattr(rlk, "__version__", "9.9.9")
+    monkeypatch.setattr(version, "__version__", "9.9.9")
     refused = rlk_triton.backend()
     assert refused.primitives == {} and refused.probe() == reason and refused.device_types() == ()
-    monkeypatch.setattr(rlk, "__version__", rlk_triton.__version__)
+    monkeypatch.setattr(version, "__version__", rlk_triton.__version__)
     monkeypatch.setattr(rlk_triton, "ABI_VERSION", abi.ABI_VERSION + 1)
     status = dispatch._status_of("triton", rlk_triton.backend, "rlk_triton:backend")
     assert not status.available and status.reason == (f"built for rlk ABI {abi.ABI_VERSION + 1}, this rlk speaks "

@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from hypothesis import strategies as st
 
 import rlk
-from rlk import abi, contract, dispatch
+from rlk.core import abi, contract, dispatch
 
 PROFILE = os.environ.get("RLK_FUZZ", "ci")
 if PROFILE not in ("ci", "long"):
@@ -295,7 +295,7 @@ def zeroed(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
 
 
 def check_value(entry: contract.Entry, name: str, got: torch.Tensor, truth: torch.Tensor, scale) -> None:
-    """``got`` against the fp64 ground truth under the contract (``rlk.contract.compare_outputs``)."""
+    """``got`` against the fp64 ground truth under the contract (``rlk.core.contract.compare_outputs``)."""
     truth = truth.detach().double().reshape(-1)
     scale = torch.as_tensor(scale, dtype=torch.float64, device=truth.device).reshape(-1).expand(truth.shape)
     dev = contract.compare_outputs(entry, name, got.detach().reshape(-1), truth, scale)
@@ -304,7 +304,7 @@ def check_value(entry: contract.Entry, name: str, got: torch.Tensor, truth: torc
 
 def check_grad(entry: contract.Entry, name: str, got: torch.Tensor, truth: torch.Tensor, max_scale: float,
                magnitude: torch.Tensor | None = None) -> None:
-    """A gradient against the fp64 ground truth under the contract (``rlk.contract.compare_grad``; ``magnitude``:
+    """A gradient against the fp64 ground truth under the contract (``rlk.core.contract.compare_grad``; ``magnitude``:
     its terms by absolute value, where they may cancel)."""
     assert got is not None, f"{entry.op} {name}: no gradient"
     assert got.shape == truth.shape, f"{entry.op} {name}: shape {tuple(got.shape)}, expected {tuple(truth.shape)}"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import rlk
-from rlk import abi, contract
+from rlk.core import abi, contract
 from rlk.reference import advantages as ref
 
 
@@ -218,7 +218,7 @@ def _group_truth(mode, scores, ids, lengths=None, eps=1e-6):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+@pytest.mark.parametrize("mode", abi.GROUP_MODES)
 def test_group_advantages_match_rederivation(mode):
     scores, ids = _group_case()
     lengths = torch.randint(0, 50, ids.shape, generator=_gen(1)) if mode == "opo" else None
@@ -286,7 +286,7 @@ def test_all_equal_scores_give_exact_zero_where_naive_mean_does_not():
     scores = torch.full((21,), 0.1)
     naive = scores.view(3, 7) - scores.view(3, 7).sum(1, keepdim=True) / 7
     assert bool((naive != 0).any())  # the naive fp32 mean is not exact: the pivot matters
-    for mode in ref.GROUP_MODES:
+    for mode in abi.GROUP_MODES:
         lengths = torch.arange(21) if mode == "opo" else None
         assert torch.all(rlk.group_advantages(scores, group_size=7, mode=mode, lengths=lengths) == 0)
 
@@ -313,7 +313,7 @@ HUGE_SCORES_RLOO = [0.0, 1e20, -1e20, 3e19, 1e38, -1e38, 5e37, 0.0, 3e38, 3e38, 
 HUGE_LENGTHS = [3.0, 1.0, 0.0, 7.0, 2.0, 2.0, 1.0, 1.0, 3.0, 1.0, 0.0, 7.0, 3.0, 1.0, 0.0, 7.0]
 
 
-@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+@pytest.mark.parametrize("mode", abi.GROUP_MODES)
 def test_group_advantages_with_a_huge_spread(mode):
     """The variance of a spread above ~1e19 overflows fp32 (it returned 0, or NaN at +-3e38); the
     scores are scaled by a power of two first, so the advantages match fp64."""
@@ -341,7 +341,7 @@ def test_group_advantages_the_1e20_example():
 
 
 @pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
-@pytest.mark.parametrize("mode", ref.GROUP_MODES)
+@pytest.mark.parametrize("mode", abi.GROUP_MODES)
 def test_group_advantages_non_finite_scores_stay_in_their_group(monkeypatch, mode, fill):
     """Every row is in a group; a NaN / inf score (or, unchecked, OPO length) changes its own group
     only: the other groups are bitwise those of the same call with finite values there (distinct
@@ -463,7 +463,7 @@ def test_masked_whiten_equal_huge_values():
     x = torch.full((3, 4), 3e38)
     mask = torch.ones(3, 4, dtype=torch.bool)
     mask[0, 0] = False
-    for eps_mode in ref.EPS_MODES:
+    for eps_mode in abi.EPS_MODES:
         assert torch.equal(rlk.masked_whiten(x, mask, eps_mode=eps_mode), torch.zeros(3, 4))
         assert torch.equal(rlk.masked_whiten(x, mask, eps_mode=eps_mode, shift_mean=False), torch.where(mask, x, 0.0))
 
@@ -489,7 +489,7 @@ def test_masked_whiten_masked_garbage_does_not_leak(fill):
 
 
 @pytest.mark.parametrize("fill", GARBAGE)
-@pytest.mark.parametrize("mask_mode", ref.RETURN_MASK_MODES)
+@pytest.mark.parametrize("mask_mode", abi.RETURN_MASK_MODES)
 def test_discounted_returns_masked_garbage_does_not_leak(mask_mode, fill):
     """NaN / inf rewards at masked positions: the unmasked returns are bitwise those with 0 there;
     carry and zero do not read a masked reward at all, reset puts it in its own position's output."""
@@ -524,7 +524,7 @@ def test_gae_masked_garbage_does_not_leak(fill):
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.99])
-@pytest.mark.parametrize("mask_mode", ref.RETURN_MASK_MODES)
+@pytest.mark.parametrize("mask_mode", abi.RETURN_MASK_MODES)
 def test_discounted_returns_match_rederivation(mask_mode, gamma):
     rewards = torch.randn(6, 17, generator=_gen(10))
     mask = _row_masks(6, 17, 10)
@@ -539,7 +539,7 @@ def test_return_modes_agree_on_right_padded_rows():
     rewards = torch.randn(4, 12, generator=_gen(11))
     mask = torch.arange(12) < torch.tensor([[12], [7], [1], [0]])
     rewards = rewards * mask
-    outs = [rlk.discounted_returns(rewards, mask, 0.99, mask_mode=m) for m in ref.RETURN_MASK_MODES]
+    outs = [rlk.discounted_returns(rewards, mask, 0.99, mask_mode=m) for m in abi.RETURN_MASK_MODES]
     for other in outs[1:]:
         torch.testing.assert_close(other, outs[0], rtol=0, atol=0)
     assert torch.all(outs[0][3] == 0)  # an empty row: no NaN, zeros
@@ -604,8 +604,8 @@ def test_reinforce_pp_returns_then_whiten():
 def test_long_horizon_uses_the_float32_constants():
     """T = 3000, gamma = 0.999: fp32(gamma) differs from 0.999 by 2e-11, which moves a far return by
     about T * 2e-11 / 0.999 relative: the op multiplies by fp32(gamma) and fp32(gamma * lam) exactly."""
-    assert ref.recurrence_constants(0.999, 0.95, torch.float32) == (f32(0.999), f32(0.999 * 0.95))
-    assert ref.recurrence_constants(0.999, 0.95, torch.float64) == (0.999, 0.999 * 0.95)
+    assert abi.recurrence_constants(0.999, 0.95, torch.float32) == (f32(0.999), f32(0.999 * 0.95))
+    assert abi.recurrence_constants(0.999, 0.95, torch.float64) == (0.999, 0.999 * 0.95)
     rewards = torch.rand(2, 3000, generator=_gen(18))
     mask = torch.ones(2, 3000, dtype=torch.bool)
     out = rlk.discounted_returns(rewards, mask, 0.999)
@@ -823,7 +823,7 @@ def passk(scores, ids, eps=1e-6, norm_by_std=True):
     return out
 
 
-@pytest.mark.parametrize("mode", ref.PASSK_MODES)
+@pytest.mark.parametrize("mode", abi.PASSK_MODES)
 def test_passk_matches_rederivation(mode):
     scores, ids = _group_case(seed=5)
     counts = {g: int((ids == g).sum()) for g in ids.tolist()}
@@ -840,7 +840,7 @@ def test_passk_matches_rederivation(mode):
     assert all(int((adv[m] != 0).sum()) <= 1 for m in map(torch.tensor, groups.values()))
 
 
-@pytest.mark.parametrize("mode", ref.PASSK_MODES)
+@pytest.mark.parametrize("mode", abi.PASSK_MODES)
 def test_passk_huge_spread_nan_and_layouts(mode):
     scores = torch.tensor(HUGE_SCORES)
     ids = torch.tensor(HUGE_IDS)

@@ -1,5 +1,5 @@
 """Arguments that used to be coerced silently or failed with an internal exception now give a clear error
-naming the argument (``rlk.checks``), on the reference backend and on Triton (through the interpreter).
+naming the argument (``rlk.core.checks``), on the reference backend and on Triton (through the interpreter).
 
 Also: meta tensors give shapes (the fake implementations), and a call the Triton kernels cannot serve
 (head dim above 256) is declined with its reason instead of failing inside the launcher.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rlk
-from rlk import cli
+from rlk.app import cli
 
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.triton_interpreter)]
 
@@ -212,13 +212,13 @@ def test_triton_declines_head_dims_above_256():
     q, k, v = _attn(head_dim=320)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4)
-    decision = rlk.dispatch.decide("attention", q.device, q.dtype, {"head_dim": 320})
+    decision = rlk.core.dispatch.decide("attention", q.device, q.dtype, {"head_dim": 320})
     with rlk.use_backend("triton"):
-        pinned = rlk.dispatch.decide("attention", q.device, q.dtype, {"head_dim": 320})
+        pinned = rlk.core.dispatch.decide("attention", q.device, q.dtype, {"head_dim": 320})
         assert pinned.backend is None and pinned.skipped == (("triton", "head_dim = 320 is above its limit of 256"),)
         with pytest.raises(rlk.BackendError, match="head_dim = 320 is above its limit of 256"):
             rlk.attention(q, k, v, **kwargs)
-        assert rlk.dispatch.decide("attention", q.device, q.dtype, {"head_dim": 256}).backend == "triton"
+        assert rlk.core.dispatch.decide("attention", q.device, q.dtype, {"head_dim": 256}).backend == "triton"
     assert decision.backend == "reference"
     with rlk.batch_invariant():  # SDPA of an unmodified model: head dim 320 is not routed to Triton
         out = torch.nn.functional.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2),

@@ -10,8 +10,8 @@ import pytest
 import torch
 from compile_check import assert_compiled_matches_eager
 
-from rlk import checks, contract
-from rlk.attention import attention
+from rlk.core import checks, contract
+from rlk.ops.attention import attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

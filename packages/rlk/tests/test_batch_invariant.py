@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlk import dispatch
-from rlk.batch_invariant import (
+from rlk.core import dispatch
+from rlk.integrations.batch_invariant import (
     batch_invariant,
     disable_batch_invariant,
     enable_batch_invariant,
@@ -250,7 +250,7 @@ def padded_batch(seq: torch.Tensor, others: list[torch.Tensor], side: str, pad_i
 
 
 def check_model_invariance(kind, dtype, device, lengths, others_lengths, **model_kw):
-    from rlk.hf import patch_model, unpatch_model
+    from rlk.integrations.hf import patch_model, unpatch_model
 
     model = tiny_model(kind, dtype, device, **model_kw)
     vocab = model.config.vocab_size
@@ -293,7 +293,7 @@ def test_tiny_model_logits_and_gradients_are_batch_invariant(kind):
 def test_patch_model_without_transformers_models_is_harmless():
     """patch_model on a plain module: no RMSNorm found, nothing to switch; unpatch restores nothing."""
     _transformers()
-    from rlk.hf import patch_model, unpatch_model
+    from rlk.integrations.hf import patch_model, unpatch_model
 
     class Norm(torch.nn.Module):
         def __init__(self):
@@ -317,7 +317,7 @@ def test_patch_model_without_transformers_models_is_harmless():
 def test_the_varlen_layout_is_computed_once_per_forward(monkeypatch):
     """Every layer gets the same padding mask: its varlen layout (host synchronizations) is computed once per
     forward, and again for a new mask."""
-    import rlk.hf.patch as hf
+    import rlk.integrations.hf.patch as hf
 
     _transformers()
     calls = []
@@ -343,7 +343,7 @@ def test_patched_decode_and_chunked_prefill_see_the_padding(kind):
     without one the pad keys were attended (logits off by up to ~2 in this test)."""
     from transformers import DynamicCache
 
-    from rlk.hf import patch_model, unpatch_model
+    from rlk.integrations.hf import patch_model, unpatch_model
 
     model = tiny_model(kind, torch.float32, DEVICE)
     vocab = model.config.vocab_size
@@ -379,7 +379,7 @@ def test_patched_decode_and_chunked_prefill_see_the_padding(kind):
 def test_one_run_offsets_cut_each_row_around_its_run():
     """Row ``b`` of a mask with one run per row becomes three sequences: the pads before the run, the run, the pads
     after it (empty ones where there are none); a mask with holes is told apart."""
-    import rlk.hf.patch as hf
+    import rlk.integrations.hf.patch as hf
 
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0]], dtype=torch.bool)
     expected = [0, 2, 4, 4, 4, 6, 8, 8, 12, 12, 16, 16, 16, 17, 19, 20]
@@ -398,7 +398,7 @@ def test_padded_attention_in_place_is_the_packed_attention_bitwise(side, seq_q, 
     the pads and packing the valid tokens (a mask with holes), zeros at the pad rows."""
     import types
 
-    import rlk.hf.patch as hf
+    import rlk.integrations.hf.patch as hf
 
     g = torch.Generator().manual_seed(3)
     batch, heads, kv_heads, seq_k, dim = 4, 4, 2, 9, 16
@@ -435,7 +435,7 @@ def _static_cache_decodes(model, record_cache_calls: bool = True):
     attention modules' pre-hooks (the negative control)."""
     from transformers import DynamicCache, StaticCache
 
-    from rlk.hf import patch_model, unpatch_model
+    from rlk.integrations.hf import patch_model, unpatch_model
 
     g = torch.Generator().manual_seed(6)
     ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=g).to(DEVICE)
@@ -512,8 +512,8 @@ def test_patched_static_cache_without_padding_masks_the_unwritten_slots():
     flash-attention builder dropped it, and the queries then saw the zero keys of the unwritten slots)."""
     from transformers import DynamicCache, StaticCache
 
-    from rlk.hf import patch_model, unpatch_model
-    from rlk.hf.patch import padding_mask
+    from rlk.integrations.hf import patch_model, unpatch_model
+    from rlk.integrations.hf.patch import padding_mask
 
     model = tiny_model("qwen3", torch.float32, DEVICE)
     g = torch.Generator().manual_seed(7)
@@ -552,8 +552,8 @@ def test_captured_static_cache_decode_is_the_eager_decode_gpu(dtype):
     after step, and its capture synchronizes nowhere (a synchronization in a capture raises)."""
     from transformers import DynamicCache, StaticCache
 
-    from rlk import checks
-    from rlk.hf import compat, patch_model, unpatch_model
+    from rlk.core import checks
+    from rlk.integrations.hf import compat, patch_model, unpatch_model
 
     model = tiny_model("qwen3", dtype, DEVICE, hidden=128, layers=2, heads=4, kv_heads=2, vocab=512)
     keyword = compat.cache_keyword(model)

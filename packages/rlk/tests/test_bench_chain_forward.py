@@ -74,7 +74,7 @@ def test_kernel_time_is_the_busy_time_of_cuda_events_only():
 @pytest.mark.triton_interpreter
 def test_tiny_model_on_cpu_reports_every_scenario(tmp_path, capsys):
     _need_transformers()
-    from rlk.batch_invariant import is_batch_invariant_enabled
+    from rlk.integrations.batch_invariant import is_batch_invariant_enabled
 
     tool = _tool()
     out = tmp_path / "cb"

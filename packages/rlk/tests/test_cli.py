@@ -12,7 +12,7 @@ import types
 import pytest
 
 import rlk
-from rlk import cli
+from rlk.app import cli
 
 
 def _check_report(text: str) -> None:
@@ -38,7 +38,8 @@ def test_info_selfcheck(monkeypatch, capsys):
     check is printed and gives exit code 1."""
     import dataclasses
 
-    from rlk import cli, dispatch
+    from rlk.app import cli
+    from rlk.core import dispatch
 
     assert cli.main(["info", "--selfcheck"]) == 0
     out = capsys.readouterr().out
@@ -63,7 +64,7 @@ def test_info_json_is_the_report_as_data(capsys):
     with ``--selfcheck`` its verdict and lines."""
     import json
 
-    from rlk import abi
+    from rlk.core import abi
 
     assert cli.main(["info", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -81,7 +82,7 @@ def test_info_json_is_the_report_as_data(capsys):
 def test_missing_optional_dependency_is_one_line_and_exit_code_2(monkeypatch, capsys):
     """A command whose optional dependency is missing ends in one line naming the extra, exit code 2; any other
     missing module is a bug and raises."""
-    from rlk.consistency import run
+    from rlk.app.consistency import run
 
     def missing(name):
         def run_consistency(model, **kw):
@@ -164,7 +165,7 @@ def _fake_run(calls, passed):
 
 
 def test_consistency_sets_the_interpreter_on_cpu_and_exits_by_the_verdicts(monkeypatch):
-    from rlk.consistency import run
+    from rlk.app.consistency import run
 
     calls = []
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -193,7 +194,7 @@ def test_consistency_reruns_itself_when_triton_was_imported_without_the_interpre
 
 
 def test_run_errors_are_reported_without_a_traceback(monkeypatch, capsys):
-    from rlk.consistency import run
+    from rlk.app.consistency import run
 
     def bad(model, **kw):
         raise ValueError("something is wrong")

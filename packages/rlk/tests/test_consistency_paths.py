@@ -1,4 +1,4 @@
-"""rlk.consistency.harness and rlk.consistency.paths: the two execution paths and the ground truth.
+"""rlk.app.consistency.harness and rlk.app.consistency.paths: the two execution paths and the ground truth.
 
 With rlk's chain on, the rollout path (left-padded batched prefill, chunked or not, then KV-cache decode with a
 shrinking batch) and the training path (packed varlen rows in micro-batches) give bitwise-identical log-probs
@@ -35,7 +35,7 @@ def _transformers():
 def _need_transformers():
     _transformers()
     yield
-    from rlk.batch_invariant import disable_batch_invariant, is_batch_invariant_enabled
+    from rlk.integrations.batch_invariant import disable_batch_invariant, is_batch_invariant_enabled
 
     disable_batch_invariant()
     assert not is_batch_invariant_enabled()
@@ -46,7 +46,7 @@ _MODELS: dict[str, object] = {}
 
 def _model(name: str):
     """One fp32 tiny model per name for the whole module (the paths never change the weights)."""
-    from rlk.consistency import harness
+    from rlk.app.consistency import harness
 
     if name not in _MODELS:
         _MODELS[name] = harness.build_model(name, dtype=torch.float32, device=DEVICE, seed=0)
@@ -54,7 +54,7 @@ def _model(name: str):
 
 
 def _prompts(model, n: int = 3, seed: int = 0):
-    from rlk.consistency import harness
+    from rlk.app.consistency import harness
 
     return harness.make_prompts(n, vocab_size=model.config.vocab_size, seed=seed, min_len=3, max_len=9)
 
@@ -72,7 +72,7 @@ def _assert_lists_equal(a, b, what):
 
 
 def test_build_model_is_seeded_and_standard():
-    from rlk.consistency import harness
+    from rlk.app.consistency import harness
 
     transformers = _transformers()
     a = harness.build_model("tiny", dtype=torch.float32, device="cpu", seed=1)
@@ -89,7 +89,7 @@ def test_build_model_is_seeded_and_standard():
 
 def test_build_model_loads_a_local_checkpoint(tmp_path):
     """``--model PATH``: a checkpoint directory (save_pretrained) loads with the same weights, eval, sdpa."""
-    from rlk.consistency import harness
+    from rlk.app.consistency import harness
 
     _transformers()
     saved = harness.build_model("tiny-llama", dtype=torch.float32, device="cpu", seed=3)
@@ -101,7 +101,7 @@ def test_build_model_loads_a_local_checkpoint(tmp_path):
 
 
 def test_make_prompts_is_fixed_and_mixed():
-    from rlk.consistency import harness
+    from rlk.app.consistency import harness
 
     p = harness.make_prompts(16, vocab_size=50, seed=3, min_len=2, max_len=20)
     assert p == harness.make_prompts(16, vocab_size=50, seed=3, min_len=2, max_len=20)
@@ -111,7 +111,7 @@ def test_make_prompts_is_fixed_and_mixed():
 
 
 def test_bad_inputs_raise_clear_errors():
-    from rlk.consistency import harness, paths
+    from rlk.app.consistency import harness, paths
 
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         harness.build_model("nope", dtype=torch.float32, device="cpu")
@@ -179,7 +179,7 @@ def _check_slots(inputs, slots, lengths_fed):
 
 @pytest.mark.parametrize("chunk", [None, 4])
 def test_rollout_slots_shrinking_batch_and_budgets(chunk):
-    from rlk.consistency import paths
+    from rlk.app.consistency import paths
 
     model = _model("tiny")
     prompts = _prompts(model, n=4)
@@ -207,7 +207,7 @@ def test_rollout_slots_shrinking_batch_and_budgets(chunk):
 
 
 def test_training_slots_cover_each_token_once():
-    from rlk.consistency import paths
+    from rlk.app.consistency import paths
 
     model = _model("tiny")
     prompts = _prompts(model)
@@ -233,7 +233,7 @@ def test_stock_paths_match_the_fp64_reference(name):
     """Stock kernels (chain off): rollout (chunked and not) and training (two splits, with backward) agree with
     the fp64 reference within fp32 rounding, and the gradients with each other; stock transformers handles the
     packed rows (block-diagonal mask from the position ids)."""
-    from rlk.consistency import harness, paths
+    from rlk.app.consistency import harness, paths
 
     model = _model(name)
     prompts = _prompts(model, n=4)
@@ -261,8 +261,8 @@ def test_stock_paths_match_the_fp64_reference(name):
 def test_chain_off_runs_a_patched_model_stock_and_the_reference_ignores_the_patch():
     """chain(model, False) unpatches a patched model for the block and patches it again on exit;
     reference_logprobs runs a stock float64 copy even of a patched model."""
-    from rlk.consistency import harness, paths
-    from rlk.hf import patch_model, unpatch_model
+    from rlk.app.consistency import harness, paths
+    from rlk.integrations.hf import patch_model, unpatch_model
 
     model = harness.build_model("tiny", dtype=torch.float32, device="cpu", num_layers=1)
     prompts, responses = _prompts(model), [[1, 2], [3], [4, 5]]
@@ -294,7 +294,7 @@ def test_chain_on_rollout_equals_training_bitwise(name):
     """rlk's chain on: every response token's log-prob is bitwise the same in the rollout (left-padded prefill,
     unchunked and in chunks of 4, KV-cache decode with a shrinking batch) and in packed training; and no rlk
     component falls back to stock code."""
-    from rlk.consistency import harness, paths
+    from rlk.app.consistency import harness, paths
 
     model = _model(name)
     prompts = _prompts(model)
@@ -317,7 +317,7 @@ def test_chain_on_rollout_equals_training_bitwise(name):
 def test_chain_on_training_split_invariance_with_gradients():
     """rlk's chain on: log-probs and per-sequence input-embedding gradients are bitwise the same in two
     different micro-batch splits (one packed row of all vs singles and a reordered pair)."""
-    from rlk.consistency import paths
+    from rlk.app.consistency import paths
 
     model = _model("tiny")
     prompts = _prompts(model)
@@ -341,7 +341,7 @@ def test_chain_on_training_split_invariance_with_gradients():
 def test_stock_drift_is_nonzero_on_the_8b_shape_in_bf16():
     """Negative control (H200): with stock cuBLAS / SDPA the rollout and training log-probs of the 8B-shaped
     Qwen3 (2 layers, bf16) are NOT all bitwise equal, so the chain test can fail; with the chain on they are."""
-    from rlk.consistency import harness, paths
+    from rlk.app.consistency import harness, paths
 
     model = harness.build_model("qwen3-8b-shape", dtype=torch.bfloat16, device="cuda", num_layers=2)
     prompts = harness.make_prompts(8, vocab_size=model.config.vocab_size, seed=0, min_len=16, max_len=200)

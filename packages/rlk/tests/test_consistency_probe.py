@@ -1,4 +1,4 @@
-"""The layer-wise drift probe (:mod:`rlk.consistency.probe`) on tiny transformers models, stock PyTorch, CPU.
+"""The layer-wise drift probe (:mod:`rlk.app.consistency.probe`) on tiny transformers models, stock PyTorch, CPU.
 
 The tests drive ``Probe.on_forward`` themselves with the slots of each forward: one left-padded batch, two
 batches (left padding and a packed row), decode-like ``S = 1`` steps with a KV cache. Paths that batch
@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from rlk.consistency.probe import OPS, Drift, Probe, compare, find_layers
+from rlk.app.consistency.probe import OPS, Drift, Probe, compare, find_layers
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, LAYERS = 64, 4, 2, 16, 128, 128, 2
 LENGTHS = (5, 3, 7, 4)
@@ -196,7 +196,7 @@ def test_decode_steps_of_one_token(kind):
     """Left-padded prefill of the first tokens into a DynamicCache, then S = 1 decode steps (teacher-forced, the
     batch shrinking as sequences end) vs one full forward per sequence."""
     _transformers()
-    from rlk.hf import compat
+    from rlk.integrations.hf import compat
 
     model, seqs = tiny_model(kind), sequences()
     prompt = 2
@@ -325,7 +325,7 @@ def test_unknown_architecture_is_hooked_by_name():
 
 
 def test_importing_the_probe_does_not_import_transformers():
-    code = "import sys, rlk.consistency.probe; assert 'transformers' not in sys.modules"
+    code = "import sys, rlk.app.consistency.probe; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -334,7 +334,7 @@ def test_with_rlk_chain_batching_does_not_change_any_state():
     """rlk's chain on (batch_invariant + patch_model, Triton interpreter): one padded batch vs a padded batch and
     a packed row are bitwise equal at every op (stock kernels: only close, see the test above)."""
     import rlk
-    from rlk.hf import patch_model, unpatch_model
+    from rlk.integrations.hf import patch_model, unpatch_model
 
     model, seqs = tiny_model("qwen3"), sequences()
     patch_model(model)

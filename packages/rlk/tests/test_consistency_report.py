@@ -13,8 +13,8 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from rlk.consistency import report as rep
-from rlk.consistency import run
+from rlk.app.consistency import report as rep
+from rlk.app.consistency import run
 
 
 def _chain(drift: float, layers: int = 3, n: int = 3) -> dict:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlk import abi, contract
+from rlk.core import abi, contract
 
 
 def test_every_op_and_dtype_has_an_entry():

@@ -1,10 +1,10 @@
-"""rlk.custom_op: the direct eager path and torch's custom-op path give bitwise the same results.
+"""rlk.core.custom_op: the direct eager path and torch's custom-op path give bitwise the same results.
 
 Every public op runs twice on the same inputs: plainly (eager: the op bodies are called directly, through a
 ``torch.autograd.Function`` when a gradient is needed) and under a pass-through ``TorchDispatchMode``, which
 makes every call take torch's dispatcher and the registered custom-op autograd (the path ``torch.compile``
 and ``opcheck`` see). Outputs and every input gradient must be ``torch.equal``. Also: which path a call
-takes, and that each primitive is an :class:`rlk.custom_op.Op`.
+takes, and that each primitive is an :class:`rlk.core.custom_op.Op`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rlk
-from rlk import custom_op
+from rlk.core import custom_op
 
 
 class _PassThrough(TorchDispatchMode):
@@ -188,13 +188,13 @@ def test_autocast_changes_no_bit(name):
 
 
 def _norm_op():
-    return importlib.import_module("rlk.norm")._rms_norm_fwd
+    return importlib.import_module("rlk.ops.norm")._rms_norm_fwd
 
 
 def test_every_primitive_is_an_op():
     for module in ("advantages", "attention", "embedding", "logprob", "losses", "matmul", "norm", "policy_loss",
                    "rope", "softmax"):
-        mod = importlib.import_module(f"rlk.{module}")
+        mod = importlib.import_module(f"rlk.ops.{module}")
         ops = [v for k, v in vars(mod).items() if k.endswith(("_fwd", "_bwd")) and k.startswith("_")]
         assert ops, module
         assert all(isinstance(op, custom_op.Op) for op in ops), module

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import rlk
-from rlk import abi, dispatch, reference
-from rlk.backend import Backend
-from rlk.dispatch import BackendStatus
+from rlk import reference
+from rlk.core import abi, dispatch
+from rlk.core.backend import Backend
+from rlk.core.dispatch import BackendStatus
 
 
 @pytest.fixture(autouse=True)

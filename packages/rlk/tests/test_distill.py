@@ -1,7 +1,7 @@
 """``rlk.fused_linear_kl`` on the reference backend: math against an independent fp64 formula and its autograd
 (materialized logits, ``log_softmax``), every divergence, temperature, ignore_index and reduction, the fused
 gradient's scaling, argument errors, empty batches, NaN-free masked rows, extreme and -inf logits, memory
-bounded by the tiles, torch.library integration. Tolerances come from the contract (``rlk.contract``)."""
+bounded by the tiles, torch.library integration. Tolerances come from the contract (``rlk.core.contract``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from compile_check import assert_compiled_matches_eager
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rlk
-from rlk import abi, contract, dispatch
+from rlk.core import abi, contract, dispatch
 from rlk.reference import distill as reference_distill
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -289,7 +289,7 @@ def test_tensor_parallel_chain_simulated(monkeypatch):
 def test_drift_report_in_the_consistency_schema(monkeypatch, tmp_path):
     """rlk.distributed.drift builds a report the consistency tool's writers render: rollout at TP = 2 vs training at
     TP = 1 / DP = 2, rlk's combine ('on', bitwise) vs the stock one ('off', drifting), the configurations recorded."""
-    from rlk.consistency import report as rep
+    from rlk.app.consistency import report as rep
     from rlk.distributed import drift
 
     monkeypatch.setattr(ref_matmul, "MIN_LEAF", 8)

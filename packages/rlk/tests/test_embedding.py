@@ -1,4 +1,4 @@
-"""The public embedding op (``rlk.embedding.embedding``) on the reference backend: the gather against
+"""The public embedding op (``rlk.ops.embedding.embedding``) on the reference backend: the gather against
 ``torch.nn.functional.embedding``, the position-ordered weight gradient against a plain loop and
 the fp64 truth under the contract, autograd, torch.library integration and bad input."""
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import rlk
-from rlk import contract
-from rlk.embedding import embedding
+from rlk.core import contract
+from rlk.ops.embedding import embedding
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -57,7 +57,7 @@ from fuzz_support import (
 from hypothesis import strategies as st
 
 import rlk
-from rlk import contract
+from rlk.core import abi, contract
 from rlk.reference import advantages as ref_adv
 
 pytestmark = FILTERS
@@ -97,7 +97,7 @@ def group_cases(draw, backend: str, one_group: bool = False) -> GroupCase:
         groups = (size,) * count
     dtype = draw(st.sampled_from(ALL_DTYPES))
     kinds = ["binary", "normal", "equal"] + ([] if dtype == "float16" else ["offset", "wide"])
-    modes = [m for m in ref_adv.GROUP_MODES if not (one_group and m == "gpg")]
+    modes = [m for m in abi.GROUP_MODES if not (one_group and m == "gpg")]
     return GroupCase(groups=groups, seed=draw(seeds), mode=draw(st.sampled_from(modes)), by_index=by_index,
                      eps=draw(st.sampled_from([1e-6, 1e-4, 1.0])), dtype=dtype, scores=draw(st.sampled_from(kinds)),
                      zero_lengths=draw(st.booleans()))
@@ -316,7 +316,7 @@ def returns_cases(draw, backend: str, gae: bool, one_row: bool = False) -> Retur
     return ReturnsCase(b=1 if one_row else draw(sizes(0, limit(backend, 3, 64))),
                        t=draw(sizes(1 if one_row else 0, limit(backend, 129, 4097))), seed=draw(seeds),
                        gamma=draw(gammas), lam=draw(gammas) if gae else 1.0,
-                       mask_mode=None if gae else draw(st.sampled_from(ref_adv.RETURN_MASK_MODES)),
+                       mask_mode=None if gae else draw(st.sampled_from(abi.RETURN_MASK_MODES)),
                        mask=draw(st.sampled_from(MASK_KINDS)), float_mask=draw(st.booleans()),
                        dtype=draw(st.sampled_from(ALL_DTYPES)),
                        rewards=draw(st.sampled_from(["terminal", "normal", "large"])),
@@ -351,7 +351,7 @@ def returns_call(x: dict[str, torch.Tensor], case: ReturnsCase) -> tuple[torch.T
 def returns_truth(x: dict[str, torch.Tensor], case: ReturnsCase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """fp64 ground truth and contract scales, from the reference primitives with the float32-rounded constants
     the op passes for float32 inputs."""
-    gamma, gamma_lam = ref_adv.recurrence_constants(case.gamma, case.lam, torch.float32)
+    gamma, gamma_lam = abi.recurrence_constants(case.gamma, case.lam, torch.float32)
     x64 = as64(as32(x))
     shape = x64["rewards"].shape
     r = x64["rewards"].reshape(math.prod(shape[:-1]), shape[-1])

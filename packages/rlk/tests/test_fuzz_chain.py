@@ -49,8 +49,8 @@ from fuzz_support import (
 from hypothesis import strategies as st
 
 import rlk
-from rlk import contract
-from rlk.norm import output_dtype
+from rlk.core import contract
+from rlk.ops.norm import output_dtype
 from rlk.reference import matmul as ref_matmul
 from rlk.reference import rope as ref_rope
 

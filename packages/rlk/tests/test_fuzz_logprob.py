@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 
 from parity import cases as parity_cases
 from parity import run as parity_run
-from rlk import contract
+from rlk.core import contract
 
 pytestmark = FILTERS
 

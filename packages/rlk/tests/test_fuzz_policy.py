@@ -73,16 +73,16 @@ from hypothesis import strategies as st
 
 import rlk
 from parity import rl as parity_rl
-from rlk import contract
-from rlk.policy_loss import _clamp_bounds, _kl_spec
+from rlk.core import abi, contract
+from rlk.ops.policy_loss import _clamp_bounds, _kl_spec
 from rlk.reference import aggregation
 from rlk.reference import losses as ref_losses
 from rlk.reference import policy_loss as ref_pl
 
 pytestmark = FILTERS
 
-LOSSES = ref_pl.LOSSES
-AGG_MODES = aggregation.AGG_MODES
+LOSSES = abi.LOSSES
+AGG_MODES = abi.AGG_MODES
 #: KL estimator names, with the aliases and the straight-through suffix the op accepts.
 KL_NAMES = ("k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl", "k3+", "k1+")
 #: Losses whose value and gradient stay bounded whatever the ratio.
@@ -370,7 +370,8 @@ def check_policy_against_truth(x: dict[str, torch.Tensor], kw: dict, got: Policy
         if name in skip:
             continue
         check_finite(name, got.metrics[name])
-        check_value(entry, name, got.metrics[name], value, 1.0 + value.abs() + s["metrics"][ref_pl.METRICS.index(name)])
+        scale = 1.0 + value.abs() + s["metrics"][abi.POLICY_METRICS.index(name)]
+        check_value(entry, name, got.metrics[name], value, scale)
     check_finite("grad_logprob", got.grad_logprob)
     # vespo's gradient carries phi's relative error (``grad_max_scale``); 1 for the other losses
     check_grad(entry, "grad_logprob", got.grad_logprob, truth.grad_logprob, float(s["grad_max_scale"]),

@@ -1,5 +1,5 @@
-"""``rlk.hf.apply`` / ``unapply`` on tiny random transformers models (llama, qwen2, qwen3, mistral, gemma, gemma3, a
-tied-embedding qwen2).
+"""``rlk.integrations.hf.apply`` / ``unapply`` on tiny random transformers models (llama, qwen2, qwen3, mistral,
+gemma, gemma3, a tied-embedding qwen2).
 
 Ground truth is the stock model itself: ``log_softmax(stock_logits / T)`` gathered at the targets in float64
 (``test_logprob._truth``), under the numerical contract for fp32 models, and to rounding for float64 models;
@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from test_batch_invariant import padded_batch
 from test_logprob import _check, _truth
 
-from rlk import contract, dispatch
-from rlk.batch_invariant import disable_batch_invariant, is_batch_invariant_enabled
-from rlk.hf import apply, unapply
+from rlk.core import contract, dispatch
+from rlk.integrations.batch_invariant import disable_batch_invariant, is_batch_invariant_enabled
+from rlk.integrations.hf import apply, unapply
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 routed = pytest.mark.triton_interpreter if DEVICE.type == "cpu" else pytest.mark.gpu

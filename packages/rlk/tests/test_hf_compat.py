@@ -1,4 +1,4 @@
-"""rlk.hf.compat: the KV cache reaches the model under the keyword its forward takes, on every supported
+"""rlk.integrations.hf.compat: the KV cache reaches the model under the keyword its forward takes, on every supported
 transformers; a cache that does not advance, a forward without a cache keyword and a transformers below the
 supported range are errors naming the version and the range (CI runs this file under two transformers).
 """
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from rlk.hf import compat
+from rlk.integrations.hf import compat
 
 
 def _transformers():

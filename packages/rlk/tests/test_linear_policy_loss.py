@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rlk
-from rlk import contract
+from rlk.core import contract
 
 
 def _inputs(seed=0, b=3, t=7, h=16, v=300):
@@ -227,7 +227,7 @@ def test_decide_mode():
     x = _batch()
     h = x["hidden"].clone().requires_grad_()
     w, t = x["weight"], x["targets"]
-    lpl = rlk.linear_policy_loss
+    lpl = rlk.ops.linear_policy_loss
     with rlk.use_backend("reference"):
         assert lpl.decide_mode(h, w, t).mode == "lean"  # auto: one pass on triton only
         assert lpl.decide_mode(h, w, t, mode="one_pass").mode == "one_pass"
@@ -249,19 +249,19 @@ def test_one_pass_needs_the_backend_of_linear_logprob(monkeypatch):
     explicit one_pass refuses: another backend's log-probs would not be linear_logprob's bits."""
     x = _batch()
     h = x["hidden"].clone().requires_grad_()
-    real = rlk.dispatch.decide
+    real = rlk.core.dispatch.decide
 
     def decide(op, device, dtype, features=None):
         d = real(op, device, dtype, features)
         if op == "linear_logprob":
-            return rlk.dispatch.Decision(op, device, dtype, "cuda", None, ("cuda",))
+            return rlk.core.dispatch.Decision(op, device, dtype, "cuda", None, ("cuda",))
         return d
 
-    monkeypatch.setattr(rlk.linear_policy_loss.dispatch, "decide", decide)
-    auto = rlk.linear_policy_loss.decide_mode(h, x["weight"], x["targets"])
+    monkeypatch.setattr(rlk.ops.linear_policy_loss.dispatch, "decide", decide)
+    auto = rlk.ops.linear_policy_loss.decide_mode(h, x["weight"], x["targets"])
     assert auto.mode == "lean" and auto.backend == "cuda" and "does not implement linear_logprob_stored" in auto.reason
     with pytest.raises(rlk.BackendError, match="mode='one_pass': linear_logprob runs on 'cuda'"):
-        rlk.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], mode="one_pass")
+        rlk.ops.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], mode="one_pass")
 
 
 def test_one_pass_one_sequence_and_fp64():
@@ -364,13 +364,13 @@ def test_one_pass_on_triton_is_lean_bit_for_bit_with_gradients_under_the_contrac
     x = _batch(seed=8, dtype=dtype)
     temperature = torch.tensor([[0.7], [1.0], [1.3]], device=DEVICE)
     h = x["hidden"].clone().requires_grad_()
-    assert rlk.linear_policy_loss.ONE_PASS_BACKENDS == ("triton",)
+    assert rlk.ops.linear_policy_loss.ONE_PASS_BACKENDS == ("triton",)
     with rlk.use_backend("triton"):
-        assert rlk.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], loss=kwargs["loss"],
+        assert rlk.ops.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], loss=kwargs["loss"],
                                                   chunk_tokens=10).mode == "one_pass"
         with monkeypatch.context() as patched:
-            patched.setattr(rlk.linear_policy_loss, "ONE_PASS_BACKENDS", ())
-            assert rlk.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], loss=kwargs["loss"],
+            patched.setattr(rlk.ops.linear_policy_loss, "ONE_PASS_BACKENDS", ())
+            assert rlk.ops.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], loss=kwargs["loss"],
                                                       chunk_tokens=10).mode == "lean"
     one = _run(x, "auto", "triton", chunk_tokens=10, temperature=temperature, **kwargs)
     lean = _run(x, "lean", "triton", temperature=temperature, **kwargs)

@@ -9,7 +9,7 @@ import torch
 from compile_check import assert_compiled_matches_eager
 
 import rlk
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import logprob as reference_logprob
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

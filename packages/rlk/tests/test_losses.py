@@ -2,7 +2,7 @@
 
 Ground truth: independent fp64 re-derivations, in plain PyTorch below, of the formulas the frameworks
 use (verl's and OpenRLHF's PPO critic loss, TRL's DPO variants with their defaults), and of the
-aggregation modes of RL_MATH.md. Tolerances come from the contract (``rlk.contract``).
+aggregation modes of RL_MATH.md. Tolerances come from the contract (``rlk.core.contract``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import rlk
-from rlk import contract
+from rlk.core import abi, contract
 from rlk.reference import aggregation
 
-AGGS = aggregation.AGG_MODES
+AGGS = abi.AGG_MODES
 F32 = torch.float32
 
 

@@ -1,4 +1,4 @@
-"""The public GEMM ops ``rlk.matmul.matmul`` / ``rlk.matmul.linear`` on the reference backend (and,
+"""The public GEMM ops ``rlk.ops.matmul.matmul`` / ``rlk.ops.matmul.linear`` on the reference backend (and,
 with a GPU, the backend rlk picks there): math against torch in float64, autograd, torch.library
 integration, layouts, empty sizes and bad input. Tolerances come from the contract; the scale of
 an element is ``(|a| @ |b|) + |bias|`` (``rlk.reference.matmul.error_scale``)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from compile_check import assert_compiled_matches_eager
 
-from rlk import contract
-from rlk.matmul import linear, matmul
+from rlk.core import contract
+from rlk.ops.matmul import linear, matmul
 from rlk.reference.matmul import error_scale
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -366,7 +366,7 @@ def test_patched_attention_with_a_padding_mask_gpu(monkeypatch):
     layout comes from the mask on the device, so a new padding replays correctly from the graph."""
     import types
 
-    import rlk.hf.patch as hf
+    import rlk.integrations.hf.patch as hf
 
     monkeypatch.setenv("RLK_CHECK_VALUES", "0")  # also skips the one check that the mask has no holes
     module = types.SimpleNamespace(is_causal=True, training=False)

@@ -9,8 +9,8 @@ import torch
 from compile_check import assert_compiled_matches_eager
 
 import rlk
-from rlk import contract
-from rlk.norm import rms_norm
+from rlk.core import contract
+from rlk.ops.norm import rms_norm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-6

@@ -36,11 +36,12 @@ def test_every_distribution_ships_the_license():
 
 
 def test_versions_agree():
-    """rlk, rlk-triton and rlk-cuda carry one version; rlk's backend extras and the backends' rlk dependency pin
-    it exactly, and so do the Python packages' ``__version__``."""
+    """rlk, rlk-triton and rlk-cuda carry one version, ``VERSION``'s (``tools/set_version.py`` writes it); rlk's
+    backend extras and the backends' rlk dependency pin it exactly, and so do the Python packages' ``__version__``."""
     import rlk_triton
 
-    version = rlk.__version__
+    version = (ROOT / "VERSION").read_text().strip()
+    assert rlk.__version__ == version
     assert {_project(name)["version"] for name in PACKAGES} == {version}
     assert rlk_triton.__version__ == version
     cuda_init = (PACKAGES["rlk-cuda"] / "src/rlk_cuda/__init__.py").read_text()

@@ -3,7 +3,7 @@
 Ground truth is independent: the policy-loss formulas of verl, TRL, OpenRLHF and slime,
 re-derived below in plain PyTorch with each framework's defaults (as documented in
 ``/work/shared/design/RL_MATH.md``), run in float64 with autograd. rlk runs on the same
-input values in float32; tolerances come from the numerical contract (``rlk.contract``).
+input values in float32; tolerances come from the numerical contract (``rlk.core.contract``).
 Also: micro-batching with global normalizers, empty masks, extreme log-ratios, ``-inf`` at
 masked positions, bad input, opcheck, ``torch.compile`` and batch invariance.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import rlk
-from rlk import contract
+from rlk.core import contract
 
 ENTRY = contract.entry("policy_loss", torch.float32)
 KL_ENTRY = contract.entry("kl_penalty", torch.float32)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import rlk
-from rlk import abi, contract
+from rlk.core import abi, contract
 from rlk.reference import rollout_correction as ref
 
 ENTRY = contract.entry("rollout_correction", torch.float32)
@@ -88,7 +88,7 @@ def check_contract(x: dict, setting: dict, weights: torch.Tensor, metrics: dict)
     dev = contract.compare_outputs(ENTRY, "weights", weights.reshape(-1), truth_w.reshape(-1),
                                    scale["weights"].reshape(-1))
     assert dev.ok, dev
-    for i, name in enumerate(ref.METRICS):
+    for i, name in enumerate(abi.CORRECTION_METRICS):
         dev = contract.compare_outputs(ENTRY, name, metrics[name].reshape(1), truth_m[name].reshape(1),
                                        scale["metrics"][i].reshape(1))
         assert dev.ok, dev
@@ -190,8 +190,8 @@ def test_matches_rederivation_fp64(setting, shape):
     weights, metrics = run(x, setting, torch.float64)
     want_w, want_m = rederive(x["old"].double(), x["roll"].double(), x["mask"], **setting)
     torch.testing.assert_close(weights, torch.tensor(want_w, dtype=torch.float64), **TIGHT)
-    assert set(metrics) == set(ref.METRICS) == set(want_m)
-    for name in ref.METRICS:
+    assert set(metrics) == set(abi.CORRECTION_METRICS) == set(want_m)
+    for name in abi.CORRECTION_METRICS:
         torch.testing.assert_close(metrics[name], torch.tensor(want_m[name], dtype=torch.float64), **TIGHT,
                                    msg=name)
 
@@ -511,7 +511,7 @@ def test_masked_garbage_does_not_leak(setting, fill):
         dirty[name][~x["mask"]] = fill
         weights, metrics = run(dirty, setting)
         assert torch.equal(weights, want_w)
-        assert all(torch.equal(metrics[k], want_m[k]) for k in ref.METRICS)
+        assert all(torch.equal(metrics[k], want_m[k]) for k in abi.CORRECTION_METRICS)
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=_ids)
@@ -522,11 +522,11 @@ def test_empty_mask_and_empty_batches(setting):
         x["roll"][:] = fill
         weights, metrics = run(x, setting)
         assert torch.equal(weights, torch.zeros(3, 5))
-        assert all(float(metrics[k]) == 0.0 for k in ref.METRICS)
+        assert all(float(metrics[k]) == 0.0 for k in abi.CORRECTION_METRICS)
     for shape in ((0, 5), (4, 0)):
         empty = {"old": torch.zeros(shape), "roll": torch.zeros(shape), "mask": torch.ones(shape, dtype=torch.bool)}
         weights, metrics = run(empty, setting)
-        assert weights.shape == shape and all(float(metrics[k]) == 0.0 for k in ref.METRICS)
+        assert weights.shape == shape and all(float(metrics[k]) == 0.0 for k in abi.CORRECTION_METRICS)
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=_ids)
@@ -592,7 +592,7 @@ def test_16_bit_inputs_are_upcast_exactly_and_float64_stays():
         weights, metrics = run(low, SETTINGS[0])
         want_w, want_m = run({k: v.float() if v.is_floating_point() else v for k, v in low.items()}, SETTINGS[0])
         assert weights.dtype == torch.float32 and torch.equal(weights, want_w)
-        assert all(torch.equal(metrics[k], want_m[k]) for k in ref.METRICS)
+        assert all(torch.equal(metrics[k], want_m[k]) for k in abi.CORRECTION_METRICS)
     weights, metrics = run(x, SETTINGS[0], torch.float64)
     assert weights.dtype == torch.float64 and metrics["weight_mean"].dtype == torch.float64
 
@@ -602,7 +602,7 @@ def test_mask_dtypes_strides_and_no_gradient():
     want_w, want_m = run(x, SETTINGS[4])
     for mask in (x["mask"].float(), x["mask"].long(), x["mask"].to(torch.uint8) * 3):
         weights, metrics = run({**x, "mask": mask}, SETTINGS[4])
-        assert torch.equal(weights, want_w) and all(torch.equal(metrics[k], want_m[k]) for k in ref.METRICS)
+        assert torch.equal(weights, want_w) and all(torch.equal(metrics[k], want_m[k]) for k in abi.CORRECTION_METRICS)
     wide = {k: torch.stack([v, v], dim=-1)[..., 0] for k, v in x.items()}  # non-contiguous views
     assert not wide["old"].is_contiguous()
     weights, _ = run(wide, SETTINGS[4])
@@ -684,7 +684,7 @@ def test_opcheck():
 def test_meta_tensors_run_the_fake_implementation():
     old = torch.empty(3, 8, device="meta")
     weights, metrics = rlk.rollout_correction(old, old, torch.empty(3, 8, dtype=torch.bool, device="meta"))
-    assert weights.shape == (3, 8) and weights.device.type == "meta" and set(metrics) == set(ref.METRICS)
+    assert weights.shape == (3, 8) and weights.device.type == "meta" and set(metrics) == set(abi.CORRECTION_METRICS)
 
 
 def test_torch_compile_fullgraph_matches_eager():

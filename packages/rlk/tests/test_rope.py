@@ -1,4 +1,4 @@
-"""The public rope op (``rlk.rope.apply_rope``) on the reference backend: Hugging Face's formula
+"""The public rope op (``rlk.ops.rope.apply_rope``) on the reference backend: Hugging Face's formula
 re-derived here, layouts, numerics under the contract, autograd, torch.library integration and
 bad input. Ground truth is the formula below in fp64; tolerances come from the contract."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import rlk
-from rlk import contract
-from rlk.rope import apply_rope
+from rlk.core import contract
+from rlk.ops.rope import apply_rope
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

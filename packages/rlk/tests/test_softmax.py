@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlk import contract
-from rlk.softmax import log_softmax, softmax
+from rlk.core import contract
+from rlk.ops.softmax import log_softmax, softmax
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = [(softmax, torch.softmax), (log_softmax, torch.log_softmax)]

@@ -14,7 +14,7 @@ Each case runs TRL and the adapter (reference backend, CPU) on the same values a
 * float64 inputs: loss, gradient w.r.t. the log-probs and the entropies, and every metric the adapter logs
   under a TRL name, to rounding (``_TIGHT``);
 * float32 inputs: the adapter's loss and gradients against TRL run in float64 on the same values, under the
-  numerical contract (``rlk.contract``, scale ``1 + |truth|`` as in ``test_policy_loss.py``), and the metrics
+  numerical contract (``rlk.core.contract``, scale ``1 + |truth|`` as in ``test_policy_loss.py``), and the metrics
   against TRL run in float32 (the same clip decisions).
 
 Metrics (the adapter logs under TRL's name only what has TRL's definition)
@@ -53,7 +53,7 @@ import zlib
 import pytest
 import torch
 
-from rlk import contract
+from rlk.core import contract
 
 try:
     from trl.trainer.grpo_config import GRPOConfig

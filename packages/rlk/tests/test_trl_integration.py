@@ -36,7 +36,7 @@ import zlib
 import pytest
 import torch
 
-from rlk import contract
+from rlk.core import contract
 
 try:
     import transformers
@@ -384,18 +384,18 @@ def test_train_with_trl_sampling_runs_rlk_and_no_logits(model_dir, tmp_path, mon
     """TRL's defaults (bf16 autocast) and its own generation (model.generate), one training step: the log-probs of
     the policy (with entropy) and of the reference model come from rlk.linear_logprob, the LM heads return no
     logits during them (the fused op's [..., 1 | 2] instead of [..., V]), and training moves the weights."""
-    import rlk.hf.training
+    import rlk.integrations.hf.training
 
     trainer = make_trainer(RLKGRPOTrainer, model_dir, torch.float32, tmp_path, rollouts=False, loss_type="dapo",
                            learning_rate=1e-2, bf16=True)
     calls = []
-    original = rlk.hf.training.linear_logprob
+    original = rlk.integrations.hf.training.linear_logprob
 
     def counting(hidden, weight, targets, **kwargs):
         calls.append((hidden.dtype, kwargs.get("return_entropy")))
         return original(hidden, weight, targets, **kwargs)
 
-    monkeypatch.setattr(rlk.hf.training, "linear_logprob", counting)
+    monkeypatch.setattr(rlk.integrations.hf.training, "linear_logprob", counting)
     widths = {"policy": [], "ref": []}
     hooks = [model.get_output_embeddings().register_forward_hook(
         lambda module, args, output, who=who: widths[who].append(output.shape[-1]))
@@ -619,17 +619,17 @@ def test_dpo_train_step_matches_trl(model_dir, tmp_path, monkeypatch, config):
     """One optimizer step: the gradients the optimizer gets and the logged loss and metrics equal TRL's (float64);
     every LM head call (the policy's with the entropy, the reference's or the precompute's without) is rlk's fused
     op, from the first position that predicts a completion token, never [..., V] logits."""
-    import rlk.hf.training
+    import rlk.integrations.hf.training
 
     truth = dpo_train_one_step(trl.DPOTrainer, model_dir, torch.float64, tmp_path / "truth", **config)
     calls = []
-    original = rlk.hf.training.linear_logprob
+    original = rlk.integrations.hf.training.linear_logprob
 
     def counting(hidden, weight, targets, **kwargs):
         calls.append(tuple(targets.shape))
         return original(hidden, weight, targets, **kwargs)
 
-    monkeypatch.setattr(rlk.hf.training, "linear_logprob", counting)
+    monkeypatch.setattr(rlk.integrations.hf.training, "linear_logprob", counting)
     got = dpo_train_one_step(RLKDPOTrainer, model_dir, torch.float64, tmp_path / "rlk64", **config)
     assert truth["grads"] and got["grads"].keys() == truth["grads"].keys()
     for name, grad in got["grads"].items():

@@ -18,7 +18,7 @@ import torch
 
 import rlk
 import rlk.integrations.verl as rv
-from rlk import contract
+from rlk.core import contract
 from rlk.reference import advantages as ref_adv
 
 try:

@@ -14,7 +14,7 @@ import torch
 
 __version__ = "0.1.0"
 
-#: The rlk op ABI this backend implements (rlk.abi.ABI_VERSION it was written for); rlk refuses a backend whose ABI
+#: The rlk op ABI this backend implements (rlk.core.abi.ABI_VERSION it was written for); rlk refuses a backend whose ABI
 #: differs from its own.
 ABI_VERSION = 3
 
@@ -90,11 +90,11 @@ def version_problem(rlk_version: str) -> str | None:
 
 def backend():
     """The ``rlk.Backend`` of this package (entry-point factory)."""
-    import rlk
-    from rlk.abi import collect_primitives
-    from rlk.backend import Backend
+    from rlk.core.abi import collect_primitives
+    from rlk.core.backend import Backend
+    from rlk.core.version import __version__ as rlk_version
 
-    mismatch = version_problem(rlk.__version__)
+    mismatch = version_problem(rlk_version)
     if mismatch is not None:
         return Backend(name="triton", version=__version__, abi_version=ABI_VERSION, primitives={},
                        probe=lambda: mismatch, device_types=lambda: ())

@@ -29,7 +29,7 @@ order), ``grad_bias`` a column sum over fixed row blocks in increasing order; no
 both are deterministic run to run. ``GROUP_M`` only orders the programs (row tiles of a group
 are scheduled together so that they share ``B`` tiles in L2); it changes no value.
 
-Tensor-parallel alignment (with :mod:`rlk.tensor_parallel` on; off, the default, ``L = 1``): the ``K`` loop of
+Tensor-parallel alignment (with :mod:`rlk.core.tensor_parallel` on; off, the default, ``L = 1``): the ``K`` loop of
 the forward (and of ``grad_a``, whose ``K`` is ``N``) is cut into ``L = tree_leaves(K, MAX_TREE_LEAVES,
 MIN_LEAF)`` equal segments (the largest power of two <= 8 dividing ``K`` into segments of at least
 ``MIN_LEAF``); a program sums each segment into a fresh fp32 accumulator and adds the segments' sums in the
@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rlk import tensor_parallel
+from rlk.core import tensor_parallel
 from rlk_triton.common import dot, grouped_tile, on_device
 
 #: The one tile configuration per input dtype, used for the forward and for both backward
@@ -342,7 +342,7 @@ def tile_buckets_agree(device: torch.device, dtype: torch.dtype = torch.bfloat16
 
 
 def _leaves(k: int) -> int:
-    """The ``K`` segments of a product over ``k``: the tree's with ``rlk.tensor_parallel`` on, else 1."""
+    """The ``K`` segments of a product over ``k``: the tree's with ``rlk.core.tensor_parallel`` on, else 1."""
     return tree_leaves(k, tensor_parallel.max_matmul_leaves(MAX_TREE_LEAVES), MIN_LEAF)
 
 

@@ -291,7 +291,7 @@ def rms_norm_fwd(x, weight, residual, eps, gemma, out, residual_out, rstd_out):
         eps: added to the mean of squares (rounded to fp32).
         gemma: the ``n * (1 + w)`` form.
         out: ``[N, H]``, written ``y`` in its own dtype (x.dtype; fp32 for an fp32 weight, see
-            :func:`rlk.norm.output_dtype`).
+            :func:`rlk.ops.norm.output_dtype`).
         residual_out: ``[N, H]`` x.dtype, written ``s = x + residual``; None when unfused.
         rstd_out: ``[N]`` fp32, written ``rsqrt(mean(s^2) + eps)``.
 

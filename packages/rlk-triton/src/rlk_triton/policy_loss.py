@@ -43,11 +43,11 @@ import torch
 import triton
 import triton.language as tl
 
-from rlk.reference.aggregation import AGG_MODES
-from rlk.reference.policy_loss import (
+from rlk.core.abi import (
+    AGG_MODES,
     KL_ESTIMATORS,
     LOSSES,
-    METRICS,
+    POLICY_METRICS,
     ROW_STATS,
     VESPO_LOG_PHI_MAX,
     VESPO_LOG_W_MAX,
@@ -123,7 +123,7 @@ _TOKEN_MEAN = tl.constexpr(AGG_MODES.index("token-mean"))
 _TOKEN_SUM = tl.constexpr(AGG_MODES.index("token-sum"))
 _SEQ_MEAN_TOKEN_SUM = tl.constexpr(AGG_MODES.index("seq-mean-token-sum"))
 _SEQ_MEAN_TOKEN_MEAN = tl.constexpr(AGG_MODES.index("seq-mean-token-mean"))
-_NUM_METRICS = len(METRICS)
+_NUM_METRICS = len(POLICY_METRICS)
 
 
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlk.reference.rollout_correction import METRICS, thresholds
+from rlk.core.abi import CORRECTION_METRICS, correction_thresholds
 from rlk_triton.common import on_device
 
 #: Tokens per program (one chunk of one row); chunk partials per step of the in-row sums; rows per step (lanes)
@@ -51,7 +51,7 @@ _NUM_STATS = 19
 _STATS = tl.constexpr(_NUM_STATS)
 _COLS = 32  # the columns padded to a power of two
 
-#: The order in which _combine_kernel stores the metrics: it must be METRICS.
+#: The order in which _combine_kernel stores the metrics: it must be CORRECTION_METRICS.
 _STORE_ORDER = (
     "weight_mean", "weight_max", "weight_min", "weight_std", "ess", "ratio_max", "ratio_min", "fraction_high",
     "fraction_low", "clipped_fraction", "abs_log_ratio_mean", "abs_log_ratio_max", "kl", "k3_kl", "chi2_token",
@@ -60,7 +60,7 @@ _STORE_ORDER = (
     "rollout_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min",
     "ppl_ratio", "sequences",
 )
-assert _STORE_ORDER == METRICS
+assert _STORE_ORDER == CORRECTION_METRICS
 
 
 @triton.jit
@@ -327,14 +327,15 @@ def rollout_correction_fwd(old_logprob, rollout_logprob, mask, weights_out, metr
     """Importance weights and metrics (spec and arguments: the reference's
     :func:`rlk.reference.rollout_correction.rollout_correction_fwd`).
 
-    Shapes: ``[B, T]`` fp32 log-probs, bool ``mask``; outputs ``weights_out[B, T]``, ``metrics_out[len(METRICS)]``.
+    Shapes: ``[B, T]`` fp32 log-probs, bool ``mask``; outputs ``weights_out[B, T]``,
+    ``metrics_out[len(CORRECTION_METRICS)]``.
     Programs ``(row, chunk of BLOCK_T tokens)`` (after a pass of chunk sums at the sequence level), then one
     program per row, then one program over the rows.
     """
     n_rows, t = old_logprob.shape
     n_chunks = triton.cdiv(t, BLOCK_T)
     device = old_logprob.device
-    high, low = thresholds(upper, lower)
+    high, low = correction_thresholds(upper, lower)
     has_clamp = clamp != float("inf")
     clamp_arg = float(clamp) if has_clamp else 0.0
     sequence = level == "sequence"

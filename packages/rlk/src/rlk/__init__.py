@@ -12,8 +12,7 @@ Public API:
   :func:`batch_invariant` (with :func:`enable_batch_invariant`, :func:`disable_batch_invariant`,
   :func:`is_batch_invariant_enabled`) routes an unmodified model's aten ops to them, and
   :func:`patch_model` / :func:`unpatch_model` what the overrides cannot reach in a Hugging Face model.
-  (Each function lives in the module of its op family, e.g. ``rlk.matmul``; ``from rlk.matmul import
-  linear`` works as well.)
+  (Each function lives in the module of its op family under :mod:`rlk.ops`, e.g. ``rlk.ops.matmul``.)
 * backends: :func:`explain`, :func:`use_backend`, :func:`info`, :class:`BackendError`,
   and :class:`Backend` for backend authors (entry-point group ``rlk.backends``);
 * tensor-parallel reduction order of ``matmul`` / ``linear`` (for :mod:`rlk.distributed`, off by default):
@@ -21,39 +20,46 @@ Public API:
   (or ``RLK_TENSOR_PARALLEL_INVARIANT=1``);
 * profiling: :func:`set_profiler_ranges` (or ``RLK_NVTX=1``) names every primitive call in NVTX and
   ``torch.profiler`` timelines;
-* the numerical contract: :mod:`rlk.contract`.
+* the numerical contract: :mod:`rlk.core.contract`.
+
+Layers (imports run downward only, ``tests/test_layers.py``): :mod:`rlk.core` (ABI, backends, dispatch, the op
+declaration helper, checks, contract) < :mod:`rlk.reference` (the spec backend) < :mod:`rlk.ops` <
+:mod:`rlk.distributed` < :mod:`rlk.integrations` < :mod:`rlk.app`.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from rlk.abi import ABI_VERSION
-from rlk.advantages import discounted_returns, gae, group_advantages, masked_whiten
-from rlk.attention import attention
-from rlk.backend import Backend
-from rlk.batch_invariant import (
+from rlk.app.info import info
+from rlk.core.abi import ABI_VERSION
+from rlk.core.backend import Backend
+from rlk.core.custom_op import set_profiler_ranges
+from rlk.core.dispatch import BackendError, explain, use_backend
+from rlk.core.tensor_parallel import (
+    is_tensor_parallel_invariant,
+    set_tensor_parallel_invariant,
+    tensor_parallel_invariant,
+)
+from rlk.core.version import __version__
+from rlk.integrations.batch_invariant import (
     batch_invariant,
     disable_batch_invariant,
     enable_batch_invariant,
     is_batch_invariant_enabled,
 )
-from rlk.custom_op import set_profiler_ranges
-from rlk.dispatch import BackendError, explain, use_backend
-from rlk.distill import fused_linear_kl
-from rlk.embedding import embedding
-from rlk.hf import patch_model, unpatch_model
-from rlk.info import info
-from rlk.linear_policy_loss import fused_linear_policy_loss
-from rlk.logprob import linear_logprob, selected_logprob
-from rlk.losses import dpo_loss, value_loss
-from rlk.matmul import linear, matmul
-from rlk.norm import rms_norm
-from rlk.policy_loss import PolicyLossAndGrad, kl_penalty, policy_loss, policy_loss_and_grad
-from rlk.rollout_correction import rollout_correction
-from rlk.rope import apply_rope
-from rlk.softmax import log_softmax, softmax
-from rlk.tensor_parallel import is_tensor_parallel_invariant, set_tensor_parallel_invariant, tensor_parallel_invariant
+from rlk.integrations.hf import patch_model, unpatch_model
+from rlk.ops.advantages import discounted_returns, gae, group_advantages, masked_whiten
+from rlk.ops.attention import attention
+from rlk.ops.distill import fused_linear_kl
+from rlk.ops.embedding import embedding
+from rlk.ops.linear_policy_loss import fused_linear_policy_loss
+from rlk.ops.logprob import linear_logprob, selected_logprob
+from rlk.ops.losses import dpo_loss, value_loss
+from rlk.ops.matmul import linear, matmul
+from rlk.ops.norm import rms_norm
+from rlk.ops.policy_loss import PolicyLossAndGrad, kl_penalty, policy_loss, policy_loss_and_grad
+from rlk.ops.rollout_correction import rollout_correction
+from rlk.ops.rope import apply_rope
+from rlk.ops.softmax import log_softmax, softmax
 
 __all__ = [
     "ABI_VERSION",

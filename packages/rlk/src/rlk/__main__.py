@@ -1,3 +1,3 @@
-from rlk.cli import main
+from rlk.app.cli import main
 
 raise SystemExit(main())

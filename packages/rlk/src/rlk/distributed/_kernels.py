@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from rlk import dispatch
+from rlk.core import dispatch
 
 #: backend name -> package holding ``logprob`` and ``matmul`` modules with the shard kernels.
 _PACKAGES = {"reference": "rlk.reference", "triton": "rlk_triton"}

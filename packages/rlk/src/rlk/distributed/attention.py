@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlk import checks
-from rlk.attention import attention as _attention
+from rlk.core import checks
 from rlk.distributed.group import Comm, Group
 from rlk.distributed.reduce import tree_sum
+from rlk.ops.attention import attention as _attention
 
 
 class _GatherTokens(torch.autograd.Function):

@@ -21,11 +21,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-import rlk
 from rlk.distributed.group import Comm, Group, SimulatedGroup
 from rlk.distributed.logprob import vocab_parallel_linear_logprob
 from rlk.distributed.matmul import column_parallel_linear, row_parallel_linear
 from rlk.distributed.reduce import all_reduce_fixed, tree_sum
+from rlk.ops.attention import attention
+from rlk.ops.embedding import embedding
+from rlk.ops.logprob import linear_logprob
+from rlk.ops.matmul import linear
+from rlk.ops.norm import rms_norm
+from rlk.ops.rope import apply_rope
 
 
 @dataclass(frozen=True)
@@ -126,15 +131,15 @@ class _Ops:
 
     def column(self, x: Tensor, ws: list[Tensor]) -> list[Tensor]:
         if self.mode == "single":
-            return [rlk.linear(x, ws[0])]
+            return [linear(x, ws[0])]
         out = column_parallel_linear(x, self.comm.result(ws), group=self.group)
         return out if self.comm.simulated else [out]
 
     def row(self, xs: list[Tensor], ws: list[Tensor]) -> Tensor:
         if self.mode == "single":
-            return rlk.linear(xs[0], ws[0])
+            return linear(xs[0], ws[0])
         if self.mode == "stock":
-            partials = [rlk.linear(x, w) for x, w in zip(xs, ws)]
+            partials = [linear(x, w) for x, w in zip(xs, ws)]
             if self.comm.simulated:  # the partials added in rank order, as a reduction that ignores the tree would
                 return sum(partials[1:], partials[0])
             y = partials[0]
@@ -143,13 +148,13 @@ class _Ops:
 
     def logprob(self, h: Tensor, ws: list[Tensor], targets: Tensor, temperature: float):
         if self.mode == "single":
-            return rlk.linear_logprob(h, ws[0], targets, temperature=temperature, return_entropy=True)
+            return linear_logprob(h, ws[0], targets, temperature=temperature, return_entropy=True)
         return vocab_parallel_linear_logprob(h, self.comm.result(ws), targets, group=self.group,
                                              temperature=temperature, return_entropy=True)
 
     def logits(self, h: Tensor, ws: list[Tensor]) -> Tensor:
         if self.mode == "single":
-            return rlk.linear(h, ws[0])
+            return linear(h, ws[0])
         return column_parallel_linear(h, self.comm.result(ws), group=self.group, gather_output=True)
 
 
@@ -187,7 +192,7 @@ class _PerHead(torch.autograd.Function):
 
 def _head_norm(x: Tensor, weights: Tensor, eps: float) -> Tensor:
     """``rms_norm`` of each head ``x[:, h]`` ``[T, d]`` with its own copy ``weights[h]`` of the shared weight."""
-    return torch.stack([rlk.rms_norm(x[:, h], weights[h], eps) for h in range(x.shape[1])], dim=1)
+    return torch.stack([rms_norm(x[:, h], weights[h], eps) for h in range(x.shape[1])], dim=1)
 
 
 def _per_rank(p, single: bool) -> list[Tensor]:
@@ -220,11 +225,11 @@ def forward(
     single = mode == "single"
     c = config
     n_tokens = ids.shape[0]
-    x = rlk.embedding(ids, params["embed"])
+    x = embedding(ids, params["embed"])
     cos, sin = rope_tables(positions, c)
     for i in range(c.layers):
         p = {k: params[f"layers.{i}.{k}"] for k in _LAYER_SHARDS}
-        h = rlk.rms_norm(x, p["input_norm"], c.eps)
+        h = rms_norm(x, p["input_norm"], c.eps)
         qs, ks, vs = (ops.column(h, _per_rank(p[name], single)) for name in ("q", "k", "v"))
         n_q, n_kv = qs[0].shape[1] // c.head_dim, ks[0].shape[1] // c.head_dim
         q_norms = _PerHead.apply(ops.comm, len(qs) * n_q, p["q_norm"])
@@ -233,20 +238,20 @@ def forward(
         for j, (q, k, v) in enumerate(zip(qs, ks, vs)):
             q = _head_norm(q.view(n_tokens, n_q, c.head_dim), q_norms[j * n_q:(j + 1) * n_q], c.eps)
             k = _head_norm(k.view(n_tokens, n_kv, c.head_dim), k_norms[j * n_kv:(j + 1) * n_kv], c.eps)
-            q, k = rlk.apply_rope(q, k, cos, sin)
-            a = rlk.attention(q, k, v.view(n_tokens, -1, c.head_dim), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+            q, k = apply_rope(q, k, cos, sin)
+            a = attention(q, k, v.view(n_tokens, -1, c.head_dim), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                               max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
             attn.append(a.reshape(n_tokens, -1))
         x = x + ops.row(attn, _per_rank(p["o"], single))
         if trace is not None:
             trace.append((i, "attention", x.detach()))
-        h = rlk.rms_norm(x, p["post_norm"], c.eps)
+        h = rms_norm(x, p["post_norm"], c.eps)
         gates, ups = ops.column(h, _per_rank(p["gate"], single)), ops.column(h, _per_rank(p["up"], single))
         acts = [F.silu(g) * u for g, u in zip(gates, ups)]
         x = x + ops.row(acts, _per_rank(p["down"], single))
         if trace is not None:
             trace.append((i, "mlp", x.detach()))
-    h = rlk.rms_norm(x, params["final_norm"], c.eps)
+    h = rms_norm(x, params["final_norm"], c.eps)
     out = {}
     head = _per_rank(params["lm_head"], single)
     if targets is not None:

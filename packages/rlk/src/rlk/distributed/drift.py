@@ -4,7 +4,7 @@ The consistency tool compares a rollout path with a training path, rlk's chain o
 are parallel configurations of :mod:`rlk.distributed.decoder` (e.g. rollout at TP = 2, training at TP = 1
 and DP = 2) and the chains are the stock combine (``"off"``: each rank's partial sums added by an all-reduce
 that ignores the tree) and rlk's (``"on"``). The fields the tool's writers read are filled the same way
-(``rlk.consistency.report.format_table`` / ``write_all`` render it); ``report["parallel"]`` records the
+(``rlk.app.consistency.report.format_table`` / ``write_all`` render it); ``report["parallel"]`` records the
 configurations; the "gradients" entries count parameter tensors (the tool counts sequences: per sequence
 ``grad_equal`` is None here), and a scored sequence is all "response" (``prompt_len`` 0).
 """

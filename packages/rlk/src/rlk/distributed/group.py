@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlk import checks
+from rlk.core import checks
 
 
 class SimulatedGroup:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk import checks
-from rlk import logprob as single
-from rlk.checks import check_float
+from rlk.core import checks
+from rlk.core.checks import check_float
 from rlk.distributed import _kernels
 from rlk.distributed.group import Comm, Group
+from rlk.ops import logprob as single
 
 #: The target of a row that is not the shard's to score: outside every shard's range and never ignore_index.
 _NOT_HERE = -(2**62)

@@ -1,5 +1,5 @@
 """Tensor-parallel ``linear`` in Megatron's layout, bitwise the single-device ``rlk.linear`` (both with
-:mod:`rlk.tensor_parallel` on: at ``P > 1`` these ops refuse to run without it).
+:mod:`rlk.core.tensor_parallel` on: at ``P > 1`` these ops refuse to run without it).
 
 Column-parallel: rank ``r`` of ``P`` holds output rows ``[r N_s, (r + 1) N_s)`` of the ``[N, K]`` weight;
 its output columns are the single-device columns (the same ``K`` segments per element). The backward's
@@ -18,8 +18,8 @@ import math
 import torch
 from torch import Tensor
 
-from rlk import tensor_parallel
-from rlk.checks import check_float
+from rlk.core import tensor_parallel
+from rlk.core.checks import check_float
 from rlk.distributed import _kernels
 from rlk.distributed.group import Comm, Group
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlk import checks
+from rlk.core import checks
 from rlk.distributed.group import Comm, Group
 
 

@@ -1,5 +1,5 @@
 """TRL drop-ins (written for trl 1.16.0), each with rlk computing the log-probs from the last hidden states and the
-LM head (:func:`rlk.hf.apply`: :func:`rlk.linear_logprob`, no logits) and the loss with rlk:
+LM head (:func:`rlk.integrations.hf.apply`: :func:`rlk.linear_logprob`, no logits) and the loss with rlk:
 
 * :class:`RLKGRPOTrainer` is ``trl.GRPOTrainer`` with the loss :func:`rlk.policy_loss`, for every ``loss_type``;
   :func:`policy_loss_kwargs` maps TRL's configuration, :func:`compute_loss` replaces ``GRPOTrainer._compute_loss``;
@@ -24,7 +24,7 @@ from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.utils import use_adapter
 
 import rlk
-import rlk.hf
+import rlk.integrations.hf
 
 #: TRL's loss types of the clipped-ratio (PPO) family.
 PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -298,8 +298,8 @@ def compute_loss(trainer, model, inputs: dict) -> Tensor:
 class RLKGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with rlk's log-probs, entropies and loss; same constructor, same config, same logs.
 
-    * log-probs and entropies (the policy's, the old and the reference model's): ``rlk.hf.apply`` on the model
-      (and the reference model), then ``model(..., logits_to_keep=K + 1, logprob_targets=completion tokens)``:
+    * log-probs and entropies (the policy's, the old and the reference model's): ``rlk.integrations.hf.apply`` on
+      the model (and the reference model), then ``model(..., logits_to_keep=K + 1, logprob_targets=completion tokens)``:
       the decoder's last hidden states and the LM head's weight (read at each call) go through
       :func:`rlk.linear_logprob`, never materializing the logits, at TRL's ``temperature``;
     * the loss and its metrics: :func:`compute_loss`.
@@ -318,7 +318,7 @@ class RLKGRPOTrainer(GRPOTrainer):
         policy = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
         for model in (policy, self.ref_model):
             if model is not None:
-                rlk.hf.apply(model, temperature=self.temperature, return_entropy=True)
+                rlk.integrations.hf.apply(model, temperature=self.temperature, return_entropy=True)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
@@ -403,7 +403,8 @@ def dpo_loss(trainer, chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_
 class RLKDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` with rlk's sequence log-probs and :func:`rlk.dpo_loss`; same constructor and config.
 
-    * sequence log-probs (policy, reference model or PEFT adapter, ``precompute_ref_log_probs``): ``rlk.hf.apply``
+    * sequence log-probs (policy, reference model or PEFT adapter, ``precompute_ref_log_probs``):
+      ``rlk.integrations.hf.apply``
       on the model, then ``model(..., logits_to_keep=k, logprob_targets=next completion tokens)`` from the first
       position that predicts a completion token: :func:`rlk.linear_logprob` on the last hidden states and the LM
       head, no logits; summed over the completion (``ld_alpha``: the tokens past the shorter completion of the pair
@@ -432,9 +433,9 @@ class RLKDPOTrainer(DPOTrainer):
                 self._rlk_model(model)
 
     def _rlk_model(self, model):
-        """``model`` with ``rlk.hf.apply`` on the causal LM inside its wrappers (idempotent)."""
+        """``model`` with ``rlk.integrations.hf.apply`` on the causal LM inside its wrappers (idempotent)."""
         inner = self.accelerator.unwrap_model(model)
-        rlk.hf.apply(inner.get_base_model() if is_peft_model(inner) else inner)
+        rlk.integrations.hf.apply(inner.get_base_model() if is_peft_model(inner) else inner)
         return model
 
     def _sequence_logps(self, model, inputs: dict, entropy: bool = False):

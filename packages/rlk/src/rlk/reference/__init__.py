@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from rlk import abi
-from rlk.backend import Backend
+from rlk.core import abi
+from rlk.core.backend import Backend
+from rlk.core.version import __version__
 from rlk.reference import (
     advantages,
     attention,
@@ -36,11 +37,9 @@ def _supports(primitive: str, device: torch.device, dtype: torch.dtype) -> str |
 
 
 def backend() -> Backend:
-    import rlk
-
     return Backend(
         name="reference",
-        version=rlk.__version__,
+        version=__version__,
         abi_version=abi.ABI_VERSION,
         primitives=abi.collect_primitives(
             advantages, attention, distill, embedding, logprob, losses, matmul, norm, policy_loss, rollout_correction,

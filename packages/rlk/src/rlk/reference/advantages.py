@@ -123,22 +123,8 @@ from __future__ import annotations
 
 import torch
 
-from rlk.checks import compute_dtype
-
-GROUP_MODES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg")
-#: Pass@k: only each group's best response gets an advantage, its margin over the runner-up.
-PASSK_MODES = ("grpo_passk", "dr_grpo_passk")
-RETURN_MASK_MODES = ("carry", "reset", "zero")
-EPS_MODES = ("add", "clamp")
-
-
-def recurrence_constants(gamma: float, lam: float, dtype: torch.dtype) -> tuple[float, float]:
-    """``gamma`` and ``gamma * lam`` (the product taken in double) rounded to ``dtype``'s compute dtype:
-    the constants the returns / GAE primitives receive for inputs of ``dtype``."""
-    cdt = compute_dtype(dtype)
-    return (float(torch.tensor(gamma, dtype=torch.float64).to(cdt)),
-            float(torch.tensor(gamma * lam, dtype=torch.float64).to(cdt)))
-
+from rlk.core.abi import EPS_MODES, GROUP_MODES, RETURN_MASK_MODES
+from rlk.core.checks import compute_dtype
 
 #: Per compute dtype: (int view, mantissa bits, exponent bias, largest k of :func:`pow2_scale`).
 _FLOAT_BITS = {torch.float32: (torch.int32, 23, 127, 126), torch.float64: (torch.int64, 52, 1023, 1022)}

@@ -50,10 +50,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk import checks
-
-#: The aggregation modes, in the order of the table above.
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from rlk.core import checks
+from rlk.core.abi import AGG_MODES
 
 Normalizer = int | float | Tensor | None
 

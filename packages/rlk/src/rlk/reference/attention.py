@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk.checks import compute_dtype
+from rlk.core.checks import compute_dtype
 
 Q_CHUNK = 1024
 

@@ -35,12 +35,10 @@ import math
 
 import torch
 
-from rlk.checks import compute_dtype
+from rlk.core.checks import compute_dtype
 
 ROW_CHUNK = 256
 VOCAB_CHUNK = 8192
-
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
 class _Tiles:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk.checks import compute_dtype
+from rlk.core.checks import compute_dtype
 
 
 def embedding_fwd(weight: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:

@@ -66,7 +66,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlk.checks import compute_dtype
+from rlk.core.checks import compute_dtype
 from rlk.reference.matmul import tree_leaves, tree_reduce
 
 ROW_CHUNK = 256

@@ -55,10 +55,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-#: DPO variants, in the order of their codes in the kernels.
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "robust")
-
-
 # ---------------------------------------------------------------------------
 # value loss
 # ---------------------------------------------------------------------------

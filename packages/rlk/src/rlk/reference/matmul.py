@@ -21,7 +21,7 @@ float64 error that no output dtype can see). float64 inputs are computed in floa
 chunked (``COL_CHUNK`` columns of ``b`` upcast at a time, ``ROW_CHUNK`` rows of ``a`` per
 product), so the extra memory is bounded whatever M, N and K are.
 
-Tensor-parallel alignment (with :mod:`rlk.tensor_parallel` on; off, ``L = 1``: one plain ``K`` sum): the
+Tensor-parallel alignment (with :mod:`rlk.core.tensor_parallel` on; off, ``L = 1``: one plain ``K`` sum): the
 ``K`` sum of the forward (and the ``N`` sum of ``grad_a``) is cut into
 ``L = tree_leaves(K, MAX_TREE_LEAVES, MIN_LEAF)`` equal segments, each summed on its own, and the
 segments' sums are added in the fixed binary tree of :func:`tree_reduce` before the bias and the
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk import tensor_parallel
+from rlk.core import tensor_parallel
 
 ROW_CHUNK = 1024
 COL_CHUNK = 1024
@@ -82,7 +82,7 @@ def _tree_node(leaf, merge, lo: int, hi: int):
 
 
 def _leaves(k: int) -> int:
-    """The ``K`` segments of a product over ``k``: the tree's with ``rlk.tensor_parallel`` on, else 1."""
+    """The ``K`` segments of a product over ``k``: the tree's with ``rlk.core.tensor_parallel`` on, else 1."""
     return tree_leaves(k, tensor_parallel.max_matmul_leaves(MAX_TREE_LEAVES), MIN_LEAF)
 
 

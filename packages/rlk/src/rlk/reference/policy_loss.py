@@ -129,36 +129,19 @@ Math runs in fp32 (fp64 when the inputs are fp64: ground truth). Vectorized over
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from rlk.checks import compute_dtype
+from rlk.core.abi import (
+    K3_LOG_RATIO_CLAMP,
+    K3_VALUE_CLAMP,
+    ROW_STATS,
+    VESPO_LOG_PHI_MAX,
+    VESPO_LOG_W_MAX,
+    VESPO_LOG_W_MIN,
+)
+from rlk.core.checks import compute_dtype
 from rlk.reference import aggregation
-
-#: Policy-loss variants (the ``loss`` attribute of ``policy_loss_fwd``).
-LOSSES = ("ppo", "gspo", "cispo", "gpg", "sapo", "geo_mean")
-#: The DPPO-Binary trust-region losses (token-local; ``dual_clip`` is their ratio cap).
-LOSSES += ("dppo_tv", "dppo_kl")
-#: TRL's VESPO (a detached gamma weight of the sequence ratio).
-LOSSES += ("vespo",)
-#: KL estimators (canonical names; the op layer resolves aliases such as ``low_var_kl``).
-KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
-#: Columns of ``row_stats_out`` (per-row partials, combined in row order into the metrics).
-ROW_STATS = ("loss", "tokens", "clipped", "lower_clipped", "neg_log_ratio", "ratio", "ratio_max", "entropy", "kl")
-#: Entries of ``metrics_out``.
-METRICS = ("clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max", "entropy_mean", "kl_mean",
-           "tokens")
-
-#: verl's k3 ("low_var_kl") clamps: the log-ratio, then the value.
-K3_LOG_RATIO_CLAMP = 20.0
-K3_VALUE_CLAMP = 10.0
-#: vespo's bounds of ``log w_i`` and of each ``log I_t`` (TRL's: ``ln 1e-8`` and 20).
-VESPO_LOG_W_MIN = math.log(1e-8)
-VESPO_LOG_W_MAX = 20.0
-#: vespo's ``phi`` is 0 above this exponent (``exp`` overflows float32 there), in every dtype.
-VESPO_LOG_PHI_MAX = math.log(torch.finfo(torch.float32).max)
 
 
 def times(a: Tensor, b: Tensor) -> Tensor:
@@ -462,7 +445,7 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
             (computed in this order), 0 off the mask.
         grad_entropy_out: ``[B, T]`` (``(-eta) * c_i`` on the mask) or None. row_weight_out: ``[B]``,
             the aggregation weights ``c`` (:func:`rlk.reference.aggregation.row_weights`).
-        row_stats_out: ``[B, len(ROW_STATS)]``. metrics_out: ``[len(METRICS)]``.
+        row_stats_out: ``[B, len(ROW_STATS)]``. metrics_out: ``[len(POLICY_METRICS)]``.
         agg (keyword-only): the aggregation mode.
         attrs (keyword-only): loss, cispo_upper, clip_low, clip_high, dual_clip (0: off),
             clamp_low, clamp_high (+-inf: off), tau_pos, tau_neg: the policy loss; kl, kl_coef,

@@ -25,7 +25,7 @@ The weights::
 ``upper = inf`` and ``lower = 0`` mean no bound. ``r_t`` is never NaN: the clamp takes +-inf to +-c
 (with no clamp, exp gives ``inf`` and ``0``, and ``upper`` then caps ``inf``).
 
-Metrics (fp32 scalars, columns :data:`METRICS`; each 0 when it has nothing to average)
+Metrics (fp32 scalars, columns :data:`rlk.core.abi.CORRECTION_METRICS`; each 0 when it has nothing to average)
 --------------------------------------------------------------------------------------
 Thresholds of the fractions: ``high = upper`` and ``low = lower``, or ``1 / upper`` when no lower bound
 is given (verl's convention), 0 when neither is. Over the ``n`` masked tokens of the call:
@@ -67,25 +67,9 @@ import math
 import torch
 from torch import Tensor
 
-#: Levels of the ratio (the ``level`` attribute of ``rollout_correction_fwd``).
-LEVELS = ("token", "sequence")
-#: What happens outside the thresholds (the ``mode`` attribute).
-MODES = ("truncate", "mask")
-#: Entries of ``metrics_out``, in order.
-TOKEN_METRICS = ("weight_mean", "weight_max", "weight_min", "weight_std", "ess", "ratio_max", "ratio_min",
-                 "fraction_high", "fraction_low", "clipped_fraction", "abs_log_ratio_mean", "abs_log_ratio_max",
-                 "kl", "k3_kl", "chi2_token", "tokens")
-SEQ_METRICS = ("seq_weight_mean", "seq_weight_max", "seq_weight_min", "seq_weight_std", "seq_weight_max_deviation",
-               "seq_fraction_high", "seq_fraction_low", "seq_clipped_fraction", "chi2_seq", "training_ppl",
-               "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff",
-               "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "sequences")
-METRICS = TOKEN_METRICS + SEQ_METRICS
-
-
-def thresholds(upper: float, lower: float) -> tuple[float, float]:
-    """``(high, low)``: the thresholds of the fraction metrics (module docstring)."""
-    low = lower if lower > 0 else (1.0 / upper if math.isfinite(upper) else 0.0)
-    return upper, low
+from rlk.core.abi import (
+    correction_thresholds,
+)
 
 
 def _terms(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *, level: str, mode: str, upper: float,
@@ -128,7 +112,7 @@ def _mean(total: Tensor, count: Tensor) -> Tensor:
 
 def _metrics(t: dict[str, Tensor], *, upper: float, lower: float, clamp: float) -> Tensor:
     m, w, r, d, dc = t["m"], t["w"], t["r"], t["d"], t["dc"]
-    high, low = thresholds(upper, lower)
+    high, low = correction_thresholds(upper, lower)
     n = m.sum().to(w.dtype)
 
     def mean(x: Tensor) -> Tensor:
@@ -183,7 +167,7 @@ def rollout_correction_fwd(old_logprob, rollout_logprob, mask, weights_out, metr
 
     Args:
         old_logprob, rollout_logprob: ``[B, T]`` fp32 (fp64: ground truth). mask: ``[B, T]`` bool.
-        weights_out: ``[B, T]``, the weights ``w`` (0 off the mask). metrics_out: ``[len(METRICS)]``.
+        weights_out: ``[B, T]``, the weights ``w`` (0 off the mask). metrics_out: ``[len(CORRECTION_METRICS)]``.
         level (keyword-only): ``"token"`` or ``"sequence"``. mode: ``"truncate"`` or ``"mask"``.
         upper: the upper threshold (``inf``: none). lower: the lower threshold (``0``: none).
         clamp: the bound ``c`` of the log-ratio before ``exp`` (``inf``: none).
@@ -195,7 +179,7 @@ def rollout_correction_fwd(old_logprob, rollout_logprob, mask, weights_out, metr
 
 def contract_scale(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *, level: str, mode: str,
                    upper: float, lower: float, clamp: float) -> dict[str, Tensor]:
-    """The numerical contract's scales of ``weights`` ``[B, T]`` and ``metrics`` ``[len(METRICS)]``.
+    """The numerical contract's scales of ``weights`` ``[B, T]`` and ``metrics`` ``[len(CORRECTION_METRICS)]``.
 
     fp32 gets a log-ratio ``x`` to about ``2^-24 a`` with ``a = 1 + min(|d_t|, c)`` (token level) or
     ``1 + min(sum_t m |d_t|, c)`` (sequence level: the rounding of the row sum; a clamped log-ratio is

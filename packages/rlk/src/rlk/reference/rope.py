@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk.checks import compute_dtype
+from rlk.core.checks import compute_dtype
 
 
 def _pair_slices(rotary_dim: int, interleaved: bool) -> tuple[slice, slice]:

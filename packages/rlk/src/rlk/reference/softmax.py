@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlk.checks import compute_dtype
+from rlk.core.checks import compute_dtype
 
 ROW_CHUNK = 256
 

@@ -1,0 +1,10 @@
+"""Consistency tooling: does a rollout engine and a trainer compute the same log-probs for the same tokens?
+
+* :mod:`rlk.app.consistency.harness`: fixed standard Transformers (transformers' Qwen3 / Llama classes from a config,
+  seeded weights), a fixed prompt set, fp64 reference log-probs;
+* :mod:`rlk.app.consistency.paths`: the rollout-style and training-style execution paths and the rlk chain switch;
+* :mod:`rlk.app.consistency.probe`: layer-wise drift probe; :mod:`rlk.app.consistency.run`: the ``rlk consistency``
+  report.
+
+transformers (and matplotlib for the chart) are optional: the submodules import them inside their functions.
+"""

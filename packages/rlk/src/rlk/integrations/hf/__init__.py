@@ -1,0 +1,19 @@
+"""Hugging Face transformers integration.
+
+* :func:`apply` / :func:`unapply` (:mod:`rlk.integrations.hf.training`): the training one-liner; ``model(...,
+  logprob_targets=targets)`` then returns per-token log-probs (and entropy) through :func:`rlk.linear_logprob`,
+  without the ``[N, V]`` logits; :func:`logprobs_from_hidden` scores tokens chosen outside a forward (a rollout's
+  samples) with the same bits;
+* :func:`patch_model` / :func:`unpatch_model` (:mod:`rlk.integrations.hf.patch`): make an unmodified causal LM
+  batch-invariant where the aten overrides of :func:`rlk.batch_invariant` cannot reach (RMSNorm, attention
+  with padding masks).
+
+transformers is imported only when a function here is called (optional dependency).
+"""
+
+from __future__ import annotations
+
+from rlk.integrations.hf.patch import patch_model, unpatch_model
+from rlk.integrations.hf.training import apply, logprobs_from_hidden, unapply
+
+__all__ = ["apply", "logprobs_from_hidden", "patch_model", "unapply", "unpatch_model"]

@@ -1,0 +1,205 @@
+"""Public attention op: ``attention``, packed variable-length (flash-style) attention with LSE export.
+
+Two ``torch.library.custom_op`` primitives (``rlk::attention_fwd`` and ``rlk::attention_bwd``)
+with fake implementations, so the op traces under ``torch.compile(fullgraph=True)``, and one
+``register_autograd`` that calls the backward primitive on the backend that served the forward.
+The math is specified in ``rlk.reference.attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from rlk.core import checks, custom_op, dispatch
+from rlk.core.checks import check_float, stat_dtype
+
+# ---------------------------------------------------------------------------
+# argument checks (shape and dtype at call time; values inside the custom op)
+# ---------------------------------------------------------------------------
+
+
+def _check_float(name: str, x: Tensor) -> None:
+    check_float(name, x)
+    if x.dim() != 3:
+        raise ValueError(f"{name}: expected shape [tokens, heads, head_dim], got {tuple(x.shape)}")
+
+
+def _check_values(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int,
+                  max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """Value checks of ``cu_seqlens`` that need the data (one host synchronization); run inside the custom op.
+
+    ``RLK_CHECK_VALUES=0`` skips them (for CUDA graph capture, or once a pipeline is known to be clean): bad
+    offsets then read out of bounds in the kernels, and a length above ``max_seqlen_*`` leaves rows unwritten,
+    instead of raising. ``rlk.patch_model``'s attention builds its offsets itself and skips them.
+    """
+    checks.check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, total_q, "q", max_seqlen_q),
+                                    ("cu_seqlens_k", cu_seqlens_k, total_k, "k and v", max_seqlen_k)])
+
+
+# ---------------------------------------------------------------------------
+# custom ops
+# ---------------------------------------------------------------------------
+
+
+@custom_op.define("rlk::attention_fwd")
+def _attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool, softmax_scale: float,
+) -> tuple[Tensor, Tensor]:
+    out = torch.empty_like(q)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype(q))
+    _check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    if q.shape[0] == 0:
+        return out, lse
+    if k.shape[0] == 0:  # no keys anywhere: every query sees nothing
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    backend = dispatch.select("attention", q.device, q.dtype, {"head_dim": q.shape[2]})
+    backend.primitives["attention_fwd"](
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, lse
+    )
+    return out, lse
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype(q))
+
+
+@custom_op.define("rlk::attention_bwd")
+def _attention_bwd(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_lse: Tensor | None,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+    softmax_scale: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return grad_q.zero_(), grad_k.zero_(), grad_v.zero_()
+    dispatch.backend_named(backend).primitives["attention_bwd"](
+        grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        softmax_scale, grad_q, grad_k, grad_v,
+    )
+    return grad_q, grad_k, grad_v
+
+
+@_attention_bwd.register_fake
+def _(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.attrs = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    ctx.backend = dispatch.decide("attention", q.device, q.dtype, {"head_dim": q.shape[2]}).backend or ""
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(lse.dtype).contiguous()
+    grad_q, grad_k, grad_v = _attention_bwd(
+        grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, *ctx.attrs, ctx.backend
+    )
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+# ---------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Batch-invariant variable-length attention on packed sequences, optionally with the LSE.
+
+    Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (``Lq`` rows) and key/value
+    rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (``Lk`` rows); query head ``h`` reads key/value head
+    ``h // (Hq // Hkv)`` (grouped-query attention). For query ``i`` and key ``j`` of a sequence
+    (0-based within it)::
+
+        s_ij  = softmax_scale * q_i . k_j
+        lse_i = log sum_{j visible} exp(s_ij),    out_i = sum_{j visible} exp(s_ij - lse_i) v_j
+
+    With ``causal`` the mask is aligned bottom-right: key ``j`` is visible to query ``i`` when
+    ``j <= i + (Lk - Lq)``, so the last query sees every key (decode, and chunked prefill against a
+    KV cache holding the earlier tokens). A query that sees no key (``Lq > Lk`` rows at the top under
+    ``causal``, or ``Lk = 0``) gets ``out = 0`` and ``lse = -inf`` and passes no gradient.
+
+    Args:
+        q: ``[total_q, Hq, D]`` bfloat16, float16 or float32 (float64: reference backend only).
+        k, v: ``[total_k, Hkv, D]`` of q's dtype and device; ``Hkv`` divides ``Hq``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` offsets: start at 0, non-decreasing, end at
+            ``total_q`` / ``total_k``. Checked at a host synchronization unless ``RLK_CHECK_VALUES=0``.
+        max_seqlen_q, max_seqlen_k: Python ints ``>=`` every sequence's length (they size the launch
+            grid, so no host synchronization is needed to launch).
+        causal: bottom-right aligned causal mask (default True).
+        softmax_scale: ``> 0``; default ``1 / sqrt(D)``.
+        return_lse: also return ``lse``.
+
+    Returns:
+        ``out [total_q, Hq, D]`` in q's dtype, and with ``return_lse`` the natural-log logsumexp of the
+        scaled scores, fp32 ``[Hq, total_q]`` (fp64 for fp64 inputs). Differentiable w.r.t. ``q``, ``k``,
+        ``v``, through ``out`` and ``lse`` (``d lse_i / d s_ij = p_ij``).
+
+    Batch invariance (backends that promise it, ``rlk info``): a query's ``out`` and ``lse``, and its
+    ``q`` gradient, are bitwise identical whether its sequence is alone or packed with others, and
+    whether it is computed in a full prefill, a chunk of a chunked prefill or a decode step (keys are
+    reduced in fixed blocks aligned to key 0 of the sequence, in order). ``k`` / ``v`` gradients are
+    deterministic and bitwise independent of the packing.
+    """
+    _check_float("q", q)
+    _check_float("k", k)
+    _check_float("v", v)
+    total_q, n_heads, head_dim = q.shape
+    if head_dim == 0 or n_heads == 0:
+        raise ValueError(f"q: expected Hq >= 1 and D >= 1, got shape {tuple(q.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name}: expected the dtype of q ({q.dtype}), got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (the device of q), got {x.device}")
+    if k.shape[2] != head_dim:
+        raise ValueError(f"k: expected head_dim D = {head_dim} (q's last dim), got shape {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    n_kv_heads = k.shape[1]
+    if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
+        raise ValueError(f"k: its number of heads Hkv = {n_kv_heads} must divide q's Hq = {n_heads}")
+    checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_seqlens_q.shape)} "
+                         f"(one entry per sequence + 1), got {tuple(cu_seqlens_k.shape)}")
+    max_seqlen_q = checks.integer("max_seqlen_q", max_seqlen_q, minimum=0)
+    max_seqlen_k = checks.integer("max_seqlen_k", max_seqlen_k, minimum=0)
+    causal = checks.flag("causal", causal)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    softmax_scale = checks.number("softmax_scale", softmax_scale, above=0.0, dtype=torch.float32)
+    out, lse = _attention_fwd(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+        max_seqlen_q, max_seqlen_k, causal, float(softmax_scale),
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,380 @@
+"""Public log-prob ops: ``selected_logprob`` and ``linear_logprob``.
+
+Each op is two ``torch.library.custom_op`` primitives (``rlk::<op>_fwd`` and
+``rlk::<op>_bwd``) with fake implementations, so the ops trace under
+``torch.compile(fullgraph=True)``, and one ``register_autograd`` that calls the
+backward primitive. The custom ops dispatch to the backend chosen by
+``rlk.core.dispatch`` at run time; the backward runs on the backend that served the
+forward. The math is specified in ``rlk.reference.logprob``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlk.core import checks, custom_op, dispatch
+from rlk.core.checks import check_float
+
+_TARGET_DTYPES = (torch.int32, torch.int64)
+
+
+# ---------------------------------------------------------------------------
+# argument checks (shape and dtype at call time; values inside the custom op)
+# ---------------------------------------------------------------------------
+
+
+def _check_targets(targets: Tensor, lead: torch.Size, lead_name: str, device: torch.device) -> None:
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"targets: expected a torch.Tensor, got {type(targets).__name__}")
+    if targets.dtype not in _TARGET_DTYPES:
+        raise TypeError(f"targets: expected dtype int32 or int64, got {targets.dtype}")
+    if targets.shape != lead:
+        raise ValueError(f"targets: expected shape {tuple(lead)} ({lead_name} without its last dim), "
+                         f"got {tuple(targets.shape)}")
+    if targets.device != device:
+        raise ValueError(f"targets: expected device {device} (the device of {lead_name}), got {targets.device}")
+
+
+def _inv_temperature(temperature: float | Tensor, lead: torch.Size, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Per-row ``1 / T`` in ``dtype`` (fp32; fp64 for reference runs), shape ``[N]`` (N = prod(lead))."""
+    temperature = checks.positive_scalar_or_tensor("temperature", temperature, dtype)
+    if isinstance(temperature, Tensor):
+        if temperature.device != device:
+            raise ValueError(f"temperature: expected device {device}, got {temperature.device}")
+        try:
+            t = torch.broadcast_to(temperature, lead)
+        except RuntimeError:
+            raise ValueError(f"temperature: shape {tuple(temperature.shape)} does not broadcast to the targets' "
+                             f"shape {tuple(lead)} (for one temperature per sequence of targets [B, T], pass "
+                             "shape [B, 1])") from None
+        t = t.to(dtype)
+    else:
+        t = torch.full(lead, temperature, dtype=dtype, device=device)
+    return torch.reciprocal(t.reshape(-1)).contiguous()
+
+
+def _check_values(targets: Tensor, inv_temperature: Tensor, vocab: int, ignore_index: int) -> None:
+    """Value checks that need the data; run inside the custom op.
+
+    They cost one host synchronization per forward. ``RLK_CHECK_VALUES=0`` skips them (for
+    CUDA graph capture, or once a pipeline is known to be clean): a target outside
+    ``[0, V)`` then reads out of bounds in the kernels instead of raising.
+    """
+    if not checks.values_checked():
+        return
+    bad_target = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
+    bad_temperature = ~(inv_temperature > 0) | torch.isinf(inv_temperature)
+    flags = torch.stack([bad_target.any(), bad_temperature.any()]).tolist()
+    if flags[0]:
+        i = int(bad_target.nonzero()[0, 0])
+        raise ValueError(f"targets: values must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
+                         f"found {int(targets[i])} at flat position {i}")
+    if flags[1]:
+        checks.check_positive_values("temperature", inv_temperature, reciprocal=True)
+
+
+# ---------------------------------------------------------------------------
+# selected_logprob
+# ---------------------------------------------------------------------------
+
+
+@custom_op.define("rlk::selected_logprob_fwd")
+def _selected_logprob_fwd(
+    logits: Tensor, targets: Tensor, inv_temperature: Tensor, ignore_index: int, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    n_rows, vocab = logits.shape
+    logprob = logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
+    entropy = logits.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(logits))
+    lse = logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
+    if n_rows == 0:
+        return logprob, entropy, lse
+    _check_values(targets, inv_temperature, vocab, ignore_index)
+    backend = dispatch.select("selected_logprob", logits.device, logits.dtype)
+    backend.primitives["selected_logprob_fwd"](
+        logits, targets, inv_temperature, ignore_index, logprob, entropy if with_entropy else None, lse
+    )
+    return logprob, entropy, lse
+
+
+@_selected_logprob_fwd.register_fake
+def _(logits, targets, inv_temperature, ignore_index, with_entropy):
+    n_rows = logits.shape[0]
+    logprob = logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
+    entropy = logits.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(logits))
+    return logprob, entropy, logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
+
+
+@custom_op.define("rlk::selected_logprob_bwd")
+def _selected_logprob_bwd(
+    logits: Tensor,
+    targets: Tensor,
+    inv_temperature: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    grad_logprob: Tensor,
+    grad_entropy: Tensor | None,
+    ignore_index: int,
+    backend: str,
+) -> Tensor:
+    grad_logits = torch.empty_like(logits)
+    if logits.shape[0] == 0:
+        return grad_logits
+    dispatch.backend_named(backend).primitives["selected_logprob_bwd"](
+        logits, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, grad_logits
+    )
+    return grad_logits
+
+
+@_selected_logprob_bwd.register_fake
+def _(logits, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, backend):
+    return torch.empty_like(logits)
+
+
+def _setup_selected(ctx, inputs, output):
+    logits, targets, inv_temperature, ignore_index, with_entropy = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(logits, targets, inv_temperature, lse, entropy)
+    ctx.ignore_index = ignore_index
+    ctx.with_entropy = with_entropy
+    ctx.backend = dispatch.decide("selected_logprob", logits.device, logits.dtype).backend or ""
+
+
+def _backward_grads(ctx, grad_logprob, grad_entropy, like: Tensor) -> tuple[Tensor, Tensor | None]:
+    """fp32 contiguous output gradients; a missing one is zeros (logprob) or None (entropy)."""
+    dtype = checks.stat_dtype(like)
+    if grad_logprob is None:
+        grad_logprob = like.new_zeros((like.shape[0],), dtype=dtype)
+    grad_logprob = grad_logprob.to(dtype).contiguous()
+    if not ctx.with_entropy or grad_entropy is None:
+        return grad_logprob, None
+    return grad_logprob, grad_entropy.to(dtype).contiguous()
+
+
+def _backward_selected(ctx, grad_logprob, grad_entropy, grad_lse):
+    logits, targets, inv_temperature, lse, entropy = ctx.saved_tensors
+    grad_logprob, grad_entropy = _backward_grads(ctx, grad_logprob, grad_entropy, logits)
+    grad_logits = _selected_logprob_bwd(
+        logits, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
+        grad_logprob, grad_entropy, ctx.ignore_index, ctx.backend,
+    )
+    return grad_logits, None, None, None, None
+
+
+_selected_logprob_fwd.register_autograd(_backward_selected, setup_context=_setup_selected)
+
+
+def selected_logprob(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float | Tensor = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probability of the target token (and optionally the entropy) from logits.
+
+    For each position with logits ``x`` over ``V`` classes, target ``y`` and
+    temperature ``T``: ``z = x / T`` (computed as ``x * (1/T)`` in fp32),
+    ``logprob = z_y - logsumexp(z)``, ``entropy = logsumexp(z) - sum_v softmax(z)_v z_v``.
+
+    Args:
+        logits: ``[..., V]`` bfloat16, float16 or float32 (any strides).
+        targets: ``[...]`` int32 or int64, values in ``[0, V)`` or ``ignore_index``.
+        temperature: a float ``> 0``, or a floating tensor ``> 0`` broadcastable to
+            ``targets`` (e.g. ``[B, 1]`` for one temperature per sequence). Not
+            differentiable.
+        ignore_index: positions with this target give log-prob 0, entropy 0 and
+            no gradient.
+        return_entropy: also return the entropy.
+
+    Returns:
+        ``logprob`` of shape ``targets.shape``, and ``entropy`` of the same shape when
+        ``return_entropy``; fp32 (fp64 for fp64 logits, a reference-only mode). Both are differentiable w.r.t.
+        ``logits`` (``d logprob/dz = onehot - p``, ``d entropy/dz = p (E_p[z] - z)``).
+
+    Memory: one pass over the logits; nothing of size ``[N, V]`` is allocated
+    besides the gradient. Batch invariance: bitwise on backends that promise it
+    (``rlk info``).
+    """
+    check_float("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits: expected shape [..., V] with V >= 1, got {tuple(logits.shape)}")
+    ignore_index = checks.integer("ignore_index", ignore_index)
+    lead = logits.shape[:-1]
+    _check_targets(targets, lead, "logits", logits.device)
+    flat_logits = logits.reshape(-1, logits.shape[-1]).contiguous()
+    flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
+    inv_t = _inv_temperature(temperature, lead, logits.device, checks.stat_dtype(logits))
+    logprob, entropy, _ = _selected_logprob_fwd(flat_logits, flat_targets, inv_t, ignore_index, bool(return_entropy))
+    if return_entropy:
+        return logprob.view(lead), entropy.view(lead)
+    return logprob.view(lead)
+
+
+# ---------------------------------------------------------------------------
+# linear_logprob
+# ---------------------------------------------------------------------------
+
+
+@custom_op.define("rlk::linear_logprob_fwd")
+def _linear_logprob_fwd(
+    hidden: Tensor, weight: Tensor, targets: Tensor, inv_temperature: Tensor, ignore_index: int, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    logprob = hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
+    entropy = hidden.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(hidden))
+    lse = hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
+    if n_rows == 0:
+        return logprob, entropy, lse
+    _check_values(targets, inv_temperature, vocab, ignore_index)
+    backend = dispatch.select("linear_logprob", hidden.device, hidden.dtype)
+    backend.primitives["linear_logprob_fwd"](
+        hidden, weight, targets, inv_temperature, ignore_index, logprob, entropy if with_entropy else None, lse
+    )
+    return logprob, entropy, lse
+
+
+@_linear_logprob_fwd.register_fake
+def _(hidden, weight, targets, inv_temperature, ignore_index, with_entropy):
+    n_rows = hidden.shape[0]
+    logprob = hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
+    entropy = hidden.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(hidden))
+    return logprob, entropy, hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
+
+
+@custom_op.define("rlk::linear_logprob_bwd")
+def _linear_logprob_bwd(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    inv_temperature: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    grad_logprob: Tensor,
+    grad_entropy: Tensor | None,
+    ignore_index: int,
+    backend: str,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+) -> tuple[Tensor, Tensor]:
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else custom_op.placeholder(hidden)
+    grad_weight = torch.empty_like(weight) if need_grad_weight else custom_op.placeholder(weight)
+    if hidden.shape[0] == 0:
+        grad_weight.zero_()
+        return grad_hidden, grad_weight
+    if need_grad_hidden or need_grad_weight:
+        dispatch.backend_named(backend).primitives["linear_logprob_bwd"](
+            hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
+            grad_hidden if need_grad_hidden else None, grad_weight if need_grad_weight else None,
+        )
+    return grad_hidden, grad_weight
+
+
+@_linear_logprob_bwd.register_fake
+def _(hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, backend,
+      need_grad_hidden, need_grad_weight):
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else custom_op.placeholder(hidden)
+    grad_weight = torch.empty_like(weight) if need_grad_weight else custom_op.placeholder(weight)
+    return grad_hidden, grad_weight
+
+
+def _setup_linear(ctx, inputs, output):
+    hidden, weight, targets, inv_temperature, ignore_index, with_entropy = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, targets, inv_temperature, lse, entropy)
+    ctx.ignore_index = ignore_index
+    ctx.with_entropy = with_entropy
+    ctx.backend = dispatch.decide("linear_logprob", hidden.device, hidden.dtype).backend or ""
+
+
+def _backward_linear(ctx, grad_logprob, grad_entropy, grad_lse):
+    hidden, weight, targets, inv_temperature, lse, entropy = ctx.saved_tensors
+    grad_logprob, grad_entropy = _backward_grads(ctx, grad_logprob, grad_entropy, hidden)
+    if ctx.needs_input_grad[1]:
+        # grad_weight = G^T @ hidden with G = 0 on ignored rows: zero their hidden states too, so that NaN or inf
+        # there (padding) never reaches the weight's gradient as 0 * NaN.
+        hidden = torch.where((targets != ctx.ignore_index)[:, None], hidden, hidden.new_zeros(()))
+    grad_hidden, grad_weight = _linear_logprob_bwd(
+        hidden, weight, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
+        grad_logprob, grad_entropy, ctx.ignore_index, ctx.backend,
+        ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+    )
+    return (
+        grad_hidden if ctx.needs_input_grad[0] else None,
+        grad_weight if ctx.needs_input_grad[1] else None,
+        None, None, None, None,
+    )
+
+
+_linear_logprob_fwd.register_autograd(_backward_linear, setup_context=_setup_linear)
+
+
+def linear_logprob(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float | Tensor = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Target log-prob (and entropy) of ``hidden @ weight.T`` without materializing the logits.
+
+    Same outputs as ``selected_logprob(hidden @ weight.T, targets, ...)``, but the
+    ``[N, V]`` logits never exist: the forward streams vocab tiles through an
+    online logsumexp/entropy accumulator and saves only fp32 per-row state
+    (``lse``); the backward recomputes logit tiles and returns ``grad_hidden``
+    and ``grad_weight`` (fp32 accumulation, cast to the input dtype at the end),
+    including the entropy gradient. Extra memory is O(N + tile), never O(N*V).
+
+    Args:
+        hidden: ``[..., H]`` bfloat16, float16 or float32 (the last hidden states).
+        weight: ``[V, H]`` of the same dtype (the LM head).
+        targets: ``[...]`` int32 or int64, values in ``[0, V)`` or ``ignore_index``.
+        temperature, ignore_index, return_entropy: as in :func:`selected_logprob`.
+
+    Returns:
+        fp32 ``logprob`` (and ``entropy``) of shape ``targets.shape``,
+        differentiable w.r.t. ``hidden`` and ``weight``.
+    """
+    flat_hidden, weight, flat_targets, inv_t, ignore_index = linear_inputs(hidden, weight, targets, temperature,
+                                                                           ignore_index)
+    lead = hidden.shape[:-1]
+    logprob, entropy, _ = _linear_logprob_fwd(
+        flat_hidden, weight, flat_targets, inv_t, ignore_index, bool(return_entropy)
+    )
+    if return_entropy:
+        return logprob.view(lead), entropy.view(lead)
+    return logprob.view(lead)
+
+
+def linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float | Tensor,
+                  ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """:func:`linear_logprob`'s argument checks (errors name the argument) and its primitives' inputs:
+    ``hidden`` as ``[N, H]``, ``weight`` contiguous, ``targets`` int64 ``[N]``, ``inv_temperature`` ``[N]``
+    (fp32; fp64 for fp64 inputs) and ``ignore_index`` as an int."""
+    check_float("hidden", hidden)
+    check_float("weight", weight)
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        raise ValueError(f"hidden: expected shape [..., H] with H >= 1, got {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight: expected shape [V, H] with V >= 1 and H = {hidden.shape[-1]} "
+                         f"(hidden's last dim), got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight: expected device {hidden.device} (the device of hidden), got {weight.device}")
+    ignore_index = checks.integer("ignore_index", ignore_index)
+    lead = hidden.shape[:-1]
+    _check_targets(targets, lead, "hidden", hidden.device)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
+    inv_t = _inv_temperature(temperature, lead, hidden.device, checks.stat_dtype(hidden))
+    return flat_hidden, weight.contiguous(), flat_targets, inv_t, ignore_index
+
+
+def check_target_values(targets: Tensor, inv_temperature: Tensor, vocab: int, ignore_index: int) -> None:
+    """The value checks of :func:`linear_logprob`'s forward (targets in range, temperatures > 0): one host
+    synchronization, skipped with ``RLK_CHECK_VALUES=0``. For ops that run its primitives themselves."""
+    _check_values(targets, inv_temperature, vocab, ignore_index)

@@ -1,0 +1,397 @@
+"""Public loss ops: ``value_loss`` (PPO critic) and ``dpo_loss`` (DPO family).
+
+Each op is two ``torch.library.custom_op`` primitives (``rlk::<op>_fwd`` and ``rlk::<op>_bwd``)
+with fake implementations, so the ops trace under ``torch.compile(fullgraph=True)``, and one
+``register_autograd`` that calls the backward primitive on the backend that served the forward.
+The math is specified in :mod:`rlk.reference.losses`; the aggregation modes of ``value_loss``
+in :mod:`rlk.reference.aggregation`.
+
+Inputs may be bfloat16, float16 or float32 (upcast to float32 here; gradients come back in the
+input's dtype) or float64 (computed in float64 by the reference backend: ground truth). Masks
+may be bool or 0/1 numbers (nonzero counts as a token). Nothing here synchronizes with the
+device: normalizers may be tensors, metrics come back as device tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlk.core import checks, custom_op, dispatch
+from rlk.core.abi import DPO_LOSSES
+from rlk.reference import aggregation
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# ---------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, x, shape: torch.Size | None, device: torch.device | None, what: str) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected dtype bfloat16, float16 or float32 (float64 for reference runs), "
+                        f"got {x.dtype}")
+    _check_like(name, x, shape, device, what)
+
+
+def _check_like(name: str, x: Tensor, shape: torch.Size | None, device: torch.device | None, what: str) -> None:
+    if shape is not None and x.shape != shape:
+        raise ValueError(f"{name}: expected shape {tuple(shape)} (the shape of {what}), got {tuple(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of {what}), got {x.device}")
+
+
+def _check_mask(mask, shape: torch.Size, device: torch.device) -> None:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
+    if mask.is_complex():
+        raise TypeError(f"mask: expected dtype bool or 0/1 numbers, got {mask.dtype}")
+    _check_like("mask", mask, shape, device, "values")
+
+
+def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 if any input is float64 (ground-truth runs), else float32."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+# ---------------------------------------------------------------------------
+# value_loss
+# ---------------------------------------------------------------------------
+
+
+@custom_op.define("rlk::value_loss_fwd")
+def _value_loss_fwd(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, row_weight: Tensor, clip: float | None,
+    tensor_normalizers: str,
+) -> tuple[Tensor, Tensor]:
+    """``tensor_normalizers``: the names of the normalizers given as tensors ("" if none), whose values reach the op
+    only through ``row_weight``: checked there (one synchronization; numbers were checked at the call)."""
+    loss = values.new_zeros(())
+    metrics = values.new_zeros((2,))
+    if values.numel() == 0:
+        return loss, metrics
+    if tensor_normalizers and checks.values_checked():
+        bad = ~(row_weight > 0) | torch.isinf(row_weight)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{tensor_normalizers}: must be finite and > 0; the aggregation weight they give row {i} "
+                             f"is {float(row_weight[i])}")
+    backend = dispatch.select("value_loss", values.device, values.dtype)
+    backend.primitives["value_loss_fwd"](values, old_values, returns, mask, row_weight, clip, loss, metrics)
+    return loss, metrics
+
+
+@_value_loss_fwd.register_fake
+def _(values, old_values, returns, mask, row_weight, clip, tensor_normalizers):
+    return values.new_empty(()), values.new_empty((2,))
+
+
+@custom_op.define("rlk::value_loss_bwd")
+def _value_loss_bwd(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    row_weight: Tensor,
+    clip: float | None,
+    grad_loss: Tensor,
+    backend: str,
+) -> Tensor:
+    grad_values = torch.zeros_like(values)
+    if values.numel() == 0:
+        return grad_values
+    dispatch.backend_named(backend).primitives["value_loss_bwd"](
+        values, old_values, returns, mask, row_weight, clip, grad_loss, grad_values
+    )
+    return grad_values
+
+
+@_value_loss_bwd.register_fake
+def _(values, old_values, returns, mask, row_weight, clip, grad_loss, backend):
+    return torch.empty_like(values)
+
+
+def _setup_value(ctx, inputs, output):
+    values, old_values, returns, mask, row_weight, clip, _ = inputs
+    ctx.save_for_backward(values, old_values, returns, mask, row_weight)
+    ctx.clip = clip
+    ctx.backend = dispatch.decide("value_loss", values.device, values.dtype).backend or ""
+
+
+def _backward_value(ctx, grad_loss, grad_metrics):
+    values, old_values, returns, mask, row_weight = ctx.saved_tensors
+    if grad_loss is None or not ctx.needs_input_grad[0]:
+        return None, None, None, None, None, None, None
+    grad_values = _value_loss_bwd(
+        values, old_values, returns, mask, row_weight, ctx.clip, grad_loss.to(values.dtype).contiguous(), ctx.backend
+    )
+    return grad_values, None, None, None, None, None, None
+
+
+_value_loss_fwd.register_autograd(_backward_value, setup_context=_setup_value)
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor | None,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = 0.5,
+    agg: str = "token-mean",
+    global_tokens: int | float | Tensor | None = None,
+    global_seqs: int | float | Tensor | None = None,
+    loss_scale: int | float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO critic (value) loss with value clipping, aggregated over masked tokens.
+
+    Per token, with ``eps = clip``::
+
+        L = max((v - R)^2, (clamp(v, v_old - eps, v_old + eps) - R)^2)       (L = (v - R)^2 if clip is None)
+        loss = 0.5 * agg(L)
+
+    ``agg`` is one of ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+    ``seq-mean-token-mean``, ``seq-mean-token-sum-norm`` with the normalizers
+    ``global_tokens`` / ``global_seqs`` (whole optimizer step, all micro-batches and ranks; by
+    default the call's own counts) and ``loss_scale`` (``seq-mean-token-sum-norm`` only); see
+    :mod:`rlk.reference.aggregation` for the formulas. With global normalizers, the losses (and
+    gradients) of micro-batches add up to those of the whole batch.
+
+    Args:
+        values: ``[B, T]`` current value predictions (bfloat16, float16 or float32).
+        old_values: ``[B, T]`` values at rollout time (constant); may be None when ``clip`` is None.
+        returns: ``[B, T]`` value targets (constant).
+        mask: ``[B, T]`` bool or 0/1; masked-out positions may hold anything (inf, NaN).
+        clip: clip range ``eps >= 0``, or None for the unclipped loss.
+        agg, global_tokens, global_seqs, loss_scale: the aggregation.
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` a float32 0-d tensor, differentiable w.r.t. ``values`` only
+        (``d loss / d v = c_i (v - R)`` on masked, unclipped tokens, ``c_i`` the row's aggregation
+        weight; 0 where the clipped branch is larger); ``metrics`` float32 0-d tensors over the
+        call's masked tokens: ``vf_clip_fraction`` (share of tokens where the clipped loss is the
+        larger) and ``values_mean``. An empty mask gives a loss of 0 and metrics of 0.
+
+    Batch invariance: each row's gradient depends only on that row and its weight ``c_i``
+    (bitwise, on backends that promise it, when the normalizers are fixed).
+    """
+    _check_tensor("values", values, None, None, "values")
+    if values.dim() != 2:
+        raise ValueError(f"values: expected shape [B, T], got {tuple(values.shape)}")
+    _check_tensor("returns", returns, values.shape, values.device, "values")
+    _check_mask(mask, values.shape, values.device)
+    if clip is not None:
+        clip = checks.number("clip", clip, minimum=0.0)
+        if old_values is None:
+            raise ValueError("old_values: needed when clip is set (pass clip=None for the unclipped loss)")
+    if old_values is not None:
+        _check_tensor("old_values", old_values, values.shape, values.device, "values")
+    cdt = _compute_dtype(values, old_values, returns)
+    weights = aggregation.row_weights(mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                                      loss_scale=loss_scale, dtype=cdt)
+    v = values.to(cdt).contiguous()
+    v_old = v.detach() if old_values is None or clip is None else old_values.detach().to(cdt).contiguous()
+    loss, metrics = _value_loss_fwd(
+        v, v_old, returns.detach().to(cdt).contiguous(), (mask if mask.dtype == torch.bool else mask != 0).contiguous(),
+        weights.contiguous(), None if clip is None else float(clip),
+        ", ".join(name for name, x in (("global_tokens", global_tokens), ("global_seqs", global_seqs),
+                                       ("loss_scale", loss_scale)) if isinstance(x, Tensor)),
+    )
+    metrics = metrics.detach()
+    return loss, {"vf_clip_fraction": metrics[0], "values_mean": metrics[1]}
+
+
+# ---------------------------------------------------------------------------
+# dpo_loss
+# ---------------------------------------------------------------------------
+
+
+@custom_op.define("rlk::dpo_loss_fwd")
+def _dpo_loss_fwd(
+    chosen: Tensor,
+    rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    len_chosen: Tensor | None,
+    len_rejected: Tensor | None,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float,
+    mean: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    losses = torch.empty_like(chosen)
+    loss = chosen.new_zeros(())
+    metrics = chosen.new_zeros((4,))
+    if chosen.numel() == 0:
+        return losses, loss, metrics
+    backend = dispatch.select("dpo_loss", chosen.device, chosen.dtype)
+    backend.primitives["dpo_loss_fwd"](
+        chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing,
+        mean, losses, loss, metrics,
+    )
+    return losses, loss, metrics
+
+
+@_dpo_loss_fwd.register_fake
+def _(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing, mean):
+    return torch.empty_like(chosen), chosen.new_empty(()), chosen.new_empty((4,))
+
+
+@custom_op.define("rlk::dpo_loss_bwd")
+def _dpo_loss_bwd(
+    chosen: Tensor,
+    rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    len_chosen: Tensor | None,
+    len_rejected: Tensor | None,
+    beta: float,
+    loss_type: str,
+    label_smoothing: float,
+    mean: bool,
+    grad_losses: Tensor | None,
+    grad_loss: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    grad_chosen = torch.zeros_like(chosen)
+    grad_rejected = torch.zeros_like(rejected)
+    if chosen.numel() == 0 or (grad_losses is None and grad_loss is None):
+        return grad_chosen, grad_rejected
+    dispatch.backend_named(backend).primitives["dpo_loss_bwd"](
+        chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing,
+        mean, grad_losses, grad_loss, grad_chosen, grad_rejected,
+    )
+    return grad_chosen, grad_rejected
+
+
+@_dpo_loss_bwd.register_fake
+def _(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing, mean,
+      grad_losses, grad_loss, backend):
+    return torch.empty_like(chosen), torch.empty_like(rejected)
+
+
+def _setup_dpo(ctx, inputs, output):
+    chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, smoothing, mean = inputs
+    ctx.save_for_backward(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected)
+    ctx.attrs = (beta, loss_type, smoothing, mean)
+    ctx.backend = dispatch.decide("dpo_loss", chosen.device, chosen.dtype).backend or ""
+
+
+def _backward_dpo(ctx, grad_losses, grad_loss, grad_metrics):
+    chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected = ctx.saved_tensors
+    nones = (None,) * 8
+    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        return (None, None) + nones
+    if grad_losses is not None:
+        grad_losses = grad_losses.to(chosen.dtype).contiguous()
+    if grad_loss is not None:
+        grad_loss = grad_loss.to(chosen.dtype).contiguous()
+    grad_chosen, grad_rejected = _dpo_loss_bwd(
+        chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, *ctx.attrs, grad_losses, grad_loss,
+        ctx.backend,
+    )
+    return (
+        grad_chosen if ctx.needs_input_grad[0] else None,
+        grad_rejected if ctx.needs_input_grad[1] else None,
+    ) + nones
+
+
+_dpo_loss_fwd.register_autograd(_backward_dpo, setup_context=_setup_dpo)
+
+
+def _check_length(name: str, length, shape: torch.Size, device: torch.device) -> None:
+    if not isinstance(length, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of token counts, got {type(length).__name__}")
+    if length.dtype == torch.bool or length.is_complex():
+        raise TypeError(f"{name}: expected an integer or floating tensor of token counts, got {length.dtype}")
+    _check_like(name, length, shape, device, "chosen_logprob")
+
+
+def dpo_loss(
+    chosen_logprob: Tensor,
+    rejected_logprob: Tensor,
+    ref_chosen_logprob: Tensor,
+    ref_rejected_logprob: Tensor,
+    *,
+    beta: float = 0.1,
+    loss: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_length: Tensor | None = None,
+    rejected_length: Tensor | None = None,
+    reduction: str = "mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPO-family preference loss from per-pair sequence log-probs.
+
+    With ``x = (lc - lr) - (lc_ref - lr_ref)``, ``u = beta * x``, ``eps = label_smoothing``::
+
+        sigmoid: -(1 - eps) logsigmoid(u) - eps logsigmoid(-u)     (eps = 0: DPO; eps > 0: conservative DPO)
+        hinge:   relu(1 - u)
+        ipo:     (x - 1 / (2 beta))^2, every log-prob divided by its completion length first
+        robust:  (-(1 - eps) logsigmoid(u) + eps logsigmoid(-u)) / (1 - 2 eps)
+
+    Args:
+        chosen_logprob, rejected_logprob: ``[P]`` policy sequence log-probs (sums of the masked
+            token log-probs of each completion); the differentiable inputs.
+        ref_chosen_logprob, ref_rejected_logprob: ``[P]`` reference-model sequence log-probs
+            (constants).
+        beta: ``> 0`` (default 0.1).
+        loss: ``sigmoid`` (default), ``hinge``, ``ipo`` or ``robust``.
+        label_smoothing: ``eps``: in ``[0, 0.5]`` for ``sigmoid``, ``[0, 0.5)`` for ``robust``;
+            must be 0 for ``hinge`` and ``ipo``.
+        chosen_length, rejected_length: ``[P]`` completion lengths in tokens; required by ``ipo``
+            (values below 1 count as 1), ignored by the other losses.
+        reduction: ``mean`` (default), ``sum`` or ``none`` (per-pair losses ``[P]``).
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` float32, differentiable w.r.t. ``chosen_logprob`` and
+        ``rejected_logprob``; ``metrics`` float32 0-d tensors, means over the pairs:
+        ``rewards_chosen = beta (lc - lc_ref)``, ``rewards_rejected = beta (lr - lr_ref)``,
+        ``reward_margin`` (their difference) and ``reward_accuracy`` (share of pairs with
+        ``rewards_chosen > rewards_rejected``). For ``ipo`` the rewards use the
+        length-normalized log-probs, as the loss does. No pairs give a loss of 0 and metrics of 0.
+    """
+    _check_tensor("chosen_logprob", chosen_logprob, None, None, "chosen_logprob")
+    if chosen_logprob.dim() != 1:
+        raise ValueError(f"chosen_logprob: expected shape [P] (one log-prob per pair), got "
+                         f"{tuple(chosen_logprob.shape)}")
+    shape, device = chosen_logprob.shape, chosen_logprob.device
+    for name, x in (("rejected_logprob", rejected_logprob), ("ref_chosen_logprob", ref_chosen_logprob),
+                    ("ref_rejected_logprob", ref_rejected_logprob)):
+        _check_tensor(name, x, shape, device, "chosen_logprob")
+    beta = checks.number("beta", beta, above=0.0)
+    if loss not in DPO_LOSSES:
+        raise ValueError(f"loss: expected one of {', '.join(repr(v) for v in DPO_LOSSES)}, got {loss!r}")
+    label_smoothing = checks.number("label_smoothing", label_smoothing, minimum=0.0)
+    if loss in ("hinge", "ipo") and label_smoothing != 0:
+        raise ValueError(f"label_smoothing: loss={loss!r} has no label smoothing; got {label_smoothing}")
+    if loss == "sigmoid" and label_smoothing > 0.5:
+        raise ValueError(f"label_smoothing: must lie in [0, 0.5] for loss='sigmoid', got {label_smoothing}")
+    if loss == "robust" and label_smoothing >= 0.5:
+        raise ValueError(f"label_smoothing: must lie in [0, 0.5) for loss='robust', got {label_smoothing}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {', '.join(repr(r) for r in _REDUCTIONS)}, got {reduction!r}")
+    if loss == "ipo" and (chosen_length is None or rejected_length is None):
+        missing = " and ".join(n for n, t in (("chosen_length", chosen_length), ("rejected_length", rejected_length))
+                               if t is None)
+        raise ValueError(f"{missing}: loss='ipo' normalizes the log-probs by the completion lengths; pass "
+                         "chosen_length and rejected_length ([P] token counts)")
+    for name, length in (("chosen_length", chosen_length), ("rejected_length", rejected_length)):
+        if length is not None:
+            _check_length(name, length, shape, device)
+    cdt = _compute_dtype(chosen_logprob, rejected_logprob, ref_chosen_logprob, ref_rejected_logprob)
+    lengths = (None, None)
+    if loss == "ipo":
+        lengths = (chosen_length.detach().to(cdt).contiguous(), rejected_length.detach().to(cdt).contiguous())
+    losses, total, metrics = _dpo_loss_fwd(
+        chosen_logprob.to(cdt).contiguous(), rejected_logprob.to(cdt).contiguous(),
+        ref_chosen_logprob.detach().to(cdt).contiguous(), ref_rejected_logprob.detach().to(cdt).contiguous(),
+        *lengths, float(beta), loss, float(label_smoothing), reduction == "mean",
+    )
+    metrics = metrics.detach()
+    names = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")
+    return (losses if reduction == "none" else total), {name: metrics[k] for k, name in enumerate(names)}

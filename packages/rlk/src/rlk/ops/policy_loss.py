@@ -1,0 +1,726 @@
+"""Public policy-loss ops: ``policy_loss`` (PPO / GRPO / DAPO, GSPO, CISPO, GPG, SAPO, GMPO, DPPO, VESPO) and
+``kl_penalty``.
+
+Each op is two ``torch.library.custom_op`` primitives (``rlk::<op>_fwd``, ``rlk::<op>_bwd``)
+with fake implementations, so they trace under ``torch.compile(fullgraph=True)``, and one
+``register_autograd``. The policy-loss forward primitive does all the work in one pass over the
+tokens: the loss, its gradient (for an upstream gradient of 1), the aggregation weights of the
+rows and the metrics; the backward only multiplies the saved gradient by the upstream gradient,
+and ``policy_loss_and_grad`` returns it without a backward at all. Backends are
+chosen at run time by ``rlk.core.dispatch``; the backward runs on the backend that served the
+forward. The math is specified in :mod:`rlk.reference.policy_loss`; the aggregation modes
+in :mod:`rlk.reference.aggregation`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from rlk.core import checks, custom_op, dispatch
+from rlk.core.abi import KL_ESTIMATORS, LOSSES, POLICY_METRICS, ROW_STATS
+from rlk.core.checks import INPUT_DTYPES, stat_dtype
+from rlk.reference import aggregation
+
+_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+_CISPO_FORMS = ("clip", "upper")
+#: The losses that read ``dual_clip``: ppo's dual clip; the DPPO losses' ratio cap.
+_CAPPED_LOSSES = ("ppo", "dppo_tv", "dppo_kl")
+_INF = math.inf
+
+
+# ---------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, x, shapes: tuple[tuple[int, ...], ...], device: torch.device,
+                  floating: bool = True) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if floating and x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16 (float64 for reference runs), "
+                        f"got {x.dtype}")
+    if tuple(x.shape) not in shapes:
+        wanted = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name}: expected shape {wanted}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of logprob), got {x.device}")
+
+
+def _kl_spec(name: str, estimator) -> tuple[str, bool]:
+    """Canonical estimator name and the straight-through flag (a trailing ``+``, verl's ``"k3+"``)."""
+    if not isinstance(estimator, str):
+        raise TypeError(f"{name}: expected a string, got {type(estimator).__name__}")
+    straight = estimator.endswith("+")
+    base = estimator[:-1] if straight else estimator
+    base = _KL_ALIASES.get(base, base)
+    if base not in KL_ESTIMATORS:
+        known = ", ".join(repr(k) for k in (*KL_ESTIMATORS, *_KL_ALIASES))
+        raise ValueError(f"{name}: expected one of {known} (optionally with a trailing '+' for the straight-through "
+                         f"form), got {estimator!r}")
+    return base, straight
+
+
+def _clamp_bounds(clamp_log_ratio) -> tuple[float, float]:
+    if clamp_log_ratio is None:
+        return -_INF, _INF
+    if isinstance(clamp_log_ratio, (tuple, list)):
+        if len(clamp_log_ratio) != 2:
+            raise ValueError(f"clamp_log_ratio: expected a number c or a pair (low, high), got {clamp_log_ratio!r}")
+        low, high = clamp_log_ratio
+        low = -_INF if low is None else checks.number("clamp_log_ratio", low)
+        high = _INF if high is None else checks.number("clamp_log_ratio", high)
+        if not low < high:
+            raise ValueError(f"clamp_log_ratio: expected low < high, got ({low:g}, {high:g})")
+        return low, high
+    c = checks.number("clamp_log_ratio", clamp_log_ratio, above=0.0)
+    return -c, c
+
+
+# ---------------------------------------------------------------------------
+# policy_loss
+# ---------------------------------------------------------------------------
+
+
+def _fwd_outputs(logprob: Tensor, with_entropy_grad: bool) -> tuple[Tensor, ...]:
+    b, t = logprob.shape
+    loss = logprob.new_empty(())
+    grad_lp = torch.empty_like(logprob)
+    grad_ent = torch.empty_like(logprob) if with_entropy_grad else custom_op.placeholder(logprob)
+    row_weight = logprob.new_empty((b,))
+    stats = logprob.new_empty((b, len(ROW_STATS)))
+    metrics = logprob.new_empty((len(POLICY_METRICS),))
+    return loss, grad_lp, grad_ent, row_weight, stats, metrics
+
+
+#: The scalar attributes of the forward primitive, passed to the custom op as two lists (the op's
+#: schema stays short: torch's custom-op call path costs time per schema argument and call).
+_FLOAT_ATTRS = ("clip_low", "clip_high", "dual_clip", "clamp_low", "clamp_high", "tau_pos", "tau_neg", "kl_coef",
+                "kl_clamp", "entropy_coef", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+_BOOL_ATTRS = ("cispo_upper", "kl_k3_clamp", "kl_straight_through", "kl_unbiased", "with_entropy_grad")
+#: The aggregation normalizers: each a number (in ``params`` after the attributes; NaN when absent or given
+#: as a tensor) or a one-element tensor (an optional tensor argument).
+_NORMALIZERS = ("global_tokens", "global_seqs", "loss_scale")
+
+
+def _normalizers(tensors: list, numbers: list[float]) -> dict[str, object]:
+    return {name: t if t is not None else (None if math.isnan(x) else x)
+            for name, t, x in zip(_NORMALIZERS, tensors, numbers)}
+
+
+@custom_op.define("rlk::policy_loss_fwd")
+def _policy_loss_fwd(
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    importance_weights: Tensor | None,
+    ref_logprob: Tensor | None,
+    entropy: Tensor | None,
+    global_tokens: Tensor | None,
+    global_seqs: Tensor | None,
+    loss_scale: Tensor | None,
+    agg: str,
+    loss: str,
+    kl: str,
+    flags: list[bool],
+    params: list[float],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    checks.check_normalizer_values(dict(zip(_NORMALIZERS, (global_tokens, global_seqs, loss_scale))))
+    norms = _normalizers([global_tokens, global_seqs, loss_scale], params[len(_FLOAT_ATTRS):])
+    return forward_primitive(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy,
+                             norms, agg, loss, kl, flags, params)
+
+
+def forward_primitive(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
+                      importance_weights: Tensor | None, ref_logprob: Tensor | None, entropy: Tensor | None,
+                      norms: dict[str, object], agg: str, loss: str, kl: str, flags: list[bool],
+                      params: list[float]) -> tuple[Tensor, ...]:
+    """The body of ``rlk::policy_loss_fwd`` once its normalizers' values are checked: the outputs allocated, the
+    backend's ``policy_loss_fwd`` run on canonical inputs (:class:`PolicyLossCall`'s). ``norms`` maps each name of
+    ``_NORMALIZERS`` to a number, a one-element tensor or None. Also the per-chunk calls of
+    ``fused_linear_policy_loss``'s one-pass mode."""
+    attrs = dict(zip(_BOOL_ATTRS, flags)) | dict(zip(_FLOAT_ATTRS, params))
+    with_entropy_grad = attrs.pop("with_entropy_grad")
+    out = _fwd_outputs(logprob, with_entropy_grad)
+    loss_out, grad_lp, grad_ent, row_weight, stats, metrics = out
+    backend = dispatch.select("policy_loss", logprob.device, logprob.dtype)
+    backend.primitives["policy_loss_fwd"](
+        logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, norms["global_tokens"],
+        norms["global_seqs"], norms["loss_scale"], loss_out, grad_lp, grad_ent if with_entropy_grad else None,
+        row_weight, stats, metrics, agg=agg, loss=loss, kl=kl, **attrs,
+    )
+    return out
+
+
+@_policy_loss_fwd.register_fake
+def _(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, global_tokens, global_seqs,
+      loss_scale, agg, loss, kl, flags, params):
+    return _fwd_outputs(logprob, flags[_BOOL_ATTRS.index("with_entropy_grad")])
+
+
+@custom_op.define("rlk::policy_loss_bwd")
+def _policy_loss_bwd(
+    grad_loss: Tensor, grad_logprob: Tensor, grad_entropy: Tensor | None, backend: str
+) -> tuple[Tensor, Tensor]:
+    grad_lp = torch.empty_like(grad_logprob)
+    grad_ent = torch.empty_like(grad_logprob) if grad_entropy is not None else custom_op.placeholder(grad_logprob)
+    dispatch.backend_named(backend).primitives["policy_loss_bwd"](
+        grad_loss, grad_logprob, grad_entropy, grad_lp, grad_ent if grad_entropy is not None else None
+    )
+    return grad_lp, grad_ent
+
+
+@_policy_loss_bwd.register_fake
+def _(grad_loss, grad_logprob, grad_entropy, backend):
+    grad_ent = torch.empty_like(grad_logprob) if grad_entropy is not None else custom_op.placeholder(grad_logprob)
+    return torch.empty_like(grad_logprob), grad_ent
+
+
+_N_POLICY_INPUTS = 15
+
+
+def _setup_policy(ctx, inputs, output):
+    logprob, with_entropy_grad = inputs[0], inputs[13][_BOOL_ATTRS.index("with_entropy_grad")]
+    _, grad_lp, grad_ent, row_weight, stats, metrics = output
+    ctx.save_for_backward(grad_lp, grad_ent)
+    ctx.with_entropy_grad = with_entropy_grad
+    ctx.mark_non_differentiable(grad_lp, grad_ent, row_weight, stats, metrics)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the non-differentiable outputs
+    ctx.backend = dispatch.decide("policy_loss", logprob.device, logprob.dtype).backend or ""
+
+
+def _backward_policy(ctx, grad_loss, grad_grad_lp, grad_grad_ent, grad_row_weight, grad_stats, grad_metrics):
+    grad_lp, grad_ent = ctx.saved_tensors
+    grads = [None] * _N_POLICY_INPUTS
+    if grad_loss is None:
+        return tuple(grads)
+    grad_lp, grad_ent = _policy_loss_bwd(
+        grad_loss.to(grad_lp.dtype).contiguous(), grad_lp, grad_ent if ctx.with_entropy_grad else None, ctx.backend,
+    )
+    grads[0] = grad_lp
+    if ctx.with_entropy_grad:
+        grads[6] = grad_ent
+    return tuple(grads)
+
+
+_policy_loss_fwd.register_autograd(_backward_policy, setup_context=_setup_policy)
+
+
+class PolicyLossAndGrad(NamedTuple):
+    """What :func:`policy_loss_and_grad` returns."""
+
+    loss: Tensor
+    grad_logprob: Tensor
+    grad_entropy: Tensor | None
+    metrics: dict[str, Tensor]
+
+
+def policy_loss(
+    logprob: Tensor,
+    old_logprob: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    clamp_log_ratio: float | tuple[float | None, float | None] | None = None,
+    cispo_form: str = "clip",
+    sapo_tau: tuple[float, float] = (1.0, 1.05),
+    importance_weights: Tensor | None = None,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    loss_scale: float | Tensor | None = None,
+    ref_logprob: Tensor | None = None,
+    kl: str = "k3",
+    kl_coef: float = 0.0,
+    kl_k3_clamp: bool = True,
+    kl_clamp: float | None = None,
+    kl_unbiased: bool = False,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    vespo_k: tuple[float, float] = (2.0, 3.0),
+    vespo_lambda: tuple[float, float] = (3.0, 2.0),
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy-gradient loss of one (micro-)batch, with its metrics, in one fused pass.
+
+    ``loss = agg(I * L) + kl_coef * agg(k(logprob, ref_logprob)) - entropy_coef * agg(entropy)``
+    with the per-token policy loss ``L`` of the variant ``loss`` (math:
+    :mod:`rlk.reference.policy_loss`; ``r = exp(logprob - old_logprob)``, ``A`` the advantage):
+
+    * ``"ppo"`` (also GRPO / DAPO): ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; with
+      ``dual_clip=c`` (> 1; verl uses 3.0), ``min(that, -A c)`` where ``A < 0``. TRL's two-sided
+      ``delta`` (INTELLECT-2) is ``dual_clip=delta`` (equal in value and gradient when
+      ``delta > 1 + clip_high``).
+    * ``"gspo"``: the sequence ratio ``s_i = exp(mean_t (logprob - old))`` per token in the
+      GSPO-token form ``lp - sg(lp) + sg(log s_i)`` (value ``s_i``, gradient to the token
+      itself), then the ppo clip; no dual clip. For verl's form pass
+      ``clamp_log_ratio=(None, 10.0)`` (verl clamps ``log s`` at 10 from above) and
+      ``agg="seq-mean-token-mean"`` (verl forces it for GSPO; rlk accepts any mode). With one
+      advantage per sequence this equals TRL's ``importance_sampling_level="sequence"``.
+    * ``"cispo"``: ``-sg(w) A logprob`` with ``w = clip(r, 1 - clip_low, 1 + clip_high)``
+      (``cispo_form="clip"``: verl, slime) or ``w = min(r, clip_high)``
+      (``cispo_form="upper"``: TRL; ``clip_high`` is the cap itself, e.g. 5.0, and must be
+      given). Clipped tokens keep their gradient.
+    * ``"gpg"``: ``-A logprob``.
+    * ``"sapo"``: ``-A sigmoid(tau (r - 1)) 4 / tau`` with ``tau = sapo_tau[0]`` where ``A > 0``,
+      else ``sapo_tau[1]`` (defaults 1.0, 1.05).
+    * ``"geo_mean"`` (GMPO): the per-token log-ratio clipped sign-aware to
+      ``[-clip_low, clip_high]`` (upper bound for ``A > 0``, lower for ``A < 0``),
+      ``R_i = exp(mean_t of it)``, sequence loss ``-mean_t(A) R_i`` carried by each token of the
+      row. With ``agg="seq-mean-token-mean"`` the loss is the mean of the sequence losses
+      (verl's GMPO).
+    * ``"dppo_tv"`` / ``"dppo_kl"`` (DPPO-Binary, verl's losses of those names):
+      ``-A sg(min(r, dual_clip)) logprob`` on the tokens inside the trust region, 0 elsewhere; the
+      region is ``p - p_old <= clip_high`` (``A > 0``) / ``>= -clip_low`` (else) for ``dppo_tv``, the binary
+      KL of ``p`` against ``p_old`` below ``clip_high`` / ``clip_low`` (or moving away from the
+      advantage's direction) for ``dppo_kl`` (``p = exp(logprob)``). ``dual_clip`` is the ratio cap
+      (verl's ``clip_ratio_c``), None for no cap.
+    * ``"vespo"`` (VESPO, TRL's ``loss_type="vespo"``): ``-sg(phi) A logprob`` with the gamma weight
+      ``phi = w^k exp(lam (1 - w))`` of the sequence ratio ``w = exp(clamp(sum_t (logprob - old), ln 1e-8,
+      20))``; ``(k, lam) = (vespo_k[0], vespo_lambda[0])`` where ``A >= 0``, else ``[1]`` (defaults TRL's:
+      k 2.0 / 3.0, lam 3.0 / 2.0). ``importance_weights`` enter ``w`` (their logs, each clamped to
+      ``[ln 1e-8, 20]``, join the sum) instead of multiplying the loss. TRL: ``clamp_log_ratio=20``,
+      ``agg="token-mean"``.
+
+    Args:
+        logprob: ``[B, T]`` log-probs of the sampled tokens under the current policy (rows are
+            sequences); float32 (bf16 / fp16 are upcast). The gradient flows to it.
+        old_logprob: ``[B, T]`` behaviour log-probs (detached), or None for on-policy
+            (``old = logprob.detach()``, ``r = 1``).
+        advantages: ``[B, T]``, or ``[B]`` / ``[B, 1]`` for one advantage per sequence (detached).
+        mask: ``[B, T]`` bool, or numbers (nonzero = a loss token). Masked-out positions
+            never touch the result, even when they hold ``-inf`` or NaN.
+        loss: ``"ppo"``, ``"gspo"``, ``"cispo"``, ``"gpg"``, ``"sapo"``, ``"geo_mean"``, ``"dppo_tv"``,
+            ``"dppo_kl"`` or ``"vespo"``.
+        clip_low, clip_high: ``eps_low`` and ``eps_high`` (>= 0; ``clip_high=None`` means
+            ``clip_low``). DAPO: 0.2 / 0.28; GSPO: 3e-4 / 4e-4.
+        dual_clip: the dual-clip constant ``c > 1`` (``"ppo"``), the ratio cap (``"dppo_tv"``,
+            ``"dppo_kl"``), or None.
+        clamp_log_ratio: clamp the log-ratio to ``[-c, c]`` (or ``(low, high)``, either None)
+            before ``exp``; a clamped token gets no gradient through the ratio. verl and
+            OpenRLHF use 20. For ``"gspo"`` it clamps the sequence log-ratio ``log s_i``; for
+            ``"gpg"`` it only affects the ratio metrics; for ``"vespo"`` it clamps each token's
+            log-ratio before the row's sum (TRL: 20). None: no clamp (TRL, slime).
+        cispo_form: ``"clip"`` or ``"upper"`` (see ``"cispo"``).
+        sapo_tau: ``(tau for A > 0, tau for A <= 0)``.
+        importance_weights: ``[B, T]`` per-token weights (detached, e.g. a rollout-vs-training
+            correction) multiplying the policy loss ``L`` (not the KL or entropy terms); for
+            ``"vespo"`` a factor of the sequence ratio instead.
+        agg, global_tokens, global_seqs, loss_scale: the aggregation
+            (:mod:`rlk.reference.aggregation`): ``"token-mean"``, ``"token-sum"``,
+            ``"seq-mean-token-sum"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"``
+            (Dr.GRPO; needs ``loss_scale``). With the global normalizers of the optimizer step
+            (numbers or one-element tensors, e.g. all-reduced), the micro-batch losses add up to
+            the full-batch loss and so do their gradients. Without them the micro-batch is the
+            whole batch (its masked tokens / its sequences with at least one token).
+        ref_logprob: ``[B, T]`` reference-model log-probs (detached); enables the KL term and
+            the ``kl_mean`` metric.
+        kl: the KL estimator: ``"k1"`` (alias ``"kl"``), ``"abs"``, ``"k2"`` (``"mse"``), ``"k3"``
+            (``"low_var_kl"``); a trailing ``"+"`` is the straight-through form (value of the
+            estimator, gradient of k2). See :func:`kl_penalty`.
+        kl_coef: the KL coefficient ``beta``; nonzero needs ``ref_logprob``.
+        kl_k3_clamp, kl_clamp: as ``k3_clamp`` and ``clamp`` of :func:`kl_penalty` (TRL's k3:
+            ``kl_k3_clamp=False``; OpenRLHF: ``kl_clamp=10``).
+        kl_unbiased: weight the KL term by ``sg(exp(logprob - old_logprob))`` (slime's unbiased KL).
+        entropy: ``[B, T]`` per-token entropy; enables ``entropy_mean``. With ``entropy_coef != 0``
+            the loss subtracts ``entropy_coef * agg(entropy)`` and the gradient flows to it.
+        vespo_k, vespo_lambda: ``"vespo"``'s exponent ``k`` and decay ``lam > 0``, each
+            ``(for A >= 0, for A < 0)``.
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` a 0-d float32 tensor (float64 for float64 inputs),
+        differentiable w.r.t. ``logprob`` (and ``entropy``); ``metrics`` a dict of detached 0-d
+        tensors over the masked tokens of this call (0 when there are none): ``clip_fraction``,
+        ``lower_clip_fraction`` (dual clip active), ``approx_kl`` (mean of ``old - logprob``),
+        ``ratio_mean``, ``ratio_max``, and ``entropy_mean`` / ``kl_mean`` when ``entropy`` /
+        ``ref_logprob`` are given. No host synchronization.
+
+    An empty mask (or an empty batch) gives loss 0 and zero gradients, never NaN.
+
+    Batch invariance: on backends that promise it (``rlk info``), a row's gradient and its per-row
+    partial sums are bitwise independent of the other rows whenever its aggregation weight is
+    (``token-sum``, or global normalizers).
+
+    :func:`policy_loss_and_grad` returns the same loss with its gradient, without autograd and
+    without the backward's extra pass over the tokens.
+    """
+    loss_value, _, _, metrics = _policy_loss(
+        False, logprob, old_logprob, advantages, mask,
+        loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, clamp_log_ratio=clamp_log_ratio,
+        cispo_form=cispo_form, sapo_tau=sapo_tau, importance_weights=importance_weights, agg=agg,
+        global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, ref_logprob=ref_logprob, kl=kl,
+        kl_coef=kl_coef, kl_k3_clamp=kl_k3_clamp, kl_clamp=kl_clamp, kl_unbiased=kl_unbiased, entropy=entropy,
+        entropy_coef=entropy_coef, vespo_k=vespo_k, vespo_lambda=vespo_lambda,
+    )
+    return loss_value, metrics
+
+
+def policy_loss_and_grad(
+    logprob: Tensor,
+    old_logprob: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    clamp_log_ratio: float | tuple[float | None, float | None] | None = None,
+    cispo_form: str = "clip",
+    sapo_tau: tuple[float, float] = (1.0, 1.05),
+    importance_weights: Tensor | None = None,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    loss_scale: float | Tensor | None = None,
+    ref_logprob: Tensor | None = None,
+    kl: str = "k3",
+    kl_coef: float = 0.0,
+    kl_k3_clamp: bool = True,
+    kl_clamp: float | None = None,
+    kl_unbiased: bool = False,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    vespo_k: tuple[float, float] = (2.0, 3.0),
+    vespo_lambda: tuple[float, float] = (3.0, 2.0),
+) -> PolicyLossAndGrad:
+    """The policy loss and its gradient from one pass over the tokens, without autograd.
+
+    Takes exactly the arguments of :func:`policy_loss` and computes the same loss (bit for bit, on the
+    same backend) and metrics, and the gradients ``policy_loss(...)[0].backward()`` would produce
+    (bitwise equal: the backward of :func:`policy_loss` multiplies this gradient by the upstream 1).
+    ``logprob`` (and ``entropy``) may require grad; they are read detached and nothing is recorded.
+
+    Use it where the loss is the end of the graph and the log-probs come from a differentiable
+    computation: ``out = rlk.policy_loss_and_grad(logprob, ...)`` then ``logprob.backward(out.grad_logprob)``
+    (with ``torch.autograd.backward([logprob, entropy], [out.grad_logprob, out.grad_entropy])`` when the
+    entropy term has a gradient). It moves the ``[B, T]`` inputs once and the gradient once: the autograd
+    path of :func:`policy_loss` writes the same gradient in its forward and then reads and rescales it in
+    its backward.
+
+    Returns:
+        :class:`PolicyLossAndGrad` ``(loss, grad_logprob, grad_entropy, metrics)``: ``loss`` the detached
+        0-d loss; ``grad_logprob`` ``d loss / d logprob`` in ``logprob``'s dtype and shape (0 off the mask);
+        ``grad_entropy`` ``d loss / d entropy`` in ``entropy``'s dtype when ``entropy_coef != 0``, else None;
+        ``metrics`` as :func:`policy_loss`'s.
+    """
+    loss_value, grad_lp, grad_ent, metrics = _policy_loss(
+        True, logprob, old_logprob, advantages, mask,
+        loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, clamp_log_ratio=clamp_log_ratio,
+        cispo_form=cispo_form, sapo_tau=sapo_tau, importance_weights=importance_weights, agg=agg,
+        global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, ref_logprob=ref_logprob, kl=kl,
+        kl_coef=kl_coef, kl_k3_clamp=kl_k3_clamp, kl_clamp=kl_clamp, kl_unbiased=kl_unbiased, entropy=entropy,
+        entropy_coef=entropy_coef, vespo_k=vespo_k, vespo_lambda=vespo_lambda,
+    )
+    return PolicyLossAndGrad(loss_value, grad_lp, grad_ent, metrics)
+
+
+class PolicyLossCall(NamedTuple):
+    """One policy-loss call, checked and in canonical form (what :func:`prepare` returns): the ``[B, T]`` inputs
+    other than the log-probs (compute dtype, contiguous; ``old`` None for on-policy, then the log-probs themselves),
+    and the arguments of ``rlk::policy_loss_fwd`` after its tensors."""
+
+    old: Tensor | None
+    advantages: Tensor
+    mask: Tensor
+    importance_weights: Tensor | None
+    ref_logprob: Tensor | None
+    norm_tensors: list[Tensor | None]
+    agg: str
+    loss: str
+    kl: str
+    flags: list[bool]
+    params: list[float]
+    with_entropy_grad: bool
+    metric_names: list[str]
+
+    def normalizers(self) -> dict[str, object]:
+        """The normalizers by name (numbers, one-element tensors or None), as the forward primitive takes them."""
+        return _normalizers(self.norm_tensors, self.params[len(_FLOAT_ATTRS):])
+
+
+def prepare(
+    shape: tuple[int, int],
+    device: torch.device,
+    cdt: torch.dtype,
+    old_logprob: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    entropy: Tensor | bool | None,
+    loss: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    clamp_log_ratio: float | tuple[float | None, float | None] | None = None,
+    cispo_form: str = "clip",
+    sapo_tau: tuple[float, float] = (1.0, 1.05),
+    importance_weights: Tensor | None = None,
+    agg: str = "token-mean",
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    loss_scale: float | Tensor | None = None,
+    ref_logprob: Tensor | None = None,
+    kl: str = "k3",
+    kl_coef: float = 0.0,
+    kl_k3_clamp: bool = True,
+    kl_clamp: float | None = None,
+    kl_unbiased: bool = False,
+    entropy_coef: float = 0.0,
+    vespo_k: tuple[float, float] = (2.0, 3.0),
+    vespo_lambda: tuple[float, float] = (3.0, 2.0),
+) -> PolicyLossCall:
+    """Check the arguments of a policy-loss call on ``[B, T] = shape`` log-probs (compute dtype ``cdt``) and put
+    them in canonical form; errors name the argument. ``entropy``: the entropy tensor (checked here), ``True`` when
+    the caller computes it itself (``fused_linear_policy_loss``), or None. The keywords are
+    :func:`policy_loss`'s."""
+    b = shape[0]
+    if old_logprob is not None:
+        _check_tensor("old_logprob", old_logprob, (shape,), device)
+    _check_tensor("advantages", advantages, (shape, (b,), (b, 1)), device)
+    _check_tensor("mask", mask, (shape,), device, floating=False)
+    for name, x in (("importance_weights", importance_weights), ("ref_logprob", ref_logprob), ("entropy", entropy)):
+        if x is not None and not (name == "entropy" and x is True):
+            _check_tensor(name, x, (shape,), device)
+    has_entropy = entropy is not None
+
+    # --- attributes ----------------------------------------------------------------------
+    if loss not in LOSSES:
+        raise ValueError(f"loss: expected one of {', '.join(repr(x) for x in LOSSES)}, got {loss!r}")
+    if cispo_form not in _CISPO_FORMS:
+        raise ValueError(f"cispo_form: expected 'clip' or 'upper', got {cispo_form!r}")
+    clip_low = checks.number("clip_low", clip_low, minimum=0.0)
+    if clip_high is None:
+        if loss == "cispo" and cispo_form == "upper":
+            raise ValueError("clip_high: cispo_form='upper' caps the ratio at clip_high itself (TRL's epsilon_high, "
+                             "e.g. 5.0); pass it explicitly")
+        clip_high = clip_low
+    clip_high = checks.number("clip_high", clip_high, minimum=0.0)
+    if dual_clip is not None:
+        if loss not in _CAPPED_LOSSES:
+            raise ValueError(f"dual_clip: only loss='ppo' has a dual clip, and 'dppo_tv' / 'dppo_kl' a ratio cap "
+                             f"(loss is {loss!r})")
+        dual_clip = checks.number("dual_clip", dual_clip, above=1.0)
+    clamp_low, clamp_high = _clamp_bounds(clamp_log_ratio)
+    if not isinstance(sapo_tau, (tuple, list)) or len(sapo_tau) != 2:
+        raise ValueError(f"sapo_tau: expected a pair (tau_pos, tau_neg), got {sapo_tau!r}")
+    tau_pos = checks.number("sapo_tau", sapo_tau[0], above=0.0)
+    tau_neg = checks.number("sapo_tau", sapo_tau[1], above=0.0)
+    for name, pair in (("vespo_k", vespo_k), ("vespo_lambda", vespo_lambda)):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"{name}: expected a pair (for A >= 0, for A < 0), got {pair!r}")
+    vespo_k_pos, vespo_k_neg = (checks.number("vespo_k", k, dtype=torch.float32) for k in vespo_k)
+    vespo_lambda_pos, vespo_lambda_neg = (checks.number("vespo_lambda", lam, above=0.0, dtype=torch.float32)
+                                          for lam in vespo_lambda)
+    kl, kl_straight = _kl_spec("kl", kl)
+    kl_coef = checks.number("kl_coef", kl_coef)
+    if kl_coef != 0 and ref_logprob is None:
+        raise ValueError("ref_logprob: required when kl_coef != 0 (the KL term needs the reference log-probs)")
+    kl_clamp_value = _INF if kl_clamp is None else checks.number("kl_clamp", kl_clamp, above=0.0)
+    entropy_coef = checks.number("entropy_coef", entropy_coef)
+    if entropy_coef != 0 and not has_entropy:
+        raise ValueError("entropy: required when entropy_coef != 0")
+    mask_bool = mask if mask.dtype == torch.bool else mask != 0
+    aggregation.check_agg(agg, device, global_tokens, global_seqs, loss_scale)
+    norm_tensors = [x.detach().reshape(()).to(cdt) if isinstance(x, Tensor) else None
+                    for x in (global_tokens, global_seqs, loss_scale)]
+    norm_numbers = [math.nan if x is None or isinstance(x, Tensor) else float(x)
+                    for x in (global_tokens, global_seqs, loss_scale)]
+
+    # --- canonical inputs ----------------------------------------------------------------
+    old = None if old_logprob is None else old_logprob.detach().to(cdt).contiguous()
+    adv = advantages.detach().to(cdt).reshape(b, 1 if advantages.dim() == 1 else advantages.shape[1]).contiguous()
+
+    def detached(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x.detach().to(cdt).contiguous()
+
+    with_entropy_grad = has_entropy and entropy_coef != 0
+    flags = [cispo_form == "upper", bool(kl_k3_clamp), kl_straight, bool(kl_unbiased), with_entropy_grad]
+    params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos,
+              tau_neg, kl_coef, kl_clamp_value, entropy_coef, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+              vespo_lambda_neg, *norm_numbers]
+    names = ["clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
+    if has_entropy:
+        names.append("entropy_mean")
+    if ref_logprob is not None:
+        names.append("kl_mean")
+    return PolicyLossCall(old, adv, mask_bool.contiguous(), detached(importance_weights), detached(ref_logprob),
+                          norm_tensors, agg, loss, kl, flags, params, with_entropy_grad, names)
+
+
+def metrics_dict(call: PolicyLossCall, metrics: Tensor) -> dict[str, Tensor]:
+    """The public metrics dict of a call from the forward primitive's ``metrics_out`` (detached 0-d tensors)."""
+    values = dict(zip(POLICY_METRICS, metrics.detach().unbind()))
+    return {name: values[name] for name in call.metric_names}
+
+
+def _policy_loss(
+    fused: bool,
+    logprob: Tensor,
+    old_logprob: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    entropy: Tensor | None,
+    **kwargs,
+) -> tuple[Tensor, Tensor | None, Tensor | None, dict[str, Tensor]]:
+    """The body of :func:`policy_loss` (``fused=False``: the loss differentiable, no gradients returned) and
+    :func:`policy_loss_and_grad` (``fused=True``: detached loss and the gradients)."""
+    if not isinstance(logprob, Tensor):
+        raise TypeError(f"logprob: expected a torch.Tensor, got {type(logprob).__name__}")
+    if logprob.dim() != 2:
+        raise ValueError(f"logprob: expected shape [B, T] (rows are sequences), got {tuple(logprob.shape)}")
+    device, shape = logprob.device, tuple(logprob.shape)
+    _check_tensor("logprob", logprob, (shape,), device)
+    cdt = stat_dtype(logprob)
+    call = prepare(shape, device, cdt, old_logprob, advantages, mask, entropy=entropy, **kwargs)
+    lp = (logprob.detach() if fused else logprob).to(cdt).contiguous()
+    old = lp.detach() if call.old is None else call.old
+    with_entropy_grad = call.with_entropy_grad
+    ent = None
+    if entropy is not None:
+        ent = entropy.to(cdt).contiguous() if with_entropy_grad and not fused else entropy.detach().to(cdt).contiguous()
+    if lp.numel() == 0:
+        zero = lp.sum() * 0.0
+        if with_entropy_grad:
+            zero = zero + ent.sum() * 0.0
+        out_loss, metrics = zero, torch.zeros(len(POLICY_METRICS), dtype=cdt, device=device)
+        grad_lp = torch.zeros_like(lp)
+        grad_ent = torch.zeros_like(ent) if with_entropy_grad else None
+    else:
+        out_loss, grad_lp, grad_ent, _, _, metrics = _policy_loss_fwd(
+            lp, old, call.advantages, call.mask, call.importance_weights, call.ref_logprob, ent,
+            *call.norm_tensors, call.agg, call.loss, call.kl, call.flags, call.params,
+        )
+    metrics = metrics_dict(call, metrics)
+    if not fused:
+        return out_loss, None, None, metrics
+    grad_lp = grad_lp.to(logprob.dtype)
+    grad_ent = grad_ent.to(entropy.dtype) if with_entropy_grad else None
+    return out_loss, grad_lp, grad_ent, metrics
+
+
+# ---------------------------------------------------------------------------
+# kl_penalty
+# ---------------------------------------------------------------------------
+
+
+@custom_op.define("rlk::kl_penalty_fwd")
+def _kl_penalty_fwd(
+    logprob: Tensor, ref_logprob: Tensor, old_logprob: Tensor | None, estimator: str, straight_through: bool,
+    k3_clamp: bool, clamp: float,
+) -> tuple[Tensor, Tensor]:
+    kl, coef = torch.empty_like(logprob), torch.empty_like(logprob)
+    if logprob.numel() == 0:
+        return kl, coef
+    backend = dispatch.select("kl_penalty", logprob.device, logprob.dtype)
+    backend.primitives["kl_penalty_fwd"](
+        logprob, ref_logprob, old_logprob, kl, coef,
+        estimator=estimator, straight_through=straight_through, k3_clamp=k3_clamp, clamp=clamp,
+    )
+    return kl, coef
+
+
+@_kl_penalty_fwd.register_fake
+def _(logprob, ref_logprob, old_logprob, estimator, straight_through, k3_clamp, clamp):
+    return torch.empty_like(logprob), torch.empty_like(logprob)
+
+
+@custom_op.define("rlk::kl_penalty_bwd")
+def _kl_penalty_bwd(grad_kl: Tensor, coef: Tensor, backend: str) -> Tensor:
+    grad = torch.empty_like(coef)
+    if coef.numel() == 0:
+        return grad
+    dispatch.backend_named(backend).primitives["kl_penalty_bwd"](grad_kl, coef, grad)
+    return grad
+
+
+@_kl_penalty_bwd.register_fake
+def _(grad_kl, coef, backend):
+    return torch.empty_like(coef)
+
+
+def _setup_kl(ctx, inputs, output):
+    logprob = inputs[0]
+    _, coef = output
+    ctx.save_for_backward(coef)
+    ctx.mark_non_differentiable(coef)
+    ctx.set_materialize_grads(False)
+    ctx.backend = dispatch.decide("kl_penalty", logprob.device, logprob.dtype).backend or ""
+
+
+def _backward_kl(ctx, grad_kl, grad_coef):
+    (coef,) = ctx.saved_tensors
+    if grad_kl is None:
+        return None, None, None, None, None, None, None
+    grad = _kl_penalty_bwd(grad_kl.to(coef.dtype).contiguous(), coef, ctx.backend)
+    return grad, None, None, None, None, None, None
+
+
+_kl_penalty_fwd.register_autograd(_backward_kl, setup_context=_setup_kl)
+
+
+def kl_penalty(
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    estimator: str,
+    *,
+    straight_through: bool = False,
+    clamp: float | None = None,
+    k3_clamp: bool = True,
+    old_logprob: Tensor | None = None,
+) -> Tensor:
+    """Per-token KL estimate between the policy and a reference, differentiable w.r.t. ``logprob``.
+
+    With ``delta = logprob - ref_logprob`` (math: :mod:`rlk.reference.policy_loss`):
+
+    * ``"k1"`` (alias ``"kl"``): ``delta``;
+    * ``"abs"``: ``|delta|``;
+    * ``"k2"`` (alias ``"mse"``): ``delta^2 / 2``;
+    * ``"k3"`` (alias ``"low_var_kl"``): ``exp(-delta) - 1 + delta``. With ``k3_clamp`` (the
+      default, verl's form) ``x = clamp(-delta, -20, 20)`` and the value is
+      ``clamp(exp(x) - x - 1, -10, 10)``; ``k3_clamp=False`` is the plain estimator (TRL).
+
+    Args:
+        logprob: ``[...]`` float32 (bf16 / fp16 upcast); the gradient flows to it.
+        ref_logprob: same shape, detached.
+        estimator: one of the names above; a trailing ``"+"`` (verl's ``"k3+"``) is the same as
+            ``straight_through=True``.
+        straight_through: the value of the estimator with the gradient of k2
+            (``k2 - sg(k2) + sg(k)``: ``d/d logprob = delta``).
+        clamp: clamp the estimator value to ``[-clamp, clamp]`` (OpenRLHF uses 10), zero
+            gradient outside; None: no clamp. Applied after ``k3_clamp``, before the
+            straight-through gradient and the importance weight.
+        k3_clamp: verl's clamps of k3 (ignored by the other estimators).
+        old_logprob: when given, the importance-weighted (unbiased, slime's
+            ``--use-unbiased-kl``) estimate ``sg(exp(logprob - old_logprob)) * k``: the weight is
+            detached, so the gradient is ``weight * dk/d logprob``.
+
+    Returns:
+        fp32 tensor of ``logprob``'s shape (fp64 for fp64 inputs). No masking: multiply or
+        ``where`` by your mask afterwards.
+    """
+    if not isinstance(logprob, Tensor):
+        raise TypeError(f"logprob: expected a torch.Tensor, got {type(logprob).__name__}")
+    shape, device = tuple(logprob.shape), logprob.device
+    _check_tensor("logprob", logprob, (shape,), device)
+    _check_tensor("ref_logprob", ref_logprob, (shape,), device)
+    if old_logprob is not None:
+        _check_tensor("old_logprob", old_logprob, (shape,), device)
+    name, straight = _kl_spec("estimator", estimator)
+    clamp_value = _INF if clamp is None else checks.number("clamp", clamp, above=0.0)
+    cdt = stat_dtype(logprob)
+    lp = logprob.to(cdt).reshape(-1).contiguous()
+    ref = ref_logprob.detach().to(cdt).reshape(-1).contiguous()
+    old = None if old_logprob is None else old_logprob.detach().to(cdt).reshape(-1).contiguous()
+    kl, _ = _kl_penalty_fwd(lp, ref, old, name, bool(straight or straight_through), bool(k3_clamp),
+                                         clamp_value)
+    return kl.view(shape)
