@@ -217,7 +217,7 @@ def test_opcheck_custom_ops():
     for grad_residual in (None, gy * 0.5):
         for need_w in (False, True):
             torch.library.opcheck(torch.ops.rlk.rms_norm_bwd.default,
-                                  (gy, x, w, rstd, grad_residual, False, "reference", need_w))
+                                  (gy, x, w, rstd, grad_residual, False, need_w, "reference"))
 
 
 def test_torch_compile_fullgraph_matches_eager():

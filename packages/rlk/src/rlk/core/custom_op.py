@@ -14,6 +14,11 @@ same Python body directly, and, when a gradient is needed, through a ``torch.aut
 ``forward`` / ``backward`` are the registered ``setup_context`` and ``backward``. Both paths execute the same
 code and kernels in the same order, so their results are bitwise equal (``tests/test_custom_op.py``).
 
+:func:`declare` is how an op module uses this: from the ABI op's name, one output allocator per primitive (it
+serves the body and the fake), the launch of the backend's primitive on those outputs, what the forward saves
+and the backward formula, it makes ``rlk::<op>_fwd`` / ``rlk::<op>_bwd``, their fakes, the autograd
+registration and the eager path, and records the backend the forward ran on for the backward.
+
 ``RLK_NVTX=1`` (read at import; :func:`set_profiler_ranges` at run time) names every primitive call in profiler
 timelines: an NVTX range (Nsight Systems) when CUDA is available and a ``torch.profiler`` range, both called
 ``rlk::<op>_fwd`` / ``rlk::<op>_bwd``. Off by default: then a call costs one flag test.
@@ -22,6 +27,7 @@ timelines: an NVTX range (Nsight Systems) when CUDA is available and a ``torch.p
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from rlk.core import dispatch
 
 #: Tensor types the eager path takes as they are (subclasses go through the dispatcher).
 _PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
@@ -169,6 +177,132 @@ def placeholder(like: Tensor) -> Tensor:
     """The empty tensor a custom op returns in place of an output it was asked not to compute (a custom op's
     outputs must all be tensors): ``like.new_empty((0,))``, on ``like``'s device and dtype."""
     return like.new_empty((0,))
+
+
+def _launcher_signature(launch: Callable[..., Any], extra: tuple[inspect.Parameter, ...] = ()) -> inspect.Signature:
+    """The custom op's signature: ``launch``'s after its ``(primitive, out)`` parameters, annotations evaluated (the
+    schema is inferred from them), with ``extra`` parameters appended."""
+    sig = inspect.signature(launch, eval_str=True)
+    params = list(sig.parameters.values())
+    if [p.name for p in params[:2]] != ["primitive", "out"]:
+        raise TypeError(f"{launch.__qualname__}: a launch takes (primitive, out, *inputs), got {list(sig.parameters)}")
+    return sig.replace(parameters=[*params[2:], *extra])
+
+
+def _as_body(name: str, launch: Callable[..., Any], sig: inspect.Signature,
+             run: Callable[..., Any]) -> Callable[..., Any]:
+    """A function of ``sig`` (what ``torch.library.custom_op`` infers the schema from) that calls ``run(args)``."""
+
+    def body(*args, **kwargs):
+        if kwargs:
+            args = sig.bind(*args, **kwargs).args
+        return run(args)
+
+    body.__signature__ = sig
+    body.__name__ = body.__qualname__ = name.replace("rlk::", "")
+    body.__module__ = launch.__module__
+    return body
+
+
+class Declaration:
+    """One ABI op's custom ops, declared once by :func:`declare`: :attr:`fwd` (``rlk::<op>_fwd``) and, for a
+    differentiable op, :attr:`bwd` (``rlk::<op>_bwd``), both :class:`Op`; :meth:`backward` calls :attr:`bwd` on
+    the backend that ran the forward."""
+
+    def __init__(self, op: str, key: Callable[..., tuple], dispatch_op: str | None):
+        self.op = op
+        self.dispatch_op = dispatch_op or op
+        self.key = key
+        self.fwd: Op | None = None
+        self.bwd: Op | None = None
+        self._save: Callable[..., Any] | None = None
+
+    def forward(self, *, outputs: Callable[..., Any], fake: Callable[..., Any] | None = None,
+                primitive: str | None = None) -> Callable[[Callable[..., Any]], Op]:
+        """Decorator on the launch ``launch(primitive, out, *inputs) -> None`` (annotated: the schema). The custom
+        op allocates ``out = outputs(*inputs)``, selects the backend (``dispatch.select(op, *key(*inputs))``),
+        calls ``launch`` with its ``primitive`` (``"<op>_fwd"`` unless named) and returns ``out``; its fake
+        returns ``outputs(*inputs)`` (or ``fake(*inputs)`` where the body allocates some outputs itself, late, and
+        returns them from ``launch``: a launch that returns something returns the outputs)."""
+        name = primitive or f"{self.dispatch_op}_fwd"
+
+        def wrap(launch: Callable[..., Any]) -> Op:
+            sig = _launcher_signature(launch)
+
+            def run(args):
+                out = outputs(*args)
+                chosen = dispatch.select(self.dispatch_op, *self.key(*args)).primitives[name]
+                returned = launch(chosen, out, *args)
+                return out if returned is None else returned
+
+            self.fwd = Op(f"rlk::{self.op}_fwd", _as_body(f"rlk::{self.op}_fwd", launch, sig, run))
+            self.fwd.register_fake(fake or outputs)
+            return self.fwd
+
+        return wrap
+
+    def backward_primitive(self, *, outputs: Callable[..., Any],
+                           primitive: str | None = None) -> Callable[[Callable[..., Any]], Op]:
+        """Decorator on the backward's launch ``launch(primitive, out, *inputs) -> None``: ``rlk::<op>_bwd`` takes
+        ``inputs`` and the name of the backend that ran the forward (appended by :meth:`backward`), allocates
+        ``out = outputs(*inputs)`` and runs that backend's ``"<op>_bwd"`` (unless named)."""
+        name = primitive or f"{self.dispatch_op}_bwd"
+        backend_param = inspect.Parameter("backend", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str)
+
+        def wrap(launch: Callable[..., Any]) -> Op:
+            sig = _launcher_signature(launch, (backend_param,))
+
+            def run(args):
+                *inputs, backend = args
+                out = outputs(*inputs)
+                launch(dispatch.backend_named(backend).primitives[name], out, *inputs)
+                return out
+
+            self.bwd = Op(f"rlk::{self.op}_bwd", _as_body(f"rlk::{self.op}_bwd", launch, sig, run))
+            self.bwd.register_fake(lambda *args: outputs(*args[:-1]))
+            return self.bwd
+
+        return wrap
+
+    def autograd(self, *, save: Callable[..., Any], backward: Callable[..., Any]) -> None:
+        """The autograd formula of :attr:`fwd`: ``save(ctx, inputs, output)`` keeps what the backward needs
+        (``ctx.save_for_backward``, ``ctx`` attributes); ``backward(ctx, *grads)`` returns one gradient per input
+        and calls :meth:`backward` for the backward primitive. The backend the forward ran on is recorded in
+        ``ctx.backend`` before ``save`` runs."""
+        def setup(ctx, inputs, output):
+            ctx.backend = dispatch.decide(self.dispatch_op, *self.key(*inputs)).backend or ""
+            save(ctx, inputs, output)
+
+        self.fwd.register_autograd(backward, setup_context=setup)
+
+    def backward(self, ctx, *inputs: Any) -> Any:
+        """:attr:`bwd` on ``inputs``, run by the backend that served the forward of ``ctx``."""
+        return self.bwd(*inputs, ctx.backend)
+
+
+def first_tensor_key(x: Tensor, *_: Any) -> tuple[torch.device, torch.dtype]:
+    """The default dispatch key of an op: the device and dtype of its first input."""
+    return x.device, x.dtype
+
+
+def declare(op: str, *, key: Callable[..., tuple] = first_tensor_key, dispatch_op: str | None = None) -> Declaration:
+    """The custom ops of the ABI op ``op`` (``rlk::<op>_fwd`` / ``rlk::<op>_bwd``), declared with
+    :meth:`Declaration.forward`, :meth:`Declaration.backward_primitive` and :meth:`Declaration.autograd`.
+
+    ``key(*forward_inputs)`` gives ``dispatch.select``'s ``(device, dtype[, shape facts])``: by default the first
+    input's device and dtype. ``dispatch_op``: the ABI op whose backend runs it, when that is another op's (an op
+    composed in the op layer from another op's primitives).
+
+    Example (``rlk.ops.softmax``)::
+
+        softmax_op = custom_op.declare("softmax")
+
+        @softmax_op.forward(outputs=lambda x, log: torch.empty_like(x))
+        def _softmax_fwd(primitive, out, x: Tensor, log: bool) -> Tensor:
+            if out.numel():
+                primitive(x, log, out)
+    """
+    return Declaration(op, key, dispatch_op)
 
 
 def define(name: str) -> Callable[[Callable[..., Any]], Op]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk.core import checks, custom_op, dispatch
+from rlk.core import checks, custom_op
 from rlk.core.checks import check_float, stat_dtype
 
 # ---------------------------------------------------------------------------
@@ -59,66 +59,58 @@ def _check_inputs(x, weight, residual) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _fwd_outputs(x: Tensor, weight: Tensor, residual: Tensor | None, gemma: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _fwd_outputs(x: Tensor, weight: Tensor, residual: Tensor | None, eps: float,
+                 gemma: bool) -> tuple[Tensor, Tensor, Tensor]:
     y = x.new_empty(x.shape, dtype=output_dtype(x.dtype, weight.dtype, gemma))
-    s = torch.empty_like(x) if residual is not None else x.new_empty((0,))
+    s = torch.empty_like(x) if residual is not None else custom_op.placeholder(x)
     rstd = x.new_empty((x.shape[0],), dtype=stat_dtype(x))
     return y, s, rstd
 
 
-@custom_op.define("rlk::rms_norm_fwd")
+def _bwd_outputs(grad_out: Tensor, s: Tensor, weight: Tensor, rstd: Tensor, grad_residual: Tensor | None,
+                 gemma: bool, need_grad_weight: bool) -> tuple[Tensor, Tensor]:
+    grad_weight = torch.empty_like(weight) if need_grad_weight else custom_op.placeholder(weight)
+    return torch.empty_like(s), grad_weight
+
+
+rms_norm_op = custom_op.declare("rms_norm")
+
+
+@rms_norm_op.forward(outputs=_fwd_outputs)
 def _rms_norm_fwd(
-    x: Tensor, weight: Tensor, residual: Tensor | None, eps: float, gemma: bool
+    primitive, out, x: Tensor, weight: Tensor, residual: Tensor | None, eps: float, gemma: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    y, s, rstd = _fwd_outputs(x, weight, residual, gemma)
-    if x.shape[0] == 0:
-        return y, s, rstd
-    backend = dispatch.select("rms_norm", x.device, x.dtype)
-    backend.primitives["rms_norm_fwd"](x, weight, residual, eps, gemma, y, s if residual is not None else None, rstd)
-    return y, s, rstd
+    y, s, rstd = out
+    if x.shape[0]:
+        primitive(x, weight, residual, eps, gemma, y, s if residual is not None else None, rstd)
 
 
-@_rms_norm_fwd.register_fake
-def _(x, weight, residual, eps, gemma):
-    return _fwd_outputs(x, weight, residual, gemma)
-
-
-@custom_op.define("rlk::rms_norm_bwd")
+@rms_norm_op.backward_primitive(outputs=_bwd_outputs)
 def _rms_norm_bwd(
+    primitive,
+    out,
     grad_out: Tensor,
     s: Tensor,
     weight: Tensor,
     rstd: Tensor,
     grad_residual: Tensor | None,
     gemma: bool,
-    backend: str,
     need_grad_weight: bool,
 ) -> tuple[Tensor, Tensor]:
-    grad_input = torch.empty_like(s)
-    grad_weight = torch.empty_like(weight) if need_grad_weight else weight.new_empty((0,))
+    grad_input, grad_weight = out
     if s.shape[0] == 0:
         grad_weight.zero_()
-        return grad_input, grad_weight
-    dispatch.backend_named(backend).primitives["rms_norm_bwd"](
-        grad_out, s, weight, rstd, gemma, grad_residual, grad_input, grad_weight if need_grad_weight else None
-    )
-    return grad_input, grad_weight
+        return
+    primitive(grad_out, s, weight, rstd, gemma, grad_residual, grad_input, grad_weight if need_grad_weight else None)
 
 
-@_rms_norm_bwd.register_fake
-def _(grad_out, s, weight, rstd, grad_residual, gemma, backend, need_grad_weight):
-    grad_weight = torch.empty_like(weight) if need_grad_weight else weight.new_empty((0,))
-    return torch.empty_like(s), grad_weight
-
-
-def _setup(ctx, inputs, output):
+def _save(ctx, inputs, output):
     x, weight, residual, eps, gemma = inputs
     y, s, rstd = output
     ctx.fused = residual is not None
     ctx.save_for_backward(s if ctx.fused else x, weight, rstd)
     ctx.gemma = gemma
     ctx.y_meta = (y.shape, y.dtype)
-    ctx.backend = dispatch.decide("rms_norm", x.device, x.dtype).backend or ""
 
 
 def _backward(ctx, grad_y, grad_s, grad_rstd):
@@ -131,8 +123,8 @@ def _backward(ctx, grad_y, grad_s, grad_rstd):
     need_w = ctx.needs_input_grad[1]
     if not (need_x or need_w):
         return None, None, None, None, None
-    grad_input, grad_weight = _rms_norm_bwd(
-        grad_y.contiguous(), s, weight, rstd, grad_residual, ctx.gemma, ctx.backend, need_w
+    grad_input, grad_weight = rms_norm_op.backward(
+        ctx, grad_y.contiguous(), s, weight, rstd, grad_residual, ctx.gemma, need_w
     )
     return (
         grad_input if ctx.needs_input_grad[0] else None,
@@ -143,7 +135,7 @@ def _backward(ctx, grad_y, grad_s, grad_rstd):
     )
 
 
-_rms_norm_fwd.register_autograd(_backward, setup_context=_setup)
+rms_norm_op.autograd(save=_save, backward=_backward)
 
 
 # ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk.core import custom_op, dispatch
+from rlk.core import custom_op
 from rlk.core.checks import check_float
 
 # ---------------------------------------------------------------------------
@@ -22,48 +22,33 @@ from rlk.core.checks import check_float
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::softmax_fwd")
-def _softmax_fwd(x: Tensor, log: bool) -> Tensor:
-    out = torch.empty_like(x)
-    if out.numel() == 0:
-        return out
-    dispatch.select("softmax", x.device, x.dtype).primitives["softmax_fwd"](x, log, out)
-    return out
+softmax_op = custom_op.declare("softmax")
 
 
-@_softmax_fwd.register_fake
-def _(x, log):
-    return torch.empty_like(x)
+@softmax_op.forward(outputs=lambda x, log: torch.empty_like(x))
+def _softmax_fwd(primitive, out, x: Tensor, log: bool) -> Tensor:
+    if out.numel():
+        primitive(x, log, out)
 
 
-@custom_op.define("rlk::softmax_bwd")
-def _softmax_bwd(grad_out: Tensor, out: Tensor, log: bool, backend: str) -> Tensor:
-    grad_x = torch.empty_like(out)
-    if grad_x.numel() == 0:
-        return grad_x
-    dispatch.backend_named(backend).primitives["softmax_bwd"](grad_out, out, log, grad_x)
-    return grad_x
+@softmax_op.backward_primitive(outputs=lambda grad_out, out, log: torch.empty_like(out))
+def _softmax_bwd(primitive, out, grad_out: Tensor, y: Tensor, log: bool) -> Tensor:
+    if out.numel():
+        primitive(grad_out, y, log, out)
 
 
-@_softmax_bwd.register_fake
-def _(grad_out, out, log, backend):
-    return torch.empty_like(out)
-
-
-def _setup(ctx, inputs, output):
-    x, log = inputs
+def _save(ctx, inputs, output):
     ctx.save_for_backward(output)
-    ctx.log = log
-    ctx.backend = dispatch.decide("softmax", x.device, x.dtype).backend or ""
+    ctx.log = inputs[1]
 
 
 def _backward(ctx, grad_out):
     (out,) = ctx.saved_tensors
     grad_out = grad_out.to(out.dtype).contiguous()
-    return _softmax_bwd(grad_out, out, ctx.log, ctx.backend), None
+    return softmax_op.backward(ctx, grad_out, out, ctx.log), None
 
 
-_softmax_fwd.register_autograd(_backward, setup_context=_setup)
+softmax_op.autograd(save=_save, backward=_backward)
 
 
 # ---------------------------------------------------------------------------
