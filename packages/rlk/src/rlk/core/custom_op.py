@@ -26,6 +26,7 @@ timelines: an NVTX range (Nsight Systems) when CUDA is available and a ``torch.p
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import os
@@ -237,6 +238,7 @@ class Declaration:
 
             self.fwd = Op(f"rlk::{self.op}_fwd", _as_body(f"rlk::{self.op}_fwd", launch, sig, run))
             self.fwd.register_fake(fake or outputs)
+            self._inputs = collections.namedtuple(f"{self.op}_inputs", list(sig.parameters))
             return self.fwd
 
         return wrap
@@ -266,14 +268,26 @@ class Declaration:
 
     def autograd(self, *, save: Callable[..., Any], backward: Callable[..., Any]) -> None:
         """The autograd formula of :attr:`fwd`: ``save(ctx, inputs, output)`` keeps what the backward needs
-        (``ctx.save_for_backward``, ``ctx`` attributes); ``backward(ctx, *grads)`` returns one gradient per input
+        (``ctx.save_for_backward``, ``ctx`` attributes; ``inputs`` is a named tuple of the forward's inputs);
+        ``backward(ctx, *grads)`` returns one gradient per input, or a dict of the inputs that get one by name,
         and calls :meth:`backward` for the backward primitive. The backend the forward ran on is recorded in
         ``ctx.backend`` before ``save`` runs."""
+        names = self._inputs._fields
+
         def setup(ctx, inputs, output):
             ctx.backend = dispatch.decide(self.dispatch_op, *self.key(*inputs)).backend or ""
-            save(ctx, inputs, output)
+            save(ctx, self._inputs(*inputs), output)
 
-        self.fwd.register_autograd(backward, setup_context=setup)
+        def formula(ctx, *grads):
+            result = backward(ctx, *grads)
+            if not isinstance(result, dict):
+                return result
+            unknown = set(result) - set(names)
+            if unknown:
+                raise TypeError(f"{self.op}: gradients for {sorted(unknown)}, which are not inputs of {names}")
+            return tuple(result.get(name) for name in names)
+
+        self.fwd.register_autograd(formula, setup_context=setup)
 
     def backward(self, ctx, *inputs: Any) -> Any:
         """:attr:`bwd` on ``inputs``, run by the backend that served the forward of ``ctx``."""
