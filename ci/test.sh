@@ -12,6 +12,8 @@ out=${RLK_CI_OUT:-out/ci}
 mkdir -p "$out"
 
 echo "== ruff"; ruff check .
+echo "== mypy (rlk.core)"; python3 -m mypy packages/rlk/src/rlk/core
+echo "== clang-format (csrc)"; clang-format --dry-run --Werror packages/rlk-cuda/csrc/*
 echo "== docs site (mkdocs build --strict: broken links, missing pages, API pages from the docstrings)"
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q -d "$out/site"
 echo "== rlk-cuda native build (nvcc, sm_90a)"; bash ci/build_cuda.sh

@@ -55,8 +55,8 @@ DType float_dtype(const Array& a, const char* name) {
 
 void expect_dtype(const Array& a, DType want, const char* name) {
   const DType got = float_dtype(a, name);
-  if (got != want) fail(std::string(name) + ": expected dtype " + rlk_cuda::dtype_name(want) + ", got " +
-                        rlk_cuda::dtype_name(got));
+  if (got != want)
+    fail(std::string(name) + ": expected dtype " + rlk_cuda::dtype_name(want) + ", got " + rlk_cuda::dtype_name(got));
 }
 
 void expect_int64(const Array& a, const char* name) {
@@ -92,17 +92,17 @@ P* on(const OptArray& a, int device, const char* name) {
 
 // ---- selected_logprob ------------------------------------------------------------------------
 
-void selected_logprob_fwd(const Array& logits, const Array& targets, const Array& inv_temperature,
-                          int64_t ignore_index, const Array& logprob_out, const OptArray& entropy_out,
-                          const Array& lse_out, std::uintptr_t stream) {
+void selected_logprob_fwd(const Array& logits, const Array& targets, const Array& inv_temperature, int64_t ignore_index,
+                          const Array& logprob_out, const OptArray& entropy_out, const Array& lse_out,
+                          std::uintptr_t stream) {
   if (logits.ndim() != 2) fail("logits: expected shape [N, V], got " + shape_of(logits));
   const int64_t n = logits.shape(0), v = logits.shape(1);
   const DType dtype = float_dtype(logits, "logits");
   const int device = logits.device_id();
   expect_int64(targets, "targets");
   expect_shape(targets, {n}, "targets");
-  for (auto [a, name] : {std::pair{&inv_temperature, "inv_temperature"}, {&logprob_out, "logprob_out"},
-                         {&lse_out, "lse_out"}}) {
+  for (auto [a, name] :
+       {std::pair{&inv_temperature, "inv_temperature"}, {&logprob_out, "logprob_out"}, {&lse_out, "lse_out"}}) {
     expect_dtype(*a, DType::kFloat32, name);
     expect_shape(*a, {n}, name);
   }
@@ -126,8 +126,8 @@ void selected_logprob_bwd(const Array& logits, const Array& targets, const Array
   const int device = logits.device_id();
   expect_int64(targets, "targets");
   expect_shape(targets, {n}, "targets");
-  for (auto [a, name] : {std::pair{&inv_temperature, "inv_temperature"}, {&lse, "lse"},
-                         {&grad_logprob, "grad_logprob"}}) {
+  for (auto [a, name] :
+       {std::pair{&inv_temperature, "inv_temperature"}, {&lse, "lse"}, {&grad_logprob, "grad_logprob"}}) {
     expect_dtype(*a, DType::kFloat32, name);
     expect_shape(*a, {n}, name);
   }
@@ -139,12 +139,12 @@ void selected_logprob_bwd(const Array& logits, const Array& targets, const Array
   }
   expect_dtype(grad_logits_out, dtype, "grad_logits_out");
   expect_shape(grad_logits_out, {n, v}, "grad_logits_out");
-  rlk_cuda::selected_logprob_bwd(
-      dtype, on(logits, device, "logits"), on<const int64_t>(targets, device, "targets"),
-      on<const float>(inv_temperature, device, "inv_temperature"), on<const float>(lse, device, "lse"),
-      on<const float>(entropy, device, "entropy"), on<const float>(grad_logprob, device, "grad_logprob"),
-      on<const float>(grad_entropy, device, "grad_entropy"), n, v, ignore_index,
-      on(grad_logits_out, device, "grad_logits_out"), device, stream);
+  rlk_cuda::selected_logprob_bwd(dtype, on(logits, device, "logits"), on<const int64_t>(targets, device, "targets"),
+                                 on<const float>(inv_temperature, device, "inv_temperature"),
+                                 on<const float>(lse, device, "lse"), on<const float>(entropy, device, "entropy"),
+                                 on<const float>(grad_logprob, device, "grad_logprob"),
+                                 on<const float>(grad_entropy, device, "grad_entropy"), n, v, ignore_index,
+                                 on(grad_logits_out, device, "grad_logits_out"), device, stream);
 }
 
 // ---- linear_logprob --------------------------------------------------------------------------
@@ -286,13 +286,12 @@ void linear_logprob_bwd_impl(bool wgmma, const Array& hidden, const Array& weigh
   }
   const int d = s.device;
   auto* launcher = wgmma ? &rlk_cuda::linear_logprob_bwd_wgmma : &rlk_cuda::linear_logprob_bwd;
-  launcher(
-      s.dtype, on(hidden, d, "hidden"), on(weight, d, "weight"), on<const int64_t>(targets, d, "targets"),
-      on<const float>(inv_temperature, d, "inv_temperature"), on<const float>(lse, d, "lse"),
-      on<const float>(entropy, d, "entropy"), on<const float>(grad_logprob, d, "grad_logprob"),
-      on<const float>(grad_entropy, d, "grad_entropy"), s.n, s.v, s.h, ignore_index,
-      on(grad_hidden_out, d, "grad_hidden_out"), on(grad_weight_out, d, "grad_weight_out"),
-      on(g_scratch, d, "g_scratch"), g_cols, on<float>(grad_hidden_acc, d, "grad_hidden_acc"), d, stream);
+  launcher(s.dtype, on(hidden, d, "hidden"), on(weight, d, "weight"), on<const int64_t>(targets, d, "targets"),
+           on<const float>(inv_temperature, d, "inv_temperature"), on<const float>(lse, d, "lse"),
+           on<const float>(entropy, d, "entropy"), on<const float>(grad_logprob, d, "grad_logprob"),
+           on<const float>(grad_entropy, d, "grad_entropy"), s.n, s.v, s.h, ignore_index,
+           on(grad_hidden_out, d, "grad_hidden_out"), on(grad_weight_out, d, "grad_weight_out"),
+           on(g_scratch, d, "g_scratch"), g_cols, on<float>(grad_hidden_acc, d, "grad_hidden_acc"), d, stream);
 }
 
 void linear_logprob_bwd(const Array& hidden, const Array& weight, const Array& targets, const Array& inv_temperature,
@@ -317,12 +316,13 @@ void linear_logprob_stored_bwd_wgmma(const Array& hidden, const Array& weight, c
                                      const Array& inv_temperature, const Array& lse, const OptArray& entropy,
                                      const Array& grad_logprob, const OptArray& grad_entropy, int64_t ignore_index,
                                      const Array& logits, const OptArray& grad_hidden_out,
-                                     const OptArray& grad_weight_out, bool accumulate,
-                                     const OptArray& grad_hidden_acc, std::uintptr_t stream) {
+                                     const OptArray& grad_weight_out, bool accumulate, const OptArray& grad_hidden_acc,
+                                     std::uintptr_t stream) {
   const LinearShapes s = linear_shapes(hidden, weight, targets, inv_temperature);
   expect_bwd_rows(s.n, lse, entropy, grad_logprob, grad_entropy);
   expect_dtype(logits, DType::kFloat32, "logits");
-  if (logits.ndim() != 2 || static_cast<int64_t>(logits.shape(0)) != s.n || static_cast<int64_t>(logits.shape(1)) < s.v) {
+  if (logits.ndim() != 2 || static_cast<int64_t>(logits.shape(0)) != s.n ||
+      static_cast<int64_t>(logits.shape(1)) < s.v) {
     fail("logits: expected shape [N, S] with S >= V (columns past V unused), got " + shape_of(logits));
   }
   if (grad_hidden_out) {
@@ -345,8 +345,9 @@ void linear_logprob_stored_bwd_wgmma(const Array& hidden, const Array& weight, c
       on<const float>(inv_temperature, d, "inv_temperature"), on<const float>(lse, d, "lse"),
       on<const float>(entropy, d, "entropy"), on<const float>(grad_logprob, d, "grad_logprob"),
       on<const float>(grad_entropy, d, "grad_entropy"), s.n, s.v, s.h, ignore_index, on<float>(logits, d, "logits"),
-      static_cast<int64_t>(logits.shape(1)), on(grad_hidden_out, d, "grad_hidden_out"), on(grad_weight_out, d, "grad_weight_out"), weight_fp32,
-      accumulate, on<float>(grad_hidden_acc, d, "grad_hidden_acc"), d, stream);
+      static_cast<int64_t>(logits.shape(1)), on(grad_hidden_out, d, "grad_hidden_out"),
+      on(grad_weight_out, d, "grad_weight_out"), weight_fp32, accumulate,
+      on<float>(grad_hidden_acc, d, "grad_hidden_acc"), d, stream);
 }
 
 // ---- fused_linear_kl ---------------------------------------------------------------------------
@@ -393,8 +394,8 @@ void fused_linear_kl_fwd_wgmma(const Array& student_hidden, const Array& student
                                int64_t ignore_index, int divergence, double beta, const Array& loss_out,
                                const Array& stats_out, const Array& zq, const Array& zp, const Array& state,
                                std::uintptr_t stream) {
-  const KlShapes s = kl_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, targets,
-                               inv_temperature, zq, zp);
+  const KlShapes s =
+      kl_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, zq, zp);
   expect_dtype(loss_out, DType::kFloat32, "loss_out");
   expect_shape(loss_out, {s.n}, "loss_out");
   expect_dtype(stats_out, DType::kFloat32, "stats_out");
@@ -411,14 +412,14 @@ void fused_linear_kl_fwd_wgmma(const Array& student_hidden, const Array& student
       static_cast<int64_t>(zq.shape(1)), on<float>(state, d, "state"), d, stream);
 }
 
-void fused_linear_kl_grad_wgmma(const Array& student_hidden, const Array& student_weight,
-                                const Array& teacher_hidden, const Array& teacher_weight, const OptArray& targets,
-                                const Array& inv_temperature, const Array& stats, const Array& coef,
-                                int64_t ignore_index, int divergence, double beta, const OptArray& grad_hidden_out,
-                                const OptArray& grad_weight_out, const Array& zq, const Array& zp,
-                                const OptArray& grad_hidden_acc, std::uintptr_t stream) {
-  const KlShapes s = kl_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, targets,
-                               inv_temperature, zq, zp);
+void fused_linear_kl_grad_wgmma(const Array& student_hidden, const Array& student_weight, const Array& teacher_hidden,
+                                const Array& teacher_weight, const OptArray& targets, const Array& inv_temperature,
+                                const Array& stats, const Array& coef, int64_t ignore_index, int divergence,
+                                double beta, const OptArray& grad_hidden_out, const OptArray& grad_weight_out,
+                                const Array& zq, const Array& zp, const OptArray& grad_hidden_acc,
+                                std::uintptr_t stream) {
+  const KlShapes s =
+      kl_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, zq, zp);
   expect_dtype(stats, DType::kFloat32, "stats");
   expect_shape(stats, {3, s.n}, "stats");
   expect_dtype(coef, DType::kFloat32, "coef");
@@ -498,12 +499,11 @@ void rms_norm_bwd(const Array& grad_out, const Array& s, const Array& weight, co
     expect_dtype(*partials, DType::kFloat32, "partials");
     expect_shape(*partials, {rlk_cuda::rms_norm_bwd_partial_rows(n, rows_per_block), h}, "partials");
   }
-  rlk_cuda::rms_norm_bwd(x_dtype, w_dtype, y_dtype, on(grad_out, device, "grad_out"), on(s, device, "s"),
-                         on(weight, device, "weight"), on<const float>(rstd, device, "rstd"),
-                         on(grad_residual, device, "grad_residual"), n, h, gemma, rows_per_block,
-                         on(grad_input_out, device, "grad_input_out"),
-                         grad_weight_out ? on<float>(partials, device, "partials") : nullptr,
-                         on(grad_weight_out, device, "grad_weight_out"), device, stream);
+  rlk_cuda::rms_norm_bwd(
+      x_dtype, w_dtype, y_dtype, on(grad_out, device, "grad_out"), on(s, device, "s"), on(weight, device, "weight"),
+      on<const float>(rstd, device, "rstd"), on(grad_residual, device, "grad_residual"), n, h, gemma, rows_per_block,
+      on(grad_input_out, device, "grad_input_out"), grad_weight_out ? on<float>(partials, device, "partials") : nullptr,
+      on(grad_weight_out, device, "grad_weight_out"), device, stream);
 }
 
 }  // namespace
@@ -545,16 +545,17 @@ NB_MODULE(_C, m) {
         nb::arg("stream"),
         "linear_logprob_fwd_wgmma that also writes the scaled logits z it reduces into logits_out (fp32 [N, V], "
         "C-contiguous): linear_logprob_stored_fwd (rlk.abi). Its other outputs are linear_logprob_fwd_wgmma's bits.");
-  m.def("linear_logprob_stored_bwd_wgmma", &linear_logprob_stored_bwd_wgmma, nb::arg("hidden").noconvert(),
-        nb::arg("weight").noconvert(), nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(),
-        nb::arg("lse").noconvert(), nb::arg("entropy").noconvert().none(), nb::arg("grad_logprob").noconvert(),
-        nb::arg("grad_entropy").noconvert().none(), nb::arg("ignore_index"), nb::arg("logits").noconvert(),
-        nb::arg("grad_hidden_out").noconvert().none(), nb::arg("grad_weight_out").noconvert().none(),
-        nb::arg("accumulate"), nb::arg("grad_hidden_acc").noconvert().none(), nb::arg("stream"),
-        "linear_logprob_stored_bwd (rlk.abi) on Hopper: G from the stored logits (fp32 [N, S], C-contiguous, "
-        "S >= V, S % 4 == 0, z in the first V columns), written over them, then the chunk GEMMs of linear_logprob_bwd_wgmma. grad_weight_out: "
-        "hidden's dtype, or fp32 (with accumulate: added to its contents). grad_hidden_acc: fp32 [N, H] when "
-        "grad_hidden_out is given and linear_logprob_bwd_num_chunks(V) > 1.");
+  m.def(
+      "linear_logprob_stored_bwd_wgmma", &linear_logprob_stored_bwd_wgmma, nb::arg("hidden").noconvert(),
+      nb::arg("weight").noconvert(), nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(),
+      nb::arg("lse").noconvert(), nb::arg("entropy").noconvert().none(), nb::arg("grad_logprob").noconvert(),
+      nb::arg("grad_entropy").noconvert().none(), nb::arg("ignore_index"), nb::arg("logits").noconvert(),
+      nb::arg("grad_hidden_out").noconvert().none(), nb::arg("grad_weight_out").noconvert().none(),
+      nb::arg("accumulate"), nb::arg("grad_hidden_acc").noconvert().none(), nb::arg("stream"),
+      "linear_logprob_stored_bwd (rlk.abi) on Hopper: G from the stored logits (fp32 [N, S], C-contiguous, "
+      "S >= V, S % 4 == 0, z in the first V columns), written over them, then the chunk GEMMs of linear_logprob_bwd_wgmma. grad_weight_out: "
+      "hidden's dtype, or fp32 (with accumulate: added to its contents). grad_hidden_acc: fp32 [N, H] when "
+      "grad_hidden_out is given and linear_logprob_bwd_num_chunks(V) > 1.");
   m.def("linear_logprob_wgmma_problem", &rlk_cuda::linear_logprob_wgmma_problem, nb::arg("device"),
         "'' if the wgmma forward can run on the device (sm_90a compiled in, compute capability 9.0), else why not.");
   m.def("linear_logprob_bwd", &linear_logprob_bwd, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
@@ -590,10 +591,9 @@ NB_MODULE(_C, m) {
         nb::arg("student_weight").noconvert(), nb::arg("teacher_hidden").noconvert(),
         nb::arg("teacher_weight").noconvert(), nb::arg("targets").noconvert().none(),
         nb::arg("inv_temperature").noconvert(), nb::arg("stats").noconvert(), nb::arg("coef").noconvert(),
-        nb::arg("ignore_index"), nb::arg("divergence"), nb::arg("beta"),
-        nb::arg("grad_hidden_out").noconvert().none(), nb::arg("grad_weight_out").noconvert().none(),
-        nb::arg("zq").noconvert(), nb::arg("zp").noconvert(), nb::arg("grad_hidden_acc").noconvert().none(),
-        nb::arg("stream"),
+        nb::arg("ignore_index"), nb::arg("divergence"), nb::arg("beta"), nb::arg("grad_hidden_out").noconvert().none(),
+        nb::arg("grad_weight_out").noconvert().none(), nb::arg("zq").noconvert(), nb::arg("zp").noconvert(),
+        nb::arg("grad_hidden_acc").noconvert().none(), nb::arg("stream"),
         "fused_linear_kl gradients of sum_i coef_i loss_i on Hopper from the forward's stats: grad_hidden_out "
         "[N, Hs] and grad_weight_out [V, Hs] in the inputs' dtype (each optional). Scratch: zq, zp as the forward's; "
         "grad_hidden_acc fp32 [N, Hs] when grad_hidden_out is given and linear_logprob_bwd_num_chunks(V) > 1.");

@@ -32,15 +32,23 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 // x rounded to T and widened back to fp32 (torch's `t.to(T)` seen from fp32 math).
 template <typename T>
-__device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
+__device__ __forceinline__ float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
 
 // ---------------------------------------------------------------------------------------------
 // packs: kPack<T> consecutive elements, 16 bytes of T
@@ -50,9 +58,7 @@ template <typename T>
 constexpr int kPack = 16 / static_cast<int>(sizeof(T));
 
 // Whether p is 16-byte aligned (a null pointer, an absent optional tensor, counts as aligned).
-__device__ __forceinline__ bool aligned16(const void* p) {
-  return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0;
-}
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 // Loads `count` (<= N) elements of `src` as fp32 into out[0, count), `fill` into out[count, N).
 // `vector`: the caller promises that src is 16-byte aligned; full packs then use 16-byte loads.

@@ -69,8 +69,8 @@ std::string device_problem(int device) {
   if (cudaGetDevice(&previous) != cudaSuccess) previous = device;
   std::string problem;
   if (cudaSetDevice(device) != cudaSuccess) {
-    problem = std::string("cudaSetDevice(") + std::to_string(device) + ") failed: " +
-              cudaGetErrorString(cudaGetLastError());
+    problem =
+        std::string("cudaSetDevice(") + std::to_string(device) + ") failed: " + cudaGetErrorString(cudaGetLastError());
   } else {
     // Asking for a kernel's attributes loads this module's image for the device: it fails with
     // cudaErrorNoKernelImageForDevice (or cudaErrorInvalidDeviceFunction) when none fits.

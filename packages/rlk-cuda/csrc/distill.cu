@@ -142,8 +142,8 @@ struct ScaledLogitsEpilogue {
 // Pass 1: the chunk's state of row blockIdx.x merged into state[5, N] (first chunk: written).
 template <int kDiv>
 __global__ void __launch_bounds__(kRowThreads)
-    fold_kernel(const float* __restrict__ zq, const float* __restrict__ zp, int64_t z_stride, int64_t cols,
-                bool first, float* __restrict__ state, int64_t n_rows) {
+    fold_kernel(const float* __restrict__ zq, const float* __restrict__ zp, int64_t z_stride, int64_t cols, bool first,
+                float* __restrict__ state, int64_t n_rows) {
   const int64_t row = blockIdx.x;
   float q[4 * kPacks], p[4 * kPacks];
   load_row(zq + row * z_stride, z_stride, cols, q);
@@ -198,8 +198,8 @@ __device__ __forceinline__ float log_mixture(float log_p, float log_q, float log
 // from lse_q = stats[row], lse_p = stats[N + row].
 __global__ void __launch_bounds__(kRowThreads)
     jsd_kernel(const float* __restrict__ zq, const float* __restrict__ zp, int64_t z_stride, int64_t cols,
-               const float* __restrict__ stats, float log_beta, float log_1m_beta, bool first,
-               float* __restrict__ sums, int64_t n_rows) {
+               const float* __restrict__ stats, float log_beta, float log_1m_beta, bool first, float* __restrict__ sums,
+               int64_t n_rows) {
   const int64_t row = blockIdx.x;
   float q[4 * kPacks], p[4 * kPacks];
   load_row(zq + row * z_stride, z_stride, cols, q);
@@ -375,14 +375,15 @@ void dispatch_divergence(int divergence, F&& f) {
       f(std::integral_constant<int, kJsd>{});
       return;
   }
-  throw std::invalid_argument("rlk_cuda: fused_linear_kl: divergence must be 0 (forward_kl), 1 (reverse_kl) or 2 "
-                              "(jsd), got " + std::to_string(divergence));
+  throw std::invalid_argument(
+      "rlk_cuda: fused_linear_kl: divergence must be 0 (forward_kl), 1 (reverse_kl) or 2 "
+      "(jsd), got " +
+      std::to_string(divergence));
 }
 
-void check_inputs(const char* what, const void* student_hidden, const void* student_weight,
-                  const void* teacher_hidden, const void* teacher_weight, int64_t n_rows, int64_t vocab,
-                  int64_t student_size, int64_t teacher_size, const float* zq, const float* zp, int64_t z_stride,
-                  int device) {
+void check_inputs(const char* what, const void* student_hidden, const void* student_weight, const void* teacher_hidden,
+                  const void* teacher_weight, int64_t n_rows, int64_t vocab, int64_t student_size, int64_t teacher_size,
+                  const float* zq, const float* zp, int64_t z_stride, int device) {
   const std::string w(what);
   check_linear_inputs(what, student_hidden, student_weight, n_rows, vocab, student_size);
   check_linear_inputs(what, teacher_hidden, teacher_weight, n_rows, vocab, teacher_size);
@@ -390,8 +391,8 @@ void check_inputs(const char* what, const void* student_hidden, const void* stud
           w + ": the logits scratch must have linear_logprob_bwd_chunk_cols(vocab) columns");
   require(zq != nullptr && zp != nullptr && host_aligned16(zq) && host_aligned16(zp),
           w + ": the logits scratch zq, zp must be given, 16-byte aligned");
-  require(n_rows < (int64_t{1} << 31) - wggemm::kBN && vocab < (int64_t{1} << 31) && student_size < (int64_t{1} << 24) &&
-              teacher_size < (int64_t{1} << 24),
+  require(n_rows < (int64_t{1} << 31) - wggemm::kBN && vocab < (int64_t{1} << 31) &&
+              student_size < (int64_t{1} << 24) && teacher_size < (int64_t{1} << 24),
           w + ": N and V must be < 2^31 and H < 2^24 (int32 TMA coordinates)");
   require(n_rows <= max_grid_x(), w + ": too many rows for one grid");
   const std::string problem = linear_logprob_wgmma_problem(device);
@@ -403,9 +404,9 @@ void check_inputs(const char* what, const void* student_hidden, const void* stud
 void fused_linear_kl_fwd_wgmma(DType dtype, const void* student_hidden, const void* student_weight,
                                const void* teacher_hidden, const void* teacher_weight, const int64_t* targets,
                                const float* inv_temperature, int64_t n_rows, int64_t vocab, int64_t student_size,
-                               int64_t teacher_size, int64_t ignore_index, int divergence, float beta,
-                               float* loss_out, float* stats_out, float* zq, float* zp, int64_t z_stride,
-                               float* state, int device, std::uintptr_t stream) {
+                               int64_t teacher_size, int64_t ignore_index, int divergence, float beta, float* loss_out,
+                               float* stats_out, float* zq, float* zp, int64_t z_stride, float* state, int device,
+                               std::uintptr_t stream) {
   using namespace distill;
   const char* what = "fused_linear_kl_fwd_wgmma";
   DeviceGuard guard(device);
@@ -433,17 +434,17 @@ void fused_linear_kl_fwd_wgmma(DType dtype, const void* student_hidden, const vo
         check_launch("fused_linear_kl fold_kernel");
       }
       finish_kernel<kDiv><<<finish_blocks, kFinishThreads, 0, s>>>(state, false, targets, ignore_index, beta, n_rows,
-                                                                    loss_out, stats_out);
+                                                                   loss_out, stats_out);
       check_launch("fused_linear_kl finish_kernel");
       if constexpr (kDiv == kJsd) {
         for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
           const int64_t cols = logits(chunk);
-          jsd_kernel<<<rows, kRowThreads, 0, s>>>(zq, zp, z_stride, cols, stats_out, lb.x, lb.y,
-                                                  chunk == 0, state, n_rows);
+          jsd_kernel<<<rows, kRowThreads, 0, s>>>(zq, zp, z_stride, cols, stats_out, lb.x, lb.y, chunk == 0, state,
+                                                  n_rows);
           check_launch("fused_linear_kl jsd_kernel");
         }
         finish_kernel<kJsd><<<finish_blocks, kFinishThreads, 0, s>>>(state, true, targets, ignore_index, beta, n_rows,
-                                                                      loss_out, stats_out);
+                                                                     loss_out, stats_out);
         check_launch("fused_linear_kl finish_kernel");
       }
     });
@@ -464,11 +465,14 @@ void fused_linear_kl_grad_wgmma(DType dtype, const void* student_hidden, const v
   check_inputs(what, student_hidden, student_weight, teacher_hidden, teacher_weight, n_rows, vocab, student_size,
                teacher_size, zq, zp, z_stride, device);
   require(stats != nullptr && coef != nullptr, w + ": stats and coef are required");
-  require(grad_hidden_out == nullptr || host_aligned16(grad_hidden_out), w + ": grad_hidden_out must be 16-byte aligned");
-  require(grad_weight_out == nullptr || host_aligned16(grad_weight_out), w + ": grad_weight_out must be 16-byte aligned");
+  require(grad_hidden_out == nullptr || host_aligned16(grad_hidden_out),
+          w + ": grad_hidden_out must be 16-byte aligned");
+  require(grad_weight_out == nullptr || host_aligned16(grad_weight_out),
+          w + ": grad_weight_out must be 16-byte aligned");
   const int64_t n_chunks = linear_logprob_bwd_num_chunks(vocab);
-  require(grad_hidden_out == nullptr || n_chunks == 1 || (grad_hidden_acc != nullptr && host_aligned16(grad_hidden_acc)),
-          w + ": grad_hidden_acc (fp32 [N, Hs]) is required with grad_hidden_out when V > 4096");
+  require(
+      grad_hidden_out == nullptr || n_chunks == 1 || (grad_hidden_acc != nullptr && host_aligned16(grad_hidden_acc)),
+      w + ": grad_hidden_acc (fp32 [N, Hs]) is required with grad_hidden_out when V > 4096");
   if (grad_hidden_out == nullptr && grad_weight_out == nullptr) return;
   const cudaStream_t s = as_stream(stream);
   const unsigned rows = static_cast<unsigned>(n_rows);
@@ -491,9 +495,9 @@ void fused_linear_kl_grad_wgmma(DType dtype, const void* student_hidden, const v
         void* gw = grad_weight_out == nullptr
                        ? nullptr
                        : static_cast<void*>(static_cast<char*>(grad_weight_out) + v_start * student_size * elem);
-        wgmma_chunk_grad_gemms(dtype, student_hidden, student.weight + v_start * student_size, zq, 2 * z_stride,
-                               n_rows, cols, student_size, chunk, n_chunks, grad_hidden_out, grad_hidden_acc, gw,
-                               false, false, s);
+        wgmma_chunk_grad_gemms(dtype, student_hidden, student.weight + v_start * student_size, zq, 2 * z_stride, n_rows,
+                               cols, student_size, chunk, n_chunks, grad_hidden_out, grad_hidden_acc, gw, false, false,
+                               s);
       }
     });
   });

@@ -93,8 +93,8 @@ inline unsigned grid_of(int64_t blocks, const char* what) {
 }
 
 // The checks every linear_logprob launcher makes: sizes, H a positive multiple of 8, 16-byte aligned operands.
-inline void check_linear_inputs(const char* what, const void* hidden, const void* weight, int64_t n_rows,
-                                int64_t vocab, int64_t hidden_size) {
+inline void check_linear_inputs(const char* what, const void* hidden, const void* weight, int64_t n_rows, int64_t vocab,
+                                int64_t hidden_size) {
   const std::string w(what);
   require(n_rows >= 1, w + ": n_rows must be >= 1");
   require(vocab >= 1, w + ": vocab must be >= 1");

@@ -26,27 +26,27 @@ void linear_logprob_fwd(DType dtype, const void* hidden, const void* weight, con
   require(entropy_out == nullptr || part_b != nullptr, "linear_logprob_fwd: part_b is required with entropy_out");
   DeviceGuard guard(device);
   const cudaStream_t s = as_stream(stream);
-  const unsigned blocks =
-      grid_of(ceil_div(n_rows, mma::kBM) * linear_num_splits(vocab), "linear_logprob_fwd");
+  const unsigned blocks = grid_of(ceil_div(n_rows, mma::kBM) * linear_num_splits(vocab), "linear_logprob_fwd");
   dispatch_half(dtype, "linear_logprob_fwd", [&](auto tag) {
     using T = decltype(tag);
     const T* h = static_cast<const T*>(hidden);
     const T* w = static_cast<const T*>(weight);
     if (entropy_out != nullptr) {
-      allow_smem(mma::kSmemBytes, linear_logprob_fwd_kernel<T, true>, "cudaFuncSetAttribute(linear_logprob_fwd_kernel)");
+      allow_smem(mma::kSmemBytes, linear_logprob_fwd_kernel<T, true>,
+                 "cudaFuncSetAttribute(linear_logprob_fwd_kernel)");
       linear_logprob_fwd_kernel<T, true><<<blocks, mma::kThreads, mma::kSmemBytes, s>>>(
           h, w, targets, inv_temperature, n_rows, vocab, hidden_size, ignore_index, part_m, part_s, part_b, z_target);
     } else {
-      allow_smem(mma::kSmemBytes, linear_logprob_fwd_kernel<T, false>, "cudaFuncSetAttribute(linear_logprob_fwd_kernel)");
+      allow_smem(mma::kSmemBytes, linear_logprob_fwd_kernel<T, false>,
+                 "cudaFuncSetAttribute(linear_logprob_fwd_kernel)");
       linear_logprob_fwd_kernel<T, false><<<blocks, mma::kThreads, mma::kSmemBytes, s>>>(
-          h, w, targets, inv_temperature, n_rows, vocab, hidden_size, ignore_index, part_m, part_s, nullptr,
-          z_target);
+          h, w, targets, inv_temperature, n_rows, vocab, hidden_size, ignore_index, part_m, part_s, nullptr, z_target);
     }
   });
   check_launch("linear_logprob_fwd_kernel launch");
-  linear_logprob_combine_kernel<<<grid_of(ceil_div(n_rows, kCombineThreads), "linear_logprob_fwd"), kCombineThreads,
-                                  0, s>>>(part_m, part_s, entropy_out != nullptr ? part_b : nullptr, z_target, targets,
-                                          n_rows, vocab, ignore_index, logprob_out, entropy_out, lse_out);
+  linear_logprob_combine_kernel<<<grid_of(ceil_div(n_rows, kCombineThreads), "linear_logprob_fwd"), kCombineThreads, 0,
+                                  s>>>(part_m, part_s, entropy_out != nullptr ? part_b : nullptr, z_target, targets,
+                                       n_rows, vocab, ignore_index, logprob_out, entropy_out, lse_out);
   check_launch("linear_logprob_combine_kernel launch");
 }
 
@@ -63,10 +63,13 @@ bool check_linear_bwd_args(const char* what, const void* hidden, const void* wei
   require(g_scratch != nullptr && host_aligned16(g_scratch), w + ": g_scratch is required (16-byte aligned)");
   require(g_stride == linear_logprob_bwd_chunk_cols(vocab),
           w + ": g_scratch must have linear_logprob_bwd_chunk_cols(vocab) columns");
-  require(grad_hidden_out == nullptr || host_aligned16(grad_hidden_out), w + ": grad_hidden_out must be 16-byte aligned");
-  require(grad_weight_out == nullptr || host_aligned16(grad_weight_out), w + ": grad_weight_out must be 16-byte aligned");
-  require(grad_hidden_out == nullptr || n_chunks == 1 || (grad_hidden_acc != nullptr && host_aligned16(grad_hidden_acc)),
-          w + ": grad_hidden_acc (fp32 [N, H]) is required with grad_hidden_out when V > 4096");
+  require(grad_hidden_out == nullptr || host_aligned16(grad_hidden_out),
+          w + ": grad_hidden_out must be 16-byte aligned");
+  require(grad_weight_out == nullptr || host_aligned16(grad_weight_out),
+          w + ": grad_weight_out must be 16-byte aligned");
+  require(
+      grad_hidden_out == nullptr || n_chunks == 1 || (grad_hidden_acc != nullptr && host_aligned16(grad_hidden_acc)),
+      w + ": grad_hidden_acc (fp32 [N, H]) is required with grad_hidden_out when V > 4096");
   return true;
 }
 
@@ -77,10 +80,10 @@ AccumulateMode grad_hidden_mode(int64_t chunk, int64_t n_chunks) {
 }
 
 void linear_logprob_bwd(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
-                        const float* inv_temperature, const float* lse, const float* entropy,
-                        const float* grad_logprob, const float* grad_entropy, int64_t n_rows, int64_t vocab,
-                        int64_t hidden_size, int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out,
-                        void* g_scratch, int64_t g_stride, float* grad_hidden_acc, int device, std::uintptr_t stream) {
+                        const float* inv_temperature, const float* lse, const float* entropy, const float* grad_logprob,
+                        const float* grad_entropy, int64_t n_rows, int64_t vocab, int64_t hidden_size,
+                        int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out, void* g_scratch,
+                        int64_t g_stride, float* grad_hidden_acc, int device, std::uintptr_t stream) {
   if (!check_linear_bwd_args("linear_logprob_bwd", hidden, weight, n_rows, vocab, hidden_size, entropy, grad_entropy,
                              grad_hidden_out, grad_weight_out, g_scratch, g_stride, grad_hidden_acc)) {
     return;
@@ -110,8 +113,8 @@ void linear_logprob_bwd(DType dtype, const void* hidden, const void* weight, con
       const unsigned gl_blocks = grid_of(row_tiles * ceil_div(cols, mma::kBN), "linear_logprob_bwd");
       if (has_ent) {
         linear_logprob_grad_logits_kernel<T, true><<<gl_blocks, mma::kThreads, mma::kSmemBytes, s>>>(
-            h, w, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, n_rows, hidden_size,
-            ignore_index, v_start, cols, g, g_stride);
+            h, w, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, n_rows, hidden_size, ignore_index,
+            v_start, cols, g, g_stride);
       } else {
         linear_logprob_grad_logits_kernel<T, false><<<gl_blocks, mma::kThreads, mma::kSmemBytes, s>>>(
             h, w, targets, inv_temperature, lse, nullptr, grad_logprob, nullptr, n_rows, hidden_size, ignore_index,
@@ -128,9 +131,9 @@ void linear_logprob_bwd(DType dtype, const void* hidden, const void* weight, con
       }
       if (grad_weight_out != nullptr) {
         linear_logprob_grad_weight_kernel<T>
-            <<<grid_of(ceil_div(cols, mma::kBM) * h_tiles, "linear_logprob_bwd"), mma::kThreads, mma::kSmemBytes,
-               s>>>(g, g_stride, h, cols, k_cols, n_rows, hidden_size,
-                    static_cast<T*>(grad_weight_out) + v_start * hidden_size);
+            <<<grid_of(ceil_div(cols, mma::kBM) * h_tiles, "linear_logprob_bwd"), mma::kThreads, mma::kSmemBytes, s>>>(
+                g, g_stride, h, cols, k_cols, n_rows, hidden_size,
+                static_cast<T*>(grad_weight_out) + v_start * hidden_size);
         check_launch("linear_logprob_grad_weight_kernel launch");
       }
     }

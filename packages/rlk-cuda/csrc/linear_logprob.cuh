@@ -43,7 +43,9 @@ constexpr int kCombineThreads = 256;
 static_assert(kVocabSplit % mma::kBN == 0 && kVocabChunk % mma::kBN == 0, "splits hold whole vocab tiles");
 
 // Number of vocab splits of the forward: ceil(V / kVocabSplit).
-__host__ __device__ constexpr int64_t linear_num_splits(int64_t vocab) { return (vocab + kVocabSplit - 1) / kVocabSplit; }
+__host__ __device__ constexpr int64_t linear_num_splits(int64_t vocab) {
+  return (vocab + kVocabSplit - 1) / kVocabSplit;
+}
 
 // 16-bit pair -> packed register (low half: the lower column).
 template <typename T>
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const int col = static_cast<int>(vt * kBN) + mma::acc_col(ni, e);  // column within the split
-                float zv = __fmul_rn(acc[mi][ni][2 * h + e], inv_t);  // z = x * inv_t, rounded on its own
+                float zv = __fmul_rn(acc[mi][ni][2 * h + e], inv_t);               // z = x * inv_t, rounded on its own
                 if (col == target_col) z_target[row0 + r] = zv;
                 z[2 * ni + e] = v_begin + col < v_end ? zv : -INFINITY;
               }
@@ -208,8 +210,8 @@ static __global__ void __launch_bounds__(kCombineThreads)
     linear_logprob_combine_kernel(const float* __restrict__ part_m, const float* __restrict__ part_s,
                                   const float* __restrict__ part_b, const float* __restrict__ z_target,
                                   const int64_t* __restrict__ targets, int64_t n_rows, int64_t vocab,
-                                  int64_t ignore_index, float* __restrict__ logprob_out, float* __restrict__ entropy_out,
-                                  float* __restrict__ lse_out) {
+                                  int64_t ignore_index, float* __restrict__ logprob_out,
+                                  float* __restrict__ entropy_out, float* __restrict__ lse_out) {
   const int64_t row = int64_t{blockIdx.x} * kCombineThreads + threadIdx.x;
   if (row >= n_rows) return;
   const int64_t target = targets[row];
@@ -239,7 +241,7 @@ static __global__ void __launch_bounds__(kCombineThreads)
 // Per-row values the backward's G needs (rows with a valid target; kEntropy: with the entropy term).
 struct GradRow {
   int64_t target;
-  bool valid;      // target != ignore_index
+  bool valid;                             // target != ignore_index
   float inv_t, lse, g_lp, g_ent, mean_z;  // mean_z = E_p[z] = lse - entropy (0 / unused without entropy)
 };
 
@@ -313,8 +315,8 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row0 + mma::acc_row(mi, 2 * h);
       if (row >= n_rows) continue;
-      const GradRow r = load_grad_row<kEntropy>(row, targets, inv_temperature, lse, entropy, grad_logprob,
-                                                grad_entropy, ignore_index);
+      const GradRow r = load_grad_row<kEntropy>(row, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                                                ignore_index);
 #pragma unroll
       for (int ni = 0; ni < mma::kNT; ++ni) {
         const int64_t c = col0 + mma::acc_col(ni, 0);  // even; c + 1 < g_stride too (g_stride % 8 == 0)
@@ -329,10 +331,10 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
 
 // What the grad_hidden kernel does with a chunk's product r = G_c @ W_c.
 enum class AccumulateMode : int {
-  kWrite = 0,       // acc = r           (first of several chunks)
-  kAdd = 1,         // acc = acc + r     (a middle chunk)
-  kAddStore = 2,    // out = T(acc + r)  (the last of several chunks)
-  kStore = 3,       // out = T(r)        (the only chunk)
+  kWrite = 0,     // acc = r           (first of several chunks)
+  kAdd = 1,       // acc = acc + r     (a middle chunk)
+  kAddStore = 2,  // out = T(acc + r)  (the last of several chunks)
+  kStore = 3,     // out = T(r)        (the only chunk)
 };
 
 // Applies `mode` to the pair (r.x, r.y) of columns (c, c + 1) at flat index `at` (= row * H + c).
@@ -354,8 +356,8 @@ __device__ __forceinline__ void store_pair(AccumulateMode mode, float* acc_buf, 
 // for the tile at (row0, col0); rows / columns past the matrix are not stored. (The wgmma kernels' equivalent
 // is wgbwd::ChunkStoreEpilogue, on the other accumulator layout.)
 template <typename T>
-__device__ __forceinline__ void store_tile(const mma::Acc& acc, int64_t row0, int64_t col0, int64_t rows,
-                                           int64_t cols, AccumulateMode mode, float* acc_buf, T* out) {
+__device__ __forceinline__ void store_tile(const mma::Acc& acc, int64_t row0, int64_t col0, int64_t rows, int64_t cols,
+                                           AccumulateMode mode, float* acc_buf, T* out) {
 #pragma unroll
   for (int mi = 0; mi < mma::kMT; ++mi) {
 #pragma unroll
@@ -408,8 +410,8 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
                     col_tile);
   const int64_t row0 = row_tile * kBM;
   const int64_t col0 = col_tile * kBN;
-  const mma::Operand a{g, g_stride, n_rows, k_cols};                        // K-major: [N, k] row-major
-  const mma::Operand b{weight_chunk, hidden_size, k_rows, hidden_size};     // N-major: [k, H] row-major
+  const mma::Operand a{g, g_stride, n_rows, k_cols};                     // K-major: [N, k] row-major
+  const mma::Operand b{weight_chunk, hidden_size, k_rows, hidden_size};  // N-major: [k, H] row-major
   mma::Acc acc;
   mma::gemm_tile<T, true, false>(smem, a, row0, b, col0, k_cols, acc);
   store_tile<T>(acc, row0, col0, n_rows, hidden_size, mode, acc_buf, out);

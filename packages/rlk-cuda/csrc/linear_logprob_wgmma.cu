@@ -73,7 +73,7 @@ using wggemm::kSmemBytes;
 using wggemm::kStageBytes;
 using wggemm::kStages;
 using wggemm::kThreads;
-constexpr int kFoldCols = 8;                             // columns per fold_pack call (4 column blocks x 2)
+constexpr int kFoldCols = 8;  // columns per fold_pack call (4 column blocks x 2)
 
 static_assert(kVocabSplit % kBN == 0, "a vocab split holds whole vocab tiles");
 static_assert(kConsumerWarps == 8 && kFoldCols % 2 == 0 && kBN / 8 % (kFoldCols / 2) == 0, "fold / release shapes");
@@ -81,11 +81,11 @@ static_assert(kConsumerWarps == 8 && kFoldCols % 2 == 0 && kBN / 8 % (kFoldCols 
 #if RLK_SM90A_DEVICE
 // The block's tile (grouped order over (row tile, vocab split), as the mma.sync forward) and loop counts.
 struct BlockTile {
-  int row_tile;      // rows 128 row_tile .. 128 row_tile + 127
-  int split;         // vocab split index: columns 4096 split ..
-  int split_cols;    // columns in the split (<= kVocabSplit; fewer in the last one)
-  int n_vtiles;      // vocab tiles of kBN columns in the split (the last may overhang)
-  int k_steps;       // ceil(H / kBK)
+  int row_tile;    // rows 128 row_tile .. 128 row_tile + 127
+  int split;       // vocab split index: columns 4096 split ..
+  int split_cols;  // columns in the split (<= kVocabSplit; fewer in the last one)
+  int n_vtiles;    // vocab tiles of kBN columns in the split (the last may overhang)
+  int k_steps;     // ceil(H / kBK)
   // 32-bit fields (the host checks N, V < 2^31 and H < 2^24): fewer registers live through the main loop.
   __device__ __forceinline__ int64_t row0() const { return int64_t{row_tile} * kBM; }
   __device__ __forceinline__ int64_t v_begin() const { return int64_t{split} * kVocabSplit; }
@@ -94,7 +94,7 @@ struct BlockTile {
 __device__ __forceinline__ BlockTile block_tile(int64_t n_rows, int64_t vocab, int64_t hidden_size) {
   BlockTile t;
   wggemm::grouped_tile32(static_cast<int>(blockIdx.x), static_cast<int>((n_rows + kBM - 1) / kBM),
-                 static_cast<int>(linear_num_splits(vocab)), static_cast<int>(kGroupRows), t.row_tile, t.split);
+                         static_cast<int>(linear_num_splits(vocab)), static_cast<int>(kGroupRows), t.row_tile, t.split);
   const int64_t v_begin = t.v_begin();
   t.split_cols = static_cast<int>(min(v_begin + kVocabSplit, vocab) - v_begin);
   t.n_vtiles = (t.split_cols + kBN - 1) / kBN;
@@ -122,8 +122,8 @@ __global__ void __launch_bounds__(wgfwd::kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   // The ring must start 1024-aligned (128-byte swizzle); the dynamic smem base is only 16-aligned for sure.
   const uint32_t ring = (wgmma::smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t full_bar = ring + kRingBytes;          // full[s] at full_bar + 8 s
-  const uint32_t empty_bar = full_bar + kStages * 8;    // empty[s] at empty_bar + 8 s
+  const uint32_t full_bar = ring + kRingBytes;        // full[s] at full_bar + 8 s
+  const uint32_t empty_bar = full_bar + kStages * 8;  // empty[s] at empty_bar + 8 s
 
   // The block's tile, computed once and kept in shared memory: the consumers re-read the fields they need
   // only at the end (split, row tile) from here instead of holding them in registers through the main loop.
@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(wgfwd::kThreads, 1)
   if (threadIdx.x == 0) {
     s_tile = block_tile(n_rows, vocab, hidden_size);
     for (int s = 0; s < kStages; ++s) {
-      wgmma::mbar_init(full_bar + 8 * s, 1);                  // the producer's arrive.expect_tx (+ the bytes)
-      wgmma::mbar_init(empty_bar + 8 * s, kConsumerWarps);   // one arrival per consumer warp
+      wgmma::mbar_init(full_bar + 8 * s, 1);                // the producer's arrive.expect_tx (+ the bytes)
+      wgmma::mbar_init(empty_bar + 8 * s, kConsumerWarps);  // one arrival per consumer warp
     }
     wgmma::mbar_fence_init();
   }
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(wgfwd::kThreads, 1)
   // in registers through the main loop (row indices are recomputed at the end: fewer live registers).
   const int local_row = consumer * 64 + warp * 16 + lane / 4;  // + 8 h
   float inv_t[2];
-  int target_col[2];  // target - v_begin when the target is in this split (and the row valid), else -1
+  int target_col[2];            // target - v_begin when the target is in this split (and the row valid), else -1
   float z_t[2] = {0.0f, 0.0f};  // the target's z, in the lane whose columns hold it
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -305,8 +305,8 @@ struct GradLogitsEpilogue {
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row0 + 8 * h;
       if (row >= n_rows) continue;
-      const GradRow r = load_grad_row<kEntropy>(row, targets, inv_temperature, lse, entropy, grad_logprob,
-                                                grad_entropy, ignore_index);
+      const GradRow r = load_grad_row<kEntropy>(row, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
+                                                ignore_index);
 #pragma unroll
       for (int j = 0; j < wgmma::kAccN / 8; ++j) {
         const int64_t c = col0 + 8 * j;  // even; k_cols % 8 == 0, so c + 1 < k_cols when c < k_cols
@@ -360,8 +360,8 @@ __global__ void __launch_bounds__(kStoredGradThreads)
                               const float* __restrict__ grad_entropy, int64_t vocab, int64_t padded,
                               int64_t ignore_index) {
   const int64_t row = blockIdx.x;
-  const GradRow r = load_grad_row<kEntropy>(row, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
-                                            ignore_index);
+  const GradRow r =
+      load_grad_row<kEntropy>(row, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index);
   const float* z = logits + row * logits_stride;
   T* g = reinterpret_cast<T*>(logits) + row * 2 * logits_stride;
   for (int64_t c0 = 0; c0 < padded; c0 += 2 * kStoredGradThreads) {
@@ -419,8 +419,9 @@ void linear_logprob_fwd_wgmma(DType dtype, const void* hidden, const void* weigh
   require(hidden_size >= 8 && hidden_size % 8 == 0,
           what + ": hidden size must be a positive multiple of 8 (the Python layer pads other sizes), got " +
               std::to_string(hidden_size));
-  require((reinterpret_cast<std::uintptr_t>(hidden) & 15u) == 0 && (reinterpret_cast<std::uintptr_t>(weight) & 15u) == 0,
-          what + ": hidden and weight must be 16-byte aligned");
+  require(
+      (reinterpret_cast<std::uintptr_t>(hidden) & 15u) == 0 && (reinterpret_cast<std::uintptr_t>(weight) & 15u) == 0,
+      what + ": hidden and weight must be 16-byte aligned");
   // TMA coordinates are int32: the row coordinates row0 and v_begin + 256 vt must fit.
   require(n_rows < (int64_t{1} << 31) && vocab < (int64_t{1} << 31) - wgfwd::kBN && hidden_size < (int64_t{1} << 24),
           what + ": N and V must be < 2^31 and H < 2^24 (int32 TMA coordinates and step counters)");
@@ -526,14 +527,15 @@ void bwd_wgmma_chunks(const char* what, DType dtype, const void* hidden, const v
       if (!stored) {
         const CUtensorMap w_k = make_map(tdt, w_chunk, cols, hidden_size, hidden_size, wggemm::kBN);
         if (grad_entropy != nullptr) {
-          const wgbwd::GradLogitsEpilogue<T, true> epi{targets, inv_temperature, lse, entropy, grad_logprob,
-                                                       grad_entropy, n_rows, ignore_index, v_start, cols, k_cols, g,
-                                                       g_stride};
+          const wgbwd::GradLogitsEpilogue<T, true> epi{
+              targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, n_rows, ignore_index, v_start,
+              cols,    k_cols,          g,   g_stride};
           launch_gemm(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles,
                       h_steps, 0, 0, epi, "linear_logprob grad_logits (wgmma)", s);
         } else {
-          const wgbwd::GradLogitsEpilogue<T, false> epi{targets, inv_temperature, lse, nullptr, grad_logprob, nullptr,
-                                                        n_rows, ignore_index, v_start, cols, k_cols, g, g_stride};
+          const wgbwd::GradLogitsEpilogue<T, false> epi{
+              targets, inv_temperature, lse, nullptr, grad_logprob, nullptr, n_rows, ignore_index, v_start,
+              cols,    k_cols,          g,   g_stride};
           launch_gemm(wggemm::gemm_kernel<T, false, false, decltype(epi)>, hidden_k, w_k, m_row_tiles, col_tiles,
                       h_steps, 0, 0, epi, "linear_logprob grad_logits (wgmma)", s);
         }
@@ -589,8 +591,8 @@ void wgmma_chunk_grad_gemms(DType dtype, const void* hidden, const void* w_chunk
           grad_weight_fp32
               ? wgbwd::ChunkStoreEpilogue<T>{accumulate ? AccumulateMode::kAdd : AccumulateMode::kWrite,
                                              static_cast<float*>(grad_weight_chunk), nullptr, cols, hidden_size}
-              : wgbwd::ChunkStoreEpilogue<T>{AccumulateMode::kStore, nullptr, static_cast<T*>(grad_weight_chunk),
-                                             cols, hidden_size};
+              : wgbwd::ChunkStoreEpilogue<T>{AccumulateMode::kStore, nullptr, static_cast<T*>(grad_weight_chunk), cols,
+                                             hidden_size};
       launch_gemm(wggemm::gemm_kernel<T, true, true, decltype(epi)>, g_mn, hidden_mn,
                   static_cast<int>(ceil_div(cols, int64_t{wggemm::kBM})), h_tiles, n_steps, static_cast<int>(k_cols),
                   static_cast<int>(hidden_size), epi, "linear_logprob grad_weight (wgmma)", s);
@@ -634,11 +636,14 @@ void linear_logprob_stored_bwd_wgmma(DType dtype, const void* hidden, const void
   const int64_t padded = ceil_div(vocab, int64_t{8}) * 8;
   require(padded <= 2 * logits_stride, w + ": V rounded up to 8 must fit in 2 logits_stride");
   require(!accumulate || grad_weight_fp32, w + ": accumulate needs an fp32 grad_weight_out");
-  require(grad_hidden_out == nullptr || host_aligned16(grad_hidden_out), w + ": grad_hidden_out must be 16-byte aligned");
-  require(grad_weight_out == nullptr || host_aligned16(grad_weight_out), w + ": grad_weight_out must be 16-byte aligned");
+  require(grad_hidden_out == nullptr || host_aligned16(grad_hidden_out),
+          w + ": grad_hidden_out must be 16-byte aligned");
+  require(grad_weight_out == nullptr || host_aligned16(grad_weight_out),
+          w + ": grad_weight_out must be 16-byte aligned");
   const int64_t n_chunks = linear_logprob_bwd_num_chunks(vocab);
-  require(grad_hidden_out == nullptr || n_chunks == 1 || (grad_hidden_acc != nullptr && host_aligned16(grad_hidden_acc)),
-          w + ": grad_hidden_acc (fp32 [N, H]) is required with grad_hidden_out when V > 4096");
+  require(
+      grad_hidden_out == nullptr || n_chunks == 1 || (grad_hidden_acc != nullptr && host_aligned16(grad_hidden_acc)),
+      w + ": grad_hidden_acc (fp32 [N, H]) is required with grad_hidden_out when V > 4096");
   if (grad_hidden_out == nullptr && grad_weight_out == nullptr) return;
   DeviceGuard guard(device);
   require_wgmma_bwd(what, n_rows, vocab, hidden_size, device);

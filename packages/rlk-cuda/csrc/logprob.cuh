@@ -526,7 +526,7 @@ __device__ __forceinline__ void fold_step(Exp2State& st, const T* __restrict__ s
   const float z_max = __fmul_rn(max_of_words<T, NP>(w), inv_t);
   if (z_max > st.m) {
     const float nml = -__fmul_rn(z_max, kLog2e);
-    if (st.m != -INFINITY) {  // (s and b are 0 while m = -inf)
+    if (st.m != -INFINITY) {          // (s and b are 0 while m = -inf)
       const float dn = nml - st.nml;  // <= 0: every exponent a becomes a + dn
       const float rescale = exp2f(dn);
       if constexpr (kEntropy) st.b = rescale > 0.0f ? fmaf(dn, st.s, st.b) * rescale : 0.0f;
@@ -630,9 +630,9 @@ __global__ void __launch_bounds__(kLogprobThreads)
 struct GradRow16 {
   float inv_t;
   float lse;
-  float c;          // -(g_lp inv_t + g_ent inv_t entropy)
-  float neg_bent;   // -g_ent inv_t (0 without the entropy term)
-  float target_add; // g_lp inv_t
+  float c;           // -(g_lp inv_t + g_ent inv_t entropy)
+  float neg_bent;    // -g_ent inv_t (0 without the entropy term)
+  float target_add;  // g_lp inv_t
 };
 
 // Below d = -128, p = 2^(d log2e) is 0 (flushed below 2^-126): clamping d there leaves every product

@@ -41,13 +41,13 @@ constexpr int kBK = 64;
 constexpr int kStages = 3;
 constexpr int kWarpsM = 2;
 constexpr int kWarpsN = 4;
-constexpr int kThreads = kWarpsM * kWarpsN * 32;  // 256
-constexpr int kWarpM = kBM / kWarpsM;             // 64 rows per warp
-constexpr int kWarpN = kBN / kWarpsN;             // 32 columns per warp
-constexpr int kMT = kWarpM / 16;                  // 4 mma tiles along M per warp
-constexpr int kNT = kWarpN / 8;                   // 4 mma tiles along N per warp
-constexpr int kTileElems = kBM * kBK;             // 8192 elements per operand tile (kBN * kBK too)
-constexpr int kStageElems = 2 * kTileElems;       // A tile then B tile
+constexpr int kThreads = kWarpsM * kWarpsN * 32;       // 256
+constexpr int kWarpM = kBM / kWarpsM;                  // 64 rows per warp
+constexpr int kWarpN = kBN / kWarpsN;                  // 32 columns per warp
+constexpr int kMT = kWarpM / 16;                       // 4 mma tiles along M per warp
+constexpr int kNT = kWarpN / 8;                        // 4 mma tiles along N per warp
+constexpr int kTileElems = kBM * kBK;                  // 8192 elements per operand tile (kBN * kBK too)
+constexpr int kStageElems = 2 * kTileElems;            // A tile then B tile
 constexpr int kSmemBytes = kStages * kStageElems * 2;  // 98304
 static_assert(kBM * kBK == kBN * kBK, "A and B tiles have the same size");
 static_assert(kTileElems / 8 % kThreads == 0, "16-byte chunks split evenly over the threads");
@@ -107,7 +107,7 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 
 template <>
 __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                         uint32_t b1) {
+                                                        uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
@@ -136,9 +136,13 @@ __device__ __forceinline__ int swizzle(int r, int c) {
 __device__ __forceinline__ int warp_m0() { return (threadIdx.x / 32) / kWarpsN * kWarpM; }
 __device__ __forceinline__ int warp_n0() { return (threadIdx.x / 32) % kWarpsN * kWarpN; }
 // Row in the block tile of accumulator acc[mi][ni][e]: D rows g (e = 0, 1) and g + 8 (e = 2, 3).
-__device__ __forceinline__ int acc_row(int mi, int e) { return warp_m0() + mi * 16 + (e >> 1) * 8 + (threadIdx.x & 31) / 4; }
+__device__ __forceinline__ int acc_row(int mi, int e) {
+  return warp_m0() + mi * 16 + (e >> 1) * 8 + (threadIdx.x & 31) / 4;
+}
 // Column in the block tile of acc[mi][ni][e]: D columns 2t + (e & 1).
-__device__ __forceinline__ int acc_col(int ni, int e) { return warp_n0() + ni * 8 + 2 * ((threadIdx.x & 31) % 4) + (e & 1); }
+__device__ __forceinline__ int acc_col(int ni, int e) {
+  return warp_n0() + ni * 8 + 2 * ((threadIdx.x & 31) % 4) + (e & 1);
+}
 
 __device__ __forceinline__ void zero(Acc& acc) {
 #pragma unroll
@@ -188,8 +192,8 @@ __device__ __forceinline__ void load_tile(T* tile, const Operand& op, int64_t mn
 template <typename T, bool kAKMajor, bool kBKMajor>
 __device__ __forceinline__ void compute_stage(const T* a_tile, const T* b_tile, Acc& acc) {
   const int lane = threadIdx.x & 31;
-  const int j = lane >> 3;   // which 8x8 matrix this lane addresses
-  const int rr = lane & 7;   // which row of it
+  const int j = lane >> 3;  // which 8x8 matrix this lane addresses
+  const int rr = lane & 7;  // which row of it
   const int wm0 = warp_m0();
   const int wn0 = warp_n0();
 #pragma unroll

@@ -43,8 +43,8 @@ void check_sizes(const char* what, int64_t n_rows, int64_t hidden) {
 }  // namespace
 
 void rms_norm_fwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* x, const void* weight, const void* residual,
-                  int64_t n_rows, int64_t hidden, float eps, bool gemma, void* out, void* residual_out,
-                  float* rstd_out, int device, std::uintptr_t stream) {
+                  int64_t n_rows, int64_t hidden, float eps, bool gemma, void* out, void* residual_out, float* rstd_out,
+                  int device, std::uintptr_t stream) {
   check_sizes("rms_norm_fwd", n_rows, hidden);
   require((residual == nullptr) == (residual_out == nullptr),
           "rms_norm_fwd: residual and residual_out must be both given or both None");
@@ -66,14 +66,14 @@ void rms_norm_fwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* x, co
       const bool whole = hidden % kPack<T> == 0 && host_aligned16(x) && host_aligned16(weight) &&
                          host_aligned16(residual) && host_aligned16(out) && host_aligned16(residual_out);
       const auto kernel = whole ? rms_norm_fwd_kernel<T, W, Y, true> : rms_norm_fwd_kernel<T, W, Y, false>;
-      kernel<<<blocks, threads, 0, as_stream(stream)>>>(xp, wp, rp, yp, sp, rstd_out, n_rows,
-                                                        static_cast<int>(hidden), eps, gemma, lanes);
+      kernel<<<blocks, threads, 0, as_stream(stream)>>>(xp, wp, rp, yp, sp, rstd_out, n_rows, static_cast<int>(hidden),
+                                                        eps, gemma, lanes);
     } else {
       const int threads = norm_threads(hidden, kPack<T>, kNormLongPacks);
       const int chunks = norm_chunks(hidden, kPack<T>, kNormLongPacks, threads);
       const unsigned blocks = grid_of(ceil_div(n_rows, kNormLongFwdRows), "rms_norm_fwd");
-      rms_norm_fwd_long_kernel<T, W, Y><<<blocks, threads, 0, as_stream(stream)>>>(
-          xp, wp, rp, yp, sp, rstd_out, n_rows, hidden, eps, gemma, chunks);
+      rms_norm_fwd_long_kernel<T, W, Y>
+          <<<blocks, threads, 0, as_stream(stream)>>>(xp, wp, rp, yp, sp, rstd_out, n_rows, hidden, eps, gemma, chunks);
     }
   });
   check_launch("rms_norm_fwd_kernel launch");
@@ -116,7 +116,7 @@ void rms_norm_bwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* grad_
         allow_smem(smem, kernel, "cudaFuncSetAttribute(rms_norm_bwd_kernel)");
       }
       kernel<<<blocks, threads, smem, as_stream(stream)>>>(gp, sp, wp, rstd, rp, ip, part, n_rows,
-                                                              static_cast<int>(hidden), gemma, rows_per_block);
+                                                           static_cast<int>(hidden), gemma, rows_per_block);
     } else {
       const int long_threads = norm_threads(hidden, kPack<T>, kNormLongPacks);
       const int chunks = norm_chunks(hidden, kPack<T>, kNormLongPacks, long_threads);
@@ -127,8 +127,8 @@ void rms_norm_bwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* grad_
     if (grad_weight_out != nullptr) {
       const dim3 sum_grid(static_cast<unsigned>(ceil_div(hidden, kSumColumns)));
       const dim3 sum_block(kSumColumns, kSumGroups);
-      rms_norm_sum_partials_kernel<W><<<sum_grid, sum_block, 0, as_stream(stream)>>>(
-          partials, static_cast<W*>(grad_weight_out), blocks, hidden);
+      rms_norm_sum_partials_kernel<W>
+          <<<sum_grid, sum_block, 0, as_stream(stream)>>>(partials, static_cast<W*>(grad_weight_out), blocks, hidden);
       check_launch("rms_norm_sum_partials_kernel launch");
     }
   });

@@ -55,13 +55,13 @@ namespace rlk_cuda {
 
 constexpr int kNormMaxThreads = 512;  // the largest team / block (both directions)
 constexpr int kNormMaxWarps = kNormMaxThreads / kWarpSize;
-constexpr int kNormFwdPacks = 4;       // forward: pack slots per lane
-constexpr int kNormFwdRows = 4;        // forward: rows per team (any value gives the same bits)
-constexpr int kNormFwdBlock = 128;     // forward: block size when a row takes <= 32 lanes
-constexpr int kNormBwdPacks = 2;       // backward: packs per thread (16 values of 16-bit x, 8 of fp32)
+constexpr int kNormFwdPacks = 4;           // forward: pack slots per lane
+constexpr int kNormFwdRows = 4;            // forward: rows per team (any value gives the same bits)
+constexpr int kNormFwdBlock = 128;         // forward: block size when a row takes <= 32 lanes
+constexpr int kNormBwdPacks = 2;           // backward: packs per thread (16 values of 16-bit x, 8 of fp32)
 constexpr int kNormMaxRowsPerBlock = 256;  // backward: upper bound of rows_per_block
-constexpr int kNormLongPacks = 2;      // long rows: packs per thread per chunk
-constexpr int kNormLongFwdRows = 8;    // long rows: forward rows per block (any value gives the same bits)
+constexpr int kNormLongPacks = 2;          // long rows: packs per thread per chunk
+constexpr int kNormLongFwdRows = 8;        // long rows: forward rows per block (any value gives the same bits)
 
 // Forward lanes per row: ceil(packs / kNormFwdPacks) rounded up to a power of two when <= 32, else to whole
 // warps; 0 when that exceeds kNormMaxThreads (the long kernel).
@@ -256,8 +256,8 @@ __device__ __forceinline__ int pack_values(int offset, int hidden) {
 template <typename T, typename W, typename Y, bool kWhole>
 __global__ void __launch_bounds__(kNormMaxThreads, 2)
     rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, const T* __restrict__ residual,
-                        Y* __restrict__ out, T* __restrict__ residual_out, float* __restrict__ rstd_out,
-                        int64_t n_rows, int hidden, float eps, bool gemma, int lanes) {
+                        Y* __restrict__ out, T* __restrict__ residual_out, float* __restrict__ rstd_out, int64_t n_rows,
+                        int hidden, float eps, bool gemma, int lanes) {
   constexpr int P = kPack<T>;
   constexpr int K = kNormFwdPacks;
   __shared__ float warp_sums[2][kNormMaxWarps];  // row_sum buffers (teams of > 32 lanes), alternated row by row
@@ -382,17 +382,16 @@ struct BwdSlots {
 template <typename T, typename W, typename G, bool kWhole>
 __global__ void __launch_bounds__(kNormMaxThreads, 2)
     rms_norm_bwd_kernel(const G* __restrict__ grad_out, const T* __restrict__ s, const W* __restrict__ weight,
-                        const float* __restrict__ rstd, const T* __restrict__ grad_residual,
-                        T* __restrict__ grad_input, float* __restrict__ partials, int64_t n_rows, int hidden,
-                        bool gemma, int rows_per_block) {
+                        const float* __restrict__ rstd, const T* __restrict__ grad_residual, T* __restrict__ grad_input,
+                        float* __restrict__ partials, int64_t n_rows, int hidden, bool gemma, int rows_per_block) {
   constexpr int P = kPack<T>;
   constexpr int K = kNormBwdPacks;
   const int threads = blockDim.x;
   const int tid = threadIdx.x;
   extern __shared__ float4 norm_smem[];
-  const BwdSlots<P> w_factor{norm_smem, threads};                                   // w'
-  const BwdSlots<P> dw{norm_smem + threads * BwdSlots<P>::kWords, threads};         // sum of g * m
-  __shared__ float warp_sums[2][kNormMaxWarps];  // row_sum buffers, alternated row by row
+  const BwdSlots<P> w_factor{norm_smem, threads};                            // w'
+  const BwdSlots<P> dw{norm_smem + threads * BwdSlots<P>::kWords, threads};  // sum of g * m
+  __shared__ float warp_sums[2][kNormMaxWarps];                              // row_sum buffers, alternated row by row
   const bool want_dw = partials != nullptr;
   const bool has_gres = grad_residual != nullptr;
   int offset[K], count[K];  // this thread's packs: element offset in the row, values (0 past the row)
@@ -584,8 +583,8 @@ template <typename T, typename W, typename G>
 __global__ void __launch_bounds__(kNormMaxThreads)
     rms_norm_bwd_long_kernel(const G* __restrict__ grad_out, const T* __restrict__ s, const W* __restrict__ weight,
                              const float* __restrict__ rstd, const T* __restrict__ grad_residual,
-                             T* __restrict__ grad_input, float* __restrict__ partials, int64_t n_rows,
-                             int64_t hidden, bool gemma, int rows_per_block, int n_chunks) {
+                             T* __restrict__ grad_input, float* __restrict__ partials, int64_t n_rows, int64_t hidden,
+                             bool gemma, int rows_per_block, int n_chunks) {
   constexpr int P = kPack<T>;
   constexpr int K = kNormLongPacks;
   const int64_t first = int64_t{blockIdx.x} * rows_per_block;
@@ -594,8 +593,8 @@ __global__ void __launch_bounds__(kNormMaxThreads)
   const bool has_gres = grad_residual != nullptr;
   float* part = want_dw ? partials + int64_t{blockIdx.x} * hidden : nullptr;
   const bool part_vector = aligned16(part);
-  __shared__ float warp_sums[2][kNormMaxWarps];       // row_sum buffers, alternated row by row
-  __shared__ float coefs[kNormMaxRowsPerBlock];        // per row of the block: mean(g_n * n)
+  __shared__ float warp_sums[2][kNormMaxWarps];  // row_sum buffers, alternated row by row
+  __shared__ float coefs[kNormMaxRowsPerBlock];  // per row of the block: mean(g_n * n)
 
   for (int64_t row = first; row < last; ++row) {
     const int64_t base = row * hidden;

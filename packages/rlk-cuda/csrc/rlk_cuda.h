@@ -58,10 +58,10 @@ int64_t linear_logprob_bwd_num_chunks(int64_t vocab);
 // [n_rows, g_stride] of dtype with g_stride = linear_logprob_bwd_chunk_cols(vocab); grad_hidden_acc fp32
 // [n_rows, hidden_size], required with grad_hidden_out when linear_logprob_bwd_num_chunks(vocab) > 1.
 void linear_logprob_bwd(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
-                        const float* inv_temperature, const float* lse, const float* entropy,
-                        const float* grad_logprob, const float* grad_entropy, int64_t n_rows, int64_t vocab,
-                        int64_t hidden_size, int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out,
-                        void* g_scratch, int64_t g_stride, float* grad_hidden_acc, int device, std::uintptr_t stream);
+                        const float* inv_temperature, const float* lse, const float* entropy, const float* grad_logprob,
+                        const float* grad_entropy, int64_t n_rows, int64_t vocab, int64_t hidden_size,
+                        int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out, void* g_scratch,
+                        int64_t g_stride, float* grad_hidden_acc, int device, std::uintptr_t stream);
 
 // Hopper forward (csrc/linear_logprob_wgmma.cu: TMA + wgmma, warp-specialized), chosen by rlk_cuda/logprob.py:
 // the same arguments, scratch and results contract as linear_logprob_fwd (not the same bits). Throws
@@ -109,9 +109,9 @@ std::string linear_logprob_wgmma_problem(int device);
 void fused_linear_kl_fwd_wgmma(DType dtype, const void* student_hidden, const void* student_weight,
                                const void* teacher_hidden, const void* teacher_weight, const int64_t* targets,
                                const float* inv_temperature, int64_t n_rows, int64_t vocab, int64_t student_size,
-                               int64_t teacher_size, int64_t ignore_index, int divergence, float beta,
-                               float* loss_out, float* stats_out, float* zq, float* zp, int64_t z_stride,
-                               float* state, int device, std::uintptr_t stream);
+                               int64_t teacher_size, int64_t ignore_index, int divergence, float beta, float* loss_out,
+                               float* stats_out, float* zq, float* zp, int64_t z_stride, float* state, int device,
+                               std::uintptr_t stream);
 
 // The gradients of sum_i coef_i loss_i (coef [n_rows] fp32) from the forward's stats: grad_hidden_out [n_rows,
 // student_size] and grad_weight_out [vocab, student_size] of dtype (each nullable, 16-byte aligned). Same inputs
@@ -122,8 +122,7 @@ void fused_linear_kl_grad_wgmma(DType dtype, const void* student_hidden, const v
                                 const float* inv_temperature, const float* stats, const float* coef, int64_t n_rows,
                                 int64_t vocab, int64_t student_size, int64_t teacher_size, int64_t ignore_index,
                                 int divergence, float beta, void* grad_hidden_out, void* grad_weight_out, float* zq,
-                                float* zp, int64_t z_stride, float* grad_hidden_acc, int device,
-                                std::uintptr_t stream);
+                                float* zp, int64_t z_stride, float* grad_hidden_acc, int device, std::uintptr_t stream);
 
 // ---- rms_norm ----------------------------------------------------------------------------------
 
@@ -131,8 +130,8 @@ void fused_linear_kl_grad_wgmma(DType dtype, const void* student_hidden, const v
 // of w_dtype (x_dtype or fp32); out [n_rows, hidden] of y_dtype (x_dtype, or fp32 for a fp32 weight
 // without gemma); rstd_out [n_rows] fp32.
 void rms_norm_fwd(DType x_dtype, DType w_dtype, DType y_dtype, const void* x, const void* weight, const void* residual,
-                  int64_t n_rows, int64_t hidden, float eps, bool gemma, void* out, void* residual_out,
-                  float* rstd_out, int device, std::uintptr_t stream);
+                  int64_t n_rows, int64_t hidden, float eps, bool gemma, void* out, void* residual_out, float* rstd_out,
+                  int device, std::uintptr_t stream);
 
 // Rows of the fp32 grad-weight partial buffer rms_norm_bwd needs: ceil(n_rows / rows_per_block).
 int64_t rms_norm_bwd_partial_rows(int64_t n_rows, int rows_per_block);

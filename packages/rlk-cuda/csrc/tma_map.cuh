@@ -26,8 +26,8 @@ inline EncodeTiledFn encode_tiled() {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
 #if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                                             &status);
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &status);
 #else
     const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &status);
 #endif
@@ -48,16 +48,15 @@ inline EncodeTiledFn encode_tiled() {
 // row stride a multiple of 16 bytes (row_stride % 8 == 0), every box dimension <= 256, the inner box extent
 // in bytes (64 x 2 = 128) a multiple of 16 and, with SWIZZLE_128B, <= 128.
 inline CUtensorMap make_map(CUtensorMapDataType dtype, const void* ptr, int64_t rows, int64_t cols, int64_t row_stride,
-                     uint32_t box_rows) {
+                            uint32_t box_rows) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * 2};  // bytes between rows (dimension 1)
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(wggemm::kBK), box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult res =
-      encode_tiled()(&map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, element_strides,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult res = encode_tiled()(&map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, element_strides,
+                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {
     throw std::runtime_error("rlk_cuda: cuTensorMapEncodeTiled failed (CUresult " + std::to_string(res) + ") for a [" +
                              std::to_string(rows) + ", " + std::to_string(cols) + "] tensor");

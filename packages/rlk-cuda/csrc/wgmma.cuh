@@ -32,15 +32,17 @@
 namespace rlk_cuda {
 namespace wgmma {
 
-constexpr int kTileK = 64;          // K elements per smem row: 64 x 2 bytes = 128 bytes = the swizzle span
-constexpr int kRowBytes = 128;      // bytes per smem tile row
-constexpr int kSwizzleAtom = 1024;  // bytes of one 8-row swizzle group (the descriptor's SBO)
-constexpr int kAccN = 256;                // N of the wgmma used here (m64n256k16)
+constexpr int kTileK = 64;                  // K elements per smem row: 64 x 2 bytes = 128 bytes = the swizzle span
+constexpr int kRowBytes = 128;              // bytes per smem tile row
+constexpr int kSwizzleAtom = 1024;          // bytes of one 8-row swizzle group (the descriptor's SBO)
+constexpr int kAccN = 256;                  // N of the wgmma used here (m64n256k16)
 constexpr int kAccRegs = 64 * kAccN / 128;  // fp32 accumulator registers per thread: 128
 
 #if RLK_SM90A_DEVICE
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
 // ---- mbarrier (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier") ----------
 // A phase completes when its pending arrival count reaches 0 and its transaction count (tx) is 0. The
@@ -53,7 +55,9 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 
 // Makes the initialized barriers visible to the async proxy (TMA) and the other threads (followed by a
 // __syncthreads in the caller).
-__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 
 // One arrival, plus `bytes` expected transaction bytes for the current phase (the TMA loads' complete_tx
 // subtract what they deliver).
@@ -96,7 +100,8 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
 // zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) and still count toward the delivered bytes, so a box that
 // overhangs the tensor completes the same expect_tx as a full one. `map` must be the address of a
 // __grid_constant__ kernel parameter (or of global / const memory).
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int32_t c0, int32_t c1) {
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int32_t c0,
+                                            int32_t c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
           dst),
@@ -135,10 +140,10 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // exactly the chunk c ^ (r % 8) placement TMA wrote.
 __device__ __forceinline__ uint64_t desc_k_major_sw128(uint32_t smem_addr) {
   uint64_t desc = 0;
-  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4);                 // start address
-  desc |= static_cast<uint64_t>(1) << 16;                                      // LBO (unused here)
-  desc |= static_cast<uint64_t>(kSwizzleAtom >> 4) << 32;                      // SBO = 1024 bytes
-  desc |= static_cast<uint64_t>(1) << 62;                                      // 128-byte swizzle
+  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4);  // start address
+  desc |= static_cast<uint64_t>(1) << 16;                      // LBO (unused here)
+  desc |= static_cast<uint64_t>(kSwizzleAtom >> 4) << 32;      // SBO = 1024 bytes
+  desc |= static_cast<uint64_t>(1) << 62;                      // 128-byte swizzle
   return desc;
 }
 
@@ -150,10 +155,10 @@ __device__ __forceinline__ uint64_t desc_k_major_sw128(uint32_t smem_addr) {
 // layout used here, see wgmma_gemm.cuh). The k16 slice kk starts 16 K-rows = 2048 kk bytes into the tile.
 __device__ __forceinline__ uint64_t desc_mn_major_sw128(uint32_t smem_addr, uint32_t atom_stride) {
   uint64_t desc = 0;
-  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4);                 // start address
-  desc |= static_cast<uint64_t>((atom_stride & 0x3FFFFu) >> 4) << 16;         // LBO: next 64-element MN atom
-  desc |= static_cast<uint64_t>(kSwizzleAtom >> 4) << 32;                      // SBO: next 8-row K group
-  desc |= static_cast<uint64_t>(1) << 62;                                      // 128-byte swizzle
+  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4);          // start address
+  desc |= static_cast<uint64_t>((atom_stride & 0x3FFFFu) >> 4) << 16;  // LBO: next 64-element MN atom
+  desc |= static_cast<uint64_t>(kSwizzleAtom >> 4) << 32;              // SBO: next 8-row K group
+  desc |= static_cast<uint64_t>(1) << 62;                              // 128-byte swizzle
   return desc;
 }
 
@@ -172,35 +177,35 @@ __device__ __forceinline__ void wait_group() {
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // The 128 accumulator operands %0 .. %127 of an m64n256 wgmma (generated list).
-#define RLK_WGMMA_D_LIST \
-  "{" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+#define RLK_WGMMA_D_LIST                                                                            \
+  "{"                                                                                               \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                          \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "    \
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 " \
   "}"
 
-#define RLK_WGMMA_D_OPERANDS(d) \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
-  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
-  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+#define RLK_WGMMA_D_OPERANDS(d)                                                                                       \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),         \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),          \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),         \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),         \
+      "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),         \
+      "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),         \
+      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),         \
+      "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),         \
+      "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),         \
+      "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),         \
+      "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),         \
+      "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),         \
+      "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),    \
+      "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), \
+      "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), \
+      "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
 // D[64 x 256] (+)= A[64 x 16] * B[16 x 256], fp32 accumulators, A and B from shared memory (descriptors),
 // K-major or MN-major (kTransA / kTransB below), scale-a = scale-b = 1; scale_d = 0 gives D = A * B

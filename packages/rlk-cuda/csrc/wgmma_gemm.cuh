@@ -25,21 +25,21 @@
 namespace rlk_cuda {
 namespace wggemm {
 
-constexpr int kBM = 128;                                 // rows of C per block (2 consumers x 64)
-constexpr int kBN = wgmma::kAccN;                        // 256 columns of C per block
-constexpr int kBK = wgmma::kTileK;                       // 64
+constexpr int kBM = 128;            // rows of C per block (2 consumers x 64)
+constexpr int kBN = wgmma::kAccN;   // 256 columns of C per block
+constexpr int kBK = wgmma::kTileK;  // 64
 constexpr int kStages = 4;
 constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);         // 384
-constexpr int kConsumerWarps = 4 * kConsumers;           // arrivals that free a stage
-constexpr int kATileBytes = kBM * kBK * 2;               // 16384
-constexpr int kBTileBytes = kBN * kBK * 2;               // 32768
-constexpr int kStageBytes = kATileBytes + kBTileBytes;   // 49152
-constexpr int kRingBytes = kStages * kStageBytes;        // 196608
-constexpr int kBarrierBytes = 2 * kStages * 8;           // full[kStages], empty[kStages]
+constexpr int kThreads = 128 * (1 + kConsumers);               // 384
+constexpr int kConsumerWarps = 4 * kConsumers;                 // arrivals that free a stage
+constexpr int kATileBytes = kBM * kBK * 2;                     // 16384
+constexpr int kBTileBytes = kBN * kBK * 2;                     // 32768
+constexpr int kStageBytes = kATileBytes + kBTileBytes;         // 49152
+constexpr int kRingBytes = kStages * kStageBytes;              // 196608
+constexpr int kBarrierBytes = 2 * kStages * 8;                 // full[kStages], empty[kStages]
 constexpr int kSmemBytes = 1024 + kRingBytes + kBarrierBytes;  // + slack to align the ring to 1024
-constexpr int kMnBox = 64;                               // MN extent of one MN-major box
-constexpr int kMnBoxBytes = kMnBox * kBK * 2;            // 8192
+constexpr int kMnBox = 64;                                     // MN extent of one MN-major box
+constexpr int kMnBoxBytes = kMnBox * kBK * 2;                  // 8192
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 
@@ -53,7 +53,8 @@ static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads
 // Block -> (tile_m, tile_n): groups of `group` M tiles walk the N tiles together (L2 reuse), in 32-bit
 // arithmetic (a 64-bit division is a subroutine call, around which ptxas spills in these register-tight
 // kernels); the host keeps every quantity below 2^31.
-__host__ __device__ __forceinline__ void grouped_tile32(int pid, int n_m, int n_n, int group, int& tile_m, int& tile_n) {
+__host__ __device__ __forceinline__ void grouped_tile32(int pid, int n_m, int n_n, int group, int& tile_m,
+                                                        int& tile_n) {
   const int per_group = group * n_n;
   const int first = pid / per_group * group;
   const int size = n_m - first < group ? n_m - first : group;
@@ -78,7 +79,8 @@ __device__ __forceinline__ int boxes_in_range(int r0, int extent) {
 // The operand tile (kRows MN indices from r0, K from k0) -> smem `dst`, on mbarrier `bar`; `boxes` from
 // boxes_in_range.
 template <bool kMnMajor, int kRows>
-__device__ __forceinline__ void load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, int r0, int k0, int boxes) {
+__device__ __forceinline__ void load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, int r0, int k0,
+                                          int boxes) {
   if constexpr (!kMnMajor) {
     wgmma::tma_load_2d(dst, map, bar, k0, r0);
   } else {
@@ -171,8 +173,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int n0 = tile_n * kBN;
       const int a_boxes = boxes_in_range<kMnMajorA, kBM>(m0, a_extent);
       const int b_boxes = boxes_in_range<kMnMajorB, kBN>(n0, b_extent);
-      const uint32_t bytes = (kMnMajorA ? a_boxes * kMnBoxBytes : kATileBytes) +
-                             (kMnMajorB ? b_boxes * kMnBoxBytes : kBTileBytes);
+      const uint32_t bytes =
+          (kMnMajorA ? a_boxes * kMnBoxBytes : kATileBytes) + (kMnMajorB ? b_boxes * kMnBoxBytes : kBTileBytes);
       wgmma::prefetch_tensor_map(&a_map);
       wgmma::prefetch_tensor_map(&b_map);
       for (int step = 0; step < k_steps; ++step) {

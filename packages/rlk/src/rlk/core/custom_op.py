@@ -199,7 +199,7 @@ def _as_body(name: str, launch: Callable[..., Any], sig: inspect.Signature,
             args = sig.bind(*args, **kwargs).args
         return run(args)
 
-    body.__signature__ = sig
+    body.__signature__ = sig  # type: ignore[attr-defined]
     body.__name__ = body.__qualname__ = name.replace("rlk::", "")
     body.__module__ = launch.__module__
     return body
@@ -216,7 +216,7 @@ class Declaration:
         self.key = key
         self.fwd: Op | None = None
         self.bwd: Op | None = None
-        self._save: Callable[..., Any] | None = None
+        self._inputs: Any = None  # the named tuple of the forward's inputs
 
     def forward(self, *, outputs: Callable[..., Any], fake: Callable[..., Any] | None = None,
                 primitive: str | None = None) -> Callable[[Callable[..., Any]], Op]:
@@ -238,7 +238,7 @@ class Declaration:
 
             self.fwd = Op(f"rlk::{self.op}_fwd", _as_body(f"rlk::{self.op}_fwd", launch, sig, run))
             self.fwd.register_fake(fake or outputs)
-            self._inputs = collections.namedtuple(f"{self.op}_inputs", list(sig.parameters))
+            self._inputs = collections.namedtuple(f"{self.op}_inputs", list(sig.parameters))  # type: ignore[misc]
             return self.fwd
 
         return wrap
@@ -272,6 +272,9 @@ class Declaration:
         ``backward(ctx, *grads)`` returns one gradient per input, or a dict of the inputs that get one by name,
         and calls :meth:`backward` for the backward primitive. The backend the forward ran on is recorded in
         ``ctx.backend`` before ``save`` runs."""
+        fwd = self.fwd
+        if fwd is None:
+            raise RuntimeError(f"{self.op}: declare the forward (Declaration.forward) before its autograd")
         names = self._inputs._fields
 
         def setup(ctx, inputs, output):
@@ -287,10 +290,12 @@ class Declaration:
                 raise TypeError(f"{self.op}: gradients for {sorted(unknown)}, which are not inputs of {names}")
             return tuple(result.get(name) for name in names)
 
-        self.fwd.register_autograd(formula, setup_context=setup)
+        fwd.register_autograd(formula, setup_context=setup)
 
     def backward(self, ctx, *inputs: Any) -> Any:
         """:attr:`bwd` on ``inputs``, run by the backend that served the forward of ``ctx``."""
+        if self.bwd is None:
+            raise RuntimeError(f"{self.op}: no backward primitive declared (Declaration.backward_primitive)")
         return self.bwd(*inputs, ctx.backend)
 
 

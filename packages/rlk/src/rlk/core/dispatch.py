@@ -115,11 +115,12 @@ def _status_of(name: str, factory, source: str) -> BackendStatus:
     if backend.abi_version != abi.ABI_VERSION:
         reason = f"built for rlk ABI {backend.abi_version}, this rlk speaks ABI {abi.ABI_VERSION}"
         return BackendStatus(name, backend, reason, source)
+    probed: str | None
     try:
-        reason = backend.probe()
+        probed = backend.probe()
     except Exception as exc:  # the probe must not raise; treat a raising probe as a broken backend
-        reason = f"probe raised {type(exc).__name__}: {exc}"
-    return BackendStatus(name, backend, reason, source)
+        probed = f"probe raised {type(exc).__name__}: {exc}"
+    return BackendStatus(name, backend, probed, source)
 
 
 @functools.cache
@@ -182,6 +183,7 @@ def why_not(name: str, op: abi.Op, device: torch.device, dtype: torch.dtype,
     if status.reason is not None:
         return f"unavailable: {status.reason}"
     backend = status.backend
+    assert backend is not None  # an available status has its backend
     device_types = backend.device_types()
     if device.type not in device_types and "*" not in device_types:
         served = ", ".join(device_types) or "none"
@@ -208,10 +210,10 @@ def decide(op_name: str, device: torch.device, dtype: torch.dtype,
     pinned = _pinned()
     if pinned:
         reason = why_not(pinned, op, device, dtype, features)
-        skipped = () if reason is None else ((pinned, reason),)
-        return Decision(op_name, device, dtype, pinned if reason is None else None, pinned, (pinned,), skipped)
+        refused = () if reason is None else ((pinned, reason),)
+        return Decision(op_name, device, dtype, pinned if reason is None else None, pinned, (pinned,), refused)
     chain = chain_for(device)
-    skipped = []
+    skipped: list[tuple[str, str]] = []
     for name in chain:
         reason = why_not(name, op, device, dtype, features)
         if reason is None:
@@ -234,7 +236,9 @@ def select(op_name: str, device: torch.device, dtype: torch.dtype,
         level = logging.DEBUG if reason == "not installed" else logging.WARNING
         logger.log(level, "rlk: %s on %s falls back from '%s' to '%s': %s",
                    op_name, device.type, name, decision.backend, reason)
-    return discover()[decision.backend].backend
+    backend = discover()[decision.backend].backend
+    assert backend is not None  # decide() chose an available backend
+    return backend
 
 
 def _first_tensor_meta(tensors) -> tuple[torch.device, torch.dtype]:
