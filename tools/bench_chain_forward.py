@@ -334,17 +334,7 @@ def time_scenario(scenario: Scenario, device: torch.device, reps: int, warmup: i
         state = None  # free the previous repetition's cache before building the next one
         state = scenario.setup()
         _sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            scenario.body(state)
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            scenario.body(state)
-            ms = (time.perf_counter() - t0) * 1e3
+        ms = bench_common.run_ms(lambda state=state: scenario.body(state), device)
         if i >= warmup:
             times.append(ms / scenario.units)
     return times

@@ -18,13 +18,18 @@ import cProfile
 import io
 import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import rlk
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench_asv"))
+from benchmarks.common import run_ms  # noqa: E402  (the benchmarks' timer)
+
+import rlk  # noqa: E402
 
 CLIP, DUAL_CLIP, CLAMP = 0.2, 3.0, 20.0
 
@@ -116,15 +121,7 @@ def _report_step(name, fn, logprob, old, adv, mask, nominal_bytes: int) -> None:
     for _ in range(5):
         fn(logprob, old, adv, mask)
     torch.cuda.synchronize()
-    event_ms = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn(logprob, old, adv, mask)
-        end.record()
-        end.synchronize()
-        event_ms.append(start.elapsed_time(end))
+    event_ms = [run_ms(lambda: fn(logprob, old, adv, mask), logprob.device) for _ in range(20)]
     torch.cuda.synchronize()
     n = 200
     begin = time.perf_counter()

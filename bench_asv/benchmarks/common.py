@@ -30,29 +30,30 @@ COPY_BYTES = 2**24 if QUICK else 2**30
 # ---------------------------------------------------------------------------
 
 
-def median_ms(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REPEATS) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
+def run_ms(fn: Callable[[], object], device: torch.device = DEVICE) -> float:
+    """Milliseconds of one run of ``fn()``: CUDA events recorded around it on an idle GPU (the time includes any
+    host-side work the GPU waits for), ``time.perf_counter`` on the CPU. The one timer of the benchmarks and the
+    tools (``median_ms``, ``tools/bench_chain_forward.py``, ``tools/profile_policy_loss.py``, rlk-cuda's
+    ``bench_cuda.py``)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    begin = time.perf_counter()
+    fn()
+    return (time.perf_counter() - begin) * 1e3
 
-    On a GPU each run is timed by CUDA events recorded around it on an idle device, so the
-    time includes any host-side work the GPU waits for; on the CPU by ``time.perf_counter``.
-    """
+
+def median_ms(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REPEATS,
+              device: torch.device = DEVICE) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (:func:`run_ms`)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        if DEVICE.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(DEVICE)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
+    return statistics.median(run_ms(fn, device) for _ in range(repeats))
 
 
 def device_ms(prof) -> float:

@@ -13,7 +13,6 @@ from importlib import metadata
 import pytest
 import torch
 
-import rlk
 from rlk.app.info import info
 from rlk.core import abi, dispatch, version
 from rlk.reference import distill as ref_distill

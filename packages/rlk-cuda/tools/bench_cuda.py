@@ -24,27 +24,21 @@ primitives' default kernels (RLK_CUDA_LINEAR_FWD / RLK_CUDA_LINEAR_BWD, printed)
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from rlk_cuda import logprob as ck
-from rlk_cuda import norm as cn
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench_asv"))
+from benchmarks.common import median_ms  # noqa: E402  (the benchmarks' timer)
+
+from rlk_cuda import logprob as ck  # noqa: E402
+from rlk_cuda import norm as cn  # noqa: E402
 
 
 def timed(fn, reps: int = 20, warmup: int = 3) -> float:
     """Median seconds of ``fn()`` over ``reps`` runs (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return median_ms(fn, warmup=warmup, repeats=reps, device=torch.device("cuda")) / 1e3
 
 
 def kernel_seconds(fn, reps: int = 10) -> float:
