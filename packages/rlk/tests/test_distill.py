@@ -462,8 +462,8 @@ def test_opcheck_custom_ops():
     reference_distill.fused_linear_kl_fwd(sh, sw, th, tw, targets, inv_t, IGNORE, "jsd", 0.3, loss, stats, None, None,
                                           None)
     torch.library.opcheck(torch.ops.rlk.fused_linear_kl_bwd.default,
-                          (sh, sw, th, tw, targets, inv_t, stats, torch.randn(6), IGNORE, "jsd", 0.3, "reference",
-                           True, True))
+                          (sh, sw, th, tw, targets, inv_t, stats, torch.randn(6), IGNORE, "jsd", 0.3, True, True,
+                           "reference"))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

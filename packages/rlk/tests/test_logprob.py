@@ -306,7 +306,7 @@ def test_opcheck_all_custom_ops():
                           (logits.detach(), targets, inv_t, lse, ent, grad, grad, -100, "reference"))
     torch.library.opcheck(torch.ops.rlk.linear_logprob_bwd.default,
                           (hidden.detach(), weight.detach(), targets, inv_t, lse, ent, grad, grad, -100,
-                           "reference", True, True))
+                           True, True, "reference"))
 
 
 def test_torch_compile_fullgraph_matches_eager():

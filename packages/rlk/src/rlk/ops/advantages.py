@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk.core import checks, custom_op, dispatch
+from rlk.core import checks, custom_op
 from rlk.core.abi import EPS_MODES, GROUP_MODES, PASSK_MODES, RETURN_MASK_MODES, recurrence_constants
 
 _UPCAST = (torch.float16, torch.bfloat16)
@@ -76,31 +76,32 @@ def _bool_mask(mask: Tensor) -> Tensor:
     return mask != 0
 
 
+def _like_first(x: Tensor, *_) -> Tensor:
+    """The output allocator of a one-output op: ``torch.empty_like`` of its first input."""
+    return torch.empty_like(x)
+
+
 # ---------------------------------------------------------------------------
 # group_advantages
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::group_advantages_fwd")
+group_advantages_op = custom_op.declare("group_advantages")
+
+
+@group_advantages_op.forward(outputs=_like_first)
 def _group_advantages_fwd(
-    scores: Tensor, group_index: Tensor | None, group_size: int, lengths: Tensor | None, mode: str, eps: float
+    primitive, out, scores: Tensor, group_index: Tensor | None, group_size: int, lengths: Tensor | None,
+    mode: str, eps: float,
 ) -> Tensor:
-    out = torch.empty_like(scores)
     if scores.shape[0] == 0:
-        return out
+        return
     if lengths is not None and checks.values_checked():
         bad = ~((lengths >= 0) & torch.isfinite(lengths))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             raise ValueError(f"lengths: must be finite and >= 0; found {lengths[i].item()} at position {i}")
-    backend = dispatch.select("group_advantages", scores.device, scores.dtype)
-    backend.primitives["group_advantages_fwd"](scores, group_index, group_size, lengths, mode, eps, out)
-    return out
-
-
-@_group_advantages_fwd.register_fake
-def _(scores, group_index, group_size, lengths, mode, eps):
-    return torch.empty_like(scores)
+    primitive(scores, group_index, group_size, lengths, mode, eps, out)
 
 
 def group_advantages(
@@ -195,21 +196,15 @@ def group_advantages(
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::masked_whiten_fwd")
-def _masked_whiten_fwd(x: Tensor, mask: Tensor, unbiased: bool, eps: float, eps_mode: str, shift_mean: bool) -> Tensor:
-    out = torch.empty_like(x)
-    if x.numel() == 0:
-        return out
-    flat_mask = _bool_mask(mask).reshape(-1)
-    backend = dispatch.select("masked_whiten", x.device, x.dtype)
-    backend.primitives["masked_whiten_fwd"](x.reshape(-1), flat_mask, unbiased, eps, eps_mode, shift_mean,
-                                            out.view(-1))
-    return out
+masked_whiten_op = custom_op.declare("masked_whiten")
 
 
-@_masked_whiten_fwd.register_fake
-def _(x, mask, unbiased, eps, eps_mode, shift_mean):
-    return torch.empty_like(x)
+@masked_whiten_op.forward(outputs=_like_first)
+def _masked_whiten_fwd(
+    primitive, out, x: Tensor, mask: Tensor, unbiased: bool, eps: float, eps_mode: str, shift_mean: bool
+) -> Tensor:
+    if x.numel():
+        primitive(x.reshape(-1), _bool_mask(mask).reshape(-1), unbiased, eps, eps_mode, shift_mean, out.view(-1))
 
 
 def masked_whiten(
@@ -266,20 +261,14 @@ def _rows(name: str, x: Tensor) -> Tensor:
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
-@custom_op.define("rlk::discounted_returns_fwd")
-def _discounted_returns_fwd(rewards: Tensor, mask: Tensor, gamma: float, mask_mode: str) -> Tensor:
-    out = torch.empty_like(rewards)
-    if rewards.numel() == 0:
-        return out
-    backend = dispatch.select("discounted_returns", rewards.device, rewards.dtype)
-    gamma_c, _ = recurrence_constants(gamma, 1.0, rewards.dtype)
-    backend.primitives["discounted_returns_fwd"](rewards, _bool_mask(mask), gamma_c, mask_mode, out)
-    return out
+discounted_returns_op = custom_op.declare("discounted_returns")
 
 
-@_discounted_returns_fwd.register_fake
-def _(rewards, mask, gamma, mask_mode):
-    return torch.empty_like(rewards)
+@discounted_returns_op.forward(outputs=_like_first)
+def _discounted_returns_fwd(primitive, out, rewards: Tensor, mask: Tensor, gamma: float, mask_mode: str) -> Tensor:
+    if rewards.numel():
+        gamma_c, _ = recurrence_constants(gamma, 1.0, rewards.dtype)
+        primitive(rewards, _bool_mask(mask), gamma_c, mask_mode, out)
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float, *, mask_mode: str = "carry") -> Tensor:
@@ -322,20 +311,17 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float, *, mask_mode
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::gae_fwd")
-def _gae_fwd(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    advantages, returns = torch.empty_like(rewards), torch.empty_like(rewards)
-    if rewards.numel() == 0:
-        return advantages, returns
-    backend = dispatch.select("gae", rewards.device, rewards.dtype)
-    gamma_c, gamma_lam_c = recurrence_constants(gamma, lam, rewards.dtype)
-    backend.primitives["gae_fwd"](rewards, values, _bool_mask(mask), gamma_c, gamma_lam_c, advantages, returns)
-    return advantages, returns
+gae_op = custom_op.declare("gae")
 
 
-@_gae_fwd.register_fake
-def _(rewards, values, mask, gamma, lam):
-    return torch.empty_like(rewards), torch.empty_like(rewards)
+@gae_op.forward(outputs=lambda rewards, *_: (torch.empty_like(rewards), torch.empty_like(rewards)))
+def _gae_fwd(
+    primitive, out, rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    advantages, returns = out
+    if rewards.numel():
+        gamma_c, gamma_lam_c = recurrence_constants(gamma, lam, rewards.dtype)
+        primitive(rewards, values, _bool_mask(mask), gamma_c, gamma_lam_c, advantages, returns)
 
 
 def gae(

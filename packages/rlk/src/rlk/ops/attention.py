@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk.core import checks, custom_op, dispatch
+from rlk.core import checks, custom_op
 from rlk.core.checks import check_float, stat_dtype
 
 # ---------------------------------------------------------------------------
@@ -44,60 +44,52 @@ def _check_values(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, tota
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::attention_fwd")
-def _attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-    max_seqlen_k: int, causal: bool, softmax_scale: float,
-) -> tuple[Tensor, Tensor]:
-    out = torch.empty_like(q)
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype(q))
-    _check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-    if q.shape[0] == 0:
-        return out, lse
-    if k.shape[0] == 0:  # no keys anywhere: every query sees nothing
-        out.zero_()
-        lse.fill_(-math.inf)
-        return out, lse
-    backend = dispatch.select("attention", q.device, q.dtype, {"head_dim": q.shape[2]})
-    backend.primitives["attention_fwd"](
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, lse
-    )
-    return out, lse
-
-
-@_attention_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+def _fwd_outputs(q: Tensor, *_) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype(q))
 
 
-@custom_op.define("rlk::attention_bwd")
-def _attention_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_lse: Tensor | None,
-    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-    softmax_scale: float, backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return grad_q.zero_(), grad_k.zero_(), grad_v.zero_()
-    dispatch.backend_named(backend).primitives["attention_bwd"](
-        grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-        softmax_scale, grad_q, grad_k, grad_v,
-    )
-    return grad_q, grad_k, grad_v
-
-
-@_attention_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale, backend):
+def _bwd_outputs(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *_) -> tuple[Tensor, Tensor, Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale = inputs
+attention_op = custom_op.declare("attention", key=lambda q, *_: (q.device, q.dtype, {"head_dim": q.shape[2]}))
+
+
+@attention_op.forward(outputs=_fwd_outputs)
+def _attention_fwd(
+    primitive, out, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool, softmax_scale: float,
+) -> tuple[Tensor, Tensor]:
+    o, lse = out
+    _check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    if q.shape[0] == 0:
+        return
+    if k.shape[0] == 0:  # no keys anywhere: every query sees nothing
+        o.zero_()
+        lse.fill_(-math.inf)
+        return
+    primitive(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, o, lse)
+
+
+@attention_op.backward_primitive(outputs=_bwd_outputs)
+def _attention_bwd(
+    primitive, out, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, output: Tensor, lse: Tensor,
+    grad_lse: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    causal: bool, softmax_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    grad_q, grad_k, grad_v = out
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        for grad in out:
+            grad.zero_()
+        return
+    primitive(grad_out, q, k, v, output, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+              softmax_scale, grad_q, grad_k, grad_v)
+
+
+def _save(ctx, inputs, output):
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.attrs = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
-    ctx.backend = dispatch.decide("attention", q.device, q.dtype, {"head_dim": q.shape[2]}).backend or ""
+    ctx.save_for_backward(inputs.q, inputs.k, inputs.v, out, lse, inputs.cu_seqlens_q, inputs.cu_seqlens_k)
+    ctx.attrs = (inputs.max_seqlen_q, inputs.max_seqlen_k, inputs.causal, inputs.softmax_scale)
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -105,13 +97,13 @@ def _backward(ctx, grad_out, grad_lse):
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
     if grad_lse is not None:
         grad_lse = grad_lse.to(lse.dtype).contiguous()
-    grad_q, grad_k, grad_v = _attention_bwd(
-        grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, *ctx.attrs, ctx.backend
+    grad_q, grad_k, grad_v = attention_op.backward(
+        ctx, grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, *ctx.attrs
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None
+    return {"q": grad_q, "k": grad_k, "v": grad_v}
 
 
-_attention_fwd.register_autograd(_backward, setup_context=_setup)
+attention_op.autograd(save=_save, backward=_backward)
 
 
 # ---------------------------------------------------------------------------

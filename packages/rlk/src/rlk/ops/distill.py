@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk.core import checks, custom_op, dispatch
+from rlk.core import checks, custom_op
 from rlk.core.abi import DIVERGENCES
 from rlk.core.checks import check_float
-from rlk.ops.logprob import _check_targets, _inv_temperature
+from rlk.ops.logprob import _check_targets, _inv_temperature, _linear_bwd_outputs
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -38,19 +38,31 @@ def _zero_ignored(hidden: Tensor, targets: Tensor | None, ignore_index: int) -> 
     return torch.where((targets != ignore_index)[:, None], hidden, hidden.new_zeros(()))
 
 
-def _outputs(student_hidden: Tensor, student_weight: Tensor, reduction: str, fused_hidden: bool,
-             fused_weight: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _fwd_outputs(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
+                 targets: Tensor | None, inv_temperature: Tensor, ignore_index: int, divergence: str, beta: float,
+                 reduction: str, need_grad_hidden: bool, need_grad_weight: bool,
+                 check_temperature: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, stats, grad_hidden, grad_weight)``; the gradients are computed by the forward for ``mean`` / ``sum``
+    (placeholders otherwise, or when not needed)."""
+    fused = reduction != "none"
     n_rows = student_hidden.shape[0]
     dtype = checks.stat_dtype(student_hidden)
     loss = student_hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=dtype)
     stats = student_hidden.new_empty((3, n_rows), dtype=dtype)
-    grad_hidden = torch.empty_like(student_hidden) if fused_hidden else custom_op.placeholder(student_hidden)
-    grad_weight = torch.empty_like(student_weight) if fused_weight else custom_op.placeholder(student_weight)
+    grad_hidden = (torch.empty_like(student_hidden) if fused and need_grad_hidden
+                   else custom_op.placeholder(student_hidden))
+    grad_weight = (torch.empty_like(student_weight) if fused and need_grad_weight
+                   else custom_op.placeholder(student_weight))
     return loss, stats, grad_hidden, grad_weight
 
 
-@custom_op.define("rlk::fused_linear_kl_fwd")
+fused_linear_kl_op = custom_op.declare("fused_linear_kl")
+
+
+@fused_linear_kl_op.forward(outputs=_fwd_outputs)
 def _fused_linear_kl_fwd(
+    primitive,
+    out,
     student_hidden: Tensor,
     student_weight: Tensor,
     teacher_hidden: Tensor,
@@ -66,13 +78,12 @@ def _fused_linear_kl_fwd(
     check_temperature: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fused = reduction != "none"
-    out = _outputs(student_hidden, student_weight, reduction, fused and need_grad_hidden, fused and need_grad_weight)
     loss, stats, grad_hidden, grad_weight = out
     n_rows = student_hidden.shape[0]
     if n_rows == 0:
         loss.zero_()
         grad_weight.zero_()
-        return out
+        return
     if check_temperature:  # a tensor's values (one synchronization); a number was checked by the caller
         checks.check_positive_values("temperature", inv_temperature, reciprocal=True)
     valid = _valid_rows(targets, ignore_index, n_rows, student_hidden)
@@ -85,8 +96,7 @@ def _fused_linear_kl_fwd(
         if need_grad_weight:
             student_hidden = _zero_ignored(student_hidden, targets, ignore_index)
     row_loss = loss if reduction == "none" else student_hidden.new_empty((n_rows,), dtype=loss.dtype)
-    backend = dispatch.select("fused_linear_kl", student_hidden.device, student_hidden.dtype)
-    backend.primitives["fused_linear_kl_fwd"](
+    primitive(
         student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, ignore_index,
         divergence, beta, row_loss, stats, coef, grad_hidden if coef is not None and need_grad_hidden else None,
         grad_weight if coef is not None and need_grad_weight else None,
@@ -95,18 +105,12 @@ def _fused_linear_kl_fwd(
         loss.copy_(row_loss.sum())
     elif reduction == "mean":
         loss.copy_(row_loss.sum() / count)
-    return out
 
 
-@_fused_linear_kl_fwd.register_fake
-def _(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, ignore_index,
-      divergence, beta, reduction, need_grad_hidden, need_grad_weight, check_temperature):
-    fused = reduction != "none"
-    return _outputs(student_hidden, student_weight, reduction, fused and need_grad_hidden, fused and need_grad_weight)
-
-
-@custom_op.define("rlk::fused_linear_kl_bwd")
+@fused_linear_kl_op.backward_primitive(outputs=_linear_bwd_outputs)
 def _fused_linear_kl_bwd(
+    primitive,
+    out,
     student_hidden: Tensor,
     student_weight: Tensor,
     teacher_hidden: Tensor,
@@ -118,47 +122,35 @@ def _fused_linear_kl_bwd(
     ignore_index: int,
     divergence: str,
     beta: float,
-    backend: str,
     need_grad_hidden: bool,
     need_grad_weight: bool,
 ) -> tuple[Tensor, Tensor]:
-    grad_hidden = torch.empty_like(student_hidden) if need_grad_hidden else custom_op.placeholder(student_hidden)
-    grad_weight = torch.empty_like(student_weight) if need_grad_weight else custom_op.placeholder(student_weight)
+    grad_hidden, grad_weight = out
     if student_hidden.shape[0] == 0:
         grad_weight.zero_()
-        return grad_hidden, grad_weight
+        return
     if need_grad_weight:
         student_hidden = _zero_ignored(student_hidden, targets, ignore_index)
     if need_grad_hidden or need_grad_weight:
-        dispatch.backend_named(backend).primitives["fused_linear_kl_bwd"](
+        primitive(
             student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats,
             grad_loss, ignore_index, divergence, beta, grad_hidden if need_grad_hidden else None,
             grad_weight if need_grad_weight else None,
         )
-    return grad_hidden, grad_weight
 
 
-@_fused_linear_kl_bwd.register_fake
-def _(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats, grad_loss,
-      ignore_index, divergence, beta, backend, need_grad_hidden, need_grad_weight):
-    grad_hidden = torch.empty_like(student_hidden) if need_grad_hidden else custom_op.placeholder(student_hidden)
-    grad_weight = torch.empty_like(student_weight) if need_grad_weight else custom_op.placeholder(student_weight)
-    return grad_hidden, grad_weight
-
-
-def _setup(ctx, inputs, output):
-    (student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, ignore_index,
-     divergence, beta, reduction, _, _, _) = inputs
+def _save(ctx, inputs, output):
     _, stats, grad_hidden, grad_weight = output
     ctx.mark_non_differentiable(stats, grad_hidden, grad_weight)
     ctx.set_materialize_grads(False)
-    ctx.reduction, ctx.ignore_index, ctx.divergence, ctx.beta = reduction, ignore_index, divergence, beta
-    if reduction == "none":
-        ctx.save_for_backward(student_hidden, student_weight, teacher_hidden, teacher_weight, targets,
-                              inv_temperature, stats)
+    ctx.reduction, ctx.ignore_index, ctx.divergence, ctx.beta = (
+        inputs.reduction, inputs.ignore_index, inputs.divergence, inputs.beta
+    )
+    if inputs.reduction == "none":
+        ctx.save_for_backward(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
+                              inputs.teacher_weight, inputs.targets, inputs.inv_temperature, stats)
     else:
         ctx.save_for_backward(grad_hidden, grad_weight)
-    ctx.backend = dispatch.decide("fused_linear_kl", student_hidden.device, student_hidden.dtype).backend or ""
 
 
 def _scaled(grad: Tensor, scale: Tensor) -> Tensor:
@@ -174,17 +166,16 @@ def _scaled(grad: Tensor, scale: Tensor) -> Tensor:
 
 
 def _backward(ctx, grad_loss, grad_stats, grad_grad_hidden, grad_grad_weight):
-    grads = [None] * 13
     if grad_loss is None:
-        return tuple(grads)
+        return {}
     need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if ctx.reduction == "none":
         student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats = (
             ctx.saved_tensors
         )
-        grad_hidden, grad_weight = _fused_linear_kl_bwd(
-            student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats,
-            grad_loss.to(stats.dtype).contiguous(), ctx.ignore_index, ctx.divergence, ctx.beta, ctx.backend,
+        grad_hidden, grad_weight = fused_linear_kl_op.backward(
+            ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats,
+            grad_loss.to(stats.dtype).contiguous(), ctx.ignore_index, ctx.divergence, ctx.beta,
             need_hidden, need_weight,
         )
     else:
@@ -192,12 +183,13 @@ def _backward(ctx, grad_loss, grad_stats, grad_grad_hidden, grad_grad_weight):
         scale = grad_loss.to(checks.stat_dtype(grad_hidden))
         grad_hidden = _scaled(grad_hidden, scale) if need_hidden else None
         grad_weight = _scaled(grad_weight, scale) if need_weight else None
-    grads[0] = grad_hidden if need_hidden else None
-    grads[1] = grad_weight if need_weight else None
-    return tuple(grads)
+    return {
+        "student_hidden": grad_hidden if need_hidden else None,
+        "student_weight": grad_weight if need_weight else None,
+    }
 
 
-_fused_linear_kl_fwd.register_autograd(_backward, setup_context=_setup)
+fused_linear_kl_op.autograd(save=_save, backward=_backward)
 
 
 def _check_teacher_frozen(name: str, x: Tensor) -> None:

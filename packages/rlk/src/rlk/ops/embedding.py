@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk.core import checks, custom_op, dispatch
+from rlk.core import checks, custom_op
 from rlk.core.checks import INPUT_DTYPES, values_checked
 
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -37,57 +37,43 @@ def _check_values(ids: Tensor, vocab: int) -> None:
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::embedding_fwd")
-def _embedding_fwd(weight: Tensor, ids: Tensor, padding_idx: int) -> Tensor:
+embedding_op = custom_op.declare("embedding")
+
+
+@embedding_op.forward(outputs=lambda weight, ids, padding_idx: weight.new_empty((ids.shape[0], weight.shape[1])))
+def _embedding_fwd(primitive, out, weight: Tensor, ids: Tensor, padding_idx: int) -> Tensor:
     """The gather; ``padding_idx`` (-1: none) is only carried to the backward."""
-    out = weight.new_empty((ids.shape[0], weight.shape[1]))
     if ids.numel() == 0:
-        return out
+        return
     _check_values(ids, weight.shape[0])
-    if out.numel() == 0:
-        return out
-    backend = dispatch.select("embedding", weight.device, weight.dtype)
-    backend.primitives["embedding_fwd"](weight, ids, out)
-    return out
+    if out.numel():
+        primitive(weight, ids, out)
 
 
-@_embedding_fwd.register_fake
-def _(weight, ids, padding_idx):
-    return weight.new_empty((ids.shape[0], weight.shape[1]))
-
-
-@custom_op.define("rlk::embedding_bwd")
-def _embedding_bwd(grad_out: Tensor, ids: Tensor, padding_idx: int, vocab: int, backend: str) -> Tensor:
-    grad_weight = grad_out.new_empty((vocab, grad_out.shape[1]))
+@embedding_op.backward_primitive(
+    outputs=lambda grad_out, ids, padding_idx, vocab: grad_out.new_empty((vocab, grad_out.shape[1]))
+)
+def _embedding_bwd(primitive, out, grad_out: Tensor, ids: Tensor, padding_idx: int, vocab: int) -> Tensor:
     if grad_out.numel() == 0:
-        return grad_weight.zero_()
-    dispatch.backend_named(backend).primitives["embedding_bwd"](grad_out, ids, padding_idx, grad_weight)
-    return grad_weight
+        out.zero_()
+        return
+    primitive(grad_out, ids, padding_idx, out)
 
 
-@_embedding_bwd.register_fake
-def _(grad_out, ids, padding_idx, vocab, backend):
-    return grad_out.new_empty((vocab, grad_out.shape[1]))
-
-
-def _setup(ctx, inputs, output):
-    weight, ids, padding_idx = inputs
-    ctx.save_for_backward(ids)
-    ctx.padding_idx = padding_idx
-    ctx.vocab = weight.shape[0]
-    ctx.dtype = weight.dtype
-    ctx.backend = dispatch.decide("embedding", weight.device, weight.dtype).backend or ""
+def _save(ctx, inputs, output):
+    ctx.save_for_backward(inputs.ids)
+    ctx.padding_idx = inputs.padding_idx
+    ctx.vocab = inputs.weight.shape[0]
+    ctx.dtype = inputs.weight.dtype
 
 
 def _backward(ctx, grad_out):
     (ids,) = ctx.saved_tensors
-    grad_weight = _embedding_bwd(
-        grad_out.to(ctx.dtype).contiguous(), ids, ctx.padding_idx, ctx.vocab, ctx.backend
-    )
-    return grad_weight, None, None
+    grad_out = grad_out.to(ctx.dtype).contiguous()
+    return {"weight": embedding_op.backward(ctx, grad_out, ids, ctx.padding_idx, ctx.vocab)}
 
 
-_embedding_fwd.register_autograd(_backward, setup_context=_setup)
+embedding_op.autograd(save=_save, backward=_backward)
 
 
 # ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk.core import checks, custom_op, dispatch
+from rlk.core import checks, custom_op
 from rlk.core.checks import check_float
 
 _TARGET_DTYPES = (torch.int32, torch.int64)
@@ -79,34 +79,33 @@ def _check_values(targets: Tensor, inv_temperature: Tensor, vocab: int, ignore_i
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::selected_logprob_fwd")
+def _fwd_outputs(like: Tensor, *inputs) -> tuple[Tensor, Tensor, Tensor]:
+    """A forward's outputs ``(logprob [N], entropy [N] ([0] without it), lse [N])`` in the stat dtype of ``like``
+    (``logits`` / ``hidden``, ``[N, *]``); ``inputs``: the op's other inputs, ``with_entropy`` last."""
+    n_rows, dtype, with_entropy = like.shape[0], checks.stat_dtype(like), inputs[-1]
+    logprob = like.new_empty((n_rows,), dtype=dtype)
+    entropy = like.new_empty((n_rows if with_entropy else 0,), dtype=dtype)
+    return logprob, entropy, like.new_empty((n_rows,), dtype=dtype)
+
+
+selected_logprob_op = custom_op.declare("selected_logprob")
+
+
+@selected_logprob_op.forward(outputs=_fwd_outputs)
 def _selected_logprob_fwd(
-    logits: Tensor, targets: Tensor, inv_temperature: Tensor, ignore_index: int, with_entropy: bool
+    primitive, out, logits: Tensor, targets: Tensor, inv_temperature: Tensor, ignore_index: int, with_entropy: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    n_rows, vocab = logits.shape
-    logprob = logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
-    entropy = logits.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(logits))
-    lse = logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
-    if n_rows == 0:
-        return logprob, entropy, lse
-    _check_values(targets, inv_temperature, vocab, ignore_index)
-    backend = dispatch.select("selected_logprob", logits.device, logits.dtype)
-    backend.primitives["selected_logprob_fwd"](
-        logits, targets, inv_temperature, ignore_index, logprob, entropy if with_entropy else None, lse
-    )
-    return logprob, entropy, lse
+    logprob, entropy, lse = out
+    if logits.shape[0] == 0:
+        return
+    _check_values(targets, inv_temperature, logits.shape[1], ignore_index)
+    primitive(logits, targets, inv_temperature, ignore_index, logprob, entropy if with_entropy else None, lse)
 
 
-@_selected_logprob_fwd.register_fake
-def _(logits, targets, inv_temperature, ignore_index, with_entropy):
-    n_rows = logits.shape[0]
-    logprob = logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
-    entropy = logits.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(logits))
-    return logprob, entropy, logits.new_empty((n_rows,), dtype=checks.stat_dtype(logits))
-
-
-@custom_op.define("rlk::selected_logprob_bwd")
+@selected_logprob_op.backward_primitive(outputs=lambda logits, *_: torch.empty_like(logits))
 def _selected_logprob_bwd(
+    primitive,
+    out,
     logits: Tensor,
     targets: Tensor,
     inv_temperature: Tensor,
@@ -115,29 +114,16 @@ def _selected_logprob_bwd(
     grad_logprob: Tensor,
     grad_entropy: Tensor | None,
     ignore_index: int,
-    backend: str,
 ) -> Tensor:
-    grad_logits = torch.empty_like(logits)
-    if logits.shape[0] == 0:
-        return grad_logits
-    dispatch.backend_named(backend).primitives["selected_logprob_bwd"](
-        logits, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, grad_logits
-    )
-    return grad_logits
+    if logits.shape[0]:
+        primitive(logits, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, out)
 
 
-@_selected_logprob_bwd.register_fake
-def _(logits, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, backend):
-    return torch.empty_like(logits)
-
-
-def _setup_selected(ctx, inputs, output):
-    logits, targets, inv_temperature, ignore_index, with_entropy = inputs
+def _save_selected(ctx, inputs, output):
     _, entropy, lse = output
-    ctx.save_for_backward(logits, targets, inv_temperature, lse, entropy)
-    ctx.ignore_index = ignore_index
-    ctx.with_entropy = with_entropy
-    ctx.backend = dispatch.decide("selected_logprob", logits.device, logits.dtype).backend or ""
+    ctx.save_for_backward(inputs.logits, inputs.targets, inputs.inv_temperature, lse, entropy)
+    ctx.ignore_index = inputs.ignore_index
+    ctx.with_entropy = inputs.with_entropy
 
 
 def _backward_grads(ctx, grad_logprob, grad_entropy, like: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -154,14 +140,14 @@ def _backward_grads(ctx, grad_logprob, grad_entropy, like: Tensor) -> tuple[Tens
 def _backward_selected(ctx, grad_logprob, grad_entropy, grad_lse):
     logits, targets, inv_temperature, lse, entropy = ctx.saved_tensors
     grad_logprob, grad_entropy = _backward_grads(ctx, grad_logprob, grad_entropy, logits)
-    grad_logits = _selected_logprob_bwd(
-        logits, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
-        grad_logprob, grad_entropy, ctx.ignore_index, ctx.backend,
+    grad_logits = selected_logprob_op.backward(
+        ctx, logits, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
+        grad_logprob, grad_entropy, ctx.ignore_index,
     )
-    return grad_logits, None, None, None, None
+    return {"logits": grad_logits}
 
 
-_selected_logprob_fwd.register_autograd(_backward_selected, setup_context=_setup_selected)
+selected_logprob_op.autograd(save=_save_selected, backward=_backward_selected)
 
 
 def selected_logprob(
@@ -217,34 +203,40 @@ def selected_logprob(
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::linear_logprob_fwd")
+def _linear_bwd_outputs(hidden: Tensor, weight: Tensor, *inputs) -> tuple[Tensor, Tensor]:
+    """``(grad_hidden, grad_weight)``, each a placeholder when not needed; ``inputs``: the backward's other inputs,
+    ``need_grad_hidden`` and ``need_grad_weight`` last."""
+    need_grad_hidden, need_grad_weight = inputs[-2:]
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else custom_op.placeholder(hidden)
+    grad_weight = torch.empty_like(weight) if need_grad_weight else custom_op.placeholder(weight)
+    return grad_hidden, grad_weight
+
+
+linear_logprob_op = custom_op.declare("linear_logprob")
+
+
+@linear_logprob_op.forward(outputs=_fwd_outputs)
 def _linear_logprob_fwd(
-    hidden: Tensor, weight: Tensor, targets: Tensor, inv_temperature: Tensor, ignore_index: int, with_entropy: bool
+    primitive,
+    out,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    inv_temperature: Tensor,
+    ignore_index: int,
+    with_entropy: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    n_rows, vocab = hidden.shape[0], weight.shape[0]
-    logprob = hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
-    entropy = hidden.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(hidden))
-    lse = hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
-    if n_rows == 0:
-        return logprob, entropy, lse
-    _check_values(targets, inv_temperature, vocab, ignore_index)
-    backend = dispatch.select("linear_logprob", hidden.device, hidden.dtype)
-    backend.primitives["linear_logprob_fwd"](
-        hidden, weight, targets, inv_temperature, ignore_index, logprob, entropy if with_entropy else None, lse
-    )
-    return logprob, entropy, lse
+    logprob, entropy, lse = out
+    if hidden.shape[0] == 0:
+        return
+    _check_values(targets, inv_temperature, weight.shape[0], ignore_index)
+    primitive(hidden, weight, targets, inv_temperature, ignore_index, logprob, entropy if with_entropy else None, lse)
 
 
-@_linear_logprob_fwd.register_fake
-def _(hidden, weight, targets, inv_temperature, ignore_index, with_entropy):
-    n_rows = hidden.shape[0]
-    logprob = hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
-    entropy = hidden.new_empty((n_rows if with_entropy else 0,), dtype=checks.stat_dtype(hidden))
-    return logprob, entropy, hidden.new_empty((n_rows,), dtype=checks.stat_dtype(hidden))
-
-
-@custom_op.define("rlk::linear_logprob_bwd")
+@linear_logprob_op.backward_primitive(outputs=_linear_bwd_outputs)
 def _linear_logprob_bwd(
+    primitive,
+    out,
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -254,38 +246,25 @@ def _linear_logprob_bwd(
     grad_logprob: Tensor,
     grad_entropy: Tensor | None,
     ignore_index: int,
-    backend: str,
     need_grad_hidden: bool,
     need_grad_weight: bool,
 ) -> tuple[Tensor, Tensor]:
-    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else custom_op.placeholder(hidden)
-    grad_weight = torch.empty_like(weight) if need_grad_weight else custom_op.placeholder(weight)
+    grad_hidden, grad_weight = out
     if hidden.shape[0] == 0:
         grad_weight.zero_()
-        return grad_hidden, grad_weight
+        return
     if need_grad_hidden or need_grad_weight:
-        dispatch.backend_named(backend).primitives["linear_logprob_bwd"](
+        primitive(
             hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
             grad_hidden if need_grad_hidden else None, grad_weight if need_grad_weight else None,
         )
-    return grad_hidden, grad_weight
 
 
-@_linear_logprob_bwd.register_fake
-def _(hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, backend,
-      need_grad_hidden, need_grad_weight):
-    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else custom_op.placeholder(hidden)
-    grad_weight = torch.empty_like(weight) if need_grad_weight else custom_op.placeholder(weight)
-    return grad_hidden, grad_weight
-
-
-def _setup_linear(ctx, inputs, output):
-    hidden, weight, targets, inv_temperature, ignore_index, with_entropy = inputs
+def _save_linear(ctx, inputs, output):
     _, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, targets, inv_temperature, lse, entropy)
-    ctx.ignore_index = ignore_index
-    ctx.with_entropy = with_entropy
-    ctx.backend = dispatch.decide("linear_logprob", hidden.device, hidden.dtype).backend or ""
+    ctx.save_for_backward(inputs.hidden, inputs.weight, inputs.targets, inputs.inv_temperature, lse, entropy)
+    ctx.ignore_index = inputs.ignore_index
+    ctx.with_entropy = inputs.with_entropy
 
 
 def _backward_linear(ctx, grad_logprob, grad_entropy, grad_lse):
@@ -295,19 +274,17 @@ def _backward_linear(ctx, grad_logprob, grad_entropy, grad_lse):
         # grad_weight = G^T @ hidden with G = 0 on ignored rows: zero their hidden states too, so that NaN or inf
         # there (padding) never reaches the weight's gradient as 0 * NaN.
         hidden = torch.where((targets != ctx.ignore_index)[:, None], hidden, hidden.new_zeros(()))
-    grad_hidden, grad_weight = _linear_logprob_bwd(
-        hidden, weight, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
-        grad_logprob, grad_entropy, ctx.ignore_index, ctx.backend,
-        ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+    grad_hidden, grad_weight = linear_logprob_op.backward(
+        ctx, hidden, weight, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
+        grad_logprob, grad_entropy, ctx.ignore_index, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
     )
-    return (
-        grad_hidden if ctx.needs_input_grad[0] else None,
-        grad_weight if ctx.needs_input_grad[1] else None,
-        None, None, None, None,
-    )
+    return {
+        "hidden": grad_hidden if ctx.needs_input_grad[0] else None,
+        "weight": grad_weight if ctx.needs_input_grad[1] else None,
+    }
 
 
-_linear_logprob_fwd.register_autograd(_backward_linear, setup_context=_setup_linear)
+linear_logprob_op.autograd(save=_save_linear, backward=_backward_linear)
 
 
 def linear_logprob(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk.core import checks, custom_op, dispatch
+from rlk.core import checks, custom_op
 from rlk.core.abi import DPO_LOSSES
 from rlk.reference import aggregation
 
@@ -64,35 +64,31 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::value_loss_fwd")
+value_loss_op = custom_op.declare("value_loss")
+
+
+@value_loss_op.forward(outputs=lambda values, *_: (values.new_zeros(()), values.new_zeros((2,))))
 def _value_loss_fwd(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, row_weight: Tensor, clip: float | None,
-    tensor_normalizers: str,
+    primitive, out, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, row_weight: Tensor,
+    clip: float | None, tensor_normalizers: str,
 ) -> tuple[Tensor, Tensor]:
     """``tensor_normalizers``: the names of the normalizers given as tensors ("" if none), whose values reach the op
     only through ``row_weight``: checked there (one synchronization; numbers were checked at the call)."""
-    loss = values.new_zeros(())
-    metrics = values.new_zeros((2,))
     if values.numel() == 0:
-        return loss, metrics
+        return
     if tensor_normalizers and checks.values_checked():
         bad = ~(row_weight > 0) | torch.isinf(row_weight)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             raise ValueError(f"{tensor_normalizers}: must be finite and > 0; the aggregation weight they give row {i} "
                              f"is {float(row_weight[i])}")
-    backend = dispatch.select("value_loss", values.device, values.dtype)
-    backend.primitives["value_loss_fwd"](values, old_values, returns, mask, row_weight, clip, loss, metrics)
-    return loss, metrics
+    primitive(values, old_values, returns, mask, row_weight, clip, *out)
 
 
-@_value_loss_fwd.register_fake
-def _(values, old_values, returns, mask, row_weight, clip, tensor_normalizers):
-    return values.new_empty(()), values.new_empty((2,))
-
-
-@custom_op.define("rlk::value_loss_bwd")
+@value_loss_op.backward_primitive(outputs=lambda values, *_: torch.zeros_like(values))
 def _value_loss_bwd(
+    primitive,
+    out,
     values: Tensor,
     old_values: Tensor,
     returns: Tensor,
@@ -100,40 +96,27 @@ def _value_loss_bwd(
     row_weight: Tensor,
     clip: float | None,
     grad_loss: Tensor,
-    backend: str,
 ) -> Tensor:
-    grad_values = torch.zeros_like(values)
-    if values.numel() == 0:
-        return grad_values
-    dispatch.backend_named(backend).primitives["value_loss_bwd"](
-        values, old_values, returns, mask, row_weight, clip, grad_loss, grad_values
-    )
-    return grad_values
+    if values.numel():
+        primitive(values, old_values, returns, mask, row_weight, clip, grad_loss, out)
 
 
-@_value_loss_bwd.register_fake
-def _(values, old_values, returns, mask, row_weight, clip, grad_loss, backend):
-    return torch.empty_like(values)
-
-
-def _setup_value(ctx, inputs, output):
-    values, old_values, returns, mask, row_weight, clip, _ = inputs
-    ctx.save_for_backward(values, old_values, returns, mask, row_weight)
-    ctx.clip = clip
-    ctx.backend = dispatch.decide("value_loss", values.device, values.dtype).backend or ""
+def _save_value(ctx, inputs, output):
+    ctx.save_for_backward(inputs.values, inputs.old_values, inputs.returns, inputs.mask, inputs.row_weight)
+    ctx.clip = inputs.clip
 
 
 def _backward_value(ctx, grad_loss, grad_metrics):
     values, old_values, returns, mask, row_weight = ctx.saved_tensors
     if grad_loss is None or not ctx.needs_input_grad[0]:
-        return None, None, None, None, None, None, None
-    grad_values = _value_loss_bwd(
-        values, old_values, returns, mask, row_weight, ctx.clip, grad_loss.to(values.dtype).contiguous(), ctx.backend
+        return {}
+    grad_values = value_loss_op.backward(
+        ctx, values, old_values, returns, mask, row_weight, ctx.clip, grad_loss.to(values.dtype).contiguous()
     )
-    return grad_values, None, None, None, None, None, None
+    return {"values": grad_values}
 
 
-_value_loss_fwd.register_autograd(_backward_value, setup_context=_setup_value)
+value_loss_op.autograd(save=_save_value, backward=_backward_value)
 
 
 def value_loss(
@@ -211,8 +194,21 @@ def value_loss(
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::dpo_loss_fwd")
+def _dpo_fwd_outputs(chosen: Tensor, *_) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(chosen), chosen.new_zeros(()), chosen.new_zeros((4,))
+
+
+def _dpo_bwd_outputs(chosen: Tensor, rejected: Tensor, *_) -> tuple[Tensor, Tensor]:
+    return torch.zeros_like(chosen), torch.zeros_like(rejected)
+
+
+dpo_loss_op = custom_op.declare("dpo_loss")
+
+
+@dpo_loss_op.forward(outputs=_dpo_fwd_outputs)
 def _dpo_loss_fwd(
+    primitive,
+    out,
     chosen: Tensor,
     rejected: Tensor,
     ref_chosen: Tensor,
@@ -224,26 +220,15 @@ def _dpo_loss_fwd(
     label_smoothing: float,
     mean: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    losses = torch.empty_like(chosen)
-    loss = chosen.new_zeros(())
-    metrics = chosen.new_zeros((4,))
-    if chosen.numel() == 0:
-        return losses, loss, metrics
-    backend = dispatch.select("dpo_loss", chosen.device, chosen.dtype)
-    backend.primitives["dpo_loss_fwd"](
-        chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing,
-        mean, losses, loss, metrics,
-    )
-    return losses, loss, metrics
+    if chosen.numel():
+        primitive(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type,
+                  label_smoothing, mean, *out)
 
 
-@_dpo_loss_fwd.register_fake
-def _(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing, mean):
-    return torch.empty_like(chosen), chosen.new_empty(()), chosen.new_empty((4,))
-
-
-@custom_op.define("rlk::dpo_loss_bwd")
+@dpo_loss_op.backward_primitive(outputs=_dpo_bwd_outputs)
 def _dpo_loss_bwd(
+    primitive,
+    out,
     chosen: Tensor,
     rejected: Tensor,
     ref_chosen: Tensor,
@@ -256,52 +241,36 @@ def _dpo_loss_bwd(
     mean: bool,
     grad_losses: Tensor | None,
     grad_loss: Tensor | None,
-    backend: str,
 ) -> tuple[Tensor, Tensor]:
-    grad_chosen = torch.zeros_like(chosen)
-    grad_rejected = torch.zeros_like(rejected)
     if chosen.numel() == 0 or (grad_losses is None and grad_loss is None):
-        return grad_chosen, grad_rejected
-    dispatch.backend_named(backend).primitives["dpo_loss_bwd"](
-        chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing,
-        mean, grad_losses, grad_loss, grad_chosen, grad_rejected,
-    )
-    return grad_chosen, grad_rejected
+        return
+    primitive(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing,
+              mean, grad_losses, grad_loss, *out)
 
 
-@_dpo_loss_bwd.register_fake
-def _(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing, mean,
-      grad_losses, grad_loss, backend):
-    return torch.empty_like(chosen), torch.empty_like(rejected)
-
-
-def _setup_dpo(ctx, inputs, output):
-    chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, smoothing, mean = inputs
-    ctx.save_for_backward(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected)
-    ctx.attrs = (beta, loss_type, smoothing, mean)
-    ctx.backend = dispatch.decide("dpo_loss", chosen.device, chosen.dtype).backend or ""
+def _save_dpo(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:6])  # chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected
+    ctx.attrs = (inputs.beta, inputs.loss_type, inputs.label_smoothing, inputs.mean)
 
 
 def _backward_dpo(ctx, grad_losses, grad_loss, grad_metrics):
     chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected = ctx.saved_tensors
-    nones = (None,) * 8
     if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-        return (None, None) + nones
+        return {}
     if grad_losses is not None:
         grad_losses = grad_losses.to(chosen.dtype).contiguous()
     if grad_loss is not None:
         grad_loss = grad_loss.to(chosen.dtype).contiguous()
-    grad_chosen, grad_rejected = _dpo_loss_bwd(
-        chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, *ctx.attrs, grad_losses, grad_loss,
-        ctx.backend,
+    grad_chosen, grad_rejected = dpo_loss_op.backward(
+        ctx, chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, *ctx.attrs, grad_losses, grad_loss
     )
-    return (
-        grad_chosen if ctx.needs_input_grad[0] else None,
-        grad_rejected if ctx.needs_input_grad[1] else None,
-    ) + nones
+    return {
+        "chosen": grad_chosen if ctx.needs_input_grad[0] else None,
+        "rejected": grad_rejected if ctx.needs_input_grad[1] else None,
+    }
 
 
-_dpo_loss_fwd.register_autograd(_backward_dpo, setup_context=_setup_dpo)
+dpo_loss_op.autograd(save=_save_dpo, backward=_backward_dpo)
 
 
 def _check_length(name: str, length, shape: torch.Size, device: torch.device) -> None:

@@ -19,7 +19,7 @@ import math
 
 from torch import Tensor
 
-from rlk.core import custom_op, dispatch
+from rlk.core import custom_op
 from rlk.core.checks import check_float
 
 # ---------------------------------------------------------------------------
@@ -54,28 +54,6 @@ def _out_shape(a: Tensor, b: Tensor) -> tuple[int, ...]:
     return (*a.shape[:-1], b.shape[-1])
 
 
-@custom_op.define("rlk::matmul_fwd")
-def _matmul_fwd(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
-    out = a.new_empty(_out_shape(a, b))
-    m, k = a.shape[-2:]
-    if out.numel() == 0:
-        return out
-    if k == 0:  # an empty sum: the bias, or zeros
-        return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
-    primitive = dispatch.select("matmul", a.device, a.dtype).primitives["matmul_fwd"]
-    if a.dim() == 2:
-        primitive(a, b, bias, out)
-    else:
-        for i in range(a.shape[0]):
-            primitive(a[i], b[i], bias, out[i])
-    return out
-
-
-@_matmul_fwd.register_fake
-def _(a, b, bias):
-    return a.new_empty(_out_shape(a, b))
-
-
 def _bwd_outputs(a: Tensor, b: Tensor, need_a: bool, need_b: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     grad_a = _empty_in_layout_of(a) if need_a else custom_op.placeholder(a)
     grad_b = _empty_in_layout_of(b) if need_b else custom_op.placeholder(b)
@@ -83,54 +61,65 @@ def _bwd_outputs(a: Tensor, b: Tensor, need_a: bool, need_b: bool, need_bias: bo
     return grad_a, grad_b, grad_bias
 
 
-@custom_op.define("rlk::matmul_bwd")
+matmul_op = custom_op.declare("matmul")
+
+
+@matmul_op.forward(outputs=lambda a, b, bias: a.new_empty(_out_shape(a, b)))
+def _matmul_fwd(primitive, out, a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
+    if out.numel() == 0:
+        return
+    if a.shape[-1] == 0:  # an empty sum: the bias, or zeros
+        if bias is not None:
+            out.copy_(bias.expand_as(out))
+        else:
+            out.zero_()
+        return
+    if a.dim() == 2:
+        primitive(a, b, bias, out)
+    else:
+        for i in range(a.shape[0]):
+            primitive(a[i], b[i], bias, out[i])
+
+
+@matmul_op.backward_primitive(
+    outputs=lambda grad_out, a, b, need_a, need_b, need_bias: _bwd_outputs(a, b, need_a, need_b, need_bias)
+)
 def _matmul_bwd(
-    grad_out: Tensor, a: Tensor, b: Tensor, need_a: bool, need_b: bool, need_bias: bool, backend: str
+    primitive, out, grad_out: Tensor, a: Tensor, b: Tensor, need_a: bool, need_b: bool, need_bias: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    grad_a, grad_b, grad_bias = _bwd_outputs(a, b, need_a, need_b, need_bias)
+    grad_a, grad_b, grad_bias = out
     m, k = a.shape[-2:]
     n = b.shape[-1]
     if m == 0 or n == 0:  # empty sums: zeros (the other gradients have no elements)
-        for grad in (grad_a, grad_b, grad_bias):
+        for grad in out:
             grad.zero_()
-        return grad_a, grad_b, grad_bias
+        return
     if k == 0:  # grad_a and grad_b have no elements; grad_bias still sums grad_out
         need_a = need_b = False
     if not (need_a or need_b or need_bias):
-        return grad_a, grad_b, grad_bias
-    primitive = dispatch.backend_named(backend).primitives["matmul_bwd"]
+        return
     if a.dim() == 2:
         primitive(grad_out, a, b, grad_a if need_a else None, grad_b if need_b else None,
                   grad_bias if need_bias else None)
     else:
         for i in range(a.shape[0]):
             primitive(grad_out[i], a[i], b[i], grad_a[i] if need_a else None, grad_b[i] if need_b else None, None)
-    return grad_a, grad_b, grad_bias
 
 
-@_matmul_bwd.register_fake
-def _(grad_out, a, b, need_a, need_b, need_bias, backend):
-    return _bwd_outputs(a, b, need_a, need_b, need_bias)
-
-
-def _setup(ctx, inputs, output):
-    a, b, bias = inputs
-    ctx.save_for_backward(a, b)
-    ctx.has_bias = bias is not None
-    ctx.backend = dispatch.decide("matmul", a.device, a.dtype).backend or ""
+def _save(ctx, inputs, output):
+    ctx.save_for_backward(inputs.a, inputs.b)
+    ctx.has_bias = inputs.bias is not None
 
 
 def _backward(ctx, grad_out):
     a, b = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_bias = ctx.has_bias and ctx.needs_input_grad[2]
-    grad_a, grad_b, grad_bias = _matmul_bwd(
-        grad_out.contiguous(), a, b, need_a, need_b, need_bias, ctx.backend
-    )
+    grad_a, grad_b, grad_bias = matmul_op.backward(ctx, grad_out.contiguous(), a, b, need_a, need_b, need_bias)
     return grad_a if need_a else None, grad_b if need_b else None, grad_bias if need_bias else None
 
 
-_matmul_fwd.register_autograd(_backward, setup_context=_setup)
+matmul_op.autograd(save=_save, backward=_backward)
 
 
 # ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlk.core import checks, custom_op, dispatch
+from rlk.core import checks, custom_op
 from rlk.core.abi import CORRECTION_LEVELS, CORRECTION_METRICS, CORRECTION_MODES
 
 #: verl's bound of the log-ratio before ``exp`` (``SAFETY_BOUND``): exp(20) ~ 4.9e8.
@@ -50,29 +50,26 @@ def _bool_mask(mask, like: Tensor) -> Tensor:
     return (mask if mask.dtype == torch.bool else mask != 0).contiguous()
 
 
-def _outputs(old: Tensor) -> tuple[Tensor, Tensor]:
+def _outputs(old: Tensor, *_) -> tuple[Tensor, Tensor]:
     return torch.empty_like(old), old.new_empty((len(CORRECTION_METRICS),))
 
 
-@custom_op.define("rlk::rollout_correction_fwd")
+rollout_correction_op = custom_op.declare("rollout_correction")
+
+
+@rollout_correction_op.forward(outputs=_outputs)
 def _rollout_correction_fwd(
-    old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, level: str, mode: str, params: list[float]
+    primitive, out, old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, level: str, mode: str,
+    params: list[float],
 ) -> tuple[Tensor, Tensor]:
-    weights, metrics = _outputs(old_logprob)
+    weights, metrics = out
     if old_logprob.numel() == 0:
         weights.zero_()
         metrics.zero_()
-        return weights, metrics
+        return
     upper, lower, clamp = params
-    backend = dispatch.select("rollout_correction", old_logprob.device, old_logprob.dtype)
-    backend.primitives["rollout_correction_fwd"](old_logprob, rollout_logprob, mask, weights, metrics, level=level,
-                                                 mode=mode, upper=upper, lower=lower, clamp=clamp)
-    return weights, metrics
-
-
-@_rollout_correction_fwd.register_fake
-def _(old_logprob, rollout_logprob, mask, level, mode, params):
-    return _outputs(old_logprob)
+    primitive(old_logprob, rollout_logprob, mask, weights, metrics, level=level, mode=mode, upper=upper, lower=lower,
+              clamp=clamp)
 
 
 def rollout_correction(

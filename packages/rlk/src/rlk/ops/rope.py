@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk.core import custom_op, dispatch
+from rlk.core import custom_op
 from rlk.core.checks import check_float
 
 # ---------------------------------------------------------------------------
@@ -20,50 +20,33 @@ from rlk.core.checks import check_float
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::rope_fwd")
-def _rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    out = torch.empty_like(x)
-    if out.numel() == 0:
-        return out
-    backend = dispatch.select("rope", x.device, x.dtype)
-    backend.primitives["rope_fwd"](x, cos, sin, interleaved, out)
-    return out
+rope_op = custom_op.declare("rope")
 
 
-@_rope_fwd.register_fake
-def _(x, cos, sin, interleaved):
-    return torch.empty_like(x)
+@rope_op.forward(outputs=lambda x, cos, sin, interleaved: torch.empty_like(x))
+def _rope_fwd(primitive, out, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    if out.numel():
+        primitive(x, cos, sin, interleaved, out)
 
 
-@custom_op.define("rlk::rope_bwd")
-def _rope_bwd(grad_out: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, backend: str) -> Tensor:
-    grad_x = torch.empty_like(grad_out)
-    if grad_x.numel() == 0:
-        return grad_x
-    dispatch.backend_named(backend).primitives["rope_bwd"](grad_out, cos, sin, interleaved, grad_x)
-    return grad_x
+@rope_op.backward_primitive(outputs=lambda grad_out, cos, sin, interleaved: torch.empty_like(grad_out))
+def _rope_bwd(primitive, out, grad_out: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    if out.numel():
+        primitive(grad_out, cos, sin, interleaved, out)
 
 
-@_rope_bwd.register_fake
-def _(grad_out, cos, sin, interleaved, backend):
-    return torch.empty_like(grad_out)
-
-
-def _setup(ctx, inputs, output):
-    x, cos, sin, interleaved = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.interleaved = interleaved
-    ctx.dtype = x.dtype
-    ctx.backend = dispatch.decide("rope", x.device, x.dtype).backend or ""
+def _save(ctx, inputs, output):
+    ctx.save_for_backward(inputs.cos, inputs.sin)
+    ctx.interleaved = inputs.interleaved
+    ctx.dtype = inputs.x.dtype
 
 
 def _backward(ctx, grad_out):
     cos, sin = ctx.saved_tensors
-    grad_x = _rope_bwd(grad_out.to(ctx.dtype).contiguous(), cos, sin, ctx.interleaved, ctx.backend)
-    return grad_x, None, None, None
+    return {"x": rope_op.backward(ctx, grad_out.to(ctx.dtype).contiguous(), cos, sin, ctx.interleaved)}
 
 
-_rope_fwd.register_autograd(_backward, setup_context=_setup)
+rope_op.autograd(save=_save, backward=_backward)
 
 
 # ---------------------------------------------------------------------------
