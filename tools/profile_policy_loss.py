@@ -72,21 +72,21 @@ def host_us(fn, n: int = 500) -> float:
 
 def _layers(logprob, old, adv, mask):
     """(name, call) from the whole step down to the backend's kernels, to tell where host time goes."""
-    from rlk import policy_loss as _  # noqa: F401  (registers torch.ops.rlk.policy_loss_fwd)
     from rlk.core import dispatch
+    from rlk.ops import policy_loss as policy_ops
 
     detached = logprob.detach()
-    flags = [False, True, False, False, False]
-    params = [CLIP, CLIP, DUAL_CLIP, -CLAMP, CLAMP, 1.0, 1.05, 0.0, float("inf"), 0.0] + [float("nan")] * 3
-    op_args = (old, adv, mask, None, None, None, None, None, None, "token-mean", "ppo", "k3", flags, params)
+    config = rlk.PolicyLossConfig(loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP)
+    call = policy_ops.prepare(tuple(logprob.shape), logprob.device, logprob.dtype, old, adv, mask, config,
+                              entropy=None)
+    op_args = (call.old, call.advantages, call.mask, None, None, None, False, *call.norm_tensors, call.agg, call.loss,
+               call.kl, call.flags, call.params)
     backend = dispatch.select("policy_loss", logprob.device, logprob.dtype)
     b, t = logprob.shape
     outs = (logprob.new_empty(()), torch.empty_like(detached), None, logprob.new_empty((b,)),
             logprob.new_empty((b, 9)), logprob.new_empty((8,)))
-    attrs = dict(agg="token-mean", loss="ppo", cispo_upper=False, clip_low=CLIP, clip_high=CLIP, dual_clip=DUAL_CLIP,
-                 clamp_low=-CLAMP, clamp_high=CLAMP, tau_pos=1.0, tau_neg=1.05, kl="k3", kl_coef=0.0,
-                 kl_k3_clamp=True, kl_clamp=float("inf"), kl_straight_through=False, kl_unbiased=False,
-                 entropy_coef=0.0)
+    attrs = (dict(agg=call.agg, loss=call.loss, kl=call.kl) | dict(zip(policy_ops._BOOL_ATTRS, call.flags))
+             | dict(zip(policy_ops._FLOAT_ATTRS, call.params)))
     grad_out = torch.ones((), device=logprob.device)
     class PassThrough(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -869,8 +869,8 @@ def _fwd_args(batch, loss="ppo", iw=True, ref=True, ent=True, with_entropy_grad=
     lp = batch["lp"].clone().requires_grad_(True)
     entropy = batch["entropy"].clone().requires_grad_(with_entropy_grad) if ent else None
     return (lp, batch["old"], batch["adv"][:, None], batch["mask"], batch["iw"] if iw else None,
-            batch["ref"] if ref else None, entropy, None, global_seqs, None, "seq-mean-token-mean", loss, "k3",
-            [False, True, False, False, ent and with_entropy_grad],
+            batch["ref"] if ref else None, entropy, ent and with_entropy_grad, None, global_seqs, None,
+            "seq-mean-token-mean", loss, "k3", [False, True, False, False],
             [0.2, 0.28, 3.0 if loss == "ppo" else 0.0, -20.0, 20.0, 1.0, 1.05, 0.1, math.inf, 0.01, 2.0, 3.0, 3.0, 2.0,
              math.nan, math.nan, math.nan])
 
@@ -966,6 +966,55 @@ def test_backward_fills_no_zero_gradients_for_the_auxiliary_outputs():
 # ----------------------------------------------------------------------------------------------
 # policy_loss_and_grad: the same loss and gradient without autograd
 # ----------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------
+# PolicyLossConfig: the options of a call, one frozen object
+# ----------------------------------------------------------------------------------------------
+
+
+def _call(batch, **kwargs):
+    return rlk.policy_loss(batch["lp"], batch["old"], batch["adv"], batch["mask"], ref_logprob=batch["ref"],
+                           entropy=batch["entropy"], **kwargs)
+
+
+def test_a_config_gives_the_results_of_its_keywords_and_keywords_override_its_fields():
+    batch = make_batch(seed=41)
+    options = dict(loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0, clamp_log_ratio=20.0,
+                   agg="seq-mean-token-mean", kl="low_var_kl", kl_coef=0.05, entropy_coef=0.01)
+    want, want_metrics = _call(batch, **options)
+    config = rlk.PolicyLossConfig(**options)
+    got, got_metrics = _call(batch, config=config)
+    assert torch.equal(got, want)
+    assert all(torch.equal(got_metrics[k], want_metrics[k]) for k in want_metrics)
+    # a keyword replaces the config's field; the config itself is unchanged (frozen)
+    overridden, _ = _call(batch, config=config, clip_high=0.4)
+    assert torch.equal(overridden, _call(batch, **{**options, "clip_high": 0.4})[0])
+    assert not torch.equal(overridden, want)
+    assert config.clip_high == 0.28
+    with pytest.raises(AttributeError):
+        config.clip_high = 0.4
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"loss": "ppo2"}, ValueError, "loss: expected one of"),
+    ({"clip_low": -0.1}, ValueError, "clip_low"),
+    ({"agg": "mean"}, ValueError, "agg: expected one of"),
+    ({"kl": "k9"}, ValueError, "kl: expected one of"),
+    ({"sapo_tau": (1.0,)}, ValueError, "sapo_tau: expected a pair"),
+    ({"loss": "gspo", "dual_clip": 3.0}, ValueError, "dual_clip: only loss='ppo'"),
+])
+def test_a_config_is_checked_when_it_is_made(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        rlk.PolicyLossConfig(**kwargs)
+
+
+def test_an_unknown_option_or_a_config_of_another_type_is_refused_by_name():
+    batch = make_batch(seed=42)
+    with pytest.raises(TypeError, match="clip_lo: not an argument of the policy loss"):
+        _call(batch, clip_lo=0.2)
+    with pytest.raises(TypeError, match="config: expected an rlk.PolicyLossConfig, got dict"):
+        _call(batch, config={"loss": "ppo"})
 
 
 def test_policy_loss_and_grad_takes_exactly_the_arguments_of_policy_loss():

@@ -540,14 +540,12 @@ def test_trl_adaptive_entropy():
 
 def test_trl_sapo_defaults():
     """rlk's default sapo_tau and vespo shape parameters are TRL's."""
-    import inspect
-
     import rlk
 
-    params = inspect.signature(rlk.policy_loss).parameters
-    assert params["sapo_tau"].default == (_TRL_DEFAULTS["sapo_temperature_pos"], _TRL_DEFAULTS["sapo_temperature_neg"])
-    assert params["vespo_k"].default == (_TRL_DEFAULTS["vespo_k_pos"], _TRL_DEFAULTS["vespo_k_neg"])
-    assert params["vespo_lambda"].default == (_TRL_DEFAULTS["vespo_lambda_pos"], _TRL_DEFAULTS["vespo_lambda_neg"])
+    defaults = rlk.PolicyLossConfig()
+    assert defaults.sapo_tau == (_TRL_DEFAULTS["sapo_temperature_pos"], _TRL_DEFAULTS["sapo_temperature_neg"])
+    assert defaults.vespo_k == (_TRL_DEFAULTS["vespo_k_pos"], _TRL_DEFAULTS["vespo_k_neg"])
+    assert defaults.vespo_lambda == (_TRL_DEFAULTS["vespo_lambda_pos"], _TRL_DEFAULTS["vespo_lambda_neg"])
 
 
 def test_bias_correction_kl_is_straight_through_k3_with_the_detached_ratio():

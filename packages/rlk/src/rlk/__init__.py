@@ -4,7 +4,8 @@ Public API:
 
 * ops: :func:`selected_logprob`, :func:`linear_logprob`, :func:`value_loss`, :func:`dpo_loss`,
   :func:`group_advantages`, :func:`masked_whiten`, :func:`discounted_returns`, :func:`gae`,
-  :func:`policy_loss`, :func:`policy_loss_and_grad`, :func:`kl_penalty`, :func:`fused_linear_policy_loss`,
+  :func:`policy_loss`, :func:`policy_loss_and_grad` (options: :class:`PolicyLossConfig`), :func:`kl_penalty`,
+  :func:`fused_linear_policy_loss`,
   :func:`rollout_correction`, :func:`fused_linear_kl` (distillation: KL / JSD between a student and a teacher
   from their hidden states and LM heads);
 * the batch-invariant forward chain: :func:`rms_norm`, :func:`matmul`, :func:`linear`,
@@ -56,7 +57,7 @@ from rlk.ops.logprob import linear_logprob, selected_logprob
 from rlk.ops.losses import dpo_loss, value_loss
 from rlk.ops.matmul import linear, matmul
 from rlk.ops.norm import rms_norm
-from rlk.ops.policy_loss import PolicyLossAndGrad, kl_penalty, policy_loss, policy_loss_and_grad
+from rlk.ops.policy_loss import PolicyLossAndGrad, PolicyLossConfig, kl_penalty, policy_loss, policy_loss_and_grad
 from rlk.ops.rollout_correction import rollout_correction
 from rlk.ops.rope import apply_rope
 from rlk.ops.softmax import log_softmax, softmax
@@ -92,6 +93,7 @@ __all__ = [
     "policy_loss",
     "policy_loss_and_grad",
     "PolicyLossAndGrad",
+    "PolicyLossConfig",
     "rms_norm",
     "rollout_correction",
     "selected_logprob",

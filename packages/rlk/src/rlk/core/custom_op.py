@@ -219,21 +219,23 @@ class Declaration:
         self._inputs: Any = None  # the named tuple of the forward's inputs
 
     def forward(self, *, outputs: Callable[..., Any], fake: Callable[..., Any] | None = None,
-                primitive: str | None = None) -> Callable[[Callable[..., Any]], Op]:
+                primitive: str | tuple[str, ...] | None = None) -> Callable[[Callable[..., Any]], Op]:
         """Decorator on the launch ``launch(primitive, out, *inputs) -> None`` (annotated: the schema). The custom
         op allocates ``out = outputs(*inputs)``, selects the backend (``dispatch.select(op, *key(*inputs))``),
-        calls ``launch`` with its ``primitive`` (``"<op>_fwd"`` unless named) and returns ``out``; its fake
-        returns ``outputs(*inputs)`` (or ``fake(*inputs)`` where the body allocates some outputs itself, late, and
-        returns them from ``launch``: a launch that returns something returns the outputs)."""
-        name = primitive or f"{self.dispatch_op}_fwd"
+        calls ``launch`` with its ``primitive`` (``"<op>_fwd"`` unless named; a tuple of names gives a tuple of
+        that backend's primitives) and returns ``out``; its fake returns ``outputs(*inputs)`` (or ``fake(*inputs)``
+        where the body allocates some outputs itself, late, and returns them from ``launch``: a launch that
+        returns something returns the outputs)."""
+        names = primitive if isinstance(primitive, tuple) else (primitive or f"{self.dispatch_op}_fwd",)
 
         def wrap(launch: Callable[..., Any]) -> Op:
             sig = _launcher_signature(launch)
 
             def run(args):
                 out = outputs(*args)
-                chosen = dispatch.select(self.dispatch_op, *self.key(*args)).primitives[name]
-                returned = launch(chosen, out, *args)
+                primitives = dispatch.select(self.dispatch_op, *self.key(*args)).primitives
+                chosen = tuple(primitives[name] for name in names)
+                returned = launch(chosen if isinstance(primitive, tuple) else chosen[0], out, *args)
                 return out if returned is None else returned
 
             self.fwd = Op(f"rlk::{self.op}_fwd", _as_body(f"rlk::{self.op}_fwd", launch, sig, run))

@@ -15,6 +15,7 @@ bit, and gradients within the numerical contract:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,9 +23,9 @@ from torch import Tensor
 
 from rlk.core import checks, custom_op, dispatch
 from rlk.core.abi import POLICY_METRICS
-from rlk.ops import logprob as logprob_op
-from rlk.ops import policy_loss as policy_loss_op
-from rlk.ops.policy_loss import policy_loss
+from rlk.ops import logprob as logprob_ops
+from rlk.ops import policy_loss as policy_ops
+from rlk.ops.policy_loss import PolicyLossConfig, policy_loss, resolve_config
 
 #: The modes of :func:`fused_linear_policy_loss`.
 MODES = ("auto", "one_pass", "lean")
@@ -117,21 +118,37 @@ def _backends(device: torch.device, dtype: torch.dtype) -> tuple[str | None, str
 # ---------------------------------------------------------------------------
 
 
-def _one_pass_outputs(hidden: Tensor, weight: Tensor, shape: tuple[int, int], with_entropy: bool,
-                      need_grad_hidden: bool, need_grad_weight: bool) -> tuple[Tensor, ...]:
-    cdt = checks.stat_dtype(hidden)
-    loss = hidden.new_empty((), dtype=cdt)
-    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else hidden.new_empty((0,))
-    grad_weight = torch.empty_like(weight) if need_grad_weight else weight.new_empty((0,))
+def _one_pass_outputs(hidden: Tensor, weight: Tensor, targets, inv_temperature, old_logprob, advantages,
+                      mask: Tensor, importance_weights, ref_logprob, global_tokens, global_seqs, loss_scale,
+                      ignore_index, chunk_tokens: int, agg, loss: str, kl, flags, params, with_entropy_grad,
+                      with_entropy: bool, need_grad_hidden: bool, need_grad_weight: bool, *,
+                      weight_grad_later: bool = False) -> tuple[Tensor, ...]:
+    """``(loss, grad_hidden, grad_weight, logprob, entropy, metrics)`` of the one-pass op (its arguments).
+    ``weight_grad_later``: where the weight gradient is summed over chunks (:func:`_weight_grad_summed`), a
+    placeholder in its place, allocated by the body once the logits buffer is freed."""
+    shape, cdt = tuple(mask.shape), checks.stat_dtype(hidden)
+    later = weight_grad_later and _weight_grad_summed(hidden, weight, mask, chunk_tokens, loss, need_grad_weight)
+    loss_out = hidden.new_empty((), dtype=cdt)
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else custom_op.placeholder(hidden)
+    grad_weight = torch.empty_like(weight) if need_grad_weight and not later else custom_op.placeholder(weight)
     lp = hidden.new_empty(shape, dtype=cdt)
     entropy = hidden.new_empty(shape if with_entropy else (0,), dtype=cdt)
     metrics = hidden.new_empty((len(POLICY_METRICS),), dtype=cdt)
-    return loss, grad_hidden, grad_weight, lp, entropy, metrics
+    return loss_out, grad_hidden, grad_weight, lp, entropy, metrics
 
 
 def _chunk_tokens(b: int, t: int, chunk_tokens: int, whole_rows: bool) -> int:
     """Tokens per chunk: ``chunk_tokens``, or the whole rows that fit in it (at least one) for ``whole_rows``."""
     return max(1, chunk_tokens // t) * t if whole_rows else min(chunk_tokens, b * t)
+
+
+def _weight_grad_summed(hidden: Tensor, weight: Tensor, mask: Tensor, chunk_tokens: int, loss: str,
+                        need_grad_weight: bool) -> bool:
+    """Whether a 16-bit weight gradient is summed over several chunks: in fp32, its rounded copy allocated only
+    once the logits buffer is freed (the peak holds one of the two)."""
+    b, t = mask.shape
+    step = _chunk_tokens(b, t, chunk_tokens, loss in SEQUENCE_LEVEL_LOSSES)
+    return need_grad_weight and step < hidden.shape[0] and weight.dtype != checks.stat_dtype(hidden)
 
 
 def _chunk_normalizers(agg: str, mask: Tensor, given: dict[str, object], cdt: torch.dtype) -> dict[str, object]:
@@ -146,8 +163,14 @@ def _chunk_normalizers(agg: str, mask: Tensor, given: dict[str, object], cdt: to
     return norms
 
 
-@custom_op.define("rlk::fused_linear_policy_loss_fwd")
+one_pass_op = custom_op.declare("fused_linear_policy_loss", dispatch_op="linear_logprob_stored")
+
+
+@one_pass_op.forward(outputs=functools.partial(_one_pass_outputs, weight_grad_later=True), fake=_one_pass_outputs,
+                     primitive=("linear_logprob_stored_fwd", "linear_logprob_stored_bwd"))
 def _one_pass_fwd(
+    primitive,
+    out,
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -167,29 +190,33 @@ def _one_pass_fwd(
     kl: str,
     flags: list[bool],
     params: list[float],
+    with_entropy_grad: bool,
     with_entropy: bool,
     need_grad_hidden: bool,
     need_grad_weight: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    stored_fwd, stored_bwd = primitive
+    loss_out, grad_hidden, grad_weight, lp, entropy, metrics = out
     b, t = mask.shape
     n, vocab = hidden.shape[0], weight.shape[0]
     cdt = checks.stat_dtype(hidden)
     step = _chunk_tokens(b, t, chunk_tokens, loss in SEQUENCE_LEVEL_LOSSES)
-    # a 16-bit weight gradient summed over several chunks: fp32 sums, its rounded copy allocated only once the
-    # logits buffer is freed (the peak holds one of the two)
-    summed = need_grad_weight and step < n and weight.dtype != cdt
-    loss_out, grad_hidden, grad_weight, lp, entropy, metrics = _one_pass_outputs(
-        hidden, weight, (b, t), with_entropy, need_grad_hidden, need_grad_weight and not summed)
-    logprob_op.check_target_values(targets, inv_temperature, vocab, ignore_index)
+    summed = _weight_grad_summed(hidden, weight, mask, chunk_tokens, loss, need_grad_weight)
+    logprob_ops.check_target_values(targets, inv_temperature, vocab, ignore_index)
     checks.check_normalizer_values({"global_tokens": global_tokens, "global_seqs": global_seqs,
                                     "loss_scale": loss_scale})
-    given = policy_loss_op._normalizers([global_tokens, global_seqs, loss_scale],
-                                        params[len(policy_loss_op._FLOAT_ATTRS):])
+    given = policy_ops.normalizers([global_tokens, global_seqs, loss_scale], params)
     chunk_norms = _chunk_normalizers(agg, mask, given, cdt)
-    with_entropy_grad = flags[policy_loss_op._BOOL_ATTRS.index("with_entropy_grad")]
-    stored = dispatch.select("linear_logprob_stored", hidden.device, hidden.dtype)
-    stored_fwd, stored_bwd = stored.primitives["linear_logprob_stored_fwd"], stored.primitives[
-        "linear_logprob_stored_bwd"]
+    policy_fwd = dispatch.select("policy_loss", hidden.device, cdt).primitives["policy_loss_fwd"]
+
+    def policy(rows: slice, norms: dict[str, object], entropy_in: Tensor | None) -> tuple[Tensor, ...]:
+        """The policy-loss forward over the sequences ``rows`` of the batch (fresh outputs)."""
+        args = (lp[rows], lp[rows] if old_logprob is None else old_logprob[rows], advantages[rows], mask[rows],
+                None if importance_weights is None else importance_weights[rows],
+                None if ref_logprob is None else ref_logprob[rows], entropy_in, with_entropy_grad)
+        chunk_out = policy_ops._fwd_outputs(*args)
+        policy_ops.launch(policy_fwd, chunk_out, *args, norms, agg, loss, kl, flags, params)
+        return chunk_out
 
     # tokens after the current chunk are read (their results discarded) by its policy-loss call: zeros, not garbage
     lp.zero_()
@@ -211,12 +238,7 @@ def _one_pass_fwd(
         # not used), with the whole batch's normalizers: each token's gradient as in one call over the batch
         b0, b1 = n0 // t, -(-n1 // t)
         seq = slice(b0, b1)
-        _, grad_lp, grad_ent, _, _, _ = policy_loss_op.forward_primitive(
-            lp[seq], lp[seq] if old_logprob is None else old_logprob[seq], advantages[seq], mask[seq],
-            None if importance_weights is None else importance_weights[seq],
-            None if ref_logprob is None else ref_logprob[seq], entropy[seq] if with_entropy_grad else None,
-            chunk_norms, agg, loss, kl, flags, params,
-        )
+        _, grad_lp, grad_ent, _, _, _ = policy(seq, chunk_norms, entropy[seq] if with_entropy_grad else None)
         offset = slice(n0 - b0 * t, n1 - b0 * t)
         h = hidden[rows]
         stored_bwd(
@@ -231,28 +253,16 @@ def _one_pass_fwd(
         grad_weight = acc.to(weight.dtype)
         del acc
     # the loss and the metrics: one call over the whole batch, the composition's own (bitwise its values)
-    out = policy_loss_op.forward_primitive(
-        lp, lp if old_logprob is None else old_logprob, advantages, mask, importance_weights, ref_logprob,
-        entropy if with_entropy else None, given, agg, loss, kl, flags, params)
-    loss_out.copy_(out[0])
-    metrics.copy_(out[5])
+    whole = policy(slice(0, b), given, entropy if with_entropy else None)
+    loss_out.copy_(whole[0])
+    metrics.copy_(whole[5])
     return loss_out, grad_hidden, grad_weight, lp, entropy, metrics
 
 
-@_one_pass_fwd.register_fake
-def _(hidden, weight, targets, inv_temperature, old_logprob, advantages, mask, importance_weights, ref_logprob,
-      global_tokens, global_seqs, loss_scale, ignore_index, chunk_tokens, agg, loss, kl, flags, params, with_entropy,
-      need_grad_hidden, need_grad_weight):
-    return _one_pass_outputs(hidden, weight, tuple(mask.shape), with_entropy, need_grad_hidden, need_grad_weight)
-
-
-_N_ONE_PASS_INPUTS = 22
-
-
-def _setup_one_pass(ctx, inputs, output):
+def _save_one_pass(ctx, inputs, output):
     _, grad_hidden, grad_weight, lp, entropy, metrics = output
     ctx.save_for_backward(grad_hidden, grad_weight)
-    ctx.need = (inputs[20], inputs[21])
+    ctx.need = (inputs.need_grad_hidden, inputs.need_grad_weight)
     ctx.mark_non_differentiable(grad_hidden, grad_weight, lp, entropy, metrics)
     ctx.set_materialize_grads(False)
 
@@ -260,17 +270,13 @@ def _setup_one_pass(ctx, inputs, output):
 def _backward_one_pass(ctx, grad_loss, grad_grad_hidden, grad_grad_weight, grad_lp, grad_entropy, grad_metrics):
     """The gradients were computed in the forward for an upstream gradient of 1: scale them by the upstream one."""
     grad_hidden, grad_weight = ctx.saved_tensors
-    grads = [None] * _N_ONE_PASS_INPUTS
     if grad_loss is None:
-        return tuple(grads)
-    if ctx.need[0]:
-        grads[0] = grad_hidden * grad_loss
-    if ctx.need[1]:
-        grads[1] = grad_weight * grad_loss
-    return tuple(grads)
+        return {}
+    return {"hidden": grad_hidden * grad_loss if ctx.need[0] else None,
+            "weight": grad_weight * grad_loss if ctx.need[1] else None}
 
 
-_one_pass_fwd.register_autograd(_backward_one_pass, setup_context=_setup_one_pass)
+one_pass_op.autograd(save=_save_one_pass, backward=_backward_one_pass)
 
 
 # ---------------------------------------------------------------------------
@@ -292,7 +298,12 @@ def fused_linear_policy_loss(
     return_entropy: bool = False,
     mode: str = "auto",
     chunk_tokens: int = CHUNK_TOKENS,
-    **policy_loss_kwargs,
+    config: PolicyLossConfig | None = None,
+    importance_weights: Tensor | None = None,
+    global_tokens: float | Tensor | None = None,
+    global_seqs: float | Tensor | None = None,
+    loss_scale: float | Tensor | None = None,
+    **options,
 ) -> tuple[Tensor, dict[str, Tensor]] | tuple[Tensor, dict[str, Tensor], Tensor]:
     """Policy loss of ``hidden @ weight.T`` without materializing the logits of the whole batch.
 
@@ -345,32 +356,34 @@ def fused_linear_policy_loss(
             left out of the loss whatever ``mask`` says.
         old_logprob, advantages, mask: as in :func:`rlk.policy_loss` (``[B, T]``, or ``[T]``).
         temperature, ignore_index: as in :func:`rlk.linear_logprob`.
-        ref_logprob: reference-model log-probs for the KL term (``kl``, ``kl_coef`` in kwargs).
+        ref_logprob: reference-model log-probs for the KL term (``kl``, ``kl_coef`` in the config).
         return_entropy: also return the per-token entropy (detached). The entropy is computed
             whenever this is set or ``entropy_coef`` is non-zero (then it is differentiable
             through the loss).
         mode: ``"auto"``, ``"one_pass"`` or ``"lean"`` (above).
         chunk_tokens: tokens per one-pass chunk (an int >= 1; default :data:`CHUNK_TOKENS`).
-        **policy_loss_kwargs: every keyword of :func:`rlk.policy_loss` (``loss``, ``clip_low``,
-            ``agg``, ``global_tokens``, ``entropy_coef``...), except ``entropy``.
+        config, importance_weights, global_tokens, global_seqs, loss_scale, **options: as in
+            :func:`rlk.policy_loss` (``options``: fields of :class:`rlk.PolicyLossConfig`, ``loss``, ``clip_low``,
+            ``agg``, ``entropy_coef``...); no ``entropy``: it is computed here.
 
     Returns:
         ``(loss, metrics)``, or ``(loss, metrics, entropy)`` with ``return_entropy``. Gradients
         flow to ``hidden`` and ``weight``.
     """
-    if "entropy" in policy_loss_kwargs:
+    if "entropy" in options:
         raise TypeError("entropy: computed here from hidden and weight; pass entropy_coef instead")
-    flat_hidden, weight_c, flat_targets, inv_t, ignore_index = logprob_op.linear_inputs(
+    flat_hidden, weight_c, flat_targets, inv_t, ignore_index = logprob_ops.linear_inputs(
         hidden, weight, targets, temperature, ignore_index)
     if not isinstance(mask, Tensor):
         raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
     if mask.shape != targets.shape:
         raise ValueError(f"mask: expected the shape of targets {tuple(targets.shape)}, got {tuple(mask.shape)}")
     chunk_tokens = checks.integer("chunk_tokens", chunk_tokens, minimum=1)
-    entropy_coef = policy_loss_kwargs.get("entropy_coef", 0.0)
-    with_entropy = bool(return_entropy) or entropy_coef != 0.0
-    decision = decide_mode(hidden, weight, targets, mode=mode, loss=policy_loss_kwargs.get("loss", "ppo"),
-                           chunk_tokens=chunk_tokens)
+    config = resolve_config(config, options)
+    tensors = {"importance_weights": importance_weights, "global_tokens": global_tokens, "global_seqs": global_seqs,
+               "loss_scale": loss_scale}
+    with_entropy = bool(return_entropy) or config.entropy_coef != 0.0
+    decision = decide_mode(hidden, weight, targets, mode=mode, loss=config.loss, chunk_tokens=chunk_tokens)
     valid = (mask != 0) & (targets != ignore_index)
     one_sequence = targets.dim() == 1
 
@@ -378,13 +391,13 @@ def fused_linear_policy_loss(
         return x.unsqueeze(0) if one_sequence and x is not None and x.dim() == 1 else x
 
     if decision.mode == "lean":  # linear_logprob (its checks done above) then policy_loss
-        logprob, entropy, _ = logprob_op._linear_logprob_fwd(flat_hidden, weight_c, flat_targets, inv_t,
-                                                             ignore_index, with_entropy)
+        logprob, entropy, _ = logprob_ops._linear_logprob_fwd(flat_hidden, weight_c, flat_targets, inv_t,
+                                                              ignore_index, with_entropy)
         logprob = logprob.view(targets.shape)
         entropy = entropy.view(targets.shape) if with_entropy else None
         loss, metrics = policy_loss(
             rows(logprob), rows(old_logprob), rows(advantages), rows(valid), ref_logprob=rows(ref_logprob),
-            entropy=rows(entropy), **policy_loss_kwargs,
+            entropy=rows(entropy), config=config, **tensors,
         )
         if return_entropy:
             return loss, metrics, entropy.detach()
@@ -393,16 +406,16 @@ def fused_linear_policy_loss(
     valid = rows(valid)
     shape = tuple(valid.shape)
     cdt = checks.stat_dtype(hidden)
-    call = policy_loss_op.prepare(shape, hidden.device, cdt, rows(old_logprob), rows(advantages), valid,
-                                  entropy=True if with_entropy else None, ref_logprob=rows(ref_logprob),
-                                  **policy_loss_kwargs)
+    call = policy_ops.prepare(shape, hidden.device, cdt, rows(old_logprob), rows(advantages), valid, config,
+                              entropy=True if with_entropy else None, ref_logprob=rows(ref_logprob), **tensors)
     need_grad = torch.is_grad_enabled()
     loss, _, _, _, entropy, metrics = _one_pass_fwd(
         flat_hidden, weight_c, flat_targets, inv_t, call.old, call.advantages, call.mask, call.importance_weights,
         call.ref_logprob, *call.norm_tensors, ignore_index, chunk_tokens, call.agg, call.loss, call.kl, call.flags,
-        call.params, with_entropy, need_grad and flat_hidden.requires_grad, need_grad and weight_c.requires_grad,
+        call.params, call.with_entropy_grad, with_entropy, need_grad and flat_hidden.requires_grad,
+        need_grad and weight_c.requires_grad,
     )
-    metrics = policy_loss_op.metrics_dict(call, metrics)
+    metrics = policy_ops.metrics_dict(call, metrics)
     if return_entropy:
         return loss, metrics, entropy.view(targets.shape)
     return loss, metrics

@@ -1,27 +1,30 @@
 """Public policy-loss ops: ``policy_loss`` (PPO / GRPO / DAPO, GSPO, CISPO, GPG, SAPO, GMPO, DPPO, VESPO) and
 ``kl_penalty``.
 
-Each op is two ``torch.library.custom_op`` primitives (``rlk::<op>_fwd``, ``rlk::<op>_bwd``)
-with fake implementations, so they trace under ``torch.compile(fullgraph=True)``, and one
-``register_autograd``. The policy-loss forward primitive does all the work in one pass over the
+Each op is declared with :func:`rlk.core.custom_op.declare`: two ``torch.library`` custom ops
+(``rlk::<op>_fwd``, ``rlk::<op>_bwd``) with fakes, so they trace under ``torch.compile(fullgraph=True)``,
+and their autograd formula. The policy-loss forward primitive does all the work in one pass over the
 tokens: the loss, its gradient (for an upstream gradient of 1), the aggregation weights of the
 rows and the metrics; the backward only multiplies the saved gradient by the upstream gradient,
-and ``policy_loss_and_grad`` returns it without a backward at all. Backends are
-chosen at run time by ``rlk.core.dispatch``; the backward runs on the backend that served the
-forward. The math is specified in :mod:`rlk.reference.policy_loss`; the aggregation modes
+and ``policy_loss_and_grad`` returns it without a backward at all. A call's options (the variant, its clip
+ranges, the aggregation, the KL and entropy terms) are one frozen :class:`PolicyLossConfig`, checked once
+when it is made. Backends are chosen at run time by ``rlk.core.dispatch``; the backward runs on the backend
+that served the forward. The math is specified in :mod:`rlk.reference.policy_loss`; the aggregation modes
 in :mod:`rlk.reference.aggregation`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from rlk.core import checks, custom_op, dispatch
-from rlk.core.abi import KL_ESTIMATORS, LOSSES, POLICY_METRICS, ROW_STATS
+from rlk.core import checks, custom_op
+from rlk.core.abi import AGG_MODES, KL_ESTIMATORS, LOSSES, POLICY_METRICS, ROW_STATS
 from rlk.core.checks import INPUT_DTYPES, stat_dtype
 from rlk.reference import aggregation
 
@@ -86,7 +89,141 @@ def _clamp_bounds(clamp_log_ratio) -> tuple[float, float]:
 # ---------------------------------------------------------------------------
 
 
-def _fwd_outputs(logprob: Tensor, with_entropy_grad: bool) -> tuple[Tensor, ...]:
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The options of a policy-loss call: everything but its tensors and its normalizers, checked when the config
+    is made (errors name the field). Frozen: build one per training run and pass it as ``config=``; keywords of the
+    same names given to the call override its fields (``policy_loss(..., config=cfg, clip_high=0.28)``).
+
+    Attributes:
+        loss: ``"ppo"``, ``"gspo"``, ``"cispo"``, ``"gpg"``, ``"sapo"``, ``"geo_mean"``, ``"dppo_tv"``,
+            ``"dppo_kl"`` or ``"vespo"`` (formulas: :func:`policy_loss`).
+        clip_low, clip_high: ``eps_low`` and ``eps_high`` (>= 0; ``clip_high=None`` means ``clip_low``). DAPO:
+            0.2 / 0.28; GSPO: 3e-4 / 4e-4.
+        dual_clip: the dual-clip constant ``c > 1`` (``"ppo"``), the ratio cap (``"dppo_tv"``, ``"dppo_kl"``), or
+            None.
+        clamp_log_ratio: clamp the log-ratio to ``[-c, c]`` (or ``(low, high)``, either None) before ``exp``; a
+            clamped token gets no gradient through the ratio. verl and OpenRLHF use 20. For ``"gspo"`` it clamps
+            the sequence log-ratio ``log s_i``; for ``"gpg"`` it only affects the ratio metrics; for ``"vespo"``
+            it clamps each token's log-ratio before the row's sum (TRL: 20). None: no clamp (TRL, slime).
+        cispo_form: ``"clip"`` or ``"upper"`` (see ``"cispo"``).
+        sapo_tau: ``(tau for A > 0, tau for A <= 0)``.
+        agg: the aggregation (:mod:`rlk.reference.aggregation`): ``"token-mean"``, ``"token-sum"``,
+            ``"seq-mean-token-sum"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"`` (Dr.GRPO; needs
+            the call's ``loss_scale``).
+        kl: the KL estimator: ``"k1"`` (alias ``"kl"``), ``"abs"``, ``"k2"`` (``"mse"``), ``"k3"``
+            (``"low_var_kl"``); a trailing ``"+"`` is the straight-through form (value of the estimator,
+            gradient of k2). See :func:`kl_penalty`.
+        kl_coef: the KL coefficient ``beta``; nonzero needs the call's ``ref_logprob``.
+        kl_k3_clamp, kl_clamp: as ``k3_clamp`` and ``clamp`` of :func:`kl_penalty` (TRL's k3:
+            ``kl_k3_clamp=False``; OpenRLHF: ``kl_clamp=10``).
+        kl_unbiased: weight the KL term by ``sg(exp(logprob - old_logprob))`` (slime's unbiased KL).
+        entropy_coef: with ``entropy_coef != 0`` the loss subtracts ``entropy_coef * agg(entropy)`` and the
+            gradient flows to the call's ``entropy``.
+        vespo_k, vespo_lambda: ``"vespo"``'s exponent ``k`` and decay ``lam > 0``, each ``(for A >= 0, for
+            A < 0)``.
+    """
+
+    loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    clamp_log_ratio: float | tuple[float | None, float | None] | None = None
+    cispo_form: str = "clip"
+    sapo_tau: tuple[float, float] = (1.0, 1.05)
+    agg: str = "token-mean"
+    kl: str = "k3"
+    kl_coef: float = 0.0
+    kl_k3_clamp: bool = True
+    kl_clamp: float | None = None
+    kl_unbiased: bool = False
+    entropy_coef: float = 0.0
+    vespo_k: tuple[float, float] = (2.0, 3.0)
+    vespo_lambda: tuple[float, float] = (3.0, 2.0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_attrs", _op_attrs(self))
+
+
+class _OpAttrs(NamedTuple):
+    """A config as ``rlk::policy_loss_fwd`` takes it: the canonical estimator name, the flags of ``_BOOL_ATTRS``
+    and the numbers of ``_FLOAT_ATTRS`` (the call's normalizer numbers follow them in ``params``)."""
+
+    kl: str
+    flags: list[bool]
+    params: list[float]
+
+
+def _pair(name: str, value) -> tuple:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{name}: expected a pair (for A >= 0, for A < 0), got {value!r}")
+    return tuple(value)
+
+
+def _op_attrs(config: PolicyLossConfig) -> _OpAttrs:
+    """Check ``config``'s fields (errors name the field) and encode them for the forward primitive."""
+    loss, cispo_form = config.loss, config.cispo_form
+    if loss not in LOSSES:
+        raise ValueError(f"loss: expected one of {', '.join(repr(x) for x in LOSSES)}, got {loss!r}")
+    if cispo_form not in _CISPO_FORMS:
+        raise ValueError(f"cispo_form: expected 'clip' or 'upper', got {cispo_form!r}")
+    clip_low = checks.number("clip_low", config.clip_low, minimum=0.0)
+    clip_high = config.clip_high
+    if clip_high is None:
+        if loss == "cispo" and cispo_form == "upper":
+            raise ValueError("clip_high: cispo_form='upper' caps the ratio at clip_high itself (TRL's epsilon_high, "
+                             "e.g. 5.0); pass it explicitly")
+        clip_high = clip_low
+    clip_high = checks.number("clip_high", clip_high, minimum=0.0)
+    dual_clip = config.dual_clip
+    if dual_clip is not None:
+        if loss not in _CAPPED_LOSSES:
+            raise ValueError(f"dual_clip: only loss='ppo' has a dual clip, and 'dppo_tv' / 'dppo_kl' a ratio cap "
+                             f"(loss is {loss!r})")
+        dual_clip = checks.number("dual_clip", dual_clip, above=1.0)
+    clamp_low, clamp_high = _clamp_bounds(config.clamp_log_ratio)
+    if not isinstance(config.sapo_tau, (tuple, list)) or len(config.sapo_tau) != 2:
+        raise ValueError(f"sapo_tau: expected a pair (tau_pos, tau_neg), got {config.sapo_tau!r}")
+    tau_pos, tau_neg = (checks.number("sapo_tau", tau, above=0.0) for tau in config.sapo_tau)
+    vespo_k_pos, vespo_k_neg = (checks.number("vespo_k", k, dtype=torch.float32)
+                                for k in _pair("vespo_k", config.vespo_k))
+    vespo_lambda_pos, vespo_lambda_neg = (checks.number("vespo_lambda", lam, above=0.0, dtype=torch.float32)
+                                          for lam in _pair("vespo_lambda", config.vespo_lambda))
+    kl, kl_straight = _kl_spec("kl", config.kl)
+    kl_coef = checks.number("kl_coef", config.kl_coef)
+    kl_clamp = _INF if config.kl_clamp is None else checks.number("kl_clamp", config.kl_clamp, above=0.0)
+    entropy_coef = checks.number("entropy_coef", config.entropy_coef)
+    if config.agg not in AGG_MODES:
+        raise ValueError(f"agg: expected one of {', '.join(repr(a) for a in AGG_MODES)}, got {config.agg!r}")
+    flags = [cispo_form == "upper", bool(config.kl_k3_clamp), kl_straight, bool(config.kl_unbiased)]
+    params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos, tau_neg,
+              kl_coef, kl_clamp, entropy_coef, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg]
+    return _OpAttrs(kl, flags, params)
+
+
+_DEFAULT_CONFIG = PolicyLossConfig()
+_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(PolicyLossConfig))
+
+
+def resolve_config(config: PolicyLossConfig | None, options: dict[str, object]) -> PolicyLossConfig:
+    """The config of a call: ``config`` (the defaults when None) with the keyword ``options`` of the call
+    (:class:`PolicyLossConfig` field names) replacing its fields."""
+    if config is None:
+        config = _DEFAULT_CONFIG
+    elif not isinstance(config, PolicyLossConfig):
+        raise TypeError(f"config: expected an rlk.PolicyLossConfig, got {type(config).__name__}")
+    if not options:
+        return config
+    unknown = [name for name in options if name not in _CONFIG_FIELDS]
+    if unknown:
+        raise TypeError(f"{unknown[0]}: not an argument of the policy loss (its options are the fields of "
+                        f"rlk.PolicyLossConfig: {', '.join(_CONFIG_FIELDS)})")
+    return dataclasses.replace(config, **options)
+
+
+def _fwd_outputs(logprob: Tensor, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy,
+                 with_entropy_grad: bool, *_) -> tuple[Tensor, ...]:
+    """``(loss, grad_logprob, grad_entropy, row_weight, row_stats, metrics)`` of a ``[B, T]`` call."""
     b, t = logprob.shape
     loss = logprob.new_empty(())
     grad_lp = torch.empty_like(logprob)
@@ -101,19 +238,43 @@ def _fwd_outputs(logprob: Tensor, with_entropy_grad: bool) -> tuple[Tensor, ...]
 #: schema stays short: torch's custom-op call path costs time per schema argument and call).
 _FLOAT_ATTRS = ("clip_low", "clip_high", "dual_clip", "clamp_low", "clamp_high", "tau_pos", "tau_neg", "kl_coef",
                 "kl_clamp", "entropy_coef", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
-_BOOL_ATTRS = ("cispo_upper", "kl_k3_clamp", "kl_straight_through", "kl_unbiased", "with_entropy_grad")
+_BOOL_ATTRS = ("cispo_upper", "kl_k3_clamp", "kl_straight_through", "kl_unbiased")
 #: The aggregation normalizers: each a number (in ``params`` after the attributes; NaN when absent or given
 #: as a tensor) or a one-element tensor (an optional tensor argument).
 _NORMALIZERS = ("global_tokens", "global_seqs", "loss_scale")
 
 
-def _normalizers(tensors: list, numbers: list[float]) -> dict[str, object]:
+def normalizers(tensors: list, params: list[float]) -> dict[str, object]:
+    """The normalizers by name (numbers, one-element tensors or None) from the custom op's normalizer tensors and
+    ``params`` (their numbers after ``_FLOAT_ATTRS``')."""
+    numbers = params[len(_FLOAT_ATTRS):]
     return {name: t if t is not None else (None if math.isnan(x) else x)
             for name, t, x in zip(_NORMALIZERS, tensors, numbers)}
 
 
-@custom_op.define("rlk::policy_loss_fwd")
+def launch(primitive, out: tuple[Tensor, ...], logprob: Tensor, old_logprob: Tensor, advantages: Tensor,
+           mask: Tensor, importance_weights: Tensor | None, ref_logprob: Tensor | None, entropy: Tensor | None,
+           with_entropy_grad: bool, norms: dict[str, object], agg: str, loss: str, kl: str, flags: list[bool],
+           params: list[float]) -> None:
+    """The backend's ``policy_loss_fwd`` on canonical inputs (:class:`PolicyLossCall`'s) into ``out``
+    (``_fwd_outputs``'); ``norms`` as :func:`normalizers` gives them. Also the per-chunk calls of
+    ``fused_linear_policy_loss``'s one-pass mode."""
+    attrs = dict(zip(_BOOL_ATTRS, flags)) | dict(zip(_FLOAT_ATTRS, params))
+    loss_out, grad_lp, grad_ent, row_weight, stats, metrics = out
+    primitive(
+        logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, norms["global_tokens"],
+        norms["global_seqs"], norms["loss_scale"], loss_out, grad_lp, grad_ent if with_entropy_grad else None,
+        row_weight, stats, metrics, agg=agg, loss=loss, kl=kl, **attrs,
+    )
+
+
+policy_loss_op = custom_op.declare("policy_loss")
+
+
+@policy_loss_op.forward(outputs=_fwd_outputs)
 def _policy_loss_fwd(
+    primitive,
+    out,
     logprob: Tensor,
     old_logprob: Tensor,
     advantages: Tensor,
@@ -121,6 +282,7 @@ def _policy_loss_fwd(
     importance_weights: Tensor | None,
     ref_logprob: Tensor | None,
     entropy: Tensor | None,
+    with_entropy_grad: bool,
     global_tokens: Tensor | None,
     global_seqs: Tensor | None,
     loss_scale: Tensor | None,
@@ -131,84 +293,43 @@ def _policy_loss_fwd(
     params: list[float],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     checks.check_normalizer_values(dict(zip(_NORMALIZERS, (global_tokens, global_seqs, loss_scale))))
-    norms = _normalizers([global_tokens, global_seqs, loss_scale], params[len(_FLOAT_ATTRS):])
-    return forward_primitive(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy,
-                             norms, agg, loss, kl, flags, params)
+    launch(primitive, out, logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy,
+           with_entropy_grad, normalizers([global_tokens, global_seqs, loss_scale], params), agg, loss, kl, flags,
+           params)
 
 
-def forward_primitive(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-                      importance_weights: Tensor | None, ref_logprob: Tensor | None, entropy: Tensor | None,
-                      norms: dict[str, object], agg: str, loss: str, kl: str, flags: list[bool],
-                      params: list[float]) -> tuple[Tensor, ...]:
-    """The body of ``rlk::policy_loss_fwd`` once its normalizers' values are checked: the outputs allocated, the
-    backend's ``policy_loss_fwd`` run on canonical inputs (:class:`PolicyLossCall`'s). ``norms`` maps each name of
-    ``_NORMALIZERS`` to a number, a one-element tensor or None. Also the per-chunk calls of
-    ``fused_linear_policy_loss``'s one-pass mode."""
-    attrs = dict(zip(_BOOL_ATTRS, flags)) | dict(zip(_FLOAT_ATTRS, params))
-    with_entropy_grad = attrs.pop("with_entropy_grad")
-    out = _fwd_outputs(logprob, with_entropy_grad)
-    loss_out, grad_lp, grad_ent, row_weight, stats, metrics = out
-    backend = dispatch.select("policy_loss", logprob.device, logprob.dtype)
-    backend.primitives["policy_loss_fwd"](
-        logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, norms["global_tokens"],
-        norms["global_seqs"], norms["loss_scale"], loss_out, grad_lp, grad_ent if with_entropy_grad else None,
-        row_weight, stats, metrics, agg=agg, loss=loss, kl=kl, **attrs,
-    )
-    return out
-
-
-@_policy_loss_fwd.register_fake
-def _(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, global_tokens, global_seqs,
-      loss_scale, agg, loss, kl, flags, params):
-    return _fwd_outputs(logprob, flags[_BOOL_ATTRS.index("with_entropy_grad")])
-
-
-@custom_op.define("rlk::policy_loss_bwd")
-def _policy_loss_bwd(
-    grad_loss: Tensor, grad_logprob: Tensor, grad_entropy: Tensor | None, backend: str
-) -> tuple[Tensor, Tensor]:
-    grad_lp = torch.empty_like(grad_logprob)
-    grad_ent = torch.empty_like(grad_logprob) if grad_entropy is not None else custom_op.placeholder(grad_logprob)
-    dispatch.backend_named(backend).primitives["policy_loss_bwd"](
-        grad_loss, grad_logprob, grad_entropy, grad_lp, grad_ent if grad_entropy is not None else None
-    )
-    return grad_lp, grad_ent
-
-
-@_policy_loss_bwd.register_fake
-def _(grad_loss, grad_logprob, grad_entropy, backend):
+def _bwd_outputs(grad_loss: Tensor, grad_logprob: Tensor, grad_entropy: Tensor | None) -> tuple[Tensor, Tensor]:
     grad_ent = torch.empty_like(grad_logprob) if grad_entropy is not None else custom_op.placeholder(grad_logprob)
     return torch.empty_like(grad_logprob), grad_ent
 
 
-_N_POLICY_INPUTS = 15
+@policy_loss_op.backward_primitive(outputs=_bwd_outputs)
+def _policy_loss_bwd(
+    primitive, out, grad_loss: Tensor, grad_logprob: Tensor, grad_entropy: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    grad_lp, grad_ent = out
+    primitive(grad_loss, grad_logprob, grad_entropy, grad_lp, grad_ent if grad_entropy is not None else None)
 
 
-def _setup_policy(ctx, inputs, output):
-    logprob, with_entropy_grad = inputs[0], inputs[13][_BOOL_ATTRS.index("with_entropy_grad")]
+def _save_policy(ctx, inputs, output):
     _, grad_lp, grad_ent, row_weight, stats, metrics = output
     ctx.save_for_backward(grad_lp, grad_ent)
-    ctx.with_entropy_grad = with_entropy_grad
+    ctx.with_entropy_grad = inputs.with_entropy_grad
     ctx.mark_non_differentiable(grad_lp, grad_ent, row_weight, stats, metrics)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the non-differentiable outputs
-    ctx.backend = dispatch.decide("policy_loss", logprob.device, logprob.dtype).backend or ""
 
 
 def _backward_policy(ctx, grad_loss, grad_grad_lp, grad_grad_ent, grad_row_weight, grad_stats, grad_metrics):
     grad_lp, grad_ent = ctx.saved_tensors
-    grads = [None] * _N_POLICY_INPUTS
     if grad_loss is None:
-        return tuple(grads)
-    grad_lp, grad_ent = _policy_loss_bwd(
-        grad_loss.to(grad_lp.dtype).contiguous(), grad_lp, grad_ent if ctx.with_entropy_grad else None, ctx.backend,
+        return {}
+    grad_lp, grad_ent = policy_loss_op.backward(
+        ctx, grad_loss.to(grad_lp.dtype).contiguous(), grad_lp, grad_ent if ctx.with_entropy_grad else None,
     )
-    grads[0] = grad_lp
-    if ctx.with_entropy_grad:
-        grads[6] = grad_ent
-    return tuple(grads)
+    return {"logprob": grad_lp, "entropy": grad_ent if ctx.with_entropy_grad else None}
 
 
-_policy_loss_fwd.register_autograd(_backward_policy, setup_context=_setup_policy)
+policy_loss_op.autograd(save=_save_policy, backward=_backward_policy)
 
 
 class PolicyLossAndGrad(NamedTuple):
@@ -226,28 +347,14 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    loss: str = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float | None = None,
-    dual_clip: float | None = None,
-    clamp_log_ratio: float | tuple[float | None, float | None] | None = None,
-    cispo_form: str = "clip",
-    sapo_tau: tuple[float, float] = (1.0, 1.05),
+    config: PolicyLossConfig | None = None,
     importance_weights: Tensor | None = None,
-    agg: str = "token-mean",
     global_tokens: float | Tensor | None = None,
     global_seqs: float | Tensor | None = None,
     loss_scale: float | Tensor | None = None,
     ref_logprob: Tensor | None = None,
-    kl: str = "k3",
-    kl_coef: float = 0.0,
-    kl_k3_clamp: bool = True,
-    kl_clamp: float | None = None,
-    kl_unbiased: bool = False,
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    vespo_k: tuple[float, float] = (2.0, 3.0),
-    vespo_lambda: tuple[float, float] = (3.0, 2.0),
+    **options,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy-gradient loss of one (micro-)batch, with its metrics, in one fused pass.
 
@@ -298,42 +405,23 @@ def policy_loss(
         advantages: ``[B, T]``, or ``[B]`` / ``[B, 1]`` for one advantage per sequence (detached).
         mask: ``[B, T]`` bool, or numbers (nonzero = a loss token). Masked-out positions
             never touch the result, even when they hold ``-inf`` or NaN.
-        loss: ``"ppo"``, ``"gspo"``, ``"cispo"``, ``"gpg"``, ``"sapo"``, ``"geo_mean"``, ``"dppo_tv"``,
-            ``"dppo_kl"`` or ``"vespo"``.
-        clip_low, clip_high: ``eps_low`` and ``eps_high`` (>= 0; ``clip_high=None`` means
-            ``clip_low``). DAPO: 0.2 / 0.28; GSPO: 3e-4 / 4e-4.
-        dual_clip: the dual-clip constant ``c > 1`` (``"ppo"``), the ratio cap (``"dppo_tv"``,
-            ``"dppo_kl"``), or None.
-        clamp_log_ratio: clamp the log-ratio to ``[-c, c]`` (or ``(low, high)``, either None)
-            before ``exp``; a clamped token gets no gradient through the ratio. verl and
-            OpenRLHF use 20. For ``"gspo"`` it clamps the sequence log-ratio ``log s_i``; for
-            ``"gpg"`` it only affects the ratio metrics; for ``"vespo"`` it clamps each token's
-            log-ratio before the row's sum (TRL: 20). None: no clamp (TRL, slime).
-        cispo_form: ``"clip"`` or ``"upper"`` (see ``"cispo"``).
-        sapo_tau: ``(tau for A > 0, tau for A <= 0)``.
+        config: the options (:class:`PolicyLossConfig`: the variant, its clip ranges, the aggregation,
+            the KL and entropy terms); None: its defaults.
         importance_weights: ``[B, T]`` per-token weights (detached, e.g. a rollout-vs-training
             correction) multiplying the policy loss ``L`` (not the KL or entropy terms); for
             ``"vespo"`` a factor of the sequence ratio instead.
-        agg, global_tokens, global_seqs, loss_scale: the aggregation
-            (:mod:`rlk.reference.aggregation`): ``"token-mean"``, ``"token-sum"``,
-            ``"seq-mean-token-sum"``, ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"``
-            (Dr.GRPO; needs ``loss_scale``). With the global normalizers of the optimizer step
+        global_tokens, global_seqs, loss_scale: the normalizers of the aggregation ``agg``
+            (:mod:`rlk.reference.aggregation`). With the global normalizers of the optimizer step
             (numbers or one-element tensors, e.g. all-reduced), the micro-batch losses add up to
             the full-batch loss and so do their gradients. Without them the micro-batch is the
             whole batch (its masked tokens / its sequences with at least one token).
+            ``loss_scale``: ``"seq-mean-token-sum-norm"``'s constant (only that mode takes it).
         ref_logprob: ``[B, T]`` reference-model log-probs (detached); enables the KL term and
             the ``kl_mean`` metric.
-        kl: the KL estimator: ``"k1"`` (alias ``"kl"``), ``"abs"``, ``"k2"`` (``"mse"``), ``"k3"``
-            (``"low_var_kl"``); a trailing ``"+"`` is the straight-through form (value of the
-            estimator, gradient of k2). See :func:`kl_penalty`.
-        kl_coef: the KL coefficient ``beta``; nonzero needs ``ref_logprob``.
-        kl_k3_clamp, kl_clamp: as ``k3_clamp`` and ``clamp`` of :func:`kl_penalty` (TRL's k3:
-            ``kl_k3_clamp=False``; OpenRLHF: ``kl_clamp=10``).
-        kl_unbiased: weight the KL term by ``sg(exp(logprob - old_logprob))`` (slime's unbiased KL).
         entropy: ``[B, T]`` per-token entropy; enables ``entropy_mean``. With ``entropy_coef != 0``
             the loss subtracts ``entropy_coef * agg(entropy)`` and the gradient flows to it.
-        vespo_k, vespo_lambda: ``"vespo"``'s exponent ``k`` and decay ``lam > 0``, each
-            ``(for A >= 0, for A < 0)``.
+        **options: fields of :class:`PolicyLossConfig` by name (``loss="gspo"``, ``clip_low=3e-4``...),
+            replacing those of ``config``.
 
     Returns:
         ``(loss, metrics)``: ``loss`` a 0-d float32 tensor (float64 for float64 inputs),
@@ -353,12 +441,9 @@ def policy_loss(
     without the backward's extra pass over the tokens.
     """
     loss_value, _, _, metrics = _policy_loss(
-        False, logprob, old_logprob, advantages, mask,
-        loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, clamp_log_ratio=clamp_log_ratio,
-        cispo_form=cispo_form, sapo_tau=sapo_tau, importance_weights=importance_weights, agg=agg,
-        global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, ref_logprob=ref_logprob, kl=kl,
-        kl_coef=kl_coef, kl_k3_clamp=kl_k3_clamp, kl_clamp=kl_clamp, kl_unbiased=kl_unbiased, entropy=entropy,
-        entropy_coef=entropy_coef, vespo_k=vespo_k, vespo_lambda=vespo_lambda,
+        False, logprob, old_logprob, advantages, mask, resolve_config(config, options),
+        importance_weights=importance_weights, global_tokens=global_tokens, global_seqs=global_seqs,
+        loss_scale=loss_scale, ref_logprob=ref_logprob, entropy=entropy,
     )
     return loss_value, metrics
 
@@ -369,28 +454,14 @@ def policy_loss_and_grad(
     advantages: Tensor,
     mask: Tensor,
     *,
-    loss: str = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float | None = None,
-    dual_clip: float | None = None,
-    clamp_log_ratio: float | tuple[float | None, float | None] | None = None,
-    cispo_form: str = "clip",
-    sapo_tau: tuple[float, float] = (1.0, 1.05),
+    config: PolicyLossConfig | None = None,
     importance_weights: Tensor | None = None,
-    agg: str = "token-mean",
     global_tokens: float | Tensor | None = None,
     global_seqs: float | Tensor | None = None,
     loss_scale: float | Tensor | None = None,
     ref_logprob: Tensor | None = None,
-    kl: str = "k3",
-    kl_coef: float = 0.0,
-    kl_k3_clamp: bool = True,
-    kl_clamp: float | None = None,
-    kl_unbiased: bool = False,
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    vespo_k: tuple[float, float] = (2.0, 3.0),
-    vespo_lambda: tuple[float, float] = (3.0, 2.0),
+    **options,
 ) -> PolicyLossAndGrad:
     """The policy loss and its gradient from one pass over the tokens, without autograd.
 
@@ -413,12 +484,9 @@ def policy_loss_and_grad(
         ``metrics`` as :func:`policy_loss`'s.
     """
     loss_value, grad_lp, grad_ent, metrics = _policy_loss(
-        True, logprob, old_logprob, advantages, mask,
-        loss=loss, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, clamp_log_ratio=clamp_log_ratio,
-        cispo_form=cispo_form, sapo_tau=sapo_tau, importance_weights=importance_weights, agg=agg,
-        global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, ref_logprob=ref_logprob, kl=kl,
-        kl_coef=kl_coef, kl_k3_clamp=kl_k3_clamp, kl_clamp=kl_clamp, kl_unbiased=kl_unbiased, entropy=entropy,
-        entropy_coef=entropy_coef, vespo_k=vespo_k, vespo_lambda=vespo_lambda,
+        True, logprob, old_logprob, advantages, mask, resolve_config(config, options),
+        importance_weights=importance_weights, global_tokens=global_tokens, global_seqs=global_seqs,
+        loss_scale=loss_scale, ref_logprob=ref_logprob, entropy=entropy,
     )
     return PolicyLossAndGrad(loss_value, grad_lp, grad_ent, metrics)
 
@@ -433,18 +501,18 @@ class PolicyLossCall(NamedTuple):
     mask: Tensor
     importance_weights: Tensor | None
     ref_logprob: Tensor | None
+    with_entropy_grad: bool
     norm_tensors: list[Tensor | None]
     agg: str
     loss: str
     kl: str
     flags: list[bool]
     params: list[float]
-    with_entropy_grad: bool
     metric_names: list[str]
 
     def normalizers(self) -> dict[str, object]:
         """The normalizers by name (numbers, one-element tensors or None), as the forward primitive takes them."""
-        return _normalizers(self.norm_tensors, self.params[len(_FLOAT_ATTRS):])
+        return normalizers(self.norm_tensors, self.params)
 
 
 def prepare(
@@ -454,34 +522,19 @@ def prepare(
     old_logprob: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
+    config: PolicyLossConfig,
     *,
     entropy: Tensor | bool | None,
-    loss: str = "ppo",
-    clip_low: float = 0.2,
-    clip_high: float | None = None,
-    dual_clip: float | None = None,
-    clamp_log_ratio: float | tuple[float | None, float | None] | None = None,
-    cispo_form: str = "clip",
-    sapo_tau: tuple[float, float] = (1.0, 1.05),
     importance_weights: Tensor | None = None,
-    agg: str = "token-mean",
     global_tokens: float | Tensor | None = None,
     global_seqs: float | Tensor | None = None,
     loss_scale: float | Tensor | None = None,
     ref_logprob: Tensor | None = None,
-    kl: str = "k3",
-    kl_coef: float = 0.0,
-    kl_k3_clamp: bool = True,
-    kl_clamp: float | None = None,
-    kl_unbiased: bool = False,
-    entropy_coef: float = 0.0,
-    vespo_k: tuple[float, float] = (2.0, 3.0),
-    vespo_lambda: tuple[float, float] = (3.0, 2.0),
 ) -> PolicyLossCall:
-    """Check the arguments of a policy-loss call on ``[B, T] = shape`` log-probs (compute dtype ``cdt``) and put
-    them in canonical form; errors name the argument. ``entropy``: the entropy tensor (checked here), ``True`` when
-    the caller computes it itself (``fused_linear_policy_loss``), or None. The keywords are
-    :func:`policy_loss`'s."""
+    """Check the tensors of a policy-loss call on ``[B, T] = shape`` log-probs (compute dtype ``cdt``) against each
+    other and ``config`` and put them in canonical form; errors name the argument. ``entropy``: the entropy tensor
+    (checked here), ``True`` when the caller computes it itself (``fused_linear_policy_loss``), or None. The
+    keywords are :func:`policy_loss`'s."""
     b = shape[0]
     if old_logprob is not None:
         _check_tensor("old_logprob", old_logprob, (shape,), device)
@@ -491,69 +544,33 @@ def prepare(
         if x is not None and not (name == "entropy" and x is True):
             _check_tensor(name, x, (shape,), device)
     has_entropy = entropy is not None
-
-    # --- attributes ----------------------------------------------------------------------
-    if loss not in LOSSES:
-        raise ValueError(f"loss: expected one of {', '.join(repr(x) for x in LOSSES)}, got {loss!r}")
-    if cispo_form not in _CISPO_FORMS:
-        raise ValueError(f"cispo_form: expected 'clip' or 'upper', got {cispo_form!r}")
-    clip_low = checks.number("clip_low", clip_low, minimum=0.0)
-    if clip_high is None:
-        if loss == "cispo" and cispo_form == "upper":
-            raise ValueError("clip_high: cispo_form='upper' caps the ratio at clip_high itself (TRL's epsilon_high, "
-                             "e.g. 5.0); pass it explicitly")
-        clip_high = clip_low
-    clip_high = checks.number("clip_high", clip_high, minimum=0.0)
-    if dual_clip is not None:
-        if loss not in _CAPPED_LOSSES:
-            raise ValueError(f"dual_clip: only loss='ppo' has a dual clip, and 'dppo_tv' / 'dppo_kl' a ratio cap "
-                             f"(loss is {loss!r})")
-        dual_clip = checks.number("dual_clip", dual_clip, above=1.0)
-    clamp_low, clamp_high = _clamp_bounds(clamp_log_ratio)
-    if not isinstance(sapo_tau, (tuple, list)) or len(sapo_tau) != 2:
-        raise ValueError(f"sapo_tau: expected a pair (tau_pos, tau_neg), got {sapo_tau!r}")
-    tau_pos = checks.number("sapo_tau", sapo_tau[0], above=0.0)
-    tau_neg = checks.number("sapo_tau", sapo_tau[1], above=0.0)
-    for name, pair in (("vespo_k", vespo_k), ("vespo_lambda", vespo_lambda)):
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise ValueError(f"{name}: expected a pair (for A >= 0, for A < 0), got {pair!r}")
-    vespo_k_pos, vespo_k_neg = (checks.number("vespo_k", k, dtype=torch.float32) for k in vespo_k)
-    vespo_lambda_pos, vespo_lambda_neg = (checks.number("vespo_lambda", lam, above=0.0, dtype=torch.float32)
-                                          for lam in vespo_lambda)
-    kl, kl_straight = _kl_spec("kl", kl)
-    kl_coef = checks.number("kl_coef", kl_coef)
-    if kl_coef != 0 and ref_logprob is None:
+    if config.kl_coef != 0 and ref_logprob is None:
         raise ValueError("ref_logprob: required when kl_coef != 0 (the KL term needs the reference log-probs)")
-    kl_clamp_value = _INF if kl_clamp is None else checks.number("kl_clamp", kl_clamp, above=0.0)
-    entropy_coef = checks.number("entropy_coef", entropy_coef)
-    if entropy_coef != 0 and not has_entropy:
+    if config.entropy_coef != 0 and not has_entropy:
         raise ValueError("entropy: required when entropy_coef != 0")
-    mask_bool = mask if mask.dtype == torch.bool else mask != 0
-    aggregation.check_agg(agg, device, global_tokens, global_seqs, loss_scale)
+    aggregation.check_agg(config.agg, device, global_tokens, global_seqs, loss_scale)
     norm_tensors = [x.detach().reshape(()).to(cdt) if isinstance(x, Tensor) else None
                     for x in (global_tokens, global_seqs, loss_scale)]
     norm_numbers = [math.nan if x is None or isinstance(x, Tensor) else float(x)
                     for x in (global_tokens, global_seqs, loss_scale)]
 
     # --- canonical inputs ----------------------------------------------------------------
+    mask_bool = mask if mask.dtype == torch.bool else mask != 0
     old = None if old_logprob is None else old_logprob.detach().to(cdt).contiguous()
     adv = advantages.detach().to(cdt).reshape(b, 1 if advantages.dim() == 1 else advantages.shape[1]).contiguous()
 
     def detached(x: Tensor | None) -> Tensor | None:
         return None if x is None else x.detach().to(cdt).contiguous()
 
-    with_entropy_grad = has_entropy and entropy_coef != 0
-    flags = [cispo_form == "upper", bool(kl_k3_clamp), kl_straight, bool(kl_unbiased), with_entropy_grad]
-    params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos,
-              tau_neg, kl_coef, kl_clamp_value, entropy_coef, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-              vespo_lambda_neg, *norm_numbers]
+    attrs: _OpAttrs = config._attrs  # type: ignore[attr-defined]
     names = ["clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
     if has_entropy:
         names.append("entropy_mean")
     if ref_logprob is not None:
         names.append("kl_mean")
     return PolicyLossCall(old, adv, mask_bool.contiguous(), detached(importance_weights), detached(ref_logprob),
-                          norm_tensors, agg, loss, kl, flags, params, with_entropy_grad, names)
+                          has_entropy and config.entropy_coef != 0, norm_tensors, config.agg, config.loss, attrs.kl,
+                          attrs.flags, [*attrs.params, *norm_numbers], names)
 
 
 def metrics_dict(call: PolicyLossCall, metrics: Tensor) -> dict[str, Tensor]:
@@ -568,9 +585,10 @@ def _policy_loss(
     old_logprob: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
+    config: PolicyLossConfig,
     *,
     entropy: Tensor | None,
-    **kwargs,
+    **tensors,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, dict[str, Tensor]]:
     """The body of :func:`policy_loss` (``fused=False``: the loss differentiable, no gradients returned) and
     :func:`policy_loss_and_grad` (``fused=True``: detached loss and the gradients)."""
@@ -581,7 +599,7 @@ def _policy_loss(
     device, shape = logprob.device, tuple(logprob.shape)
     _check_tensor("logprob", logprob, (shape,), device)
     cdt = stat_dtype(logprob)
-    call = prepare(shape, device, cdt, old_logprob, advantages, mask, entropy=entropy, **kwargs)
+    call = prepare(shape, device, cdt, old_logprob, advantages, mask, config, entropy=entropy, **tensors)
     lp = (logprob.detach() if fused else logprob).to(cdt).contiguous()
     old = lp.detach() if call.old is None else call.old
     with_entropy_grad = call.with_entropy_grad
@@ -597,7 +615,7 @@ def _policy_loss(
         grad_ent = torch.zeros_like(ent) if with_entropy_grad else None
     else:
         out_loss, grad_lp, grad_ent, _, _, metrics = _policy_loss_fwd(
-            lp, old, call.advantages, call.mask, call.importance_weights, call.ref_logprob, ent,
+            lp, old, call.advantages, call.mask, call.importance_weights, call.ref_logprob, ent, with_entropy_grad,
             *call.norm_tensors, call.agg, call.loss, call.kl, call.flags, call.params,
         )
     metrics = metrics_dict(call, metrics)
@@ -613,59 +631,40 @@ def _policy_loss(
 # ---------------------------------------------------------------------------
 
 
-@custom_op.define("rlk::kl_penalty_fwd")
+kl_penalty_op = custom_op.declare("kl_penalty")
+
+
+@kl_penalty_op.forward(outputs=lambda logprob, *_: (torch.empty_like(logprob), torch.empty_like(logprob)))
 def _kl_penalty_fwd(
-    logprob: Tensor, ref_logprob: Tensor, old_logprob: Tensor | None, estimator: str, straight_through: bool,
-    k3_clamp: bool, clamp: float,
+    primitive, out, logprob: Tensor, ref_logprob: Tensor, old_logprob: Tensor | None, estimator: str,
+    straight_through: bool, k3_clamp: bool, clamp: float,
 ) -> tuple[Tensor, Tensor]:
-    kl, coef = torch.empty_like(logprob), torch.empty_like(logprob)
-    if logprob.numel() == 0:
-        return kl, coef
-    backend = dispatch.select("kl_penalty", logprob.device, logprob.dtype)
-    backend.primitives["kl_penalty_fwd"](
-        logprob, ref_logprob, old_logprob, kl, coef,
-        estimator=estimator, straight_through=straight_through, k3_clamp=k3_clamp, clamp=clamp,
-    )
-    return kl, coef
+    if logprob.numel():
+        primitive(logprob, ref_logprob, old_logprob, *out, estimator=estimator, straight_through=straight_through,
+                  k3_clamp=k3_clamp, clamp=clamp)
 
 
-@_kl_penalty_fwd.register_fake
-def _(logprob, ref_logprob, old_logprob, estimator, straight_through, k3_clamp, clamp):
-    return torch.empty_like(logprob), torch.empty_like(logprob)
+@kl_penalty_op.backward_primitive(outputs=lambda grad_kl, coef: torch.empty_like(coef))
+def _kl_penalty_bwd(primitive, out, grad_kl: Tensor, coef: Tensor) -> Tensor:
+    if coef.numel():
+        primitive(grad_kl, coef, out)
 
 
-@custom_op.define("rlk::kl_penalty_bwd")
-def _kl_penalty_bwd(grad_kl: Tensor, coef: Tensor, backend: str) -> Tensor:
-    grad = torch.empty_like(coef)
-    if coef.numel() == 0:
-        return grad
-    dispatch.backend_named(backend).primitives["kl_penalty_bwd"](grad_kl, coef, grad)
-    return grad
-
-
-@_kl_penalty_bwd.register_fake
-def _(grad_kl, coef, backend):
-    return torch.empty_like(coef)
-
-
-def _setup_kl(ctx, inputs, output):
-    logprob = inputs[0]
+def _save_kl(ctx, inputs, output):
     _, coef = output
     ctx.save_for_backward(coef)
     ctx.mark_non_differentiable(coef)
     ctx.set_materialize_grads(False)
-    ctx.backend = dispatch.decide("kl_penalty", logprob.device, logprob.dtype).backend or ""
 
 
 def _backward_kl(ctx, grad_kl, grad_coef):
     (coef,) = ctx.saved_tensors
     if grad_kl is None:
-        return None, None, None, None, None, None, None
-    grad = _kl_penalty_bwd(grad_kl.to(coef.dtype).contiguous(), coef, ctx.backend)
-    return grad, None, None, None, None, None, None
+        return {}
+    return {"logprob": kl_penalty_op.backward(ctx, grad_kl.to(coef.dtype).contiguous(), coef)}
 
 
-_kl_penalty_fwd.register_autograd(_backward_kl, setup_context=_setup_kl)
+kl_penalty_op.autograd(save=_save_kl, backward=_backward_kl)
 
 
 def kl_penalty(
