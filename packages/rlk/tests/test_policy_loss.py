@@ -1013,6 +1013,8 @@ def test_an_unknown_option_or_a_config_of_another_type_is_refused_by_name():
     batch = make_batch(seed=42)
     with pytest.raises(TypeError, match="clip_lo: not an argument of the policy loss"):
         _call(batch, clip_lo=0.2)
+    with pytest.raises(TypeError, match="attrs: not an argument of the policy loss"):  # derived, not an option
+        _call(batch, attrs=None)
     with pytest.raises(TypeError, match="config: expected an rlk.PolicyLossConfig, got dict"):
         _call(batch, config={"loss": "ppo"})
 

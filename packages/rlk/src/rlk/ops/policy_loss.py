@@ -140,9 +140,11 @@ class PolicyLossConfig:
     entropy_coef: float = 0.0
     vespo_k: tuple[float, float] = (2.0, 3.0)
     vespo_lambda: tuple[float, float] = (3.0, 2.0)
+    #: The fields encoded for the forward primitive (set when the config is made).
+    attrs: _OpAttrs = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_attrs", _op_attrs(self))
+        object.__setattr__(self, "attrs", _op_attrs(self))
 
 
 class _OpAttrs(NamedTuple):
@@ -154,9 +156,9 @@ class _OpAttrs(NamedTuple):
     params: list[float]
 
 
-def _pair(name: str, value) -> tuple:
+def _pair(name: str, value, sides: str = "for A >= 0, for A < 0") -> tuple:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"{name}: expected a pair (for A >= 0, for A < 0), got {value!r}")
+        raise ValueError(f"{name}: expected a pair ({sides}), got {value!r}")
     return tuple(value)
 
 
@@ -182,9 +184,8 @@ def _op_attrs(config: PolicyLossConfig) -> _OpAttrs:
                              f"(loss is {loss!r})")
         dual_clip = checks.number("dual_clip", dual_clip, above=1.0)
     clamp_low, clamp_high = _clamp_bounds(config.clamp_log_ratio)
-    if not isinstance(config.sapo_tau, (tuple, list)) or len(config.sapo_tau) != 2:
-        raise ValueError(f"sapo_tau: expected a pair (tau_pos, tau_neg), got {config.sapo_tau!r}")
-    tau_pos, tau_neg = (checks.number("sapo_tau", tau, above=0.0) for tau in config.sapo_tau)
+    tau_pos, tau_neg = (checks.number("sapo_tau", tau, above=0.0)
+                        for tau in _pair("sapo_tau", config.sapo_tau, "for A > 0, for A <= 0"))
     vespo_k_pos, vespo_k_neg = (checks.number("vespo_k", k, dtype=torch.float32)
                                 for k in _pair("vespo_k", config.vespo_k))
     vespo_lambda_pos, vespo_lambda_neg = (checks.number("vespo_lambda", lam, above=0.0, dtype=torch.float32)
@@ -202,7 +203,7 @@ def _op_attrs(config: PolicyLossConfig) -> _OpAttrs:
 
 
 _DEFAULT_CONFIG = PolicyLossConfig()
-_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(PolicyLossConfig))
+_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(PolicyLossConfig) if field.init)
 
 
 def resolve_config(config: PolicyLossConfig | None, options: dict[str, object]) -> PolicyLossConfig:
@@ -510,10 +511,6 @@ class PolicyLossCall(NamedTuple):
     params: list[float]
     metric_names: list[str]
 
-    def normalizers(self) -> dict[str, object]:
-        """The normalizers by name (numbers, one-element tensors or None), as the forward primitive takes them."""
-        return normalizers(self.norm_tensors, self.params)
-
 
 def prepare(
     shape: tuple[int, int],
@@ -562,7 +559,7 @@ def prepare(
     def detached(x: Tensor | None) -> Tensor | None:
         return None if x is None else x.detach().to(cdt).contiguous()
 
-    attrs: _OpAttrs = config._attrs  # type: ignore[attr-defined]
+    attrs = config.attrs
     names = ["clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max"]
     if has_entropy:
         names.append("entropy_mean")
