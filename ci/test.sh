@@ -56,3 +56,8 @@ echo "== benchmarks (quick CPU mode)"; python3 bench_asv/run.py --quick --out "$
 echo "== asv (quick CPU mode)"
 (cd bench_asv && asv machine --yes > /dev/null && asv check --python=same \
   && asv run --python=same --quick --launch-method forkserver --show-stderr)
+# --quick saves nothing: the history site is built from the committed GPU results (bench_asv/results/h200) and
+# deployed under the docs site's benchmarks/ (Pages, from main).
+echo "== asv publish (the benchmark history site)"
+asv_site=$(realpath -m "$out/site/benchmarks")
+(cd bench_asv && asv publish --no-pull -o "$asv_site")
