@@ -27,7 +27,7 @@ time kernel launches):
   the forward, read again by the backward, and ``grad_logits`` written (per-row vectors are negligible);
 * ``track_peak_extra_mib`` (GPU only; skipped on the CPU): ``torch.cuda.max_memory_allocated`` during
   one step minus the memory allocated before it (the inputs); it includes the returned gradients.
-* ``MachineCeilings``: a square matmul's TFLOP/s and a device-to-device copy's GB/s (bytes read +
+* ``common.MachineCeilings``: a square matmul's TFLOP/s and a device-to-device copy's GB/s (bytes read +
   written), the roofs the rates above are read against.
 
 Quick mode (``RLK_BENCH_QUICK=1``, or no GPU): tiny float32 shapes, so CI proves the suite runs.
@@ -53,7 +53,6 @@ from .common import (  # noqa: F401  (re-exported for bench_asv/run.py)
     SEED,
     WARMUP,
     CaseBase,
-    MachineCeilings,
     _CaseSetup,
     _MemorySetup,
     copy_gbps,
