@@ -2,7 +2,8 @@
 
 Ops: ``rms_norm`` (with the fused residual), ``matmul`` (through ``rlk.ops.matmul.linear`` with a bias),
 ``attention`` (packed varlen, causal, GQA), ``softmax`` (and ``log_softmax``), ``rope`` (packed
-``[T, H, D]`` layout) and ``embedding``. Each is run in bf16, fp16 and fp32, forward and backward
+``[T, H, D]`` layout), ``embedding`` and ``pack`` (padded ``[B, T, F]`` to varlen rows, with holes; its
+forward also unpacks the result). Each is run in bf16, fp16 and fp32, forward and backward
 (the loss ``sum(cotangent * output)`` with fixed random cotangents); ground truth is the same public
 op on fp64 copies of the same values (the inputs as cast to the tested dtype), pinned to the reference
 backend.
@@ -15,7 +16,7 @@ Scales (what each deviation is measured against; ``rlk/core/contract.json`` stat
 * ``matmul``: per element ``(|x| @ |W|^T) + |bias|``, the size of the terms the dot product adds;
 * ``attention``: ``out``: per element ``1 + max |v|`` over the keys of the query's sequence and kv
   head; ``lse``: ``1 + |lse|``;
-* ``embedding``: ``1 + |ref|`` (the forward is a copy);
+* ``embedding``, ``pack``: ``1 + |ref|`` (the forward is a copy);
 * every gradient: ``compare_grad`` with ``max_scale = 0`` (the relative L2 bound ``grad_rel_l2`` alone).
 
 Batch invariance: a probe (one row, one token, or one sequence for attention) alone versus inside
@@ -38,12 +39,13 @@ from rlk.core import contract
 from rlk.reference import matmul as ref_matmul
 from rlk.reference import rope as ref_rope
 
-CHAIN_OPS = ("rms_norm", "matmul", "attention", "softmax", "rope", "embedding")
+CHAIN_OPS = ("rms_norm", "matmul", "attention", "softmax", "rope", "embedding", "pack")
 #: The public function each op is called through: (module, name).
 _PUBLIC = {"rms_norm": ("rlk.ops.norm", "rms_norm"), "matmul": ("rlk.ops.matmul", "linear"),
            "attention": ("rlk.ops.attention", "attention"), "softmax": ("rlk.ops.softmax", "softmax"),
            "log_softmax": ("rlk.ops.softmax", "log_softmax"), "rope": ("rlk.ops.rope", "apply_rope"),
-           "embedding": ("rlk.ops.embedding", "embedding")}
+           "embedding": ("rlk.ops.embedding", "embedding"), "pack": ("rlk.ops.pack", "pack"),
+           "unpack": ("rlk.ops.pack", "unpack")}
 
 
 def _public(name: str) -> Callable:
@@ -63,6 +65,8 @@ SIZES: dict[str, dict[str, tuple]] = {
     "rope": {"cuda": ((4096, 32, 8, 128), (7, 16, 4, 64)), "cpu": ((33, 4, 2, 64), (5, 2, 2, 16))},
     # embedding: (N ids, V, H)
     "embedding": {"cuda": ((16384, 32000, 1024), (7, 151936, 256)), "cpu": ((33, 128, 64), (300, 17, 32))},
+    # pack: (B rows, T tokens, F trailing elements)
+    "pack": {"cuda": ((64, 2048, 512), (7, 300, 8)), "cpu": ((5, 9, 4), (3, 17, 1))},
 }
 VARIANTS: dict[str, tuple[tuple[str, tuple], ...]] = {
     "rms_norm": (("llama", (("gemma", False), ("residual", False))),
@@ -73,6 +77,7 @@ VARIANTS: dict[str, tuple[tuple[str, tuple], ...]] = {
     "softmax": (("softmax", (("log", False),)), ("log_softmax", (("log", True),))),
     "rope": (("rotate-half", (("interleaved", False),)), ("interleaved", (("interleaved", True),))),
     "embedding": (("ids", ()),),
+    "pack": (("holes", ()),),
 }
 INVARIANCE_BATCHES = {"cuda": (7, 133, 1024), "cpu": (7, 33)}
 QUICK_INVARIANCE_BATCHES = (7,)
@@ -108,6 +113,8 @@ def _describe(op: str, size: tuple) -> str:
         return f"N={size[0]} V={size[1]}"
     if op == "rope":
         return f"T={size[0]} Hq={size[1]} Hk={size[2]} D={size[3]}"
+    if op == "pack":
+        return f"B={size[0]} T={size[1]} F={size[2]}"
     return f"N={size[0]} V={size[1]} H={size[2]}"
 
 
@@ -161,6 +168,10 @@ def make_inputs(case: ChainCase, seed: int) -> dict[str, torch.Tensor]:
         cos, sin = _rope_tables(t, d, kw["interleaved"], gen)
         return {"q": randn(t, hq, d), "k": randn(t, hk, d), "cos": cos, "sin": sin, "cot_q": randn(t, hq, d),
                 "cot_k": randn(t, hk, d)}
+    if op == "pack":
+        b, t, f = size
+        mask = (torch.rand(b, t, generator=gen) < 0.7).long()  # right padding, left padding and holes alike
+        return {"x": randn(b, t, f), "mask": mask, "cot_y": randn(int(mask.sum()), f)}
     n, v, h = size
     ids = torch.randint(0, v, (n,), generator=gen)
     ids[: n // 4] = ids[0]  # a repeated id: its gradient row sums many rows
@@ -233,6 +244,12 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> Chain
         q_out, k_out = fn(q, k, x["cos"], x["sin"], interleaved=params["interleaved"])
         ((x["cot_q"] * q_out).sum() + (x["cot_k"] * k_out).sum()).backward()
         return ChainOutputs({"q": q_out.detach(), "k": k_out.detach()}, {"grad_q": q.grad, "grad_k": k.grad})
+    if op == "pack":
+        xx = _leaf(x["x"])
+        y, _, _ = fn(xx, x["mask"])
+        (x["cot_y"] * y).sum().backward()
+        unpacked = _public("unpack")(y.detach(), x["mask"])
+        return ChainOutputs({"y": y.detach(), "unpacked": unpacked}, {"grad_x": xx.grad})
     w = _leaf(x["weight"])
     y = fn(x["ids"], w)
     (x["cot_y"] * y).sum().backward()
@@ -322,9 +339,10 @@ class ChainInvariancePlan:
 #: The probe's case per op and device type: one row of the size (attention: one sequence of the first length).
 _PROBE_SIZES = {
     "cuda": {"rms_norm": (1, 4096), "matmul": (1, 4096, 4096), "attention": ((1000,), 16, 4, 128),
-             "softmax": (1, 151936), "rope": (1, 32, 8, 128), "embedding": (1, 151936, 1024)},
+             "softmax": (1, 151936), "rope": (1, 32, 8, 128), "embedding": (1, 151936, 1024),
+             "pack": (1, 2048, 512)},
     "cpu": {"rms_norm": (1, 96), "matmul": (1, 72, 80), "attention": ((37,), 4, 2, 64), "softmax": (1, 1000),
-            "rope": (1, 4, 2, 64), "embedding": (1, 128, 64)},
+            "rope": (1, 4, 2, 64), "embedding": (1, 128, 64), "pack": (1, 9, 4)},
 }
 
 
@@ -347,7 +365,15 @@ def _others(plan: ChainInvariancePlan, seed: int, batch: int) -> dict[str, torch
 
 
 def _embed(op: str, probe: dict, others: dict, position: int) -> tuple[dict, slice]:
-    """The batch with the probe at ``position`` and the probe's rows (tokens) in it."""
+    """The batch with the probe at ``position`` and the probe's rows (tokens) in it (pack: its packed tokens
+    and its padded row)."""
+    if op == "pack":
+        start = int(others["mask"][:position].sum())
+        length = int(probe["mask"].sum())
+        batch = {name: torch.cat([others[name][:position], probe[name], others[name][position:]])
+                 for name in ("x", "mask")}
+        batch["cot_y"] = torch.cat([others["cot_y"][:start], probe["cot_y"], others["cot_y"][start:]])
+        return batch, (slice(start, start + length), slice(position, position + 1))
     if op != "attention":
         batch = {}
         for name, value in probe.items():
@@ -371,7 +397,11 @@ def _embed(op: str, probe: dict, others: dict, position: int) -> tuple[dict, sli
     return batch, slice(start, start + length)
 
 
-def _probe_rows(op: str, out: ChainOutputs, rows: slice) -> dict[str, torch.Tensor]:
+def _probe_rows(op: str, out: ChainOutputs, rows) -> dict[str, torch.Tensor]:
+    if op == "pack":  # rows: (packed tokens, padded rows), or one slice for both
+        tokens, padded = rows if isinstance(rows, tuple) else (rows, rows)
+        return {"y": out.values["y"][tokens], "unpacked": out.values["unpacked"][padded],
+                "grad_x": out.grads["grad_x"][padded]}
     picked = {name: (value[:, rows] if name == "lse" else value[rows]) for name, value in out.values.items()}
     picked |= {name: value[rows] for name, value in out.grads.items() if name not in ("grad_weight", "grad_bias")}
     return picked

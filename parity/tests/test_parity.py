@@ -31,6 +31,13 @@ NOT_IN_PARITY = {
     "linear_logprob_stored": "fused_linear_policy_loss's one-pass primitives: checked against the fp64 reference and "
                              "the lean mode by packages/rlk/tests/test_linear_policy_loss.py and the backends' "
                              "test_linear_policy_loss_kernels.py / test_linear_logprob_stored_cuda.py",
+    "ema": "an in-place list update with no output (rlk.ema_): checked against torch._foreach_lerp_ and the fp64 "
+           "reference under the contract, for determinism and for independence from the other tensors by "
+           "packages/rlk/tests/test_ema.py and packages/rlk-triton/tests/test_ema_kernels.py",
+    "sample": "a random draw with integer outputs (rlk.sample), not a tolerance against fp64: checked bitwise "
+              "reference vs Triton, for batch invariance, by chi-square tests of the filters and Philox "
+              "known-answer vectors by packages/rlk/tests/test_sampling.py and "
+              "packages/rlk-triton/tests/test_sampling_kernels.py",
 }
 
 
@@ -286,7 +293,7 @@ def test_cli_refuses_a_backend_that_cannot_run():
 
 CHAIN_GRADS = {"rms_norm": {"grad_x", "grad_weight", "grad_residual"}, "matmul": {"grad_x", "grad_weight", "grad_bias"},
                "attention": {"grad_q", "grad_k", "grad_v"}, "softmax": {"grad_x"}, "rope": {"grad_q", "grad_k"},
-               "embedding": {"grad_weight"}}
+               "embedding": {"grad_weight"}, "pack": {"grad_x"}}
 
 
 @pytest.fixture

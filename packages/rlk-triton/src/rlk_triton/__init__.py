@@ -19,10 +19,11 @@ __version__ = "0.1.0"
 ABI_VERSION = 3
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PACK_INT_DTYPES = (torch.int32, torch.int64)
 #: Primitives declined for bfloat16 under the CPU interpreter: kernels that use tl.dot (wrong results there), and
 #: the forward-chain ops whose bf16 outputs the interpreter truncates instead of rounding (verified on the GPU).
 _NO_BF16_ON_CPU = ("linear_", "fused_linear_", "matmul_", "attention_", "rms_norm_", "softmax_", "rope_",
-                   "embedding_")
+                   "embedding_", "ema_", "sample_")
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -59,6 +60,8 @@ def _device_types() -> tuple[str, ...]:
 
 
 def _supports(primitive: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    if primitive.startswith("pack_") and dtype in _PACK_INT_DTYPES:
+        return None  # pack / unpack copy integer ids too
     if dtype not in _DTYPES:
         return f"dtype {dtype} not supported (bfloat16, float16, float32)"
     if device.type == "cpu" and dtype == torch.bfloat16 and primitive.startswith(_NO_BF16_ON_CPU):
@@ -102,14 +105,17 @@ def backend():
         advantages,
         attention,
         distill,
+        ema,
         embedding,
         logprob,
         losses,
         matmul,
         norm,
+        pack,
         policy_loss,
         rollout_correction,
         rope,
+        sampling,
         softmax,
     )
 
@@ -118,8 +124,8 @@ def backend():
         version=__version__,
         abi_version=ABI_VERSION,
         primitives=collect_primitives(
-            advantages, attention, distill, embedding, logprob, losses, matmul, norm, policy_loss, rollout_correction,
-            rope, softmax,
+            advantages, attention, distill, ema, embedding, logprob, losses, matmul, norm, pack, policy_loss,
+            rollout_correction, rope, sampling, softmax,
         ),
         probe=_probe,
         device_types=_device_types,

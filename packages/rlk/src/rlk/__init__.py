@@ -7,9 +7,12 @@ Public API:
   :func:`policy_loss`, :func:`policy_loss_and_grad` (options: :class:`PolicyLossConfig`), :func:`kl_penalty`,
   :func:`fused_linear_policy_loss`,
   :func:`rollout_correction`, :func:`fused_linear_kl` (distillation: KL / JSD between a student and a teacher
-  from their hidden states and LM heads);
+  from their hidden states and LM heads); :func:`pack` / :func:`unpack` (padded batches to varlen rows with
+  ``cu_seqlens`` and position ids, and back);
 * the batch-invariant forward chain: :func:`rms_norm`, :func:`matmul`, :func:`linear`,
   :func:`attention`, :func:`softmax`, :func:`log_softmax`, :func:`apply_rope`, :func:`embedding`;
+  :func:`ema_` (in-place exponential moving average of a list of tensors: reference / target model weights);
+  :func:`sample` (batch-invariant fused token sampling: temperature, top-k, top-p, min-p, per-row seed / step);
   :func:`batch_invariant` (with :func:`enable_batch_invariant`, :func:`disable_batch_invariant`,
   :func:`is_batch_invariant_enabled`) routes an unmodified model's aten ops to them, and
   :func:`patch_model` / :func:`unpatch_model` what the overrides cannot reach in a Hugging Face model.
@@ -51,15 +54,18 @@ from rlk.integrations.hf import patch_model, unpatch_model
 from rlk.ops.advantages import discounted_returns, gae, group_advantages, masked_whiten
 from rlk.ops.attention import attention
 from rlk.ops.distill import fused_linear_kl
+from rlk.ops.ema import ema_
 from rlk.ops.embedding import embedding
 from rlk.ops.linear_policy_loss import fused_linear_policy_loss
 from rlk.ops.logprob import linear_logprob, selected_logprob
 from rlk.ops.losses import dpo_loss, value_loss
 from rlk.ops.matmul import linear, matmul
 from rlk.ops.norm import rms_norm
+from rlk.ops.pack import pack, unpack
 from rlk.ops.policy_loss import PolicyLossAndGrad, PolicyLossConfig, kl_penalty, policy_loss, policy_loss_and_grad
 from rlk.ops.rollout_correction import rollout_correction
 from rlk.ops.rope import apply_rope
+from rlk.ops.sampling import sample
 from rlk.ops.softmax import log_softmax, softmax
 
 __all__ = [
@@ -73,6 +79,7 @@ __all__ = [
     "disable_batch_invariant",
     "discounted_returns",
     "dpo_loss",
+    "ema_",
     "embedding",
     "enable_batch_invariant",
     "explain",
@@ -88,10 +95,12 @@ __all__ = [
     "linear_logprob",
     "log_softmax",
     "masked_whiten",
+    "pack",
     "matmul",
     "patch_model",
     "policy_loss",
     "policy_loss_and_grad",
+    "sample",
     "PolicyLossAndGrad",
     "PolicyLossConfig",
     "rms_norm",
@@ -101,6 +110,7 @@ __all__ = [
     "set_tensor_parallel_invariant",
     "softmax",
     "tensor_parallel_invariant",
+    "unpack",
     "unpatch_model",
     "use_backend",
     "value_loss",

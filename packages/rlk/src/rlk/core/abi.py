@@ -327,6 +327,39 @@ PRIMITIVES: dict[str, Primitive] = {
             "grad_weight_out[V,H] weight.dtype (row v: fp32 sum of the grad_out rows with id v in position "
             "order, 0 for padding_idx and unused ids)) -> None",
         ),
+        # pack (spec: rlk.reference.pack): padded [B, T, *] rows (N = B * T rows of F elements) to packed varlen
+        # rows [M, F] and back, by slot[N] int64 (the packed row of each valid token, -1 at padding; a bijection of
+        # the valid tokens onto [0, M)). Bitwise copies of any dtype the backend serves (floats, int32 / int64).
+        Primitive(
+            "pack_fwd",
+            "pack",
+            "(x[N,F], slot[N] int64, out[M,F] x.dtype (out[slot[n]] = x[n] for slot[n] >= 0)) -> None",
+        ),
+        Primitive(
+            "pack_bwd",
+            "pack",
+            "(packed[M,F], slot[N] int64, fill: float, out[N,F] packed.dtype (packed[slot[n]], or fill where "
+            "slot[n] < 0)) -> None",
+        ),
+        # ema (spec: rlk.reference.ema): in-place exponential moving average of a list of tensors (a reference /
+        # target model's weights): target[i] <- lerp(target[i], source[i], 1 - decay) in fp32 math, written back in
+        # the target's dtype. Not differentiable. The op layer hands a backend one dtype at a time, non-empty
+        # tensors only.
+        Primitive(
+            "ema_fwd",
+            "ema",
+            "(targets: list of [n_i] float (one dtype, updated in place), sources: list of [n_i] targets' dtype, "
+            "decay: float in [0, 1]) -> None",
+        ),
+        # sample (spec: rlk.reference.sampling): one token per row by Gumbel-max over the filtered, temperature-
+        # scaled logits; Philox4x32-10 keyed by the row's seed, counter (v // 4, 0, step). Not differentiable.
+        Primitive(
+            "sample_fwd",
+            "sample",
+            "(logits[B,V] float (last dim contiguous), seed[B] int64, step[B] int64, inv_temperature: float, "
+            "top_k: int (0: off), top_p: float in (0, 1] (1: off), min_p: float in [0, 1] (0: off), greedy: bool, "
+            "tokens_out[B] int64, logprob_out[B] fp32 (pre-filter log_softmax of the scaled logits)) -> None",
+        ),
     )
 }
 
@@ -355,6 +388,9 @@ OPS: dict[str, Op] = {
         Op("softmax", "softmax_fwd", "softmax_bwd", _FLOAT_DTYPES),
         Op("rope", "rope_fwd", "rope_bwd", _FLOAT_DTYPES),
         Op("embedding", "embedding_fwd", "embedding_bwd", _FLOAT_DTYPES),
+        Op("pack", "pack_fwd", "pack_bwd", (*_FLOAT_DTYPES, "int32", "int64")),
+        Op("ema", "ema_fwd", None, _FLOAT_DTYPES),
+        Op("sample", "sample_fwd", None, _FLOAT_DTYPES),
     )
 }
 

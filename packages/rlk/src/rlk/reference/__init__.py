@@ -16,21 +16,27 @@ from rlk.reference import (
     advantages,
     attention,
     distill,
+    ema,
     embedding,
     logprob,
     losses,
     matmul,
     norm,
+    pack,
     policy_loss,
     rollout_correction,
     rope,
+    sampling,
     softmax,
 )
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_PACK_INT_DTYPES = (torch.int32, torch.int64)
 
 
 def _supports(primitive: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    if primitive.startswith("pack_") and dtype in _PACK_INT_DTYPES:
+        return None  # pack / unpack copy integer ids too
     if dtype not in _DTYPES:
         return f"dtype {dtype} is not a floating dtype the reference handles"
     return None
@@ -42,8 +48,8 @@ def backend() -> Backend:
         version=__version__,
         abi_version=abi.ABI_VERSION,
         primitives=abi.collect_primitives(
-            advantages, attention, distill, embedding, logprob, losses, matmul, norm, policy_loss, rollout_correction,
-            rope, softmax,
+            advantages, attention, distill, ema, embedding, logprob, losses, matmul, norm, pack, policy_loss,
+            rollout_correction, rope, sampling, softmax,
         ),
         probe=lambda: None,
         device_types=lambda: ("*",),

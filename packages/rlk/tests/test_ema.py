@@ -1,0 +1,163 @@
+"""The public op ``rlk.ema_`` on the reference and Triton backends against ``torch._foreach_lerp_(target, source,
+1 - decay)`` and the fp64 reference under the contract, determinism, independence from the other tensors of the
+list, autograd bookkeeping and bad input (errors name the argument)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+import rlk
+from rlk.core import contract, dispatch
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+#: Odd sizes: empty, one element, one block of the Triton kernel +- 1, several blocks.
+SIZES = [0, 1, 3, 7, 4095, 4096, 4097, 100, 9000, 1, 0, 33]
+
+
+def _backends(dtype):
+    names = ["reference"]
+    if dispatch.why_not("triton", rlk.core.abi.OPS["ema"], DEVICE, dtype) is None:
+        names.append("triton")
+    return names
+
+
+def _lists(dtype, sizes=SIZES, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    targets = [(torch.randn(n, generator=g) * scale).to(dtype).to(DEVICE) for n in sizes]
+    sources = [(torch.randn(n, generator=g) * scale).to(dtype).to(DEVICE) for n in sizes]
+    return targets, sources
+
+
+def _run(backend, targets, sources, decay):
+    out = [t.clone() for t in targets]
+    with rlk.use_backend(backend):
+        assert rlk.ema_(out, sources, decay) is None
+    return out
+
+
+def _within_one_ulp(got, want, t, s):
+    """|got - want| <= 1 ulp of the dtype at max(|t|, |s|) (the size of the lerp's inputs), elementwise."""
+    eps = torch.finfo(got.dtype).eps
+    tiny = torch.finfo(got.dtype).smallest_normal * eps
+    bound = eps * torch.maximum(t.double().abs(), s.double().abs()) + tiny
+    return bool(((got.double() - want.double()).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("decay", [0.999, 0.9, 0.5, 0.3, 0.0, 1.0])
+def test_matches_foreach_lerp(dtype, decay):
+    targets, sources = _lists(dtype)
+    want = [t.clone() for t in targets]
+    torch._foreach_lerp_(want, sources, 1 - decay)
+    for backend in _backends(dtype):
+        got = _run(backend, targets, sources, decay)
+        for i, (g, w, t, s) in enumerate(zip(got, want, targets, sources)):
+            assert g.dtype == dtype and g.shape == w.shape
+            assert _within_one_ulp(g, w, t, s), (backend, i)
+        if decay in (0.0, 1.0):  # a copy of source / target: exact
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_against_fp64_reference_under_the_contract(dtype):
+    targets, sources = _lists(dtype, seed=1, scale=3.0)
+    truth = _run("reference", [t.double() for t in targets], [s.double() for s in sources], 0.99)
+    e = contract.entry("ema", dtype)
+    for backend in _backends(dtype):
+        got = _run(backend, targets, sources, 0.99)
+        for g, r, t, s in zip(got, truth, targets, sources):
+            scale = t.double().abs() + s.double().abs()
+            assert bool(((g.double() - r).abs() <= e.atol + e.rtol * scale).all()), backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_equals_reference_bitwise_where_both_unfused(dtype):
+    """Under the CPU interpreter the Triton kernel's fma is evaluated unfused, like the reference: same bits."""
+    if "triton" not in _backends(dtype) or DEVICE.type != "cpu":
+        pytest.skip("needs the Triton backend under the CPU interpreter")
+    targets, sources = _lists(dtype, seed=2)
+    for decay in (0.99, 0.2):
+        ref = _run("reference", targets, sources, decay)
+        tri = _run("triton", targets, sources, decay)
+        assert all(torch.equal(a, b) for a, b in zip(ref, tri))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_deterministic_and_independent_of_the_other_tensors(dtype):
+    targets, sources = _lists(dtype, seed=3)
+    probe_t, probe_s = targets[7], sources[7]  # 100 elements
+    for backend in _backends(dtype):
+        a = _run(backend, targets, sources, 0.95)
+        b = _run(backend, targets, sources, 0.95)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        alone = _run(backend, [probe_t], [probe_s], 0.95)[0]
+        first = _run(backend, [probe_t] + targets[:3], [probe_s] + sources[:3], 0.95)[0]
+        last = _run(backend, targets[8:] + [probe_t], sources[8:] + [probe_s], 0.95)[-1]
+        assert torch.equal(alone, a[7]) and torch.equal(alone, first) and torch.equal(alone, last)
+        negative = _run(backend, [probe_t], [probe_s], 0.9)[0]  # the check can fail
+        assert not torch.equal(alone, negative)
+
+
+def test_mixed_dtypes_tuples_and_2d_shapes():
+    g = torch.Generator().manual_seed(4)
+    targets = (torch.randn(5, 7, generator=g), torch.randn(3, generator=g).half(), torch.randn(2, 2, generator=g))
+    sources = (torch.randn(5, 7, generator=g), torch.randn(3, generator=g).half(), torch.randn(2, 2, generator=g))
+    targets = tuple(t.to(DEVICE) for t in targets)
+    sources = tuple(s.to(DEVICE) for s in sources)
+    want = [t.clone() for t in targets]
+    torch._foreach_lerp_(want, list(sources), 0.25)
+    got = [t.clone() for t in targets]
+    rlk.ema_(tuple(got), sources, 0.75)
+    assert all(_within_one_ulp(a, b, t, s) for a, b, t, s in zip(got, want, targets, sources))
+    rlk.ema_([], [], 0.5)  # nothing to do
+
+
+def test_parameters_that_require_grad():
+    w = torch.nn.Parameter(torch.randn(10, device=DEVICE))
+    src = torch.randn(10, device=DEVICE)
+    before, version = w.detach().clone(), w._version
+    rlk.ema_([w], [src], 0.9)
+    assert w.requires_grad and w.grad_fn is None and w._version > version
+    want = before.clone()
+    torch._foreach_lerp_([want], [src], 0.1)
+    assert _within_one_ulp(w.detach(), want, before, src)
+
+
+def test_bad_input_names_the_argument():
+    t = [torch.zeros(4), torch.zeros(3)]
+    s = [torch.zeros(4), torch.zeros(3)]
+    with pytest.raises(TypeError, match="target"):
+        rlk.ema_(torch.zeros(4), s, 0.5)
+    with pytest.raises(TypeError, match=r"source\[1\]"):
+        rlk.ema_(t, [torch.zeros(4), 3.0], 0.5)
+    with pytest.raises(ValueError, match="source: expected 2"):
+        rlk.ema_(t, s[:1], 0.5)
+    with pytest.raises(ValueError, match=r"source\[1\]: expected shape"):
+        rlk.ema_(t, [torch.zeros(4), torch.zeros(4)], 0.5)
+    with pytest.raises(TypeError, match=r"source\[0\]: expected dtype"):
+        rlk.ema_(t, [torch.zeros(4).half(), torch.zeros(3)], 0.5)
+    with pytest.raises(TypeError, match=r"target\[0\]: expected dtype"):
+        rlk.ema_([torch.zeros(4, dtype=torch.int64)], [torch.zeros(4, dtype=torch.int64)], 0.5)
+    with pytest.raises(ValueError, match=r"target\[1\]: expected a contiguous"):
+        rlk.ema_([torch.zeros(4), torch.zeros(3, 2).t()], [torch.zeros(4), torch.zeros(2, 3)], 0.5)
+    with pytest.raises(ValueError, match=r"source\[1\]: expected a contiguous"):
+        rlk.ema_([torch.zeros(4), torch.zeros(2, 3)], [torch.zeros(4), torch.zeros(3, 2).t()], 0.5)
+    with pytest.raises(ValueError, match=r"target\[1\]: the same memory as target\[0\]"):
+        rlk.ema_([t[0], t[0]], [s[0], s[0]], 0.5)
+    for bad in (-0.1, 1.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="decay"):
+            rlk.ema_(t, s, bad)
+    for bad in (True, "0.9", None):
+        with pytest.raises(TypeError, match="decay"):
+            rlk.ema_(t, s, bad)
+    if torch.device("meta") != DEVICE:
+        with pytest.raises(ValueError, match=r"target\[1\]: expected device"):
+            rlk.ema_([torch.zeros(4), torch.zeros(3, device="meta")], s, 0.5)
