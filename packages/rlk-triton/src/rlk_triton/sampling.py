@@ -19,7 +19,8 @@ from rlk_triton.common import on_device
 
 BLOCK = 1024
 NUM_WARPS = 8
-MASS_SCALE = 68719476736.0  # 2**36, as rlk.reference.sampling.MASS_SCALE
+#: 2**36, as rlk.reference.sampling.MASS_SCALE (a constexpr: the kernel reads it).
+MASS_SCALE = tl.constexpr(68719476736.0)
 
 
 @triton.jit
