@@ -78,16 +78,31 @@ def test_against_fp64_reference_under_the_contract(dtype):
             assert bool(((g.double() - r).abs() <= e.atol + e.rtol * scale).all()), backend
 
 
+#: Whether the Triton kernel's ``tl.fma`` rounds once: on a GPU and in interpreters after Triton 3.6 (3.6's evaluates
+#: a multiply and an add, each rounded, as the reference does).
+def _kernel_fma_fused() -> bool:
+    import triton
+
+    return DEVICE.type != "cpu" or tuple(int(p) for p in triton.__version__.split(".")[:2]) > (3, 6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_equals_reference_bitwise_where_both_unfused(dtype):
-    """Under the CPU interpreter the Triton kernel's fma is evaluated unfused, like the reference: same bits."""
-    if "triton" not in _backends(dtype) or DEVICE.type != "cpu":
-        pytest.skip("needs the Triton backend under the CPU interpreter")
+def test_triton_against_the_reference_bitwise_where_both_unfused(dtype):
+    """Where the kernel's fma is evaluated unfused (the Triton 3.6 interpreter), like the reference: the same bits;
+    where it is fused, within one ulp of the dtype measured against the inputs."""
+    if "triton" not in _backends(dtype):
+        pytest.skip("the Triton backend is not installed (CI and the GPU runs require it: RLK_REQUIRE_BACKENDS)")
     targets, sources = _lists(dtype, seed=2)
+    eps = torch.finfo(dtype).eps
     for decay in (0.99, 0.2):
         ref = _run("reference", targets, sources, decay)
         tri = _run("triton", targets, sources, decay)
-        assert all(torch.equal(a, b) for a, b in zip(ref, tri))
+        if not _kernel_fma_fused():
+            assert all(torch.equal(a, b) for a, b in zip(ref, tri))
+            continue
+        for a, b, t, s in zip(ref, tri, targets, sources):
+            bound = eps * torch.maximum(t.double().abs(), s.double().abs()) + 1e-30
+            assert bool(((a.double() - b.double()).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
