@@ -8,11 +8,11 @@ Public API:
   :func:`fused_linear_policy_loss`,
   :func:`rollout_correction`, :func:`fused_linear_kl` (distillation: KL / JSD between a student and a teacher
   from their hidden states and LM heads); :func:`pack` / :func:`unpack` (padded batches to varlen rows with
-  ``cu_seqlens`` and position ids, and back);
+  ``cu_seqlens`` and position ids, and back); :func:`ema_` (in-place exponential moving average of a list of
+  tensors: reference / target model weights); :func:`sample` (batch-invariant fused token sampling:
+  temperature, top-k, top-p, min-p, per-row seed / step);
 * the batch-invariant forward chain: :func:`rms_norm`, :func:`matmul`, :func:`linear`,
   :func:`attention`, :func:`softmax`, :func:`log_softmax`, :func:`apply_rope`, :func:`embedding`;
-  :func:`ema_` (in-place exponential moving average of a list of tensors: reference / target model weights);
-  :func:`sample` (batch-invariant fused token sampling: temperature, top-k, top-p, min-p, per-row seed / step);
   :func:`batch_invariant` (with :func:`enable_batch_invariant`, :func:`disable_batch_invariant`,
   :func:`is_batch_invariant_enabled`) routes an unmodified model's aten ops to them, and
   :func:`patch_model` / :func:`unpatch_model` what the overrides cannot reach in a Hugging Face model.
