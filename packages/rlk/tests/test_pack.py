@@ -184,8 +184,8 @@ def test_empty_inputs(backend):
 def test_opcheck_custom_ops():
     mask = _mask("holes").reshape(-1)
     slot = torch.where(mask != 0, torch.cumsum(mask, 0) - 1, -1)
-    x = torch.randn(15, 4, generator=_gen(13)).requires_grad_(True)
-    packed = torch.randn(5, 4, generator=_gen(14)).requires_grad_(True)
+    x = torch.randn(15, 4, generator=_gen(13)).to(DEVICE).requires_grad_(True)
+    packed = torch.randn(5, 4, generator=_gen(14)).to(DEVICE).requires_grad_(True)
     with rlk.use_backend("reference"):
         torch.library.opcheck(torch.ops.rlk.pack_fwd.default, (x, slot, 5))
         torch.library.opcheck(torch.ops.rlk.pack_bwd.default, (packed.detach(), slot, "reference"))
