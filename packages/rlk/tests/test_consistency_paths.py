@@ -206,6 +206,90 @@ def test_rollout_slots_shrinking_batch_and_budgets(chunk):
     assert stopped.responses[0] == [eos]
 
 
+# ---------------------------------------------------------------------------
+# sampling: rlk.sample with per-sequence seeds, steps = token index in the response
+# ---------------------------------------------------------------------------
+
+
+def test_sequence_seeds_are_distinct_int64_per_index():
+    from rlk.app.consistency import paths
+
+    s = paths.sequence_seeds(7, 1000)
+    assert s.dtype == torch.int64 and s.shape == (1000,) and len(set(s.tolist())) == 1000
+    assert torch.equal(s, paths.sequence_seeds(7, 1000)) and torch.equal(paths.sequence_seeds(7, 3), s[:3])
+    assert not set(paths.sequence_seeds(8, 1000).tolist()) & set(s.tolist())
+    assert bool((s < 0).any()) and bool((s > 0).any())  # all 64 bits used
+    # the documented formula: the first SplitMix64 output of state 0 is 0xE220A8397B1DCDAF
+    assert paths.sequence_seeds(0, 1).tolist() == [0xE220A8397B1DCDAF - 2**64]
+    assert torch.equal(paths.sequence_seeds(-1, 4), paths.sequence_seeds(2**64 - 1, 4))  # seed mod 2**64
+    with pytest.raises(TypeError, match="seed must be an int"):
+        paths.sequence_seeds(1.5, 2)
+
+
+def test_rollout_samples_with_rlk_sample_per_sequence_seed_and_step():
+    """Each token is ``rlk.sample(logits, sequence_seeds(seed, n)[i], step = its index in the response)``: checked
+    token by token on the rollout's own logits (recorded by a forward hook), through the shrinking batch."""
+    import rlk
+    from rlk.app.consistency import paths
+
+    model = _model("tiny")
+    prompts = _prompts(model, n=3)
+    rows_logits = []
+    handle = model.register_forward_hook(lambda module, args, out: rows_logits.append(out.logits[:, -1].clone()))
+    try:
+        with paths.chain(model, False):
+            r = paths.rollout(model, prompts, max_new_tokens=5, seed=4)
+    finally:
+        handle.remove()
+    assert len({len(x) for x in r.responses}) > 1  # the batch shrinks
+    seeds = paths.sequence_seeds(4, 3).to(DEVICE)
+    active = [0, 1, 2]
+    for t, logits in enumerate(rows_logits[:max(len(x) for x in r.responses)]):
+        assert logits.shape[0] == len(active)
+        tokens, _ = rlk.sample(logits, seeds[active], torch.full((len(active),), t, dtype=torch.int64, device=DEVICE))
+        assert tokens.tolist() == [r.responses[i][t] for i in active]
+        active = [i for i in active if len(r.responses[i]) > t + 1]
+
+
+def test_identical_prompts_get_different_samples():
+    """The seeds differ between sequences: identical prompts (identical logits) sample different responses at
+    temperature 1 on the random model (seeds fixed: deterministic)."""
+    from rlk.app.consistency import paths
+
+    model = _model("tiny")
+    prompt = _prompts(model, n=1)[0]
+    with paths.chain(model, False):
+        r = paths.rollout(model, [prompt] * 4, max_new_tokens=6, seed=0)
+    assert len({tuple(x) for x in r.responses}) == 4
+    assert len({x[0] for x in r.responses}) > 1  # already the first tokens (same logits row) differ
+    again = paths.rollout(model, [prompt] * 4, max_new_tokens=6, seed=1)
+    assert again.responses != r.responses
+
+
+@routed
+def test_rollout_response_does_not_depend_on_the_batch():
+    """With rlk's chain on (batch-invariant logits), a sequence's sampled response and log-probs are the same
+    rolled out alone or with other sequences, whichever they are (its seed depends on its index, its step on its
+    own token count, not on the shrinking batch)."""
+    from rlk.app.consistency import paths
+
+    model = _model("tiny")
+    p = _prompts(model, n=6, seed=5)
+    m, seed = 6, 3
+    assert paths._response_lengths(1, m, seed)[0] == paths._response_lengths(3, m, seed)[0]
+    with paths.chain(model, True), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="rlk")
+        alone = paths.rollout(model, p[:1], max_new_tokens=m, seed=seed)
+        batch = paths.rollout(model, p[:3], max_new_tokens=m, seed=seed)
+        other = paths.rollout(model, [p[0], p[3], p[4]], max_new_tokens=m, seed=seed)
+        other1 = paths.rollout(model, [p[5], p[1], p[2]], max_new_tokens=m, seed=seed)
+    assert len({len(x) for x in batch.responses}) > 1  # the batch shrank
+    assert alone.responses[0] == batch.responses[0] == other.responses[0]
+    assert other1.responses[1:] == batch.responses[1:]
+    assert torch.equal(alone.logprobs[0], batch.logprobs[0]) and torch.equal(other.logprobs[0], batch.logprobs[0])
+    assert all(torch.equal(x, y) for x, y in zip(other1.logprobs[1:], batch.logprobs[1:]))
+
+
 def test_training_slots_cover_each_token_once():
     from rlk.app.consistency import paths
 

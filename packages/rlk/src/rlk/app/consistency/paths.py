@@ -12,6 +12,10 @@ then the token's entry. What differs is how the forward passes are shaped, as in
 With rlk's chain on (:func:`chain`), a token's log-prob is bitwise the same on both paths and in any
 micro-batch split; with stock kernels it drifts.
 
+The rollout samples with ``rlk.sample`` (Gumbel-max, Philox keyed by a per-sequence seed and counted by the
+token's index in its response, :func:`sequence_seeds`): a sequence's token is a function of its logits row's bits,
+the run's seed, its sequence index and its step only, whatever the batch, the backend and the other sequences.
+
 Observers: every model forward of a path is announced right BEFORE it runs with ``on_forward(slots)``,
 ``slots`` int64 ``[B, S, 2]`` on the model's device, the (sequence index, position in that sequence) of each
 input slot ``[b, s]`` of this forward, ``(-1, -1)`` for padding.
@@ -131,11 +135,44 @@ def _response_lengths(n: int, max_new_tokens: int, seed: int) -> list[int]:
     return torch.randint(low, max_new_tokens + 1, (n,), generator=g).tolist()
 
 
-def _sample(logits: Tensor, rows: list[int], generators: list[torch.Generator], temperature: float) -> list[int]:
-    """One token per row from ``softmax(logits.float() / temperature)`` on the CPU, row ``j`` drawn with the
-    generator of its sequence ``rows[j]`` (a sequence's draws do not depend on the other rows)."""
-    probs = torch.softmax(logits.detach().float().cpu() / temperature, -1)
-    return [int(torch.multinomial(probs[j], 1, generator=generators[i])) for j, i in enumerate(rows)]
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(state: int) -> int:
+    """The SplitMix64 output function of a 64-bit state (a bijection of ``[0, 2**64)``)."""
+    z = state & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def sequence_seeds(seed: int, n: int) -> Tensor:
+    """The ``rlk.sample`` seeds of sequences ``0 .. n-1`` of a run with sampling seed ``seed``: int64 ``[n]`` (CPU).
+
+    ``seeds[i] = splitmix64((seed + (i + 1) * 0x9E3779B97F4A7C15) mod 2**64)``, as a two's-complement int64: the
+    ``(i + 1)``-th output of a SplitMix64 generator started at ``seed`` (any Python int, taken mod ``2**64``), with
+    the output function ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB;
+    z ^= z >> 31`` (mod ``2**64``). The state steps by an odd constant and the output function is a bijection, so
+    the ``n`` seeds of a run are distinct (for ``n <= 2**64``), and all 64 bits of Philox's key vary. A sequence's
+    seed depends only on ``seed`` and its index ``i``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    out = []
+    for i in range(n):
+        z = _splitmix64(seed + (i + 1) * 0x9E3779B97F4A7C15)
+        out.append(z - (1 << 64) if z >= 1 << 63 else z)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _sample(logits: Tensor, seeds: Tensor, steps: Tensor, temperature: float) -> Tensor:
+    """One token per row with ``rlk.sample`` (int64 ``[B]`` on the logits' device): row ``j`` drawn with its
+    sequence's seed ``seeds[j]`` at step ``steps[j]`` (the index of the token in its response), so a sequence's
+    draws do not depend on the other rows, on the batch size or on the backend. No top-k / top-p / min-p."""
+    import rlk
+
+    tokens, _ = rlk.sample(logits.detach(), seeds, steps, temperature=temperature)
+    return tokens
 
 
 def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chunk: int | None = None, seed: int = 0,
@@ -153,10 +190,14 @@ def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chu
     (``DynamicCache.batch_select_indices``). Every forward asks for the last position's logits only
     (``logits_to_keep=1``; with left padding the last column is every row's newest token).
 
-    Sampling is separate from scoring: the next token is drawn on the CPU from ``softmax(logits.float() /
-    temperature)`` with a ``torch.Generator`` per sequence seeded from ``seed``; the recorded log-prob is the
-    temperature-1 score ``log_softmax(logits.float())[token]`` on the model's device (what the trainer
-    computes). Gradients are off. Returns fp32 log-probs on the CPU.
+    Sampling is separate from scoring: the next token is drawn on the model's device by ``rlk.sample(logits,
+    seeds, steps, temperature=temperature)`` (Gumbel-max with Philox, whichever backend dispatch selects; the
+    backends give the same bits), with sequence ``i``'s seed ``sequence_seeds(seed, n)[i]`` and the step = the
+    index of the token in its response (0 for the first). A sequence's response is thus a function of its own
+    logits, ``seed`` and ``i`` only: the same whichever other sequences share (or have left) the decode batch, and
+    two rollouts whose logits rows are bitwise equal (as with rlk's chain on) sample the same tokens. The
+    recorded log-prob is the temperature-1 score ``log_softmax(logits.float())[token]`` on the model's device
+    (what the trainer computes), not the sampler's. Gradients are off. Returns fp32 log-probs on the CPU.
     """
     _check_prompts(model, prompts)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -171,7 +212,7 @@ def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chu
     n = len(prompts)
     prompts = [list(p) for p in prompts]
     budgets = _response_lengths(n, max_new_tokens, seed)
-    generators = [torch.Generator().manual_seed(seed * 1_000_003 + 1 + i) for i in range(n)]
+    seeds = sequence_seeds(seed, n).to(device)  # seeds[row]: the seed of sequence active[row]
 
     width = max(len(p) for p in prompts)
     ids = torch.full((n, width), pad_token_id, dtype=torch.int64)
@@ -204,8 +245,9 @@ def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chu
                              mask[:, start:stop].bool())
         next_pos = position_ids[:, -1] + 1  # [B]: every prompt is non-empty
         while True:
-            tokens = _sample(logits, active, generators, temperature)
-            token_t = torch.tensor(tokens, dtype=torch.int64, device=device)
+            steps = torch.tensor([len(responses[i]) for i in active], dtype=torch.int64, device=device)
+            token_t = _sample(logits, seeds, steps, temperature)
+            tokens = token_t.tolist()
             scores = _logprob_of(logits, token_t).cpu()
             keep = []
             for row, (i, t) in enumerate(zip(active, tokens)):
@@ -218,7 +260,7 @@ def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chu
             if len(keep) < len(active):  # the batch shrinks: drop finished rows from the batch and the cache
                 rows = torch.tensor(keep, dtype=torch.int64, device=device)
                 cache.batch_select_indices(rows)
-                mask, next_pos, token_t = mask[rows], next_pos[rows], token_t[rows]
+                mask, next_pos, token_t, seeds = mask[rows], next_pos[rows], token_t[rows], seeds[rows]
                 active = [active[row] for row in keep]
             mask = torch.cat([mask, mask.new_ones((len(active), 1))], 1)
             step_pos = next_pos[:, None]

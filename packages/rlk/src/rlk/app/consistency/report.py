@@ -117,7 +117,7 @@ def format_table(report: dict) -> str:
         f"{cfg.get('hidden_size', '?')}, vocab {cfg.get('vocab_size', '?')}) in {report['dtype']} on {dev['device']}"
         f" ({dev.get('name') or '?'})",
         f"{s['prompts']} prompts of {min(report['prompt_lengths'])}..{max(report['prompt_lengths'])} tokens, up to "
-        f"{s['max_new_tokens']} sampled tokens each (prefill chunk {s['prefill_chunk']}), seed "
+        f"{s['max_new_tokens']} tokens each sampled by rlk.sample (prefill chunk {s['prefill_chunk']}), seed "
         f"{report['seeds']['sampling']}; split A: {s['split_a']}; split B: {s['split_b']}",
         "",
     ]
@@ -399,7 +399,11 @@ def render_html(report: dict) -> str:
         f"{s['max_new_tokens']} sampled tokens each, seed {report['seeds']['sampling']}. The rollout (left-padded "
         f"batched prefill in chunks of {s['prefill_chunk']}, then decode with a KV cache, the batch shrinking as "
         f"sequences finish) and the training forward (packed micro-batches, teacher forcing) score the same "
-        f"sampled tokens. Split A: {esc(s['split_a'])}; split B: {esc(s['split_b'])}.</p>",
+        f"sampled tokens. Each chain samples its own responses with <code>rlk.sample</code> (Gumbel-max with "
+        f"Philox, a seed per sequence derived from the sampling seed and the sequence index, the step = the "
+        f"token's index in its response): a token depends only on its logits row's bits, so the two chains "
+        f"sample the same tokens wherever their logits are bitwise equal. "
+        f"Split A: {esc(s['split_a'])}; split B: {esc(s['split_b'])}.</p>",
         "<h2>Verdicts</h2>",
         _table(["status", "claim", "detail"],
                [[v["status"].upper(), v["claim"], v["detail"]] for v in report["verdicts"]],

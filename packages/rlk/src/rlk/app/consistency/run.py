@@ -4,7 +4,11 @@ For ``enabled`` in (False, True), on one model built once (:func:`rlk.app.consis
 
 1. rollout (:func:`rlk.app.consistency.paths.rollout`) of the fixed prompt set under
    :func:`~rlk.app.consistency.paths.chain` ``(model, enabled)``, with a :class:`~rlk.app.consistency.probe.Probe`;
-   the sampling seed is the same for both chains, each chain samples its own responses;
+   the sampling seed is the same for both chains, each chain samples its own responses with ``rlk.sample``
+   (per-sequence seeds :func:`~rlk.app.consistency.paths.sequence_seeds`, step = the token's index in its
+   response): a token is a function of its logits row's bits, the seed, the sequence index and the step, so the
+   chains sample the same tokens as long as their logits rows are bitwise equal, and their responses part only
+   where a drifted logit flips the Gumbel-max argmax;
 2. training log-probs (:func:`~rlk.app.consistency.paths.training_logprobs`) of the same sampled tokens, under
    the same chain, in two micro-batch splits: A = every sequence packed in one micro-batch, B = ``[0]``,
    ``[1, 2]``, ``[3, ...]``; both with ``backward=True`` (the per-sequence input-embedding gradients are
@@ -548,7 +552,10 @@ def run_consistency(model: str = "tiny", *, device=None, dtype=None, prompts: in
         "versions": _versions(),
         "seeds": {"weights": seed, "prompts": seed, "sampling": seed},
         "settings": {"prompts": prompts, "max_new_tokens": max_new_tokens, "prefill_chunk": prefill_chunk,
-                     "temperature": 1.0, "scoring": "log_softmax(logits.float())[token], temperature 1",
+                     "temperature": 1.0,
+                     "sampler": "rlk.sample (Gumbel-max with Philox, per-sequence seed from the sampling seed and "
+                                "the sequence index, step = the token's index in its response)",
+                     "scoring": "log_softmax(logits.float())[token], temperature 1",
                      "split_a": SPLIT_A_NAME, "split_b": split_description(_split_b(prompts)),
                      "split_b_micro_batches": _split_b(prompts)},
         "prompt_lengths": [len(p) for p in prompt_ids],
