@@ -48,6 +48,7 @@ OPS = {
     "matmul": ("matmul", "Matmul"),
     "attention": ("attention", "Attention"),
     "chain": ("chain", "ChainForward"),
+    "prefix_sharing": ("prefix_sharing", "PrefixSharing"),
 }
 
 
@@ -150,10 +151,10 @@ def add_ratios(rows: list[dict], ceilings: dict) -> None:
     for row in rows:
         if row["status"] != "ok":
             continue
-        ceiling = ceilings["matmul_tflops"] if row["unit"] == "TFLOP/s" else ceilings["copy_gbps"]
-        row["of_ceiling"] = row["rate"] / ceiling
+        ceiling = {"TFLOP/s": ceilings["matmul_tflops"], "GB/s": ceilings["copy_gbps"]}.get(row["unit"])
+        row["of_ceiling"] = row["rate"] / ceiling if ceiling else None  # None for a rate without a ceiling (tokens/s)
         kernel = row.get("kernel_ms")
-        row["kernel_of_ceiling"] = row["of_ceiling"] * row["ms"] / kernel if kernel else None
+        row["kernel_of_ceiling"] = row["of_ceiling"] * row["ms"] / kernel if kernel and ceiling else None
         for base in row["baselines"]:
             other = by_point.get((row["op"], tuple(row["shape"]), row["option"], base))
             ok = other is not None and other["status"] == "ok"

@@ -1,7 +1,8 @@
 """The batch-invariant forward chain in the parity matrix: cases, inputs, calls, contract scales, invariance.
 
 Ops: ``rms_norm`` (with the fused residual), ``matmul`` (through ``rlk.ops.matmul.linear`` with a bias),
-``attention`` (packed varlen, causal, GQA), ``softmax`` (and ``log_softmax``), ``rope`` (packed
+``attention`` (packed varlen, causal, GQA), ``prefix_attention`` (GRPO groups: responses that read their
+prompt's keys, mixed with ordinary sequences), ``softmax`` (and ``log_softmax``), ``rope`` (packed
 ``[T, H, D]`` layout), ``embedding`` and ``pack`` (padded ``[B, T, F]`` to varlen rows, with holes; its
 forward also unpacks the result). Each is run in bf16, fp16 and fp32, forward and backward
 (the loss ``sum(cotangent * output)`` with fixed random cotangents); ground truth is the same public
@@ -15,11 +16,13 @@ Scales (what each deviation is measured against; ``rlk/core/contract.json`` stat
 * ``rope``: ``|x[a] cos[a]| + |x[b] sin[a]|`` per element (``rlk.reference.rope.error_scale``);
 * ``matmul``: per element ``(|x| @ |W|^T) + |bias|``, the size of the terms the dot product adds;
 * ``attention``: ``out``: per element ``1 + max |v|`` over the keys of the query's sequence and kv
-  head; ``lse``: ``1 + |lse|``;
+  head; ``lse``: ``1 + |lse|``; ``prefix_attention`` the same over the query's logical keys (its prompt's, then
+  its own);
 * ``embedding``, ``pack``: ``1 + |ref|`` (the forward is a copy);
 * every gradient: ``compare_grad`` with ``max_scale = 0`` (the relative L2 bound ``grad_rel_l2`` alone).
 
-Batch invariance: a probe (one row, one token, or one sequence for attention) alone versus inside
+Batch invariance: a probe (one row, one token, one sequence for attention, one group for prefix_attention)
+alone versus inside
 batches at first, middle and last position; its outputs and its own input gradient rows must be
 equal bit for bit (``torch.equal``). Weight gradients (sums over rows) are not per-row quantities
 and are not part of the probe.
@@ -39,10 +42,11 @@ from rlk.core import contract
 from rlk.reference import matmul as ref_matmul
 from rlk.reference import rope as ref_rope
 
-CHAIN_OPS = ("rms_norm", "matmul", "attention", "softmax", "rope", "embedding", "pack")
+CHAIN_OPS = ("rms_norm", "matmul", "attention", "prefix_attention", "softmax", "rope", "embedding", "pack")
 #: The public function each op is called through: (module, name).
 _PUBLIC = {"rms_norm": ("rlk.ops.norm", "rms_norm"), "matmul": ("rlk.ops.matmul", "linear"),
-           "attention": ("rlk.ops.attention", "attention"), "softmax": ("rlk.ops.softmax", "softmax"),
+           "attention": ("rlk.ops.attention", "attention"),
+           "prefix_attention": ("rlk.ops.attention", "prefix_attention"), "softmax": ("rlk.ops.softmax", "softmax"),
            "log_softmax": ("rlk.ops.softmax", "log_softmax"), "rope": ("rlk.ops.rope", "apply_rope"),
            "embedding": ("rlk.ops.embedding", "embedding"), "pack": ("rlk.ops.pack", "pack"),
            "unpack": ("rlk.ops.pack", "unpack")}
@@ -60,6 +64,12 @@ SIZES: dict[str, dict[str, tuple]] = {
     # attention: (sequence lengths (queries = keys), Hq, Hkv, D)
     "attention": {"cuda": (((4096,), 32, 8, 128), ((1, 77, 1000, 3000), 16, 4, 64), ((513, 2048), 8, 8, 128)),
                   "cpu": (((1, 5, 37), 4, 2, 64), ((70,), 2, 1, 64))},
+    # prefix_attention: (groups (prompt length, response lengths); no responses: an ordinary sequence, Hq, Hkv, D);
+    # queries = own keys per sequence
+    "prefix_attention": {"cuda": ((((1000, (1000, 1, 700, 0)), (300, ()), (2048, (513, 2048))), 16, 4, 128),
+                                  (((77, (77,) * 8), (4096, ())), 32, 8, 128)),
+                         "cpu": ((((37, (23, 0, 40)), (5, ()), (19, (19, 1))), 4, 2, 64),
+                                 (((21, (17, 30)),), 2, 1, 64))},
     "softmax": {"cuda": ((7, 151936), (133, 32000)), "cpu": ((7, 1000), (33, 300))},
     # rope: (T tokens, Hq, Hk, D)
     "rope": {"cuda": ((4096, 32, 8, 128), (7, 16, 4, 64)), "cpu": ((33, 4, 2, 64), (5, 2, 2, 16))},
@@ -74,6 +84,7 @@ VARIANTS: dict[str, tuple[tuple[str, tuple], ...]] = {
                  ("gemma", (("gemma", True), ("residual", False)))),
     "matmul": (("linear+bias", ()),),
     "attention": (("causal", (("causal", True),)),),
+    "prefix_attention": (("causal", (("causal", True),)),),
     "softmax": (("softmax", (("log", False),)), ("log_softmax", (("log", True),))),
     "rope": (("rotate-half", (("interleaved", False),)), ("interleaved", (("interleaved", True),))),
     "embedding": (("ids", ()),),
@@ -109,6 +120,10 @@ def _describe(op: str, size: tuple) -> str:
     if op == "attention":
         lengths, hq, hkv, d = size
         return f"lengths={','.join(map(str, lengths))} Hq={hq} Hkv={hkv} D={d}"
+    if op == "prefix_attention":
+        groups, hq, hkv, d = size
+        spelled = " ".join(f"{p}+[{','.join(map(str, r))}]" if r else str(p) for p, r in groups)
+        return f"groups={spelled} Hq={hq} Hkv={hkv} D={d}"
     if op == "softmax":
         return f"N={size[0]} V={size[1]}"
     if op == "rope":
@@ -160,6 +175,15 @@ def make_inputs(case: ChainCase, seed: int) -> dict[str, torch.Tensor]:
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         return {"q": randn(total, hq, d), "k": randn(total, hkv, d), "v": randn(total, hkv, d), "cu_seqlens": cu,
                 "cot_out": randn(total, hq, d), "cot_lse": randn(hq, total)}
+    if op == "prefix_attention":
+        groups, hq, hkv, d = size
+        lengths, prefix, starts = _group_layout(groups)
+        total = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+        return {"q": randn(total, hq, d), "k": randn(total, hkv, d), "v": randn(total, hkv, d), "cu_seqlens": cu,
+                "prefix_index": torch.tensor(prefix, dtype=torch.int32),
+                "group_starts": torch.tensor(starts, dtype=torch.int64),
+                "cot_out": randn(total, hq, d), "cot_lse": randn(hq, total)}
     if op == "softmax":
         n, v = size
         return {"x": 3 * randn(n, v), "cot_y": randn(n, v)}
@@ -176,6 +200,20 @@ def make_inputs(case: ChainCase, seed: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, v, (n,), generator=gen)
     ids[: n // 4] = ids[0]  # a repeated id: its gradient row sums many rows
     return {"ids": ids, "weight": randn(v, h), "cot_y": randn(n, h)}
+
+
+def _group_layout(groups) -> tuple[list[int], list[int], list[int]]:
+    """Sequence lengths, prefix_index and each group's first sequence (then the number of sequences) of
+    ``groups``: ``(prompt length, response lengths)`` each, the prompt's sequence first."""
+    lengths, prefix, starts = [], [], []
+    for prompt, responses in groups:
+        starts.append(len(lengths))
+        first = len(lengths)
+        lengths.append(prompt)
+        prefix.append(-1)
+        lengths += list(responses)
+        prefix += [first] * len(responses)
+    return lengths, prefix, [*starts, len(lengths)]
 
 
 def cast(inputs: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
@@ -234,6 +272,15 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> Chain
         ((x["cot_out"] * out).sum() + (x["cot_lse"].to(lse.dtype) * lse).sum()).backward()
         return ChainOutputs({"out": out.detach(), "lse": lse.detach()},
                             {"grad_q": q.grad, "grad_k": k.grad, "grad_v": v.grad})
+    if op == "prefix_attention":
+        q, k, v, cu = _leaf(x["q"]), _leaf(x["k"]), _leaf(x["v"]), x["cu_seqlens"]
+        longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        out, lse = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                      prefix_index=x["prefix_index"], causal=params["causal"], return_lse=True)
+        finite = torch.isfinite(lse.detach())
+        ((x["cot_out"] * out).sum() + torch.where(finite, x["cot_lse"].to(lse.dtype) * lse, 0).sum()).backward()
+        return ChainOutputs({"out": out.detach(), "lse": lse.detach()},
+                            {"grad_q": q.grad, "grad_k": k.grad, "grad_v": v.grad})
     if op == "softmax":
         xx = _leaf(x["x"])
         y = fn(xx, dim=-1)
@@ -279,6 +326,18 @@ def _attention_scale(x: dict[str, torch.Tensor], hq: int) -> torch.Tensor:
     return scale
 
 
+def _prefix_attention_scale(x: dict[str, torch.Tensor], hq: int) -> torch.Tensor:
+    """``1 + max |v|`` over the logical keys (the prompt's, then its own) of each query's sequence and kv head."""
+    v, cu, prefix = x["v"].abs(), x["cu_seqlens"].tolist(), x["prefix_index"].tolist()
+    group = hq // v.shape[1]
+    scale = torch.ones(v.shape[0], hq, 1, dtype=torch.float64, device=v.device)
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        keys = v[start:end] if prefix[b] < 0 else torch.cat([v[cu[prefix[b]]:cu[prefix[b] + 1]], v[start:end]])
+        if end > start and keys.shape[0]:
+            scale[start:end, :, 0] += keys.amax(dim=(0, 2)).repeat_interleave(group)[None, :]
+    return scale
+
+
 def scales(case: ChainCase, x: dict[str, torch.Tensor], truth: ChainOutputs) -> dict[str, torch.Tensor]:
     """The per-element scale of every output (module docstring), from the fp64 inputs and ground truth."""
     ref = truth.values
@@ -286,6 +345,9 @@ def scales(case: ChainCase, x: dict[str, torch.Tensor], truth: ChainOutputs) -> 
         return {"y": ref_matmul.error_scale(x["x"], x["weight"].T, x["bias"])}
     if case.op == "attention":
         return {"out": _attention_scale(x, x["q"].shape[1]).expand_as(ref["out"]), "lse": 1 + ref["lse"].abs()}
+    if case.op == "prefix_attention":
+        return {"out": _prefix_attention_scale(x, x["q"].shape[1]).expand_as(ref["out"]),
+                "lse": 1 + ref["lse"].abs()}
     if case.op == "rope":
         interleaved = case.kwargs["interleaved"]
         return {"q": ref_rope.error_scale(x["q"], x["cos"], x["sin"], interleaved),
@@ -339,9 +401,11 @@ class ChainInvariancePlan:
 #: The probe's case per op and device type: one row of the size (attention: one sequence of the first length).
 _PROBE_SIZES = {
     "cuda": {"rms_norm": (1, 4096), "matmul": (1, 4096, 4096), "attention": ((1000,), 16, 4, 128),
+             "prefix_attention": (((500, (700, 1000, 1)),), 16, 4, 128),
              "softmax": (1, 151936), "rope": (1, 32, 8, 128), "embedding": (1, 151936, 1024),
              "pack": (1, 2048, 512)},
-    "cpu": {"rms_norm": (1, 96), "matmul": (1, 72, 80), "attention": ((37,), 4, 2, 64), "softmax": (1, 1000),
+    "cpu": {"rms_norm": (1, 96), "matmul": (1, 72, 80), "attention": ((37,), 4, 2, 64),
+            "prefix_attention": (((37, (23, 40)),), 4, 2, 64), "softmax": (1, 1000),
             "rope": (1, 4, 2, 64), "embedding": (1, 128, 64), "pack": (1, 9, 4)},
 }
 
@@ -359,6 +423,14 @@ def _others(plan: ChainInvariancePlan, seed: int, batch: int) -> dict[str, torch
         gen = generator(seed, "chain attention others")
         lengths = torch.randint(1, 2 * size[0][0], (batch - 1,), generator=gen).tolist()
         size = (tuple(lengths), *size[1:])
+    elif op == "prefix_attention":  # batch - 1 other groups (0 to 2 responses: some ordinary sequences)
+        gen = generator(seed, "chain prefix_attention others")
+        longest = 2 * size[0][0][0]
+        prompts = torch.randint(1, longest, (batch - 1,), generator=gen).tolist()
+        counts = torch.randint(0, 3, (batch - 1,), generator=gen).tolist()
+        groups = tuple((p, tuple(torch.randint(0, longest, (n,), generator=gen).tolist()))
+                       for p, n in zip(prompts, counts))
+        size = (groups, *size[1:])
     else:
         size = (batch - 1, *size[1:])
     return make_inputs(ChainCase(op, size, "others", plan.case.params), seed + 1)
@@ -374,6 +446,8 @@ def _embed(op: str, probe: dict, others: dict, position: int) -> tuple[dict, sli
                  for name in ("x", "mask")}
         batch["cot_y"] = torch.cat([others["cot_y"][:start], probe["cot_y"], others["cot_y"][start:]])
         return batch, (slice(start, start + length), slice(position, position + 1))
+    if op == "prefix_attention":
+        return _embed_group(probe, others, position)
     if op != "attention":
         batch = {}
         for name, value in probe.items():
@@ -394,6 +468,31 @@ def _embed(op: str, probe: dict, others: dict, position: int) -> tuple[dict, sli
         axis = 1 if name == "cot_lse" else 0
         batch[name] = torch.cat([others[name].narrow(axis, 0, start), probe[name],
                                  others[name].narrow(axis, start, others[name].shape[axis] - start)], dim=axis)
+    return batch, slice(start, start + length)
+
+
+def _embed_group(probe: dict, others: dict, position: int) -> tuple[dict, slice]:
+    """prefix_attention's batch: the probe's group inserted before group ``position`` of ``others``, every
+    prefix_index renumbered; and the probe's tokens in it (queries = keys per sequence)."""
+    starts = others["group_starts"].tolist()
+    seq = starts[position]
+    start = int(others["cu_seqlens"][seq])
+    lengths_others = (others["cu_seqlens"][1:] - others["cu_seqlens"][:-1]).tolist()
+    lengths_probe = (probe["cu_seqlens"][1:] - probe["cu_seqlens"][:-1]).tolist()
+    n_probe = len(lengths_probe)
+    lengths = [*lengths_others[:seq], *lengths_probe, *lengths_others[seq:]]
+    moved = [a + n_probe if a >= seq else a for a in others["prefix_index"].tolist()]
+    prefix = [*moved[:seq], *[a + seq if a >= 0 else a for a in probe["prefix_index"].tolist()], *moved[seq:]]
+    group_starts = [*starts[:position], *[s + seq for s in probe["group_starts"].tolist()[:-1]],
+                    *[s + n_probe for s in starts[position:]]]
+    batch = {"cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+             "prefix_index": torch.tensor(prefix, dtype=torch.int32),
+             "group_starts": torch.tensor(group_starts, dtype=torch.int64)}
+    for name in ("q", "k", "v", "cot_out", "cot_lse"):
+        axis = 1 if name == "cot_lse" else 0
+        batch[name] = torch.cat([others[name].narrow(axis, 0, start), probe[name],
+                                 others[name].narrow(axis, start, others[name].shape[axis] - start)], dim=axis)
+    length = int(probe["cu_seqlens"][-1])
     return batch, slice(start, start + length)
 
 

@@ -292,7 +292,8 @@ def test_cli_refuses_a_backend_that_cannot_run():
 # ---------------------------------------------------------------------------
 
 CHAIN_GRADS = {"rms_norm": {"grad_x", "grad_weight", "grad_residual"}, "matmul": {"grad_x", "grad_weight", "grad_bias"},
-               "attention": {"grad_q", "grad_k", "grad_v"}, "softmax": {"grad_x"}, "rope": {"grad_q", "grad_k"},
+               "attention": {"grad_q", "grad_k", "grad_v"}, "prefix_attention": {"grad_q", "grad_k", "grad_v"},
+               "softmax": {"grad_x"}, "rope": {"grad_q", "grad_k"},
                "embedding": {"grad_weight"}, "pack": {"grad_x"}}
 
 

@@ -79,6 +79,14 @@ def _case_attention(gen):
                                             max_seqlen_k=5, return_lse=True)
 
 
+def _case_prefix_attention(gen):
+    q, k, v = _leaf(12, 4, 16, gen=gen), _leaf(12, 2, 16, gen=gen), _leaf(12, 2, 16, gen=gen)
+    cu = torch.tensor([0, 4, 9, 12], dtype=torch.int32)
+    prefix_index = torch.tensor([-1, 0, 0], dtype=torch.int32)
+    return (q, k, v), lambda: rlk.prefix_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5,
+                                                   max_seqlen_k=5, prefix_index=prefix_index, return_lse=True)
+
+
 def _case_selected_logprob(gen):
     logits = _leaf(4, 11, gen=gen)
     targets = torch.tensor([1, -100, 10, 0])

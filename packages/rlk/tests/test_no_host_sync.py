@@ -10,7 +10,8 @@ differentiable):
   ``nonzero``, a device-to-host copy, ...) raises. Value checks (``RLK_CHECK_VALUES``: on by default,
   documented to cost one synchronization each) stay on, except in the tests whose ops have one, which turn
   them off: ``group_advantages`` mode ``opo`` (``lengths`` finite and >= 0), the log-prob ops (targets in
-  ``[0, V)``, temperature > 0), ``attention`` (``cu_seqlens``) and ``embedding`` (ids in ``[0, V)``);
+  ``[0, V)``, temperature > 0), ``attention`` (``cu_seqlens``), ``prefix_attention`` (also ``prefix_index``;
+  its backward builds the readers' CSR on the device) and ``embedding`` (ids in ``[0, V)``);
 * captured in a CUDA graph (which fails on any synchronization or host read of device data), new inputs
   copied into the captured ones, the graph replayed: every output the same bits as an eager call on the new
   inputs (``torch.equal``), so nothing was baked into the graph from the first inputs.
@@ -307,6 +308,26 @@ def test_attention_gpu(monkeypatch):
     def op(x):
         return rlk.attention(x["q"], x["k"], x["v"], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
                              max_seqlen_k=max(lengths), return_lse=True)
+
+    check_no_sync_and_graph_replay(make, op, wrt=("q", "k", "v"))
+
+
+def test_prefix_attention_gpu(monkeypatch):
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")  # the cu_seqlens and prefix_index checks read them
+    lengths = [37, 128, 5, 0, 200, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    prefix_index = torch.tensor([-1, 0, 0, 0, -1, 4], dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+
+    def make(seed):
+        g = _gen(seed)
+        return {"q": _randn(g, total, 8, 64, grad=True), "k": _randn(g, total, 2, 64, grad=True),
+                "v": _randn(g, total, 2, 64, grad=True)}
+
+    def op(x):
+        return rlk.prefix_attention(x["q"], x["k"], x["v"], cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                    max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), prefix_index=prefix_index,
+                                    return_lse=True)
 
     check_no_sync_and_graph_replay(make, op, wrt=("q", "k", "v"))
 

@@ -22,8 +22,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PACK_INT_DTYPES = (torch.int32, torch.int64)
 #: Primitives declined for bfloat16 under the CPU interpreter: kernels that use tl.dot (wrong results there), and
 #: the forward-chain ops whose bf16 outputs the interpreter truncates instead of rounding (verified on the GPU).
-_NO_BF16_ON_CPU = ("linear_", "fused_linear_", "matmul_", "attention_", "rms_norm_", "softmax_", "rope_",
-                   "embedding_", "ema_", "sample_")
+_NO_BF16_ON_CPU = ("linear_", "fused_linear_", "matmul_", "attention_", "prefix_attention_", "rms_norm_", "softmax_",
+                   "rope_", "embedding_", "ema_", "sample_")
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -131,6 +131,7 @@ def backend():
         device_types=_device_types,
         supports=_supports,
         batch_invariant=True,
-        limits={name: {"head_dim": attention.MAX_HEAD_DIM} for name in ("attention_fwd", "attention_bwd")},
+        limits={name: {"head_dim": attention.MAX_HEAD_DIM}
+                for name in ("attention_fwd", "attention_bwd", "prefix_attention_fwd", "prefix_attention_bwd")},
         selfcheck=_selfcheck,
     )

@@ -38,6 +38,19 @@ with ``c' = softmax_scale``. Padding rows of a block (beyond ``Lq``) read ``q = 
 ``delta = 0`` and ``lse = +inf``, so they contribute exact zeros; rows whose ``lse`` is ``-inf``
 (no visible key) are read as ``+inf`` for the same reason.
 
+``prefix_attention`` runs the same three kernels with ``HAS_PREFIX`` (a ``tl.constexpr``; plain ``attention``
+compiles without it, its code unchanged). Sequence ``b`` with ``prefix_index[b] = a >= 0`` has the *logical*
+keys ``[keys of a; own keys]`` of length ``n_k = P + Lk`` (``P = Lk_a``): the forward and ``dq`` kernels run
+the very block structure above over the logical keys (``BLOCK_N`` blocks aligned to logical key 0, the same
+unmasked / masked split, the same arithmetic) and only load a block's rows from elsewhere: logical key ``j``
+is physical row ``k_start_a + j`` for ``j < P`` and ``k_start_b + j - P`` after (per element: a block may
+straddle the boundary). So a query's ``out``, ``lse`` and ``dq`` are the bits of plain ``attention`` over the
+physically concatenated keys. The ``dk``/``dv`` grid stays (key/value head, sequence, own key block): a block of
+a reading sequence ``b`` sees its own queries at logical columns ``P + j``; a block of a read sequence ``a``
+sees its own queries, then the queries of each sequence that reads it, in ascending sequence order (their
+``offset = P + Lk_c - Lq_c`` with ``P = Lk_a``), found in a CSR (``order``, ``ends``) the launcher builds on the
+device from ``prefix_index`` without a host synchronization.
+
 Tile sizes, ``num_warps`` and ``num_stages`` are constants per (dtype, head-dim bucket) in
 :data:`TILE_CONFIGS`; nothing depends on the sequence lengths, the batch or the number of
 queries. Accumulation is fp32; fp32 inputs use IEEE fp32 dots (no TF32); 16-bit inputs use
@@ -127,6 +140,25 @@ def _sequence(cu_q_ptr, cu_k_ptr, b):
 
 
 @triton.jit
+def _prefix(cu_k_ptr, prefix_ptr, b):
+    """(first key token as int64, P) of sequence ``b``'s prefix: the keys of sequence ``prefix_index[b]``, or
+    ``(0, 0)`` for ``-1``."""
+    a = tl.load(prefix_ptr + b)
+    has_prefix = a >= 0
+    a = tl.maximum(a, 0)
+    p_start = tl.load(cu_k_ptr + a)
+    n_p = tl.where(has_prefix, tl.load(cu_k_ptr + a + 1) - p_start, 0)
+    return p_start.to(tl.int64), n_p
+
+
+@triton.jit
+def _logical_rows(cols, n_p, p_start, k_start):
+    """Physical key rows (int64) of the logical key indices ``cols``: the prefix's ``n_p`` rows from ``p_start``,
+    then the sequence's own from ``k_start``."""
+    return tl.where(cols < n_p, p_start + cols, k_start + (cols - n_p))
+
+
+@triton.jit
 def _key_blocks(m0, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks of the query block starting at row ``m0``: ``[0, n_full)`` are visible to every row
     of the block and run unmasked; ``[n_full, n_end)`` run the masked step."""
@@ -187,10 +219,11 @@ def _fwd_step(
 
 @triton.jit(do_not_specialize=["total_q"])
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, prefix_ptr, out_ptr, lse_ptr,
     total_q, qk_scale, n_m_blocks,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1)
@@ -199,6 +232,9 @@ def _fwd_kernel(
     m0 = m_block * BLOCK_M
     if m0 >= n_q:
         return
+    if HAS_PREFIX:  # n_k becomes the logical length: the prefix's keys, then the sequence's own
+        p_start, n_p = _prefix(cu_k_ptr, prefix_ptr, b)
+        n_k = n_p + n_k
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     LN2: tl.constexpr = 0.6931471805599453
     hk = h // (HQ // HKV)
@@ -224,14 +260,28 @@ def _fwd_kernel(
     n_full, n_end = _key_blocks(m0, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
     for nb in range(0, n_full):
         n0 = nb * BLOCK_N
+        if HAS_PREFIX:
+            kv_row = _logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk
+            kb_ptrs = k_ptr + kv_row[None, :] * HEAD_DIM + offs_d[:, None]
+            vb_ptrs = v_ptr + kv_row[:, None] * HEAD_DIM + offs_d[None, :]
+        else:
+            kb_ptrs = k_ptrs + n0.to(tl.int64) * kv_step
+            vb_ptrs = v_ptrs + n0.to(tl.int64) * kv_step
         acc, l_i, m_i = _fwd_step(
-            acc, l_i, m_i, q, k_ptrs + n0.to(tl.int64) * kv_step, v_ptrs + n0.to(tl.int64) * kv_step,
+            acc, l_i, m_i, q, kb_ptrs, vb_ptrs,
             n0, rows, offset, n_k, qk_scale, offs_n, d_mask, False, CAUSAL, EVEN_D, IEEE, BLOCK_M, BLOCK_N,
         )
     for nb in range(n_full, n_end):
         n0 = nb * BLOCK_N
+        if HAS_PREFIX:
+            kv_row = _logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk
+            kb_ptrs = k_ptr + kv_row[None, :] * HEAD_DIM + offs_d[:, None]
+            vb_ptrs = v_ptr + kv_row[:, None] * HEAD_DIM + offs_d[None, :]
+        else:
+            kb_ptrs = k_ptrs + n0.to(tl.int64) * kv_step
+            vb_ptrs = v_ptrs + n0.to(tl.int64) * kv_step
         acc, l_i, m_i = _fwd_step(
-            acc, l_i, m_i, q, k_ptrs + n0.to(tl.int64) * kv_step, v_ptrs + n0.to(tl.int64) * kv_step,
+            acc, l_i, m_i, q, kb_ptrs, vb_ptrs,
             n0, rows, offset, n_k, qk_scale, offs_n, d_mask, True, CAUSAL, EVEN_D, IEEE, BLOCK_M, BLOCK_N,
         )
     seen = l_i > 0.0
@@ -242,13 +292,8 @@ def _fwd_kernel(
     tl.store(lse_ptr + h.to(tl.int64) * total_q + q_tok, lse, mask=row_ok)
 
 
-def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                  out, lse_out):
-    """Varlen attention forward: fills ``out [Tq, Hq, D]`` (q.dtype) and ``lse_out [Hq, Tq]`` (fp32).
-
-    Spec: :func:`rlk.reference.attention.attention_fwd`. Grid: (query head, sequence, query block),
-    the last query blocks launched first.
-    """
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, prefix_index, causal, softmax_scale, out, lse_out):
+    """The forward launch of both ops (``prefix_index`` None: plain attention, ``HAS_PREFIX`` off)."""
     total_q, n_heads, head_dim = q.shape
     n_seq = cu_seqlens_q.shape[0] - 1
     block_d = _block_d(head_dim)
@@ -256,14 +301,32 @@ def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     n_m_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"])
     if n_seq == 0 or n_m_blocks == 0:
         return
+    has_prefix = prefix_index is not None
     with on_device(q.device):
         _fwd_kernel[(n_heads, n_seq, n_m_blocks)](
-            q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse_out,
+            q, k, v, cu_seqlens_q, cu_seqlens_k, prefix_index if has_prefix else cu_seqlens_k, out, lse_out,
             total_q, softmax_scale * _LOG2E, n_m_blocks,
             HQ=n_heads, HKV=k.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal,
-            IEEE=q.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            IEEE=q.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HAS_PREFIX=has_prefix,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
+
+
+def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                  out, lse_out):
+    """Varlen attention forward: fills ``out [Tq, Hq, D]`` (q.dtype) and ``lse_out [Hq, Tq]`` (fp32).
+
+    Spec: :func:`rlk.reference.attention.attention_fwd`. Grid: (query head, sequence, query block),
+    the last query blocks launched first.
+    """
+    _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, None, causal, softmax_scale, out, lse_out)
+
+
+def prefix_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefix_index, causal,
+                         softmax_scale, out, lse_out):
+    """Forward with shared prefixes (module docstring): fills ``out`` and ``lse_out`` like :func:`attention_fwd`,
+    each sequence over its logical keys. Spec: :func:`rlk.reference.attention.prefix_attention_fwd`."""
+    _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, prefix_index, causal, softmax_scale, out, lse_out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,12 +392,54 @@ def _dkdv_step(
     return dk, dv
 
 
+@triton.jit
+def _dkdv_queries(
+    dk, dv, k, v, q_ptr, grad_out_ptr, lse_ptr, delta_ptr, q_start, n_q, n0, n_k, total_q, qk_scale, hk,
+    offs_m, offs_n, offs_d, d_mask, CAUSAL: tl.constexpr, IEEE: tl.constexpr, HQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The contributions of one sequence's queries (``n_q`` rows from token ``q_start``) to ``dk`` / ``dv`` of a
+    key block whose first key has the index ``n0`` among that sequence's ``n_k`` (logical) keys."""
+    cols = n0 + offs_n
+    # Query blocks [m_lo, m_split) straddle the causal diagonal of this key block (masked step);
+    # blocks [m_split, m_end) see all of its keys. Padding rows contribute exact zeros.
+    m_end = tl.cdiv(n_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        offset = n_k - n_q
+        m_lo = tl.minimum(tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M, m_end)
+        m_split = tl.minimum(tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, m_end)
+        m_split = tl.maximum(m_split, m_lo)
+    else:  # every query block sees every key of the block: unmasked steps only
+        offset = 0
+        m_lo = 0
+        m_split = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        head_offset = (q_start * HQ + h) * HEAD_DIM
+        lse_row0 = h.to(tl.int64) * total_q + q_start
+        for m0 in range(m_lo, m_split, BLOCK_M):
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, q_ptr + head_offset, grad_out_ptr + head_offset, lse_ptr, delta_ptr, m0, n_q,
+                cols, offset, lse_row0, qk_scale, offs_m, offs_d, d_mask, True, IEEE, HQ * HEAD_DIM,
+                BLOCK_M, BLOCK_N,
+            )
+        for m0 in range(m_split, m_end, BLOCK_M):
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, q_ptr + head_offset, grad_out_ptr + head_offset, lse_ptr, delta_ptr, m0, n_q,
+                cols, offset, lse_row0, qk_scale, offs_m, offs_d, d_mask, False, IEEE, HQ * HEAD_DIM,
+                BLOCK_M, BLOCK_N,
+            )
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=["total_q"])
 def _bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, grad_k_ptr, grad_v_ptr,
+    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, prefix_ptr, readers_ptr, ends_ptr,
+    grad_k_ptr, grad_v_ptr,
     total_q, qk_scale, softmax_scale,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     hk = tl.program_id(0)
     b = tl.program_id(1)
@@ -355,35 +460,27 @@ def _bwd_dkdv_kernel(
     v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-
-    # Query blocks [m_lo, m_split) straddle the causal diagonal of this key block (masked step);
-    # blocks [m_split, m_end) see all of its keys. Padding rows contribute exact zeros.
-    m_end = tl.cdiv(n_q, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        offset = n_k - n_q
-        m_lo = tl.minimum(tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M, m_end)
-        m_split = tl.minimum(tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, m_end)
-        m_split = tl.maximum(m_split, m_lo)
+    if HAS_PREFIX:
+        # the sequence's own queries: its keys sit at logical columns n_p + j (n_p = 0 without a prefix)
+        p_start, n_p = _prefix(cu_k_ptr, prefix_ptr, b)
+        dk, dv = _dkdv_queries(
+            dk, dv, k, v, q_ptr, grad_out_ptr, lse_ptr, delta_ptr, q_start, n_q, n_p + n0, n_p + n_k, total_q,
+            qk_scale, hk, offs_m, offs_n, offs_d, d_mask, CAUSAL, IEEE, HQ, HEAD_DIM, GROUP, BLOCK_M, BLOCK_N,
+        )
+        # then each sequence that reads these keys as its prefix (logical columns j), in ascending order
+        for r in range(tl.load(ends_ptr + b), tl.load(ends_ptr + b + 1)):
+            c = tl.load(readers_ptr + r)
+            c_q_start, c_n_q, c_k_start, c_n_k = _sequence(cu_q_ptr, cu_k_ptr, c)
+            dk, dv = _dkdv_queries(
+                dk, dv, k, v, q_ptr, grad_out_ptr, lse_ptr, delta_ptr, c_q_start, c_n_q, n0, n_k + c_n_k,
+                total_q, qk_scale, hk, offs_m, offs_n, offs_d, d_mask, CAUSAL, IEEE, HQ, HEAD_DIM, GROUP, BLOCK_M,
+                BLOCK_N,
+            )
     else:
-        offset = 0
-        m_lo = 0
-        m_split = 0
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        head_offset = (q_start * HQ + h) * HEAD_DIM
-        lse_row0 = h.to(tl.int64) * total_q + q_start
-        for m0 in range(m_lo, m_split, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk, dv, k, v, q_ptr + head_offset, grad_out_ptr + head_offset, lse_ptr, delta_ptr, m0, n_q,
-                cols, offset, lse_row0, qk_scale, offs_m, offs_d, d_mask, True, IEEE, HQ * HEAD_DIM,
-                BLOCK_M, BLOCK_N,
-            )
-        for m0 in range(m_split, m_end, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk, dv, k, v, q_ptr + head_offset, grad_out_ptr + head_offset, lse_ptr, delta_ptr, m0, n_q,
-                cols, offset, lse_row0, qk_scale, offs_m, offs_d, d_mask, False, IEEE, HQ * HEAD_DIM,
-                BLOCK_M, BLOCK_N,
-            )
+        dk, dv = _dkdv_queries(
+            dk, dv, k, v, q_ptr, grad_out_ptr, lse_ptr, delta_ptr, q_start, n_q, n0, n_k, total_q, qk_scale,
+            hk, offs_m, offs_n, offs_d, d_mask, CAUSAL, IEEE, HQ, HEAD_DIM, GROUP, BLOCK_M, BLOCK_N,
+        )
     dk = dk * softmax_scale
     tl.store(grad_k_ptr + kv_offs, dk.to(grad_k_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(grad_v_ptr + kv_offs, dv.to(grad_v_ptr.dtype.element_ty), mask=kv_mask)
@@ -425,10 +522,11 @@ def _dq_step(
 
 @triton.jit(do_not_specialize=["total_q"])
 def _bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, grad_q_ptr,
+    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, prefix_ptr, grad_q_ptr,
     total_q, qk_scale, softmax_scale, n_m_blocks,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1)
@@ -437,6 +535,9 @@ def _bwd_dq_kernel(
     m0 = m_block * BLOCK_M
     if m0 >= n_q:
         return
+    if HAS_PREFIX:  # the logical keys, as in the forward
+        p_start, n_p = _prefix(cu_k_ptr, prefix_ptr, b)
+        n_k = n_p + n_k
     hk = h // (HQ // HKV)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -458,20 +559,47 @@ def _bwd_dq_kernel(
     n_full, n_end = _key_blocks(m0, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
     for nb in range(0, n_full):
         n0 = nb * BLOCK_N
+        if HAS_PREFIX:
+            block_offs = (_logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk)[:, None] * HEAD_DIM \
+                + offs_d[None, :]
+        else:
+            block_offs = kv_offs + n0.to(tl.int64) * kv_step
         dq = _dq_step(
-            dq, q, do, lse2, delta, k_ptr + kv_offs + n0.to(tl.int64) * kv_step,
-            v_ptr + kv_offs + n0.to(tl.int64) * kv_step, n0, rows, offset, n_k, qk_scale, offs_n, d_mask,
+            dq, q, do, lse2, delta, k_ptr + block_offs,
+            v_ptr + block_offs, n0, rows, offset, n_k, qk_scale, offs_n, d_mask,
             False, CAUSAL, HEAD_DIM == BLOCK_D, IEEE, BLOCK_M, BLOCK_N,
         )
     for nb in range(n_full, n_end):
         n0 = nb * BLOCK_N
+        if HAS_PREFIX:
+            block_offs = (_logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk)[:, None] * HEAD_DIM \
+                + offs_d[None, :]
+        else:
+            block_offs = kv_offs + n0.to(tl.int64) * kv_step
         dq = _dq_step(
-            dq, q, do, lse2, delta, k_ptr + kv_offs + n0.to(tl.int64) * kv_step,
-            v_ptr + kv_offs + n0.to(tl.int64) * kv_step, n0, rows, offset, n_k, qk_scale, offs_n, d_mask,
+            dq, q, do, lse2, delta, k_ptr + block_offs,
+            v_ptr + block_offs, n0, rows, offset, n_k, qk_scale, offs_n, d_mask,
             True, CAUSAL, HEAD_DIM == BLOCK_D, IEEE, BLOCK_M, BLOCK_N,
         )
     dq = dq * softmax_scale
     tl.store(grad_q_ptr + q_offs, dq.to(grad_q_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _readers(prefix_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences that read each sequence's keys as their prefix, as a CSR built on the device (no host
+    synchronization): those of sequence ``a`` are ``order[ends[a]:ends[a + 1]]``, in ascending index. Both int32.
+
+    ``key = prefix_index + 1`` (0: no prefix); ``ends`` is the inclusive prefix sum of the ``B + 1`` key counts, so
+    ``ends[a]`` is the number of sequences with ``key <= a``: where the run of ``key = a + 1`` starts in the stable
+    sort ``order`` of ``key``.
+    """
+    n_seq = prefix_index.shape[0]
+    key = (prefix_index.long() + 1).clamp_(0, n_seq)  # (out-of-range values are the op layer's checks' business)
+    counts = torch.zeros(n_seq + 1, dtype=torch.int64, device=prefix_index.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    order = torch.argsort(key, stable=True).to(torch.int32)
+    return order, ends
 
 
 def attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -482,12 +610,36 @@ def attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlen
     ``[Hq, Tq]`` scratch), ``dk``/``dv`` per (key/value head, sequence, key block), ``dq`` per
     (query head, sequence, query block). No atomics; every sum runs in a fixed order.
     """
+    _backward(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
+              causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out)
+
+
+def prefix_attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, prefix_index, causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out):
+    """Gradients with shared prefixes (module docstring), the launches of :func:`attention_bwd` with ``HAS_PREFIX``.
+
+    Spec: :func:`rlk.reference.attention.prefix_attention_bwd`. ``max_seqlen_k`` (own keys) sizes the ``dk``/``dv``
+    grid; a read sequence's key block also loops over its readers' queries. No atomics; fixed order.
+    """
+    _backward(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              prefix_index, causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out)
+
+
+def _backward(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              prefix_index, causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out):
+    """The backward launches of both ops (``prefix_index`` None: plain attention, ``HAS_PREFIX`` off)."""
     total_q, n_heads, head_dim = q.shape
     n_kv_heads = k.shape[1]
     n_seq = cu_seqlens_q.shape[0] - 1
     block_d = _block_d(head_dim)
     ieee = q.dtype == torch.float32
-    common = dict(HQ=n_heads, HKV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, IEEE=ieee)
+    has_prefix = prefix_index is not None
+    common = dict(HQ=n_heads, HKV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, IEEE=ieee,
+                  HAS_PREFIX=has_prefix)
+    if has_prefix:
+        readers, ends = _readers(prefix_index)
+    else:  # unused pointers (HAS_PREFIX off)
+        prefix_index = readers = ends = cu_seqlens_k
     qk_scale = softmax_scale * _LOG2E
     delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
     with on_device(q.device):
@@ -499,7 +651,8 @@ def attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlen
         n_n_blocks = triton.cdiv(max_seqlen_k, cfg["BLOCK_N"])
         if n_seq > 0 and n_n_blocks > 0:
             _bwd_dkdv_kernel[(n_kv_heads, n_seq, n_n_blocks)](
-                q, k, v, grad_out, lse, delta, cu_seqlens_q, cu_seqlens_k, grad_k_out, grad_v_out,
+                q, k, v, grad_out, lse, delta, cu_seqlens_q, cu_seqlens_k, prefix_index, readers, ends, grad_k_out,
+                grad_v_out,
                 total_q, qk_scale, softmax_scale, **common,
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
@@ -508,7 +661,7 @@ def attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlen
         n_m_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"])
         if n_seq > 0 and n_m_blocks > 0:
             _bwd_dq_kernel[(n_heads, n_seq, n_m_blocks)](
-                q, k, v, grad_out, lse, delta, cu_seqlens_q, cu_seqlens_k, grad_q_out,
+                q, k, v, grad_out, lse, delta, cu_seqlens_q, cu_seqlens_k, prefix_index, grad_q_out,
                 total_q, qk_scale, softmax_scale, n_m_blocks, **common,
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],

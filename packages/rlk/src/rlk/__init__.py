@@ -12,7 +12,9 @@ Public API:
   tensors: reference / target model weights); :func:`sample` (batch-invariant fused token sampling:
   temperature, top-k, top-p, min-p, per-row seed / step);
 * the batch-invariant forward chain: :func:`rms_norm`, :func:`matmul`, :func:`linear`,
-  :func:`attention`, :func:`softmax`, :func:`log_softmax`, :func:`apply_rope`, :func:`embedding`;
+  :func:`attention` (and :func:`prefix_attention`: sequences that share another's keys as a prefix, such as a
+  GRPO group's responses and their prompt), :func:`softmax`, :func:`log_softmax`, :func:`apply_rope`,
+  :func:`embedding`;
   :func:`batch_invariant` (with :func:`enable_batch_invariant`, :func:`disable_batch_invariant`,
   :func:`is_batch_invariant_enabled`) routes an unmodified model's aten ops to them, and
   :func:`patch_model` / :func:`unpatch_model` what the overrides cannot reach in a Hugging Face model.
@@ -52,7 +54,7 @@ from rlk.integrations.batch_invariant import (
 )
 from rlk.integrations.hf import patch_model, unpatch_model
 from rlk.ops.advantages import discounted_returns, gae, group_advantages, masked_whiten
-from rlk.ops.attention import attention
+from rlk.ops.attention import attention, prefix_attention
 from rlk.ops.distill import fused_linear_kl
 from rlk.ops.ema import ema_
 from rlk.ops.embedding import embedding
@@ -100,6 +102,7 @@ __all__ = [
     "patch_model",
     "policy_loss",
     "policy_loss_and_grad",
+    "prefix_attention",
     "sample",
     "PolicyLossAndGrad",
     "PolicyLossConfig",

@@ -291,6 +291,28 @@ PRIMITIVES: dict[str, Primitive] = {
             "cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float, "
             "grad_q_out[Tq,Hq,D] q.dtype, grad_k_out[Tk,Hkv,D] q.dtype, grad_v_out[Tk,Hkv,D] q.dtype) -> None",
         ),
+        # prefix_attention (spec: rlk.reference.attention): attention whose sequence b, where prefix_index[b] = a >= 0,
+        # reads the keys of sequence a (all of them) before its own: logical keys [keys of a; keys of b] of length
+        # P_b + Lk_b (P_b = Lk_a), the causal mask bottom-right aligned over that length. prefix_index[b] = -1: an
+        # ordinary sequence. One level deep (a referenced sequence has -1; the op layer checks the values).
+        # max_seqlen_k bounds each sequence's own keys. dk / dv of a referenced sequence's keys sum its own queries'
+        # contributions, then each referencing sequence's, in ascending sequence order.
+        Primitive(
+            "prefix_attention_fwd",
+            "prefix_attention",
+            "(q[Tq,Hq,D] float, k[Tk,Hkv,D] q.dtype, v[Tk,Hkv,D] q.dtype, cu_seqlens_q[B+1] int32, "
+            "cu_seqlens_k[B+1] int32, max_seqlen_q: int, max_seqlen_k: int (own keys), prefix_index[B] int32 "
+            "(-1 or the index of a sequence whose prefix_index is -1), causal: bool (bottom-right aligned over "
+            "the logical keys), softmax_scale: float, out[Tq,Hq,D] q.dtype, lse_out[Hq,Tq] fp32) -> None",
+        ),
+        Primitive(
+            "prefix_attention_bwd",
+            "prefix_attention",
+            "(grad_out[Tq,Hq,D], q, k, v, out[Tq,Hq,D], lse[Hq,Tq] fp32, grad_lse[Hq,Tq] fp32 | None, "
+            "cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, prefix_index[B] int32, causal: bool, "
+            "softmax_scale: float, grad_q_out[Tq,Hq,D] q.dtype, grad_k_out[Tk,Hkv,D] q.dtype, "
+            "grad_v_out[Tk,Hkv,D] q.dtype) -> None",
+        ),
         # softmax / log_softmax over the last dim of [N, V] rows: fp32 math, one rounding to x.dtype.
         Primitive(
             "softmax_fwd",
@@ -385,6 +407,7 @@ OPS: dict[str, Op] = {
         Op("rms_norm", "rms_norm_fwd", "rms_norm_bwd", _FLOAT_DTYPES),
         Op("matmul", "matmul_fwd", "matmul_bwd", _FLOAT_DTYPES),
         Op("attention", "attention_fwd", "attention_bwd", _FLOAT_DTYPES),
+        Op("prefix_attention", "prefix_attention_fwd", "prefix_attention_bwd", _FLOAT_DTYPES),
         Op("softmax", "softmax_fwd", "softmax_bwd", _FLOAT_DTYPES),
         Op("rope", "rope_fwd", "rope_bwd", _FLOAT_DTYPES),
         Op("embedding", "embedding_fwd", "embedding_bwd", _FLOAT_DTYPES),

@@ -48,6 +48,7 @@ from torch import Tensor
 
 from rlk.core import checks, custom_op, dispatch
 from rlk.integrations.batch_invariant import _invariant_backend
+from rlk.integrations.hf.groups import LAYOUT_KEYWORD
 
 ATTENTION_NAME = "rlk"
 
@@ -253,6 +254,17 @@ def _query_slots(module, attention_mask: Tensor | None, seq_k: int, kwargs) -> T
     return slots
 
 
+def _unsupported(module, query: Tensor, key: Tensor, value: Tensor, dropout: float, kwargs) -> str | None:
+    """What of an attention call rlk's kernels do not cover (None: everything is covered)."""
+    if dropout and module.training:
+        return "attention dropout"
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        return "sliding-window or soft-capped attention"
+    if query.dtype != key.dtype or query.dtype != value.dtype or query.shape[1] % key.shape[1] != 0:
+        return "mixed dtypes or head counts"
+    return None
+
+
 def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                           scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """The ``"rlk"`` entry of ``transformers.AttentionInterface``.
@@ -260,15 +272,12 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
     ``query [B, Hq, Sq, D]``, ``key``/``value`` ``[B, Hkv, Sk, D]``, ``attention_mask`` the 2-D padding mask
     ``[B, >= Sk]`` (1: token) or None; returns ``(attn_output [B, Sq, Hq, D], None)``.
     """
+    group_layout = kwargs.get(LAYOUT_KEYWORD)
+    if group_layout is not None:
+        return _prefix_shared_forward(module, query, key, value, group_layout, scaling, dropout, kwargs)
     batch, heads, seq_q, head_dim = query.shape
     seq_k = key.shape[2]
-    why = None
-    if dropout and module.training:
-        why = "attention dropout"
-    elif kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        why = "sliding-window or soft-capped attention"
-    elif query.dtype != key.dtype or query.dtype != value.dtype or heads % key.shape[1] != 0:
-        why = "mixed dtypes or head counts"
+    why = _unsupported(module, query, key, value, dropout, kwargs)
     layout = None
     backend = None
     if why is None:
@@ -305,6 +314,38 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
     elif q_rows is not None:
         out = out.new_zeros((batch * seq_q, heads, head_dim)).index_copy(0, q_rows, out)
     return out.view(batch, seq_q, heads, head_dim), None
+
+
+def _prefix_shared_forward(module, query: Tensor, key: Tensor, value: Tensor, layout, scaling: float | None,
+                           dropout: float, kwargs):
+    """The ``"rlk"`` attention over a :class:`~rlk.integrations.hf.groups.PrefixLayout` row (GRPO groups whose
+    responses read their prompt's keys once): :func:`rlk.prefix_attention`. Refuses what it cannot honour (there is
+    no stock fallback for a shared prefix)."""
+    batch, heads, seq, head_dim = query.shape
+    if batch != 1 or key.shape[2] != seq or seq != layout.total:
+        raise ValueError(f"{LAYOUT_KEYWORD}: the layout packs {layout.total} tokens in one row, the attention got "
+                         f"queries {tuple(query.shape)} and keys {tuple(key.shape)} (a KV cache, or other inputs?)")
+    why = _unsupported(module, query, key, value, dropout, kwargs)
+    if why is None and not getattr(module, "is_causal", True):
+        why = "non-causal attention"
+    backend = None
+    if why is None:
+        backend = _invariant_backend("prefix_attention", query.device, query.dtype, head_dim=head_dim)
+        if backend is None:
+            why = f"no batch-invariant prefix_attention for {query.dtype} on {query.device.type} (head dim {head_dim})"
+    if why is not None:
+        raise ValueError(f"{LAYOUT_KEYWORD}: prefix-shared attention does not support {why}")
+    from rlk.ops.attention import prefix_attention
+
+    q = query.transpose(1, 2).reshape(seq, heads, head_dim)
+    k = key.transpose(1, 2).reshape(seq, key.shape[1], head_dim)
+    v = value.transpose(1, 2).reshape(seq, key.shape[1], head_dim)
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
+    with dispatch.use_backend(backend.name), checks.trusted_values():  # the layout was built from token lists
+        out = prefix_attention(q, k, v, cu_seqlens_q=layout.cu_seqlens, cu_seqlens_k=layout.cu_seqlens,
+                               max_seqlen_q=layout.max_seqlen, max_seqlen_k=layout.max_seqlen,
+                               prefix_index=layout.prefix_index, causal=True, softmax_scale=scale)
+    return out.view(1, seq, heads, head_dim), None
 
 
 # ---------------------------------------------------------------------------
