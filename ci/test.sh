@@ -35,7 +35,8 @@ second_env "$out/venv-transformers" transformers==4.57.6
 # (trl 1.16 does not import beside 4.57's huggingface_hub: its comparison runs in the main environment only)
 RLK_REQUIRE_TRL=0 "$out/venv-transformers/bin/python" -m pytest -n 2 packages/rlk/tests/test_hf_compat.py \
   packages/rlk/tests/test_consistency_paths.py packages/rlk/tests/test_consistency_probe.py \
-  packages/rlk/tests/test_batch_invariant.py packages/rlk/tests/test_hf_apply.py -k "not trl"
+  packages/rlk/tests/test_batch_invariant.py packages/rlk/tests/test_hf_apply.py packages/rlk/tests/test_hf_groups.py \
+  -k "not trl"
 echo "== verl 0.9.1: the verl integration against the real verl in a second environment"
 bash ci/install_verl_env.sh "$out/venv-verl"
 RLK_REQUIRE_VERL=1 "$out/venv-verl/bin/python" -m pytest -n 2 -m verl packages/rlk/tests

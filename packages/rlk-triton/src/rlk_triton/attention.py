@@ -159,6 +159,30 @@ def _logical_rows(cols, n_p, p_start, k_start):
 
 
 @triton.jit
+def _fwd_block_ptrs(k_ptr, v_ptr, k_ptrs, v_ptrs, n0, offs_n, offs_d, n_p, p_start, k_start, hk,
+                    HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr):
+    """The forward's ``K^T`` ``[BLOCK_D, BLOCK_N]`` and ``V`` ``[BLOCK_N, BLOCK_D]`` pointers of the key block from
+    (logical) key ``n0``: per element through :func:`_logical_rows` with a prefix, else the first block's pointers
+    ``k_ptrs`` / ``v_ptrs`` moved by ``n0`` keys."""
+    if HAS_PREFIX:
+        kv_row = _logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk
+        return (k_ptr + kv_row[None, :] * HEAD_DIM + offs_d[:, None],
+                v_ptr + kv_row[:, None] * HEAD_DIM + offs_d[None, :])
+    step = n0.to(tl.int64) * (HKV * HEAD_DIM)
+    return k_ptrs + step, v_ptrs + step
+
+
+@triton.jit
+def _dq_block_offsets(kv_offs, n0, offs_n, offs_d, n_p, p_start, k_start, hk,
+                      HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr):
+    """The ``dq`` kernel's element offsets ``[BLOCK_N, BLOCK_D]`` of the key block from (logical) key ``n0`` (as
+    :func:`_fwd_block_ptrs`, for ``K`` and ``V`` alike)."""
+    if HAS_PREFIX:
+        return (_logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk)[:, None] * HEAD_DIM + offs_d[None, :]
+    return kv_offs + n0.to(tl.int64) * (HKV * HEAD_DIM)
+
+
+@triton.jit
 def _key_blocks(m0, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key blocks of the query block starting at row ``m0``: ``[0, n_full)`` are visible to every row
     of the block and run unmasked; ``[n_full, n_end)`` run the masked step."""
@@ -235,6 +259,8 @@ def _fwd_kernel(
     if HAS_PREFIX:  # n_k becomes the logical length: the prefix's keys, then the sequence's own
         p_start, n_p = _prefix(cu_k_ptr, prefix_ptr, b)
         n_k = n_p + n_k
+    else:  # (unused without a prefix)
+        p_start, n_p = k_start, 0
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     LN2: tl.constexpr = 0.6931471805599453
     hk = h // (HQ // HKV)
@@ -251,7 +277,6 @@ def _fwd_kernel(
     kv_row0 = (k_start + offs_n) * HKV + hk
     k_ptrs = k_ptr + kv_row0[None, :] * HEAD_DIM + offs_d[:, None]
     v_ptrs = v_ptr + kv_row0[:, None] * HEAD_DIM + offs_d[None, :]
-    kv_step = HKV * HEAD_DIM  # elements between consecutive keys
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -260,26 +285,16 @@ def _fwd_kernel(
     n_full, n_end = _key_blocks(m0, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
     for nb in range(0, n_full):
         n0 = nb * BLOCK_N
-        if HAS_PREFIX:
-            kv_row = _logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk
-            kb_ptrs = k_ptr + kv_row[None, :] * HEAD_DIM + offs_d[:, None]
-            vb_ptrs = v_ptr + kv_row[:, None] * HEAD_DIM + offs_d[None, :]
-        else:
-            kb_ptrs = k_ptrs + n0.to(tl.int64) * kv_step
-            vb_ptrs = v_ptrs + n0.to(tl.int64) * kv_step
+        kb_ptrs, vb_ptrs = _fwd_block_ptrs(k_ptr, v_ptr, k_ptrs, v_ptrs, n0, offs_n, offs_d, n_p, p_start, k_start,
+                                           hk, HKV, HEAD_DIM, HAS_PREFIX)
         acc, l_i, m_i = _fwd_step(
             acc, l_i, m_i, q, kb_ptrs, vb_ptrs,
             n0, rows, offset, n_k, qk_scale, offs_n, d_mask, False, CAUSAL, EVEN_D, IEEE, BLOCK_M, BLOCK_N,
         )
     for nb in range(n_full, n_end):
         n0 = nb * BLOCK_N
-        if HAS_PREFIX:
-            kv_row = _logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk
-            kb_ptrs = k_ptr + kv_row[None, :] * HEAD_DIM + offs_d[:, None]
-            vb_ptrs = v_ptr + kv_row[:, None] * HEAD_DIM + offs_d[None, :]
-        else:
-            kb_ptrs = k_ptrs + n0.to(tl.int64) * kv_step
-            vb_ptrs = v_ptrs + n0.to(tl.int64) * kv_step
+        kb_ptrs, vb_ptrs = _fwd_block_ptrs(k_ptr, v_ptr, k_ptrs, v_ptrs, n0, offs_n, offs_d, n_p, p_start, k_start,
+                                           hk, HKV, HEAD_DIM, HAS_PREFIX)
         acc, l_i, m_i = _fwd_step(
             acc, l_i, m_i, q, kb_ptrs, vb_ptrs,
             n0, rows, offset, n_k, qk_scale, offs_n, d_mask, True, CAUSAL, EVEN_D, IEEE, BLOCK_M, BLOCK_N,
@@ -538,6 +553,8 @@ def _bwd_dq_kernel(
     if HAS_PREFIX:  # the logical keys, as in the forward
         p_start, n_p = _prefix(cu_k_ptr, prefix_ptr, b)
         n_k = n_p + n_k
+    else:  # (unused without a prefix)
+        p_start, n_p = k_start, 0
     hk = h // (HQ // HKV)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -553,17 +570,13 @@ def _bwd_dq_kernel(
     lse2, delta = _load_row_state(lse_ptr, delta_ptr, h.to(tl.int64) * total_q + q_tok, row_ok)
 
     kv_offs = ((k_start + offs_n) * HKV + hk)[:, None] * HEAD_DIM + offs_d[None, :]
-    kv_step = HKV * HEAD_DIM
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     offset = n_k - n_q
     n_full, n_end = _key_blocks(m0, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
     for nb in range(0, n_full):
         n0 = nb * BLOCK_N
-        if HAS_PREFIX:
-            block_offs = (_logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk)[:, None] * HEAD_DIM \
-                + offs_d[None, :]
-        else:
-            block_offs = kv_offs + n0.to(tl.int64) * kv_step
+        block_offs = _dq_block_offsets(kv_offs, n0, offs_n, offs_d, n_p, p_start, k_start, hk, HKV, HEAD_DIM,
+                                       HAS_PREFIX)
         dq = _dq_step(
             dq, q, do, lse2, delta, k_ptr + block_offs,
             v_ptr + block_offs, n0, rows, offset, n_k, qk_scale, offs_n, d_mask,
@@ -571,11 +584,8 @@ def _bwd_dq_kernel(
         )
     for nb in range(n_full, n_end):
         n0 = nb * BLOCK_N
-        if HAS_PREFIX:
-            block_offs = (_logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk)[:, None] * HEAD_DIM \
-                + offs_d[None, :]
-        else:
-            block_offs = kv_offs + n0.to(tl.int64) * kv_step
+        block_offs = _dq_block_offsets(kv_offs, n0, offs_n, offs_d, n_p, p_start, k_start, hk, HKV, HEAD_DIM,
+                                       HAS_PREFIX)
         dq = _dq_step(
             dq, q, do, lse2, delta, k_ptr + block_offs,
             v_ptr + block_offs, n0, rows, offset, n_k, qk_scale, offs_n, d_mask,

@@ -119,6 +119,38 @@ def _check_values(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, tota
 # ---------------------------------------------------------------------------
 
 
+def _key(q: Tensor, *_):
+    return q.device, q.dtype, {"head_dim": q.shape[2]}
+
+
+def _no_keys_or_queries(q: Tensor, k: Tensor, o: Tensor, lse: Tensor) -> bool:
+    """Fill the forward's outputs of an empty problem (no queries, or no keys anywhere: every query sees nothing)
+    and say so; False when there is work for the kernels."""
+    if q.shape[0] == 0:
+        return True
+    if k.shape[0] == 0:
+        o.zero_()
+        lse.fill_(-math.inf)
+        return True
+    return False
+
+
+def _zero_grads_if_empty(q: Tensor, k: Tensor, grads: tuple[Tensor, Tensor, Tensor]) -> bool:
+    """Zero the gradients of an empty problem (no queries or no keys) and say so."""
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        for grad in grads:
+            grad.zero_()
+        return True
+    return False
+
+
+def _incoming_grads(grad_out: Tensor | None, grad_lse: Tensor | None, out: Tensor,
+                    lse: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The gradients reaching ``out`` and ``lse`` in the dtypes and layout the backward primitives take."""
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
+    return grad_out, None if grad_lse is None else grad_lse.to(lse.dtype).contiguous()
+
+
 def _fwd_outputs(q: Tensor, *_) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=stat_dtype(q))
 
@@ -127,7 +159,7 @@ def _bwd_outputs(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *_) -> tuple
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-attention_op = custom_op.declare("attention", key=lambda q, *_: (q.device, q.dtype, {"head_dim": q.shape[2]}))
+attention_op = custom_op.declare("attention", key=_key)
 
 
 @attention_op.forward(outputs=_fwd_outputs)
@@ -137,11 +169,7 @@ def _attention_fwd(
 ) -> tuple[Tensor, Tensor]:
     o, lse = out
     _check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-    if q.shape[0] == 0:
-        return
-    if k.shape[0] == 0:  # no keys anywhere: every query sees nothing
-        o.zero_()
-        lse.fill_(-math.inf)
+    if _no_keys_or_queries(q, k, o, lse):
         return
     primitive(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, o, lse)
 
@@ -153,9 +181,7 @@ def _attention_bwd(
     causal: bool, softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     grad_q, grad_k, grad_v = out
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        for grad in out:
-            grad.zero_()
+    if _zero_grads_if_empty(q, k, out):
         return
     primitive(grad_out, q, k, v, output, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
               softmax_scale, grad_q, grad_k, grad_v)
@@ -169,9 +195,7 @@ def _save(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
-    if grad_lse is not None:
-        grad_lse = grad_lse.to(lse.dtype).contiguous()
+    grad_out, grad_lse = _incoming_grads(grad_out, grad_lse, out, lse)
     grad_q, grad_k, grad_v = attention_op.backward(
         ctx, grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, *ctx.attrs
     )
@@ -181,8 +205,7 @@ def _backward(ctx, grad_out, grad_lse):
 attention_op.autograd(save=_save, backward=_backward)
 
 
-prefix_attention_op = custom_op.declare("prefix_attention",
-                                        key=lambda q, *_: (q.device, q.dtype, {"head_dim": q.shape[2]}))
+prefix_attention_op = custom_op.declare("prefix_attention", key=_key)
 
 
 @prefix_attention_op.forward(outputs=_fwd_outputs)
@@ -193,11 +216,7 @@ def _prefix_attention_fwd(
     o, lse = out
     _check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     _check_prefix_values(prefix_index)
-    if q.shape[0] == 0:
-        return
-    if k.shape[0] == 0:  # no keys anywhere (prefixes included): every query sees nothing
-        o.zero_()
-        lse.fill_(-math.inf)
+    if _no_keys_or_queries(q, k, o, lse):  # (no keys anywhere: prefixes included)
         return
     primitive(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefix_index, causal, softmax_scale,
               o, lse)
@@ -210,9 +229,7 @@ def _prefix_attention_bwd(
     prefix_index: Tensor, causal: bool, softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     grad_q, grad_k, grad_v = out
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        for grad in out:
-            grad.zero_()
+    if _zero_grads_if_empty(q, k, out):
         return
     primitive(grad_out, q, k, v, output, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               prefix_index, causal, softmax_scale, grad_q, grad_k, grad_v)
@@ -228,9 +245,7 @@ def _prefix_save(ctx, inputs, output):
 
 def _prefix_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, prefix_index = ctx.saved_tensors
-    grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
-    if grad_lse is not None:
-        grad_lse = grad_lse.to(lse.dtype).contiguous()
+    grad_out, grad_lse = _incoming_grads(grad_out, grad_lse, out, lse)
     grad_q, grad_k, grad_v = prefix_attention_op.backward(
         ctx, grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, *ctx.attrs, prefix_index, *ctx.flags
     )
