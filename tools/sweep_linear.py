@@ -17,6 +17,7 @@ import torch
 import triton
 
 from rlk_triton import logprob as tl_logprob
+from rlk_triton import matmul as tl_matmul
 
 FWD_CANDIDATES = [
     dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, VOCAB_SPLIT=4096, GROUP_N=8, num_warps=8, num_stages=3),
@@ -85,14 +86,14 @@ def main() -> None:
     gemm_flops = 2 * n * 4096 * h
     print(f"cuBLAS [N,4096]@[4096,H]: {gemm_flops / _ms(lambda: ga @ gb) / 1e9:.0f} TFLOP/s")
     shipped = copy.deepcopy(tl_logprob.TILE_CONFIGS)
+    # The backward's GEMM: rlk_triton.matmul._gemm with each candidate in place of BACKWARD_TILE_CONFIGS.
+    print(f"shipped backward GEMM tiles: {tl_matmul.BACKWARD_TILE_CONFIGS[dtype]}")
     for cfg in GEMM_CANDIDATES:
-        tl_logprob.TILE_CONFIGS["gemm"][dtype] = cfg
         try:
-            rate = gemm_flops / _ms(lambda: tl_logprob._gemm(ga, gb, gout)) / 1e9
+            rate = gemm_flops / _ms(lambda cfg=cfg: tl_matmul._gemm(ga, gb, gout, cfg=cfg)) / 1e9
             print(f"triton gemm {cfg}: {rate:.0f} TFLOP/s")
         except Exception as exc:  # a config the compiler rejects (shared memory): report, keep going
             print(f"triton gemm {cfg}: FAILED {type(exc).__name__}: {str(exc)[:120]}")
-    tl_logprob.TILE_CONFIGS.update(copy.deepcopy(shipped))
 
     def fwd():
         tl_logprob.linear_logprob_fwd(hidden, weight, targets, inv_t, -100, lp, ent, lse)

@@ -77,13 +77,13 @@ def name(c: tuple[int, ...]) -> str:
 def pointer_runner(c: tuple[int, ...]):
     """``out = x @ b`` through ``rlk_triton.matmul``'s kernel with the tiles ``c`` (one K segment)."""
     cfg = config(c)
-    return lambda x, b, weight, layout, out: tk._gemm(x, b, None, out, 1, cfg)
+    return lambda x, b, weight, layout, out: tk._gemm(x, b, out, cfg=cfg)
 
 
 def tma_runner(c: tuple[int, ...]):
     """``out = x @ b`` with the tiles ``c`` and TMA loads where ``rlk_triton.matmul`` takes them (linear's layout)."""
     cfg = config(c) | {"tma": True}
-    return lambda x, b, weight, layout, out: tk._gemm(x, b, None, out, 1, cfg)
+    return lambda x, b, weight, layout, out: tk._gemm(x, b, out, cfg=cfg)
 
 
 def _ms(fn) -> float:
@@ -123,7 +123,7 @@ def main() -> None:
             shipped = {}
             for m in (1, 64, 4096):
                 shipped[m] = torch.empty(m, n, device=dev, dtype=DTYPE)
-                tk._gemm(x[:m], b, None, shipped[m], 1, tk.TILE_CONFIGS[DTYPE])
+                tk._gemm(x[:m], b, shipped[m], cfg=tk.TILE_CONFIGS[DTYPE])
             print(f"\n### {shape_name}, {layout}: cuBLAS ms / candidate ms (cuBLAS TFLOP/s in the header)")
             print("| config | " + " | ".join(f"M={m} ({2 * m * n * k / cublas[m] / 1e9:.0f})" for m in m_values)
                   + " | same bits |")

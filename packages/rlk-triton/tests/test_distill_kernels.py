@@ -22,7 +22,7 @@ import rlk
 from rlk.core import contract
 from rlk.reference import distill as ref
 from rlk_triton import distill as tk
-from rlk_triton import logprob as tk_logprob
+from rlk_triton import matmul as tk_matmul
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 IGNORE = -100
@@ -55,8 +55,8 @@ def small_tiles(monkeypatch):
     for family, cfg in SMALL_TILES.items():
         for dtype in list(tk.TILE_CONFIGS[family]):
             monkeypatch.setitem(tk.TILE_CONFIGS[family], dtype, dict(cfg))
-    for dtype in list(tk_logprob.TILE_CONFIGS["gemm"]):
-        monkeypatch.setitem(tk_logprob.TILE_CONFIGS["gemm"], dtype, dict(SMALL_GEMM))
+    for dtype in list(tk_matmul.BACKWARD_TILE_CONFIGS):
+        monkeypatch.setitem(tk_matmul.BACKWARD_TILE_CONFIGS, dtype, dict(SMALL_GEMM))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import pytest
 from rlk.core import contract
 from rlk.reference import logprob as ref
 from rlk_triton import logprob as tk
+from rlk_triton import matmul as tm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 IGNORE = -100
@@ -46,9 +47,9 @@ SMALL_TILES = {
                    "num_warps": 4, "num_stages": 1},
     "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 32, "VOCAB_CHUNK": 48, "GROUP_N": 2,
                    "num_warps": 4, "num_stages": 1},
-    "gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
     "stored_grad": {"BLOCK_V": 64, "num_warps": 4},
 }
+SMALL_GEMM = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 
 
 @pytest.fixture
@@ -56,6 +57,8 @@ def small_tiles(monkeypatch):
     for family, cfg in SMALL_TILES.items():
         for dtype in list(tk.TILE_CONFIGS[family]):
             monkeypatch.setitem(tk.TILE_CONFIGS[family], dtype, dict(cfg))
+    for dtype in list(tm.BACKWARD_TILE_CONFIGS):
+        monkeypatch.setitem(tm.BACKWARD_TILE_CONFIGS, dtype, dict(SMALL_GEMM))
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -21,6 +21,7 @@ import pytest
 from rlk.core import contract
 from rlk.reference import logprob as ref
 from rlk_triton import logprob as tk
+from rlk_triton import matmul as tm
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 IGNORE = -100
@@ -42,8 +43,8 @@ SMALL_TILES = {
                    "num_warps": 4, "num_stages": 1},
     "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_CHUNK": 48, "GROUP_N": 2,
                    "num_warps": 4, "num_stages": 1},
-    "gemm": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
 }
+SMALL_GEMM = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 
 
 @pytest.fixture
@@ -51,6 +52,8 @@ def small_tiles(monkeypatch):
     for family, cfg in SMALL_TILES.items():
         for dtype in list(tk.TILE_CONFIGS[family]):
             monkeypatch.setitem(tk.TILE_CONFIGS[family], dtype, dict(cfg))
+    for dtype in list(tm.BACKWARD_TILE_CONFIGS):
+        monkeypatch.setitem(tm.BACKWARD_TILE_CONFIGS, dtype, dict(SMALL_GEMM))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,7 +384,7 @@ def test_linear_bwd_deterministic(small_tiles, dtype):
 
 
 # ----------------------------------------------------------------------------------------------
-# the backward's GEMM kernel and the tile table
+# the backward's GEMM (rlk_triton.matmul's kernel with BACKWARD_TILE_CONFIGS) and the tile tables
 # ----------------------------------------------------------------------------------------------
 
 
@@ -389,7 +392,8 @@ def test_linear_bwd_deterministic(small_tiles, dtype):
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("dtype", LINEAR_DTYPES)
 def test_gemm(small_tiles, dtype, transpose_a, accumulate):
-    """C = A @ B (+ C_in) with A given as a transposed view, ragged M / N / K, fp32 C_in aliasing C."""
+    """C = A @ B (+ C_in) through the backward's tiles, with A given as a transposed view, ragged M / N / K, an fp32
+    C_in aliasing C."""
     m, n, k = 37, 40, 70
     g = _gen(3)
     a = (torch.randn(k, m, generator=g).T if transpose_a else torch.randn(m, k, generator=g)).to(dtype).to(DEVICE)
@@ -397,14 +401,15 @@ def test_gemm(small_tiles, dtype, transpose_a, accumulate):
     c0 = torch.randn(m, n, generator=g).to(DEVICE)
     expected = a.double() @ b.double() + (c0.double() if accumulate else 0)
     out = c0.clone() if accumulate else torch.empty(m, n, dtype=dtype, device=DEVICE)
-    tk._gemm(a, b, out, c_in=out if accumulate else None)
+    tm._gemm(a, b, out, addend=out if accumulate else None, cfg=tm.BACKWARD_TILE_CONFIGS[dtype])
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * float(expected.abs().max()))
 
 
 def test_tile_configs_are_consistent():
-    for family in ("selected", "linear_fwd", "linear_bwd", "gemm"):
+    for family in ("selected", "linear_fwd", "linear_bwd", "stored_grad"):
         assert set(tk.TILE_CONFIGS[family]) == {torch.float32, torch.float16, torch.bfloat16}
+    assert set(tm.BACKWARD_TILE_CONFIGS) == {torch.float32, torch.float16, torch.bfloat16}
     for cfg in tk.TILE_CONFIGS["linear_fwd"].values():
         assert cfg["VOCAB_SPLIT"] % cfg["BLOCK_V"] == 0
 

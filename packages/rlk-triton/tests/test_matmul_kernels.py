@@ -288,8 +288,9 @@ def test_m_tile_buckets_compute_the_product(monkeypatch, dtype, m):
 def test_tma_large_bucket_gives_the_pointer_kernels_bits(monkeypatch, dtype, n):
     """The large bucket in linear's layout runs the TMA kernel (a persistent grid walking several tiles per
     program; N = 48: TMA store, N = 44: rows not 16-byte aligned, masked stores; K = 40: a ragged, zero-filled
-    last K step) and gives bitwise the pointer kernel's output with the same tiles; a row-major b, a column-major a
-    and an fp32 output (too much shared memory for these tiles on an H200) stay on the pointer kernel."""
+    last K step) and gives bitwise the pointer kernel's output with the same tiles; a row-major b, a column-major
+    a, an fp32 output (too much shared memory for these tiles on an H200) and an [M, N] addend (the bias as a full
+    tensor: the bias's bits) stay on the pointer kernel."""
     large = tk.M_TILE_CONFIGS[torch.float16][-1][1]
     assert large.get("tma")
     pointer = {key: value for key, value in large.items() if key != "tma"}
@@ -299,14 +300,40 @@ def test_tma_large_bucket_gives_the_pointer_kernels_bits(monkeypatch, dtype, n):
     m, k = 1030, 40
     a, w, bias = _rand((m, k), 0, dtype), _rand((n, k), 1, dtype), _rand((n,), 2, dtype)
     out, expected = (torch.empty(m, n, dtype=dtype, device=DEVICE) for _ in range(2))
-    tk._gemm(a, w.T, bias, out, 1, large)
+    tk._gemm(a, w.T, out, addend=bias, cfg=large)
     assert taken == [True]
-    tk._gemm(a, w.T, bias, expected, 1, pointer)
+    tk._gemm(a, w.T, expected, addend=bias, cfg=pointer)
     assert torch.equal(out, expected)
-    tk._gemm(a, w.T.contiguous(), bias, torch.empty_like(out), 1, large)
-    tk._gemm(a.T.contiguous().T, w.T, bias, torch.empty_like(out), 1, large)
-    tk._gemm(a, w.T, bias, torch.empty(m, n, device=DEVICE), 1, large)
+    tk._gemm(a, w.T.contiguous(), torch.empty_like(out), addend=bias, cfg=large)
+    tk._gemm(a.T.contiguous().T, w.T, torch.empty_like(out), addend=bias, cfg=large)
+    tk._gemm(a, w.T, torch.empty(m, n, device=DEVICE), addend=bias, cfg=large)
+    full = torch.empty_like(out)
+    tk._gemm(a, w.T, full, addend=bias.expand(m, n).contiguous(), cfg=large)
     assert taken == [True]
+    assert torch.equal(full, expected)
+
+
+@interpreter
+@pytest.mark.parametrize("leaves", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_addend_is_added_after_the_k_sum(small_tiles, dtype, leaves):
+    """``_gemm``'s addend: ``out = round(fp32 tree of the K segments + addend)``, bitwise the fp32 partial plus the
+    addend in torch, rounded once; for a bias ``[N]``, a full ``[M, N]`` addend of another layout (column-major),
+    an fp32 ``out`` that is its own addend (``out += a @ b``), K = 40 (ragged steps) and 64 (even steps)."""
+    m, n = 37, 40
+    for k in (40, 64):
+        a, b = _rand((m, k), 0, dtype), _operand((k, n), 1, dtype, True)
+        partial = torch.empty(m, n, device=DEVICE)
+        tk._gemm(a, b, partial, leaves=leaves)
+        bias, full = _rand((n,), 2, dtype), _operand((m, n), 3, dtype, True)
+        for addend in (bias, full):
+            out = torch.empty(m, n, dtype=dtype, device=DEVICE)
+            tk._gemm(a, b, out, addend=addend, leaves=leaves)
+            assert torch.equal(out, (partial + addend.float()).to(dtype))
+        acc = _rand((m, n), 4, torch.float32)
+        expected = acc + partial
+        tk._gemm(a, b, acc, addend=acc, leaves=leaves)
+        assert torch.equal(acc, expected)
 
 
 def test_m_tile_buckets_choice(monkeypatch):

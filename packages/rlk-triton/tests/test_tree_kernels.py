@@ -39,8 +39,8 @@ SMALL = {
                    "num_warps": 4, "num_stages": 1},
     "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_CHUNK": 24, "GROUP_N": 2,
                    "num_warps": 4, "num_stages": 1},
-    "gemm": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
 }
+SMALL_GEMM = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 
 
 @pytest.fixture
@@ -49,7 +49,9 @@ def small_tiles(monkeypatch):
         for dtype in list(tk.TILE_CONFIGS[family]):
             monkeypatch.setitem(tk.TILE_CONFIGS[family], dtype, dict(cfg))
     for dtype in list(tm.TILE_CONFIGS):
-        monkeypatch.setitem(tm.TILE_CONFIGS, dtype, dict(SMALL["gemm"]))
+        monkeypatch.setitem(tm.TILE_CONFIGS, dtype, dict(SMALL_GEMM))
+    for dtype in list(tm.BACKWARD_TILE_CONFIGS):
+        monkeypatch.setitem(tm.BACKWARD_TILE_CONFIGS, dtype, dict(SMALL_GEMM))
     monkeypatch.setattr(tm, "MIN_LEAF", 8)
 
 

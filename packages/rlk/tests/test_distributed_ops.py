@@ -41,7 +41,6 @@ _LOGPROB_TILES = {
                    "num_warps": 4, "num_stages": 1},
     "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_CHUNK": 24, "GROUP_N": 2,
                    "num_warps": 4, "num_stages": 1},
-    "gemm": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
 }
 _MATMUL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 #: K segments of at least 8 (instead of 128), so that tiny K and N still split into 8 segments.
@@ -66,6 +65,7 @@ def small_kernels(backend: str) -> None:
         for family, cfg in _LOGPROB_TILES.items():
             tk_logprob.TILE_CONFIGS[family][torch.float32] = dict(cfg)
         tk_matmul.TILE_CONFIGS[torch.float32] = dict(_MATMUL_TILES)
+        tk_matmul.BACKWARD_TILE_CONFIGS[torch.float32] = dict(_MATMUL_TILES)
         tk_matmul.MIN_LEAF = _MIN_LEAF
 
 
@@ -80,6 +80,7 @@ def kernels(monkeypatch, request):
         for family, cfg in _LOGPROB_TILES.items():
             monkeypatch.setitem(tk_logprob.TILE_CONFIGS[family], torch.float32, dict(cfg))
         monkeypatch.setitem(tk_matmul.TILE_CONFIGS, torch.float32, dict(_MATMUL_TILES))
+        monkeypatch.setitem(tk_matmul.BACKWARD_TILE_CONFIGS, torch.float32, dict(_MATMUL_TILES))
         monkeypatch.setattr(tk_matmul, "MIN_LEAF", _MIN_LEAF)
     with rlk.use_backend(backend), rlk.tensor_parallel_invariant():
         yield backend

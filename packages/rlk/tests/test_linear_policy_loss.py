@@ -322,6 +322,7 @@ def small_tiles(monkeypatch):
     """Tiles that cut V = 150 into 2 leaves of 3 splits and the policy-loss rows into 8-token blocks, so that the
     interpreter runs a few programs per kernel."""
     from rlk_triton import logprob as tk
+    from rlk_triton import matmul as tm
     from rlk_triton import policy_loss as tp
 
     tiles = {
@@ -329,12 +330,14 @@ def small_tiles(monkeypatch):
                        "num_warps": 4, "num_stages": 1},
         "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 32, "VOCAB_CHUNK": 48, "GROUP_N": 2,
                        "num_warps": 4, "num_stages": 1},
-        "gemm": {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1},
         "stored_grad": {"BLOCK_V": 64, "num_warps": 4},
     }
     for family, cfg in tiles.items():
         for dtype in list(tk.TILE_CONFIGS[family]):
             monkeypatch.setitem(tk.TILE_CONFIGS[family], dtype, dict(cfg))
+    gemm = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
+    for dtype in list(tm.BACKWARD_TILE_CONFIGS):
+        monkeypatch.setitem(tm.BACKWARD_TILE_CONFIGS, dtype, dict(gemm))
     for name, value in (("BLOCK_T", 8), ("COUNT_ELEMENTS", 16), ("COUNT_PROGRAMS", 2), ("COMBINE_BLOCK", 4),
                         ("PARTS_BLOCK", 2)):
         monkeypatch.setattr(tp, name, value)

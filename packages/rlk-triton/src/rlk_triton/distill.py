@@ -4,7 +4,8 @@ Spec: :mod:`rlk.reference.distill` (formulas, the online states, the gradients).
 ``linear_logprob``'s kernels: a partial kernel over (row block x vocab split) programs recomputes both logit tiles
 (``K`` loops over ``Hs`` and ``Ht``) and writes per-split states; a combine kernel merges a row's splits in split
 order; the gradient walks the vocab in fixed chunks, writes ``G = d loss / d x_student`` of the chunk to a scratch
-buffer and adds ``G @ W_s`` (fp32 accumulator) and ``G.T @ h_s`` with the fixed-order GEMM of ``logprob``.
+buffer and adds ``G @ W_s`` (fp32 accumulator) and ``G.T @ h_s`` with the fixed-order GEMM of ``logprob``'s
+backward (``rlk_triton.matmul._gemm``, :data:`rlk_triton.matmul.BACKWARD_TILE_CONFIGS`).
 Passes: forward / reverse KL one (their sums ride on the online states), JSD two; the gradient one more.
 Batch invariance: tiles fixed per dtype (:data:`TILE_CONFIGS`, nothing derived from ``N``), no atomics, every
 reduction in a fixed order; ``grad_weight`` sums rows in a fixed partition (deterministic).
@@ -19,12 +20,13 @@ import triton
 import triton.language as tl
 
 from rlk_triton.common import grouped_tile, on_device
-from rlk_triton.logprob import _NO_FP_FUSION, _gemm, _linear_logits_tile
+from rlk_triton.logprob import _NO_FP_FUSION, _linear_logits_tile
+from rlk_triton.matmul import BACKWARD_TILE_CONFIGS, _gemm
 
 #: Fixed tiles per kernel family and input dtype (read at every call; nothing depends on ``N``). ``"partial"``:
 #: a program owns ``BLOCK_N`` rows and ``VOCAB_SPLIT`` vocab columns (a multiple of ``BLOCK_V``), walked in
 #: ``BLOCK_V`` tiles of both logits. ``"grad"``: one ``BLOCK_N x BLOCK_V`` tile of ``G`` per program, the vocab
-#: walked in ``VOCAB_CHUNK`` columns. The GEMMs use ``rlk_triton.logprob.TILE_CONFIGS["gemm"]``.
+#: walked in ``VOCAB_CHUNK`` columns. The GEMMs use ``rlk_triton.matmul.BACKWARD_TILE_CONFIGS``.
 #: The 16-bit tiles are the fastest of four measured on an H200 at N = 16384, H = 4096, V = 151936 bf16 forward KL,
 #: fwd+bwd: 128 x 128 x 64 w8 s3 261.8 ms, 64 x 128 x 64 w4 s3 291.7, 128 x 64 x 64 w8 s3 316.0, 128 x 64 x 32 w8
 #: s3 (the earlier choice, free of register spills in ``ptxas -v``) 446.8 ms; the same loss to 7 digits and
@@ -327,6 +329,7 @@ def _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, t
     ht = teacher_hidden.shape[1]
     vocab = student_weight.shape[0]
     cfg = TILE_CONFIGS["grad"][student_hidden.dtype]
+    gemm_cfg = BACKWARD_TILE_CONFIGS[student_hidden.dtype]
     chunk = cfg["VOCAB_CHUNK"]
     g = torch.empty((n_rows, min(chunk, vocab)), dtype=student_hidden.dtype, device=student_hidden.device)
     acc = None
@@ -348,9 +351,10 @@ def _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, t
             )
             g_chunk = g[:, :cols]
             if acc is not None:
-                _gemm(g_chunk, student_weight[v_start:v_start + cols], acc, c_in=acc if v_start > 0 else None)
+                _gemm(g_chunk, student_weight[v_start:v_start + cols], acc, addend=acc if v_start > 0 else None,
+                      cfg=gemm_cfg)
             if grad_weight_out is not None:
-                _gemm(g_chunk.T, student_hidden, grad_weight_out[v_start:v_start + cols])
+                _gemm(g_chunk.T, student_hidden, grad_weight_out[v_start:v_start + cols], cfg=gemm_cfg)
     if grad_hidden_out is not None:
         grad_hidden_out.copy_(acc)
 

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from rlk_triton.common import dot, grouped_tile, on_device
-from rlk_triton.matmul import tree_leaves, tree_reduce
+from rlk_triton.matmul import BACKWARD_TILE_CONFIGS, _gemm, tree_leaves, tree_reduce
 
 #: Fixed tile configuration per kernel family and input dtype; the launchers read it
 #: at every call, so a sweep may overwrite entries (kernels recompile per config).
@@ -66,9 +66,10 @@ from rlk_triton.matmul import tree_leaves, tree_reduce
 #:   programs share weight tiles in L2 (no effect on the numbers).
 #: * ``"linear_bwd"``: the backward walks each leaf of the vocab in chunks of ``VOCAB_CHUNK``
 #:   columns; its grad-logits kernel computes one ``BLOCK_N x BLOCK_V`` tile per program.
-#: * ``"gemm"``: the backward's ``C = A @ B`` kernel (``grad_hidden``, ``grad_weight``),
-#:   ``BLOCK_M x BLOCK_N`` output tiles, ``K`` loop in ``BLOCK_K`` steps, ``GROUP_M`` row
-#:   tiles scheduled together.
+#:
+#: The backward's GEMMs (``grad_hidden``, ``grad_weight``) are :func:`rlk_triton.matmul._gemm` with the tiles of
+#: :data:`rlk_triton.matmul.BACKWARD_TILE_CONFIGS`.
+#:
 #: Compile option of every kernel that forms ``z = x * inv_temperature``: the ABI makes it one rounded fp32
 #: multiply in every backend, and LLVM would otherwise contract it with the next subtraction
 #: (``fma(x, inv_t, -lse)``, seen in the sm_90 PTX), so that ``p_target = exp(z - lse)`` could exceed 1.
@@ -108,13 +109,8 @@ TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
             "num_warps": 8, "num_stages": 4,
         },
     },
-    "gemm": {
-        torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2},
-        torch.float16: {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-        torch.bfloat16: {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    },
     # linear_logprob_stored_bwd: "stored_grad", the in-place G pass (one program per row, BLOCK_V columns per
-    # step); its GEMMs use "gemm".
+    # step); its GEMMs use rlk_triton.matmul.BACKWARD_TILE_CONFIGS.
     "stored_grad": {
         torch.float32: {"BLOCK_V": 2048, "num_warps": 8},
         torch.float16: {"BLOCK_V": 4096, "num_warps": 8},
@@ -594,62 +590,6 @@ def _linear_grad_logits_kernel(
     tl.store(g_ptrs, g.to(g_out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.jit
-def _gemm_kernel(
-    a_ptr, b_ptr, c_in_ptr, c_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cim, stride_cin, stride_cm, stride_cn,
-    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """``C = A @ B (+ C_in)``: fp32 accumulation over K in fixed ``BLOCK_K`` steps, cast to C's dtype.
-
-    Arbitrary strides (pass a transposed view's strides for ``A.T``). With ``ACCUMULATE`` the
-    fp32 tile ``A @ B`` is added to ``C_in`` (which may alias ``C``) before the store.
-    """
-    tile_m, tile_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am
-    b_ptrs = b_ptr + offs_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        k_mask = offs_k < K
-        a = tl.load(a_ptrs + offs_k[None, :] * stride_ak, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs + offs_k[:, None] * stride_bk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = dot(a, b, acc, IEEE)
-    mask = m_mask[:, None] & n_mask[None, :]
-    if ACCUMULATE:
-        c_in = tl.load(c_in_ptr + offs_m[:, None] * stride_cim + offs_n[None, :] * stride_cin, mask=mask, other=0.0)
-        acc = acc + c_in.to(tl.float32)
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, c_in: torch.Tensor | None = None) -> None:
-    """``out = a @ b (+ c_in)`` through :data:`_gemm_kernel` (any strides, fp32 accumulation).
-
-    ``a`` ``[M, K]`` and ``b`` ``[K, N]`` share a dtype (its ``TILE_CONFIGS["gemm"]`` entry is
-    used); ``out`` and ``c_in`` are ``[M, N]``; ``c_in`` may be ``out`` itself.
-    """
-    m, k = a.shape
-    n = b.shape[1]
-    cfg = TILE_CONFIGS["gemm"][a.dtype]
-    accumulate = c_in is not None
-    c_in = c_in if accumulate else out
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _gemm_kernel[grid](
-        a, b, c_in, out, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        c_in.stride(0), c_in.stride(1), out.stride(0), out.stride(1),
-        ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-
-
 def _linear_bwd_leaves(
     hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
     grad_weight_out, need_grad_hidden,
@@ -662,6 +602,7 @@ def _linear_bwd_leaves(
         raise ValueError("linear_logprob_bwd: grad_entropy needs the forward's entropy")
     n_rows, hidden_size = hidden.shape
     cfg = TILE_CONFIGS["linear_bwd"][hidden.dtype]
+    gemm_cfg = BACKWARD_TILE_CONFIGS[hidden.dtype]
     split = cfg["VOCAB_CHUNK"]
     leaf_size = weight.shape[0] // leaves
     g = torch.empty((n_rows, min(split, leaf_size)), dtype=hidden.dtype, device=hidden.device)
@@ -686,9 +627,9 @@ def _linear_bwd_leaves(
                 g_chunk = g[:, :cols]
                 w_chunk = weight[v_start:v_start + cols]
                 if acc is not None:
-                    _gemm(g_chunk, w_chunk, acc, c_in=acc if v_start > leaf_start else None)
+                    _gemm(g_chunk, w_chunk, acc, addend=acc if v_start > leaf_start else None, cfg=gemm_cfg)
                 if grad_weight_out is not None:
-                    _gemm(g_chunk.T, hidden, grad_weight_out[v_start:v_start + cols])
+                    _gemm(g_chunk.T, hidden, grad_weight_out[v_start:v_start + cols], cfg=gemm_cfg)
         return acc
 
     return tree_reduce(leaf, leaves, lambda a, b: None if a is None else a.add_(b))
@@ -805,7 +746,8 @@ def _leaf_gemms(g: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Ten
 
     def leaf(j: int) -> torch.Tensor:
         out = torch.empty((n_rows, weight.shape[1]), dtype=torch.float32, device=g.device)
-        _gemm(g[:, j * size:(j + 1) * size], weight[j * size:(j + 1) * size], out)
+        _gemm(g[:, j * size:(j + 1) * size], weight[j * size:(j + 1) * size], out,
+              cfg=BACKWARD_TILE_CONFIGS[g.dtype])
         return out
 
     return tree_reduce(leaf, leaves, lambda a, b: a.add_(b))
@@ -834,8 +776,8 @@ def linear_logprob_stored_bwd(
     ``grad_weight_out`` added before the store when accumulating: deterministic). Extra memory: up to
     ``(log2(L) + 1) * 4 * N * H`` bytes (the segments' fp32 sums).
 
-    (Through the register-resident tree GEMM of :mod:`rlk_triton.matmul`, whose pending fp32 tiles limit it to
-    64 x 128 tiles, ``grad_hidden`` took 77 of the one-pass step's 175 ms on an H200 at N = 16384, H = 4096,
+    (Through one :func:`_gemm` with the ``K`` tree in registers (``leaves > 1``), whose pending fp32 tiles limit it
+    to 64 x 128 tiles, ``grad_hidden`` took 77 of the one-pass step's 175 ms on an H200 at N = 16384, H = 4096,
     V = 151936 bf16, 264 TFLOP/s; docs/performance.md.)
     """
     n_rows, vocab = logits.shape
@@ -856,4 +798,5 @@ def linear_logprob_stored_bwd(
         if grad_hidden_out is not None:
             grad_hidden_out.copy_(_leaf_gemms(g, weight, tree_leaves(vocab, MAX_TREE_LEAVES)))
         if grad_weight_out is not None:
-            _gemm(g.T, hidden, grad_weight_out, c_in=grad_weight_out if accumulate else None)
+            _gemm(g.T, hidden, grad_weight_out, addend=grad_weight_out if accumulate else None,
+                  cfg=BACKWARD_TILE_CONFIGS[g.dtype])

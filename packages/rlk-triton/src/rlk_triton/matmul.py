@@ -8,11 +8,14 @@ The math is the spec in :mod:`rlk.reference.matmul`::
     grad_bias = sum_i grad_out[i, :]  [N]
 
 All three products run through one kernel, :func:`_matmul_kernel` (one bucket through its TMA twin, below):
-``C = A @ B (+ bias)`` over ``BLOCK_M x BLOCK_N`` output tiles, the ``K`` loop in ``BLOCK_K`` steps in increasing ``k``,
-an fp32 accumulator, the bias added in fp32 to the accumulator, one rounding to C's dtype at
-the store. Operands are read through their strides, so ``A`` and ``B`` may be row-major or
-column-major views: ``linear`` passes ``weight.t()`` and the backward passes ``b.T`` and ``a.T``
-without copies. fp32 inputs use IEEE fp32 products (no TF32); 16-bit inputs use tensor-core
+``C = A @ B (+ C_in)`` over ``BLOCK_M x BLOCK_N`` output tiles, the ``K`` loop in ``BLOCK_K`` steps in increasing ``k``,
+an fp32 accumulator, the addend ``C_in`` (the bias, a row broadcast over ``M``) added in fp32 to the accumulator,
+one rounding to C's dtype at the store. It is the Triton backend's one GEMM core: the vocabulary backwards of
+:mod:`rlk_triton.logprob` and :mod:`rlk_triton.distill` run their ``G @ W`` / ``G.T @ hidden`` through
+:func:`_gemm` too, with their own tiles (:data:`BACKWARD_TILE_CONFIGS`) and a full ``[M, N]`` fp32 addend where
+they accumulate (``C += A @ B``, ``C_in`` aliasing ``C``). Operands are read through their strides, so ``A`` and
+``B`` may be row-major or column-major views: ``linear`` passes ``weight.t()`` and its backward passes ``b.T`` and
+``a.T`` without copies. fp32 inputs use IEEE fp32 products (no TF32); 16-bit inputs use tensor-core
 dots with fp32 accumulation.
 
 Batch invariance by construction: the tile configuration is one constant per dtype in
@@ -77,6 +80,20 @@ TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
 #: On 4 warps ptxas spills them and the tree ran 3.4-8.5x slower than one segment on an H200 (forward 7.1-8.5x;
 #: Qwen3-8B projections, M = 1024-16384); on 8 warps 1.3-1.9x (``tools/bench_distributed_sim.py``, docs/distributed.md).
 #: The warps split the tile's columns, not ``K``.
+
+#: The tiles of the vocabulary backward's GEMMs (``grad_hidden = G @ W`` and ``grad_weight = G.T @ hidden`` of
+#: ``linear_logprob``, ``linear_logprob_stored`` and ``fused_linear_kl``): :func:`_gemm` with ``cfg`` these, one
+#: ``K`` segment. They differ from :data:`TILE_CONFIGS` because those products are always large and compute-bound
+#: (``[N, Vc] @ [Vc, H]`` and ``[Vc, N] @ [N, H]``, ``Vc`` a vocabulary chunk or leaf, ``N`` a batch's tokens), with
+#: none of the forward's small-``M`` regime: 128 x 256 x 64 w8 s3 was the fastest of ``tools/sweep_linear.py``'s five
+#: candidates on an H200 (bf16 [16384, 4096] @ [4096, 4096]: 597 TFLOP/s against cuBLAS's 670; docs/performance.md).
+#: fp32: 64 x 64 x 32 w4 s2, chosen offline. The values are part of the bits of those backwards (``BLOCK_K`` and
+#: the tile sizes are; ``num_stages`` only pipelines the loads). Read at every call, like :data:`TILE_CONFIGS`.
+BACKWARD_TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
+    torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 2},
+    torch.float16: {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    torch.bfloat16: {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+}
 
 #: Tiles by ``M`` range for the 16-bit, one-segment product (the tensor-parallel tree keeps :data:`TILE_CONFIGS`):
 #: ``(m_max, config)`` pairs in increasing ``m_max`` (``m_max`` None: any ``M``; ``config`` None:
@@ -146,13 +163,19 @@ def _tree_node(leaf, merge, lo: int, hi: int):
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, LEAVES: tl.constexpr,
+    a_ptr, b_ptr, add_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_addm, stride_addn, stride_cm, stride_cn,
+    HAS_ADDEND: tl.constexpr, ADDEND_ROWS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    LEAVES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """``C[tile] = A[rows] @ B[:, cols] (+ bias[cols])``: fp32 sums over ``LEAVES`` (1, 2, 4 or 8) equal
-    ``K`` segments, added in the balanced tree of :func:`tree_reduce`, then the bias, then one rounding.
+    """``C[tile] = A[rows] @ B[:, cols] (+ C_in[rows, cols])``: fp32 sums over ``LEAVES`` (1, 2, 4 or 8) equal
+    ``K`` segments, added in the balanced tree of :func:`tree_reduce`, then the addend, then one rounding.
+
+    The addend ``C_in`` (``HAS_ADDEND``) is read through its own strides and added in fp32: without
+    ``ADDEND_ROWS`` it is one row broadcast over ``M`` (a bias ``[N]``: row stride 0, loaded once per tile as a
+    ``[BLOCK_N]`` vector), with it a full ``[M, N]`` tensor, which may alias ``C`` (``C += A @ B``: a program
+    reads its own tile of ``C`` before it stores that tile, and no other program touches it).
 
     One loop over the ``cdiv(seg, BLOCK_K)`` steps of every segment in order (``seg = K / LEAVES``); the
     accumulator starts from zero at each segment, and a finished segment ``j`` is added to the pending
@@ -218,8 +241,13 @@ def _matmul_kernel(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if LEAVES > 1:
         acc = lvl0
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_ADDEND:
+        if ADDEND_ROWS:
+            c_in = tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :] * stride_addn,
+                           mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+            acc += c_in.to(tl.float32)
+        else:
+            acc += tl.load(add_ptr + offs_n * stride_addn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -333,7 +361,7 @@ def tile_buckets_agree(device: torch.device, dtype: torch.dtype = torch.bfloat16
                 outs = []
                 for _, cfg in configs:
                     out = torch.empty(m, n, dtype=dtype, device=device)
-                    _gemm(a, b, bias, out, 1, cfg)
+                    _gemm(a, b, out, addend=bias, cfg=cfg)
                     outs.append(out)
                 for (name, _), out in zip(configs[1:], outs[1:]):
                     if not torch.equal(out, outs[0]):
@@ -346,29 +374,36 @@ def _leaves(k: int) -> int:
     return tree_leaves(k, tensor_parallel.max_matmul_leaves(MAX_TREE_LEAVES), MIN_LEAF)
 
 
-def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, leaves: int = 1,
-          cfg: dict[str, int] | None = None) -> None:
-    """``out = a @ b (+ bias)`` through :func:`_matmul_kernel` with the tiles of :func:`tiles_for` (or ``cfg``:
-    another op family's fixed tiles, same keys), the ``K`` sum in ``leaves`` segments (``leaves`` divides ``K``).
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, addend: torch.Tensor | None = None,
+          leaves: int = 1, cfg: dict[str, int] | None = None) -> None:
+    """``out = a @ b (+ addend)`` through :func:`_matmul_kernel` with the tiles of :func:`tiles_for` (or ``cfg``:
+    another op family's fixed tiles, same keys, such as :data:`BACKWARD_TILE_CONFIGS`), the ``K`` sum in
+    ``leaves`` segments (``leaves`` divides ``K``). The one GEMM of the Triton backend: ``matmul`` / ``linear``
+    and the backward GEMMs of ``linear_logprob``, ``linear_logprob_stored`` and ``fused_linear_kl`` call it.
 
     ``a`` ``[M, K]`` and ``b`` ``[K, N]`` are any strided views of one dtype; ``out`` ``[M, N]``
     is written through its strides (an fp32 ``out`` for 16-bit inputs keeps the unrounded sum).
-    ``M, N >= 1``; ``K = 0`` gives ``bias`` (or zeros).
+    ``addend``: None, a bias ``[N]`` (broadcast over the rows) or an ``[M, N]`` tensor of any strides, which may be
+    ``out`` itself (``out += a @ b``); added in fp32 after the ``K`` sum, before the one rounding.
+    ``M, N >= 1``; ``K = 0`` gives ``addend`` (or zeros).
     """
     m, k = a.shape
     n = b.shape[1]
     cfg = tiles_for(a.dtype, m, leaves, a.device) if cfg is None else cfg
-    if cfg.get("tma") and leaves == 1 and _tma_operands(a, b, bias, out):
-        _gemm_tma(a, b.T, bias, out, cfg)
+    if cfg.get("tma") and leaves == 1 and _tma_operands(a, b, addend, out):
+        _gemm_tma(a, b.T, addend, out, cfg)
         return
+    add = out if addend is None else addend.expand(m, n)
     warps = cfg.get("tree_num_warps", cfg["num_warps"]) if leaves > 1 else cfg["num_warps"]
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     with on_device(a.device):
         _matmul_kernel[grid](
-            a, b, out if bias is None else bias, out, m, n, k,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, EVEN_K=(k // leaves) % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
-            LEAVES=leaves,
+            a, b, add, out, m, n, k,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), add.stride(0), add.stride(1),
+            out.stride(0), out.stride(1),
+            HAS_ADDEND=addend is not None, ADDEND_ROWS=addend is not None and add.stride(0) != 0,
+            EVEN_K=(k // leaves) % cfg["BLOCK_K"] == 0,
+            IEEE=a.dtype == torch.float32, LEAVES=leaves,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             num_warps=warps, num_stages=cfg["num_stages"],
         )
@@ -380,17 +415,20 @@ def _aligned(t: torch.Tensor) -> bool:
             and t.stride(0) >= t.shape[1])
 
 
-def _tma_operands(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> bool:
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, addend: torch.Tensor | None, out: torch.Tensor) -> bool:
     """Whether :func:`_matmul_tma_kernel` takes this product: 16-bit, ``K >= 1``, linear's layout (``b.T`` a
     row-major ``[N, K]``), ``a`` row-major, both TMA-addressable, a GPU of compute capability 9.0 or later (or the
     CPU interpreter); ``out`` of the inputs' dtype with a unit column stride (an fp32 ``out`` of the large tiles
-    needs more shared memory than an H200 has for the layout change of its masked stores), ``bias`` contiguous."""
+    needs more shared memory than an H200 has for the layout change of its masked stores), ``addend`` None or a
+    contiguous bias ``[N]`` (an ``[M, N]`` addend stays on the pointer kernel)."""
     if (a.dtype not in (torch.float16, torch.bfloat16) or a.shape[1] == 0 or out.dtype != a.dtype
             or out.stride(1) != 1):
         return False
+    if addend is not None and (addend.dim() != 1 or addend.stride(0) != 1):
+        return False
     if a.device.type == "cuda" and _capability(_index(a.device)) < (9, 0):
         return False
-    return _aligned(a) and _aligned(b.T) and (bias is None or bias.stride(0) == 1)
+    return _aligned(a) and _aligned(b.T)
 
 
 def _gemm_tma(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -427,7 +465,7 @@ def matmul_fwd(a, b, bias, out):
     tile (``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)`` programs), each walking all of ``K`` in
     ``tree_leaves(K)`` segments.
     """
-    _gemm(a, b, bias, out, _leaves(a.shape[1]))
+    _gemm(a, b, out, addend=bias, leaves=_leaves(a.shape[1]))
 
 
 def matmul_bwd(grad_out, a, b, grad_a_out, grad_b_out, grad_bias_out):
@@ -446,9 +484,9 @@ def matmul_bwd(grad_out, a, b, grad_a_out, grad_b_out, grad_bias_out):
     transposed views, and one column-sum launch for the bias.
     """
     if grad_a_out is not None:
-        _gemm(grad_out, b.T, None, grad_a_out, _leaves(grad_out.shape[1]))
+        _gemm(grad_out, b.T, grad_a_out, leaves=_leaves(grad_out.shape[1]))
     if grad_b_out is not None:
-        _gemm(a.T, grad_out, None, grad_b_out)
+        _gemm(a.T, grad_out, grad_b_out)
     if grad_bias_out is not None:
         m, n = grad_out.shape
         cfg = COLUMN_SUM_CONFIG
@@ -467,7 +505,7 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
 def matmul_shard_fwd(a, b, leaves, partial_out):
     """A shard's unrounded fp32 partial ``a @ b`` over ``leaves`` whole ``K`` segments of the full product's tree.
     Spec: :func:`rlk.reference.matmul.matmul_shard_fwd`. The forward's kernel, stored in fp32, no bias."""
-    _gemm(a, b, None, partial_out, leaves)
+    _gemm(a, b, partial_out, leaves=leaves)
 
 
 def matmul_combine(partials, bias, out):
