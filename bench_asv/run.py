@@ -49,6 +49,7 @@ OPS = {
     "attention": ("attention", "Attention"),
     "chain": ("chain", "ChainForward"),
     "prefix_sharing": ("prefix_sharing", "PrefixSharing"),
+    "pack": ("pack", "Pack"),
 }
 
 

@@ -1,6 +1,6 @@
-"""The PyTorch baselines of ``bench_asv/benchmarks/rl_objectives.py`` and ``distill.py`` compute what the rlk
-implementations they are timed against compute: a speedup over a baseline that does something else would mean
-nothing."""
+"""The PyTorch baselines of ``bench_asv/benchmarks/rl_objectives.py``, ``distill.py`` and ``pack.py`` compute what
+the rlk implementations they are timed against compute: a speedup over a baseline that does something else would
+mean nothing."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import rlk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench_asv"))
 from benchmarks import distill as bench_distill  # noqa: E402
+from benchmarks import pack as bench_pack  # noqa: E402
 from benchmarks import rl_objectives as bench  # noqa: E402
 
 
@@ -77,3 +78,25 @@ def test_grpo_k3_baseline_matches_rlk():
     for got in results[1:]:
         for a, b_ in zip(got, base):
             torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("option", bench_pack.OPTIONS)
+def test_pack_baseline_matches_rlk(option):
+    """The boolean-mask indexing baseline of ``rlk.pack`` / ``rlk.unpack`` (``torch_index``): the same outputs
+    (packed rows, ``cu_seqlens`` and position ids; the unpacked batch, zeros at the padding) and the same gradient,
+    bitwise, on the benchmark's right-padded mask."""
+    shape = (4, 16, 8)
+    base = bench_pack.PackCase("pack", "torch_index", option, shape)
+    assert 0 < int(base.mask.sum()) < base.mask.numel()
+    base_grad = base.step()
+    with rlk.use_backend("reference"):
+        case = bench_pack.PackCase("pack", "rlk", option, shape)
+        grad = case.step()
+        if option == "pack_fwd_bwd":
+            ours, theirs = rlk.pack(case.input, case.mask), bench_pack.torch_pack(base.input, base.mask)
+        else:
+            ours, theirs = (rlk.unpack(case.input, case.mask),), (bench_pack.torch_unpack(base.input, base.mask),)
+    assert torch.equal(case.input, base.input) and torch.equal(case.mask, base.mask)
+    for a, b in zip(ours, theirs):
+        assert a.dtype == b.dtype and torch.equal(a.detach(), b.detach())
+    assert torch.equal(grad, base_grad)
