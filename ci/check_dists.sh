@@ -3,7 +3,7 @@
 #
 #   bash ci/check_dists.sh DIST_DIR
 #
-# DIST_DIR holds the wheels and sdists of rlk, rlk-triton and rlk-cuda12 / rlk-cuda13 (any subset with rlk).
+# DIST_DIR holds the wheels and sdists of rlk, rlk-triton, rlk-domestic and rlk-cuda12 / rlk-cuda13 (any subset with rlk).
 # 1. `twine check --strict` on every file (metadata a registry accepts, the README renders);
 # 2. a fresh virtual environment (no system site-packages) gets the CPU torch of ci/requirements-dev.txt and the
 #    built wheels, not editable, from DIST_DIR only (no index for rlk's own packages);
@@ -44,6 +44,7 @@ echo "== rlk info"; "$venv/bin/rlk" info | tee info.txt
 for whl in "${wheels[@]}"; do
   case $(basename "$whl") in
     rlk_triton-*) grep -qE '^  triton ' info.txt || { echo "FAIL: rlk info lists no backend triton" >&2; exit 1; } ;;
+    rlk_domestic-*) grep -qE '^  domestic ' info.txt || { echo "FAIL: rlk info lists no backend domestic" >&2; exit 1; } ;;
     rlk_cuda1*) grep -qE '^  cuda ' info.txt || { echo "FAIL: rlk info lists no backend cuda" >&2; exit 1; } ;;
   esac
 done

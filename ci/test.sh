@@ -13,16 +13,21 @@ mkdir -p "$out"
 
 echo "== ruff"; ruff check .
 echo "== mypy (rlk.core)"; python3 -m mypy packages/rlk/src/rlk/core
-echo "== clang-format (csrc)"; clang-format --dry-run --Werror packages/rlk-cuda/csrc/*
+echo "== clang-format (csrc)"; clang-format --dry-run --Werror packages/rlk-cuda/csrc/* packages/rlk-rocm/csrc/*
 echo "== docs site (mkdocs build --strict: broken links, missing pages, API pages from the docstrings)"
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q -d "$out/site"
 echo "== rlk-cuda native build (nvcc, sm_90a)"; bash ci/build_cuda.sh
-export RLK_REQUIRE_INSTALLED=cuda   # built and installed above; unavailable without a GPU, with its reason
+echo "== rlk-rocm native build (Debian's ROCm 5.2 hipcc, gfx90a and gfx940)"; bash ci/build_rocm.sh
+# built and installed above (rlk-domestic by ci/install.sh); unavailable on this machine, each with its reason
+export RLK_REQUIRE_INSTALLED=cuda,rocm,domestic
 echo "== rlk info"; python3 -m rlk info
 rm -rf "$out/triton_launches"
 echo "== pytest"; RLK_RECORD_TRITON_LAUNCHES="$out/triton_launches" python3 -m pytest -n 2 --durations=15
 echo "== the Triton kernels the tests launched, compiled for sm_90 and sm_80 (no GPU: Triton's LLVM and ptxas)"
 env -u TRITON_INTERPRET python3 tools/triton_aot_check.py "$out"/triton_launches/*.json --arch 90 80
+# the same records for AMD CDNA3 / CDNA2 (wavefront 64) through Triton's AMD backend: no ROCm, no GPU, never run
+echo "== the same Triton kernels compiled for AMD gfx942 and gfx90a"
+env -u TRITON_INTERPRET python3 tools/triton_aot_check.py "$out"/triton_launches/*.json --arch gfx942 gfx90a
 # The declared ranges, not only the pins: the same checkout in second environments (system site-packages, so torch
 # and the editable rlk come along, plus another version of one dependency).
 second_env() {  # second_env DIR PIP_REQUIREMENT...

@@ -1,20 +1,14 @@
 // The nanobind layer of rlk_cuda (module rlk_cuda._C): takes tensors through DLPack (no copy, no
 // conversion: `.noconvert()`, CUDA, C-contiguous), checks dtypes, shapes and devices, and calls the
 // launchers of rlk_cuda.h on the stream the caller passes (an integer: a cudaStream_t). No libtorch:
-// any framework whose tensors speak DLPack works, and one wheel serves every torch version.
-#include <nanobind/nanobind.h>
-#include <nanobind/ndarray.h>
-#include <nanobind/stl/optional.h>
-#include <nanobind/stl/string.h>
-#include <nanobind/stl/vector.h>
-
-#include <cstdint>
-#include <initializer_list>
-#include <optional>
-#include <stdexcept>
-#include <string>
-
+// any framework whose tensors speak DLPack works, and one wheel serves every torch version. The array
+// checks, selected_logprob and rms_norm are bindings_common.h's (shared with rlk-rocm); linear_logprob and
+// fused_linear_kl are here.
 #include "rlk_cuda.h"
+
+#define RLK_NB_DEVICE nb::device::cuda
+#define RLK_DEVICE_KIND "CUDA"
+#include "bindings_common.h"
 
 #ifndef RLK_CUDA_VERSION
 #define RLK_CUDA_VERSION "0+unknown"
@@ -23,129 +17,7 @@
 #define RLK_CUDA_DISTRIBUTION "rlk-cuda"
 #endif
 
-namespace nb = nanobind;
-using rlk_cuda::DType;
-
 namespace {
-
-using Array = nb::ndarray<nb::device::cuda, nb::c_contig>;
-using OptArray = std::optional<Array>;
-
-[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument("rlk_cuda: " + message); }
-
-std::string shape_of(const Array& a) {
-  std::string s = "(";
-  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + (a.ndim() == 1 ? ",)" : ")");
-}
-
-DType float_dtype(const Array& a, const char* name) {
-  const nb::dlpack::dtype d = a.dtype();
-  if (d.lanes == 1 && d.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 32) {
-    return DType::kFloat32;
-  }
-  if (d.lanes == 1 && d.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 16) {
-    return DType::kFloat16;
-  }
-  if (d.lanes == 1 && d.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && d.bits == 16) {
-    return DType::kBFloat16;
-  }
-  fail(std::string(name) + ": expected dtype float32, float16 or bfloat16");
-}
-
-void expect_dtype(const Array& a, DType want, const char* name) {
-  const DType got = float_dtype(a, name);
-  if (got != want)
-    fail(std::string(name) + ": expected dtype " + rlk_cuda::dtype_name(want) + ", got " + rlk_cuda::dtype_name(got));
-}
-
-void expect_int64(const Array& a, const char* name) {
-  if (a.dtype() != nb::dtype<int64_t>()) fail(std::string(name) + ": expected dtype int64");
-}
-
-void expect_shape(const Array& a, std::initializer_list<int64_t> shape, const char* name) {
-  bool ok = a.ndim() == shape.size();
-  size_t i = 0;
-  for (int64_t n : shape) ok = ok && i < a.ndim() && static_cast<int64_t>(a.shape(i++)) == n;
-  if (!ok) {
-    std::string want = "(";
-    i = 0;
-    for (int64_t n : shape) want += (i++ ? ", " : "") + std::to_string(n);
-    fail(std::string(name) + ": expected shape " + want + (shape.size() == 1 ? ",)" : ")") + ", got " + shape_of(a));
-  }
-}
-
-// Checks that `a` lives on `device`; returns its data pointer.
-template <typename P = void>
-P* on(const Array& a, int device, const char* name) {
-  if (a.device_id() != device) {
-    fail(std::string(name) + ": expected CUDA device " + std::to_string(device) + ", got " +
-         std::to_string(a.device_id()));
-  }
-  return static_cast<P*>(a.data());
-}
-
-template <typename P = void>
-P* on(const OptArray& a, int device, const char* name) {
-  return a ? on<P>(*a, device, name) : nullptr;
-}
-
-// ---- selected_logprob ------------------------------------------------------------------------
-
-void selected_logprob_fwd(const Array& logits, const Array& targets, const Array& inv_temperature, int64_t ignore_index,
-                          const Array& logprob_out, const OptArray& entropy_out, const Array& lse_out,
-                          std::uintptr_t stream) {
-  if (logits.ndim() != 2) fail("logits: expected shape [N, V], got " + shape_of(logits));
-  const int64_t n = logits.shape(0), v = logits.shape(1);
-  const DType dtype = float_dtype(logits, "logits");
-  const int device = logits.device_id();
-  expect_int64(targets, "targets");
-  expect_shape(targets, {n}, "targets");
-  for (auto [a, name] :
-       {std::pair{&inv_temperature, "inv_temperature"}, {&logprob_out, "logprob_out"}, {&lse_out, "lse_out"}}) {
-    expect_dtype(*a, DType::kFloat32, name);
-    expect_shape(*a, {n}, name);
-  }
-  if (entropy_out) {
-    expect_dtype(*entropy_out, DType::kFloat32, "entropy_out");
-    expect_shape(*entropy_out, {n}, "entropy_out");
-  }
-  rlk_cuda::selected_logprob_fwd(dtype, on(logits, device, "logits"), on<const int64_t>(targets, device, "targets"),
-                                 on<const float>(inv_temperature, device, "inv_temperature"), n, v, ignore_index,
-                                 on<float>(logprob_out, device, "logprob_out"),
-                                 on<float>(entropy_out, device, "entropy_out"), on<float>(lse_out, device, "lse_out"),
-                                 device, stream);
-}
-
-void selected_logprob_bwd(const Array& logits, const Array& targets, const Array& inv_temperature, const Array& lse,
-                          const OptArray& entropy, const Array& grad_logprob, const OptArray& grad_entropy,
-                          int64_t ignore_index, const Array& grad_logits_out, std::uintptr_t stream) {
-  if (logits.ndim() != 2) fail("logits: expected shape [N, V], got " + shape_of(logits));
-  const int64_t n = logits.shape(0), v = logits.shape(1);
-  const DType dtype = float_dtype(logits, "logits");
-  const int device = logits.device_id();
-  expect_int64(targets, "targets");
-  expect_shape(targets, {n}, "targets");
-  for (auto [a, name] :
-       {std::pair{&inv_temperature, "inv_temperature"}, {&lse, "lse"}, {&grad_logprob, "grad_logprob"}}) {
-    expect_dtype(*a, DType::kFloat32, name);
-    expect_shape(*a, {n}, name);
-  }
-  for (auto [a, name] : {std::pair{&entropy, "entropy"}, {&grad_entropy, "grad_entropy"}}) {
-    if (*a) {
-      expect_dtype(**a, DType::kFloat32, name);
-      expect_shape(**a, {n}, name);
-    }
-  }
-  expect_dtype(grad_logits_out, dtype, "grad_logits_out");
-  expect_shape(grad_logits_out, {n, v}, "grad_logits_out");
-  rlk_cuda::selected_logprob_bwd(dtype, on(logits, device, "logits"), on<const int64_t>(targets, device, "targets"),
-                                 on<const float>(inv_temperature, device, "inv_temperature"),
-                                 on<const float>(lse, device, "lse"), on<const float>(entropy, device, "entropy"),
-                                 on<const float>(grad_logprob, device, "grad_logprob"),
-                                 on<const float>(grad_entropy, device, "grad_entropy"), n, v, ignore_index,
-                                 on(grad_logits_out, device, "grad_logits_out"), device, stream);
-}
 
 // ---- linear_logprob --------------------------------------------------------------------------
 
@@ -447,65 +319,6 @@ void fused_linear_kl_grad_wgmma(const Array& student_hidden, const Array& studen
       static_cast<int64_t>(zq.shape(1)), on<float>(grad_hidden_acc, d, "grad_hidden_acc"), d, stream);
 }
 
-// ---- rms_norm ----------------------------------------------------------------------------------
-
-void rms_norm_fwd(const Array& x, const Array& weight, const OptArray& residual, double eps, bool gemma,
-                  const Array& out, const OptArray& residual_out, const Array& rstd_out, std::uintptr_t stream) {
-  if (x.ndim() != 2) fail("x: expected shape [N, H], got " + shape_of(x));
-  const int64_t n = x.shape(0), h = x.shape(1);
-  const DType x_dtype = float_dtype(x, "x");
-  const int device = x.device_id();
-  expect_shape(weight, {h}, "weight");
-  const DType w_dtype = float_dtype(weight, "weight");
-  expect_shape(out, {n, h}, "out");
-  const DType y_dtype = float_dtype(out, "out");
-  for (auto [a, name] : {std::pair{&residual, "residual"}, {&residual_out, "residual_out"}}) {
-    if (*a) {
-      expect_dtype(**a, x_dtype, name);
-      expect_shape(**a, {n, h}, name);
-    }
-  }
-  expect_dtype(rstd_out, DType::kFloat32, "rstd_out");
-  expect_shape(rstd_out, {n}, "rstd_out");
-  rlk_cuda::rms_norm_fwd(x_dtype, w_dtype, y_dtype, on(x, device, "x"), on(weight, device, "weight"),
-                         on(residual, device, "residual"), n, h, static_cast<float>(eps), gemma, on(out, device, "out"),
-                         on(residual_out, device, "residual_out"), on<float>(rstd_out, device, "rstd_out"), device,
-                         stream);
-}
-
-void rms_norm_bwd(const Array& grad_out, const Array& s, const Array& weight, const Array& rstd, bool gemma,
-                  const OptArray& grad_residual, const Array& grad_input_out, const OptArray& grad_weight_out,
-                  const OptArray& partials, int rows_per_block, std::uintptr_t stream) {
-  if (s.ndim() != 2) fail("s: expected shape [N, H], got " + shape_of(s));
-  const int64_t n = s.shape(0), h = s.shape(1);
-  const DType x_dtype = float_dtype(s, "s");
-  const int device = s.device_id();
-  expect_shape(grad_out, {n, h}, "grad_out");
-  const DType y_dtype = float_dtype(grad_out, "grad_out");
-  expect_shape(weight, {h}, "weight");
-  const DType w_dtype = float_dtype(weight, "weight");
-  expect_dtype(rstd, DType::kFloat32, "rstd");
-  expect_shape(rstd, {n}, "rstd");
-  if (grad_residual) {
-    expect_dtype(*grad_residual, x_dtype, "grad_residual");
-    expect_shape(*grad_residual, {n, h}, "grad_residual");
-  }
-  expect_dtype(grad_input_out, x_dtype, "grad_input_out");
-  expect_shape(grad_input_out, {n, h}, "grad_input_out");
-  if (grad_weight_out) {
-    expect_dtype(*grad_weight_out, w_dtype, "grad_weight_out");
-    expect_shape(*grad_weight_out, {h}, "grad_weight_out");
-    if (!partials) fail("partials: required when grad_weight_out is given");
-    expect_dtype(*partials, DType::kFloat32, "partials");
-    expect_shape(*partials, {rlk_cuda::rms_norm_bwd_partial_rows(n, rows_per_block), h}, "partials");
-  }
-  rlk_cuda::rms_norm_bwd(
-      x_dtype, w_dtype, y_dtype, on(grad_out, device, "grad_out"), on(s, device, "s"), on(weight, device, "weight"),
-      on<const float>(rstd, device, "rstd"), on(grad_residual, device, "grad_residual"), n, h, gemma, rows_per_block,
-      on(grad_input_out, device, "grad_input_out"), grad_weight_out ? on<float>(partials, device, "partials") : nullptr,
-      on(grad_weight_out, device, "grad_weight_out"), device, stream);
-}
-
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -513,15 +326,7 @@ NB_MODULE(_C, m) {
   m.attr("__version__") = RLK_CUDA_VERSION;
   m.attr("distribution") = RLK_CUDA_DISTRIBUTION;
 
-  m.def("selected_logprob_fwd", &selected_logprob_fwd, nb::arg("logits").noconvert(), nb::arg("targets").noconvert(),
-        nb::arg("inv_temperature").noconvert(), nb::arg("ignore_index"), nb::arg("logprob_out").noconvert(),
-        nb::arg("entropy_out").noconvert().none(), nb::arg("lse_out").noconvert(), nb::arg("stream"),
-        "selected_logprob forward (rlk.abi): logprob, entropy (optional) and lse of each row.");
-  m.def("selected_logprob_bwd", &selected_logprob_bwd, nb::arg("logits").noconvert(), nb::arg("targets").noconvert(),
-        nb::arg("inv_temperature").noconvert(), nb::arg("lse").noconvert(), nb::arg("entropy").noconvert().none(),
-        nb::arg("grad_logprob").noconvert(), nb::arg("grad_entropy").noconvert().none(), nb::arg("ignore_index"),
-        nb::arg("grad_logits_out").noconvert(), nb::arg("stream"),
-        "selected_logprob backward (rlk.abi): the gradient of the logits.");
+  def_shared_ops(m);
   m.def("linear_logprob_fwd", &linear_logprob_fwd, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
         nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(), nb::arg("ignore_index"),
         nb::arg("logprob_out").noconvert(), nb::arg("entropy_out").noconvert().none(), nb::arg("lse_out").noconvert(),
@@ -597,19 +402,6 @@ NB_MODULE(_C, m) {
         "fused_linear_kl gradients of sum_i coef_i loss_i on Hopper from the forward's stats: grad_hidden_out "
         "[N, Hs] and grad_weight_out [V, Hs] in the inputs' dtype (each optional). Scratch: zq, zp as the forward's; "
         "grad_hidden_acc fp32 [N, Hs] when grad_hidden_out is given and linear_logprob_bwd_num_chunks(V) > 1.");
-  m.def("rms_norm_fwd", &rms_norm_fwd, nb::arg("x").noconvert(), nb::arg("weight").noconvert(),
-        nb::arg("residual").noconvert().none(), nb::arg("eps"), nb::arg("gemma"), nb::arg("out").noconvert(),
-        nb::arg("residual_out").noconvert().none(), nb::arg("rstd_out").noconvert(), nb::arg("stream"),
-        "rms_norm forward (rlk.abi): y, the new residual s (when fused) and rstd.");
-  m.def("rms_norm_bwd", &rms_norm_bwd, nb::arg("grad_out").noconvert(), nb::arg("s").noconvert(),
-        nb::arg("weight").noconvert(), nb::arg("rstd").noconvert(), nb::arg("gemma"),
-        nb::arg("grad_residual").noconvert().none(), nb::arg("grad_input_out").noconvert(),
-        nb::arg("grad_weight_out").noconvert().none(), nb::arg("partials").noconvert().none(),
-        nb::arg("rows_per_block"), nb::arg("stream"),
-        "rms_norm backward (rlk.abi): the gradient of s and (optionally) of the weight; partials: fp32 "
-        "[rms_norm_bwd_partial_rows(N, rows_per_block), H] scratch.");
-  m.def("rms_norm_bwd_partial_rows", &rlk_cuda::rms_norm_bwd_partial_rows, nb::arg("n_rows"),
-        nb::arg("rows_per_block"));
 
   m.def("runtime_version", &rlk_cuda::runtime_version, "CUDA runtime version built in (static), e.g. 13000.");
   m.def("driver_version", &rlk_cuda::driver_version, "Newest CUDA version the driver supports; 0: no driver.");

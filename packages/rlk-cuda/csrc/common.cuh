@@ -6,20 +6,19 @@
 // offsets. Whether a pack is read with one 16-byte access or element by element (that depends on
 // the pointer's alignment, which can differ between a row alone and the same row inside a batch)
 // changes the memory instructions only, never the arithmetic: both paths give the same bits.
+//
+// This header, logprob.cuh and norm.cuh are also rlk-rocm's kernels (wavefront 64): warp-level operations, the
+// warp size and the bf16 type go through portable.cuh.
 #pragma once
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstring>
 
+#include "portable.cuh"
+
 namespace rlk_cuda {
 
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kWarpSize = 32;
-constexpr int kMaxWarps = 32;
+constexpr int kMaxWarps = 32;  // warps of a block of up to 1024 threads (kWarpSize, kFullMask: portable.cuh)
 
 // ---------------------------------------------------------------------------------------------
 // dtype conversion: fp32 math, round to nearest even on the way out (as torch does)
@@ -27,7 +26,7 @@ constexpr int kMaxWarps = 32;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(bf16 x) { return bf16_to_float(x); }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
@@ -40,8 +39,8 @@ __device__ __forceinline__ __half from_float<__half>(float x) {
   return __float2half_rn(x);
 }
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
+__device__ __forceinline__ bf16 from_float<bf16>(float x) {
+  return float_to_bf16_rn(x);
 }
 
 // x rounded to T and widened back to fp32 (torch's `t.to(T)` seen from fp32 math).
@@ -108,7 +107,7 @@ __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a
 // ---------------------------------------------------------------------------------------------
 // block reductions: a shfl_down tree inside each warp, then warp 0 reduces the warp results with
 // the same tree; lane 0 of warp 0 holds the result, which is broadcast through shared memory.
-// The order depends only on blockDim.x (a multiple of 32, at most 1024).
+// The order depends only on blockDim.x (a multiple of kWarpSize, at most 1024).
 // ---------------------------------------------------------------------------------------------
 
 struct SumOp {
@@ -123,7 +122,7 @@ struct MaxOp {
 template <typename Op>
 __device__ __forceinline__ float warp_reduce(float v, Op op) {
 #pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v = op(v, __shfl_down_sync(kFullMask, v, offset));
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v = op(v, shfl_down(v, offset));
   return v;
 }
 

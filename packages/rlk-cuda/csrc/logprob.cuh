@@ -119,8 +119,7 @@ __device__ __forceinline__ SoftmaxState block_merge(SoftmaxState st) {
   auto warp_merge = [](SoftmaxState v) {
 #pragma unroll
     for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
-      SoftmaxState o{__shfl_down_sync(kFullMask, v.m, offset), __shfl_down_sync(kFullMask, v.s, offset),
-                     __shfl_down_sync(kFullMask, v.b, offset)};
+      SoftmaxState o{shfl_down(v.m, offset), shfl_down(v.s, offset), shfl_down(v.b, offset)};
       v = merge(v, o);
     }
     return v;
@@ -290,13 +289,7 @@ __global__ void __launch_bounds__(kLogprobThreads)
 constexpr float kLog2e = 1.44269504088896341f;  // log2(e), rounded to fp32
 constexpr float kLn2 = 0.693147180559945309f;   // ln(2), rounded to fp32
 
-// 2^a on MUFU.EX2, one instruction (a few ulp; results below 2^-126 flush to 0; 2^-inf = 0). The
-// non-ftz form (and __expf) wraps it in a denormal-range fix-up of three more instructions.
-__device__ __forceinline__ float ex2_ftz(float a) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
-  return r;
-}
+// ex2_ftz(a) = 2^a: portable.cuh (MUFU.EX2 on CUDA).
 
 template <typename To, typename From>
 __device__ __forceinline__ To bits_as(const From& from) {
@@ -314,14 +307,14 @@ template <typename T>
 struct Word16;
 
 template <>
-struct Word16<__nv_bfloat16> {
-  using Pair = __nv_bfloat162;
+struct Word16<bf16> {
+  using Pair = bf16x2;
   static constexpr uint32_t kNegInfBits = 0xff80u;
   // a bf16 is the top half of the fp32 with the same value: a shift / a mask, no conversion
   __device__ static __forceinline__ float lo(uint32_t w) { return __uint_as_float(w << 16); }
   __device__ static __forceinline__ float hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
   __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    return bits_as<uint32_t>(__floats2bfloat162_rn(lo, hi));
+    return bits_as<uint32_t>(floats_to_bf16x2_rn(lo, hi));
   }
 };
 
@@ -339,7 +332,7 @@ struct Word16<__half> {
 template <typename T>
 __device__ __forceinline__ uint32_t max2(uint32_t a, uint32_t b) {
   using Pair = typename Word16<T>::Pair;
-  return bits_as<uint32_t>(__hmax2(bits_as<Pair>(a), bits_as<Pair>(b)));
+  return bits_as<uint32_t>(hmax2(bits_as<Pair>(a), bits_as<Pair>(b)));
 }
 
 // 16 and 2 bytes of the (read-only) logits. kFresh: ld.volatile, which the compiler can neither merge with
@@ -348,11 +341,7 @@ __device__ __forceinline__ uint32_t max2(uint32_t a, uint32_t b) {
 template <bool kFresh>
 __device__ __forceinline__ uint4 load_16_bytes(const void* p) {
   if constexpr (kFresh) {
-    uint4 r;
-    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
+    return volatile_load_16_bytes(p);
   } else {
     return __ldg(static_cast<const uint4*>(p));
   }
@@ -361,9 +350,7 @@ __device__ __forceinline__ uint4 load_16_bytes(const void* p) {
 template <bool kFresh>
 __device__ __forceinline__ uint32_t load_2_bytes(const void* p) {
   if constexpr (kFresh) {
-    unsigned short r;
-    asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(r) : "l"(p));
-    return r;
+    return volatile_load_2_bytes(p);
   } else {
     return __ldg(static_cast<const unsigned short*>(p));
   }
@@ -570,7 +557,7 @@ __device__ __forceinline__ Exp2State fold_row_16(const T* __restrict__ x, int64_
   return st;
 }
 
-// 16-bit logits (T = __nv_bfloat16 or __half). Grid: one block per row, kLogprobThreads threads.
+// 16-bit logits (T = bf16 or __half). Grid: one block per row, kLogprobThreads threads.
 // kAligned: the launcher promises that every row starts 16-byte aligned (rows_aligned16), so the kernel
 // holds only the 16-byte load path (the element-wise path, for rows that may not be, needs more registers
 // and would lower the occupancy of every row). Both give the same bits.

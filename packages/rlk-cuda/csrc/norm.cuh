@@ -115,12 +115,12 @@ __device__ __forceinline__ float row_sum(float v, int lanes, float* sums) {
   if (lanes < kWarpSize) {
 #pragma unroll
     for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
-      if (offset < lanes) v += __shfl_xor_sync(kFullMask, v, offset);
+      if (offset < lanes) v += shfl_xor(v, offset);
     }
     return v;
   }
 #pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += shfl_xor(v, offset);
   if (lanes == kWarpSize) return v;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
@@ -128,7 +128,7 @@ __device__ __forceinline__ float row_sum(float v, int lanes, float* sums) {
   __syncthreads();
   v = lane < lanes / kWarpSize ? sums[lane] : 0.0f;
 #pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += shfl_xor(v, offset);
   return v;
 }
 
@@ -193,7 +193,7 @@ __device__ __forceinline__ void unpack(const Pack<E, N>& p, float (&out)[N]) {
     std::memcpy(u, p.w, sizeof(u));
 #pragma unroll
     for (int j = 0; j < N / 2; ++j) {
-      if constexpr (std::is_same_v<E, __nv_bfloat16>) {
+      if constexpr (std::is_same_v<E, bf16>) {
         out[2 * j] = __uint_as_float(u[j] << 16);  // a bf16 is the high half of its fp32
         out[2 * j + 1] = __uint_as_float(u[j] & 0xffff0000u);
       } else {
@@ -217,8 +217,8 @@ __device__ __forceinline__ Pack<E, N> pack_round(const float (&v)[N]) {
     uint32_t u[N / 2];
 #pragma unroll
     for (int j = 0; j < N / 2; ++j) {
-      if constexpr (std::is_same_v<E, __nv_bfloat16>) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+      if constexpr (std::is_same_v<E, bf16>) {
+        const bf16x2 h = floats_to_bf16x2_rn(v[2 * j], v[2 * j + 1]);
         std::memcpy(&u[j], &h, 4);
       } else {
         const __half2 h = __floats2half2_rn(v[2 * j], v[2 * j + 1]);

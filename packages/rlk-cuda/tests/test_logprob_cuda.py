@@ -1,5 +1,6 @@
 """CUDA selected_logprob primitives against the reference run in fp64 (contract tolerances), bitwise
-batch invariance, and the public op running on the cuda backend. Needs a GPU (marker ``gpu``).
+batch invariance, and the public op running on the cuda backend. Needs a GPU (marker ``gpu``). The same
+tests run on the rocm backend from packages/rlk-rocm/tests/test_logprob_rocm.py (``BACKEND``).
 
 Each contract check prints ``RATIO <test> <output> <dtype> <worst/allowed>`` (``pytest -s``), the
 numbers behind the proposed contract values.
@@ -7,25 +8,31 @@ numbers behind the proposed contract values.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
-
-pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 
 import rlk
 from rlk.core import contract, dispatch
 from rlk.reference import logprob as ref
 
+# The backend under test. packages/rlk-rocm/tests loads this file with BACKEND = "rocm" set before it runs
+# (_shared_tests.py there), so the same tests cover rlk-rocm.
+BACKEND = globals().get("BACKEND", "cuda")
+pytest.importorskip(f"rlk_{BACKEND}", reason=f"rlk-{BACKEND} is not installed (bash ci/build_{BACKEND}.sh)")
+
 pytestmark = pytest.mark.gpu
+if BACKEND == "rocm":
+    # On an NVIDIA GPU (a CUDA torch) these are skipped: rlk-rocm serves AMD GPUs.
+    pytestmark = [pytestmark, pytest.mark.skipif(torch.version.hip is None, reason="not a ROCm build of torch")]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 IGNORE = -100
 
 
-def _cuda():
-    from rlk_cuda import logprob as ck
-
-    return ck
+def _native():
+    return importlib.import_module(f"rlk_{BACKEND}.logprob")
 
 
 def make_inputs(n: int, v: int, dtype: torch.dtype, seed: int = 0, scale: float = 3.0, extreme: bool = False,
@@ -80,7 +87,7 @@ def check_row_outputs(name: str, e, got: dict, truth: dict, valid) -> torch.Tens
 
 
 def check_against_reference(name: str, x, targets, inv_t, grad_lp, grad_ent, entropy: bool = True) -> None:
-    got = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent, entropy)
+    got = run(_native(), x, targets, inv_t, grad_lp, grad_ent, entropy)
     truth = run(ref, x.double(), targets, inv_t, grad_lp, grad_ent, entropy)
     e = contract.entry("selected_logprob", x.dtype)
     valid = targets != IGNORE
@@ -151,7 +158,7 @@ def test_entropy_of_large_logits(dtype, offset, temperature):
     args = large_logit_inputs(37, 32003, dtype, offset, temperature)
     check_against_reference("large_logits", *args)
     x, targets, inv_t, grad_lp, grad_ent = args
-    got = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
+    got = run(_native(), x, targets, inv_t, grad_lp, grad_ent)
     truth = run(ref, x.double(), targets, inv_t, grad_lp, grad_ent)
     check_entropy_of_large_logits("large_logits", contract.entry("selected_logprob", dtype), got["entropy"],
                                   truth["entropy"])
@@ -171,7 +178,7 @@ def test_confident_rows_use_the_rounded_z(dtype):
     inv_t = torch.rand(n, generator=g) * 1.5 + 0.5
     grad_lp = torch.rand(n, generator=g) + 0.5
     x, targets, inv_t, grad_lp = x.to(dtype).cuda(), targets.cuda(), inv_t.cuda(), grad_lp.cuda()
-    out = run(_cuda(), x, targets, inv_t, grad_lp, grad_lp, entropy=False)
+    out = run(_native(), x, targets, inv_t, grad_lp, grad_lp, entropy=False)
     assert bool((out["logprob"] <= 0).all()), out["logprob"].max()
     g_target = out["grad"][torch.arange(n, device="cuda"), targets].float()
     assert bool((g_target >= 0).all()), g_target.min()
@@ -188,8 +195,8 @@ def test_unaligned_rows_take_the_same_path_bitwise(dtype, v):
     storage = torch.empty(6 * v + 1, dtype=dtype, device="cuda")
     shifted = storage[1:].view(6, v)
     shifted.copy_(x)
-    a = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
-    b = run(_cuda(), shifted, targets, inv_t, grad_lp, grad_ent)
+    a = run(_native(), x, targets, inv_t, grad_lp, grad_ent)
+    b = run(_native(), shifted, targets, inv_t, grad_lp, grad_ent)
     for key in a:
         assert torch.equal(a[key], b[key]), key
 
@@ -201,16 +208,16 @@ def test_batch_invariance(dtype):
     v = 151936
     x, targets, inv_t, grad_lp, grad_ent = make_inputs(4096, v, dtype, seed=6, on_gpu=True)
     probe = 5
-    alone = run(_cuda(), x[probe:probe + 1].clone(), targets[probe:probe + 1].clone(), inv_t[probe:probe + 1].clone(),
+    alone = run(_native(), x[probe:probe + 1].clone(), targets[probe:probe + 1].clone(), inv_t[probe:probe + 1].clone(),
                 grad_lp[probe:probe + 1].clone(), grad_ent[probe:probe + 1].clone())
     for batch, position in ((7, 3), (133, 100), (4096, 4000)):
         rows = torch.arange(batch, device="cuda")
         rows[position], rows[probe] = probe, rows[position]
-        inside = run(_cuda(), x[rows].contiguous(), targets[rows], inv_t[rows], grad_lp[rows], grad_ent[rows])
+        inside = run(_native(), x[rows].contiguous(), targets[rows], inv_t[rows], grad_lp[rows], grad_ent[rows])
         for key in alone:
             assert torch.equal(alone[key][0], inside[key][position]), (key, batch)
-    again = run(_cuda(), x[:133], targets[:133], inv_t[:133], grad_lp[:133], grad_ent[:133])
-    first = run(_cuda(), x[:133], targets[:133], inv_t[:133], grad_lp[:133], grad_ent[:133])
+    again = run(_native(), x[:133], targets[:133], inv_t[:133], grad_lp[:133], grad_ent[:133])
+    first = run(_native(), x[:133], targets[:133], inv_t[:133], grad_lp[:133], grad_ent[:133])
     for key in again:
         assert torch.equal(again[key], first[key]), key  # deterministic run to run
 
@@ -227,9 +234,9 @@ def test_offsets_past_2_31_elements():
     targets[-2] = IGNORE
     inv_t = torch.rand(n, generator=g, device="cuda") * 1.5 + 0.5
     grad_lp, grad_ent = torch.randn(2, n, generator=g, device="cuda")
-    big = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
+    big = run(_native(), x, targets, inv_t, grad_lp, grad_ent)
     tail = slice(n - 3, n)
-    alone = run(_cuda(), x[tail].clone(), targets[tail].clone(), inv_t[tail].clone(), grad_lp[tail].clone(),
+    alone = run(_native(), x[tail].clone(), targets[tail].clone(), inv_t[tail].clone(), grad_lp[tail].clone(),
                 grad_ent[tail].clone())
     for key in alone:
         assert torch.equal(big[key][tail], alone[key]), key
@@ -238,11 +245,11 @@ def test_offsets_past_2_31_elements():
 
 def test_runs_on_the_callers_stream():
     x, targets, inv_t, grad_lp, grad_ent = make_inputs(64, 50000, torch.bfloat16, seed=7)
-    expected = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
+    expected = run(_native(), x, targets, inv_t, grad_lp, grad_ent)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        got = run(_cuda(), x, targets, inv_t, grad_lp, grad_ent)
+        got = run(_native(), x, targets, inv_t, grad_lp, grad_ent)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     for key in expected:
@@ -254,8 +261,8 @@ def test_runs_on_the_tensors_device():
     """Tensors on cuda:1 while cuda:0 is current (torch exports a tensor through DLPack only from its own device)."""
     args = make_inputs(16, 3000, torch.float32, seed=8)
     torch.cuda.set_device(0)
-    expected = run(_cuda(), *args)
-    got = run(_cuda(), *(a.to("cuda:1") for a in args))
+    expected = run(_native(), *args)
+    got = run(_native(), *(a.to("cuda:1") for a in args))
     assert torch.cuda.current_device() == 0
     for key in expected:
         assert got[key].device == torch.device("cuda:1")
@@ -263,7 +270,7 @@ def test_runs_on_the_tensors_device():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_public_op_on_cuda_backend(dtype):
+def test_public_op_on_backend(dtype):
     x, targets, inv_t, _, _ = make_inputs(2 * 9, 5000, dtype, seed=9)
     x = x.view(2, 9, 5000)
     targets = targets.view(2, 9)
@@ -276,7 +283,7 @@ def test_public_op_on_cuda_backend(dtype):
         return lp, ent, (c[0] * lp + c[1] * ent).sum()
 
     xc = x.clone().requires_grad_(True)
-    lp, ent, total = loss("cuda", xc)
+    lp, ent, total = loss(BACKEND, xc)
     total.backward()
     x64 = x.double().requires_grad_(True)
     ref_lp, ref_ent, ref_total = loss("reference", x64)
@@ -287,4 +294,4 @@ def test_public_op_on_cuda_backend(dtype):
     assert contract.compare_outputs(e, "logprob", lp.reshape(-1), ref_lp.detach().reshape(-1), scale).ok
     assert contract.compare_outputs(e, "entropy", ent.reshape(-1), ref_ent.detach().reshape(-1), scale).ok
     assert contract.compare_grad(e, "grad_logits", xc.grad, x64.grad, float(scale.max())).ok
-    assert dispatch.decide("selected_logprob", x.device, dtype).backend == "cuda"
+    assert dispatch.decide("selected_logprob", x.device, dtype).backend == BACKEND

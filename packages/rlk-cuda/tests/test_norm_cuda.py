@@ -1,31 +1,38 @@
 """CUDA rms_norm primitives against the reference run in fp64 (contract tolerances), bitwise batch
-invariance, determinism of the weight gradient, and the public op on the cuda backend. Needs a GPU.
+invariance, determinism of the weight gradient, and the public op on the cuda backend. Needs a GPU. The same
+tests run on the rocm backend from packages/rlk-rocm/tests/test_norm_rocm.py (``BACKEND``).
 
 Each contract check prints ``RATIO <test> <output> <dtype> <worst/allowed>`` (``pytest -s``).
 """
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
-
-pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 
 import rlk
 from rlk.core import contract, dispatch
 from rlk.ops.norm import output_dtype, rms_norm
 from rlk.reference import norm as ref
 
+# The backend under test. packages/rlk-rocm/tests loads this file with BACKEND = "rocm" set before it runs
+# (_shared_tests.py there), so the same tests cover rlk-rocm.
+BACKEND = globals().get("BACKEND", "cuda")
+pytest.importorskip(f"rlk_{BACKEND}", reason=f"rlk-{BACKEND} is not installed (bash ci/build_{BACKEND}.sh)")
+
 pytestmark = pytest.mark.gpu
+if BACKEND == "rocm":
+    # On an NVIDIA GPU (a CUDA torch) these are skipped: rlk-rocm serves AMD GPUs.
+    pytestmark = [pytestmark, pytest.mark.skipif(torch.version.hip is None, reason="not a ROCm build of torch")]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-6
 
 
-def _cuda():
-    from rlk_cuda import norm as cn
-
-    return cn
+def _native():
+    return importlib.import_module(f"rlk_{BACKEND}.norm")
 
 
 def make_inputs(n: int, h: int, dtype: torch.dtype, weight_dtype: torch.dtype | None, gemma: bool, residual: bool,
@@ -71,7 +78,7 @@ def run(impl, x, w, r, gy, gres, gemma: bool, want_dw: bool = True, eps: float =
 
 
 def check_against_reference(name, x, w, r, gy, gres, gemma: bool) -> None:
-    got = run(_cuda(), x, w, r, gy, gres, gemma)
+    got = run(_native(), x, w, r, gy, gres, gemma)
     # Ground truth: the fp64 reference on the same values. The backward's input s is the kernel's s
     # (rounded to x.dtype), which is what the backward receives.
     s = got.get("s", x)
@@ -136,8 +143,8 @@ def test_unaligned_rows_give_the_same_bits(dtype, h):
         view.copy_(t)
         return view
 
-    a = run(_cuda(), x, w, r, gy, gres, False)
-    b = run(_cuda(), shifted(x), w, shifted(r), shifted(gy), shifted(gres), False)
+    a = run(_native(), x, w, r, gy, gres, False)
+    b = run(_native(), shifted(x), w, shifted(r), shifted(gy), shifted(gres), False)
     for key in a:
         assert torch.equal(a[key], b[key]), key
 
@@ -150,35 +157,35 @@ def test_batch_invariance(dtype, h):
     x, w, r, gy, gres = make_inputs(4096, h, dtype, None, False, True, seed=4, on_gpu=True)
     probe = 5
     one = slice(probe, probe + 1)
-    alone = run(_cuda(), x[one].clone(), w, r[one].clone(), gy[one].clone(), gres[one].clone(), False)
+    alone = run(_native(), x[one].clone(), w, r[one].clone(), gy[one].clone(), gres[one].clone(), False)
     for batch, position in ((7, 3), (133, 100), (4096, 4000)):
         rows = torch.arange(batch, device="cuda")
         rows[position], rows[probe] = probe, rows[position]
-        inside = run(_cuda(), x[rows].contiguous(), w, r[rows].contiguous(), gy[rows].contiguous(),
+        inside = run(_native(), x[rows].contiguous(), w, r[rows].contiguous(), gy[rows].contiguous(),
                      gres[rows].contiguous(), False)
         for key in ("y", "s", "rstd", "grad_input"):
             assert torch.equal(alone[key][0], inside[key][position]), (key, batch)
-    first = run(_cuda(), x, w, r, gy, gres, False)
-    again = run(_cuda(), x, w, r, gy, gres, False)
+    first = run(_native(), x, w, r, gy, gres, False)
+    again = run(_native(), x, w, r, gy, gres, False)
     for key in first:
         assert torch.equal(first[key], again[key]), key
 
 
 def test_without_grad_weight():
     x, w, r, gy, gres = make_inputs(50, 2048, torch.bfloat16, None, True, True, seed=5)
-    full = run(_cuda(), x, w, r, gy, gres, True)
-    part = run(_cuda(), x, w, r, gy, gres, True, want_dw=False)
+    full = run(_native(), x, w, r, gy, gres, True)
+    part = run(_native(), x, w, r, gy, gres, True, want_dw=False)
     assert "grad_weight" not in part
     assert torch.equal(full["grad_input"], part["grad_input"])
 
 
 def test_runs_on_the_callers_stream():
     args = make_inputs(2048, 4096, torch.bfloat16, None, False, True, seed=6)
-    expected = run(_cuda(), *args, False)
+    expected = run(_native(), *args, False)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        got = run(_cuda(), *args, False)
+        got = run(_native(), *args, False)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     for key in expected:
@@ -198,9 +205,9 @@ def test_offsets_past_2_31_elements():
 
     x, r, gy, gres = randn(n, h), randn(n, h), randn(n, h), randn(n, h)
     w = randn(h) * 0.1 + 1.0
-    big = run(_cuda(), x, w, r, gy, gres, False)
+    big = run(_native(), x, w, r, gy, gres, False)
     tail = slice(n - 3, n)
-    alone = run(_cuda(), x[tail].clone(), w, r[tail].clone(), gy[tail].clone(), gres[tail].clone(), False)
+    alone = run(_native(), x[tail].clone(), w, r[tail].clone(), gy[tail].clone(), gres[tail].clone(), False)
     for key in ("y", "s", "rstd", "grad_input"):
         assert torch.equal(big[key][tail], alone[key]), key
 
@@ -210,8 +217,8 @@ def test_runs_on_the_tensors_device():
     """Tensors on cuda:1 while cuda:0 is current (torch exports a tensor through DLPack only from its own device)."""
     args = make_inputs(16, 3000, torch.bfloat16, torch.float32, False, True, seed=8)
     torch.cuda.set_device(0)
-    expected = run(_cuda(), *args, False)
-    got = run(_cuda(), *(None if a is None else a.to("cuda:1") for a in args), False)
+    expected = run(_native(), *args, False)
+    got = run(_native(), *(None if a is None else a.to("cuda:1") for a in args), False)
     assert torch.cuda.current_device() == 0
     for key in expected:
         assert got[key].device == torch.device("cuda:1")
@@ -219,7 +226,7 @@ def test_runs_on_the_tensors_device():
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_public_op_on_cuda_backend(case):
+def test_public_op_on_backend(case):
     dt, wdt, gemma, res = case
     x, w, r, gy, gres = make_inputs(2 * 11, 768, dt, wdt, gemma, res, seed=7)
     x, gy = x.view(2, 11, 768), gy.view(2, 11, 768)
@@ -235,7 +242,7 @@ def test_public_op_on_cuda_backend(case):
         return y, loss
 
     leaves = [t.clone().requires_grad_(True) if t is not None else None for t in (x, w, r)]
-    y, loss = forward("cuda", leaves)
+    y, loss = forward(BACKEND, leaves)
     loss.backward()
     leaves64 = [t.double().requires_grad_(True) if t is not None else None for t in (x, w, r)]
     y64, loss64 = forward("reference", leaves64)
@@ -247,4 +254,4 @@ def test_public_op_on_cuda_backend(case):
         if got is not None:
             dev = contract.compare_grad(e, f"grad_{name}", got.grad, truth.grad, 1.0)
             assert dev.ok, dev
-    assert dispatch.decide("rms_norm", x.device, dt).backend == "cuda"
+    assert dispatch.decide("rms_norm", x.device, dt).backend == BACKEND

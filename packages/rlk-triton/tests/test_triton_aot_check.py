@@ -177,3 +177,43 @@ def test_tma_descriptors_are_typed_and_compiled_from_sm_90_only(tmp_path):
     assert "compiled 1 of 1 kernel specializations for sm_90" in done.stdout
     assert "compiled 0 of 0 kernel specializations for sm_80 (1 with TMA descriptors left out below sm_90)" in \
         done.stdout
+
+
+def test_arch_names_map_to_cuda_and_hip_targets(tmp_path):
+    """A number is a CUDA compute capability (warps of 32), a gfx name an AMD GPU (CDNA: wavefronts of 64)."""
+    tool, _, _ = _tool_and_probe(tmp_path)
+    assert tool.target_of("90") == ("cuda", 90, 32) and tool.label("90") == "sm_90"
+    assert tool.target_of("gfx942") == ("hip", "gfx942", 64) and tool.label("gfx942") == "gfx942"
+    assert tool.target_of("gfx90a") == ("hip", "gfx90a", 64)
+    assert tool.target_of("gfx1100") == ("hip", "gfx1100", 32)  # RDNA: wave32, as Triton's AMD backend
+    with pytest.raises(ValueError, match="unknown arch 'sm90'"):
+        tool.target_of("sm90")
+
+
+def test_records_compile_for_amd_gfx942_and_gfx90a(tmp_path):
+    """The recorded specializations compile for AMD targets (Triton's AMD backend: no ROCm, no GPU); a record's
+    ``num_warps`` is wavefronts of 64 there, and a block above 1024 threads fails (it would not launch). The CUDA-only
+    options (``maxnreg``, ``launch_pdl``) are dropped and the ``PDL_*`` switches compiled off only; a TMA descriptor
+    kernel compiles too (Triton's AMD backend lowers the descriptor to plain loads)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    tool, probe, x = _tool_and_probe(tmp_path)
+    records: list[dict] = []
+    with tool.record_launches(records):
+        probe.good_kernel[(1,)](x, torch.empty_like(x), x.numel(), SCALE=3.0, BLOCK=16, num_warps=2)
+        probe.pdl_kernel[(1,)](x, torch.empty_like(x), x.numel(), BLOCK=16, PDL_WAIT=False)
+        probe.tma_kernel[(1,)](TensorDescriptor.from_tensor(x.reshape(2, 5)[:, :4].contiguous(), [16, 16]),
+                               torch.empty(16, 16), BLOCK=16)
+    with_maxnreg = dict(records[0], options={"num_warps": 2, "maxnreg": 56})  # the same kernel on AMD
+    done = _check(records + [with_maxnreg], tmp_path, ("gfx942", "gfx90a"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    for arch in ("gfx942", "gfx90a"):
+        assert f"compiled 3 of 3 kernel specializations for {arch}\n" in done.stdout
+    assert "summary: gfx942: 3/3 compiled" in done.stdout and "gfx90a: 3/3 compiled" in done.stdout
+
+    wide = [dict(records[0], options={"num_warps": 32})]  # 1024 threads on NVIDIA, 2048 on AMD
+    done = _check(wide, tmp_path, ("90", "gfx942"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "compiled 1 of 1 kernel specializations for sm_90" in done.stdout
+    assert "compiled 0 of 1 kernel specializations for gfx942" in done.stdout
+    assert "does not launch: 32 warps of 64 = 2048 threads per block, at most 1024" in done.stdout

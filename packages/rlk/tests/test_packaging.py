@@ -18,7 +18,10 @@ import rlk
 
 ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = {"rlk": ROOT / "packages/rlk", "rlk-triton": ROOT / "packages/rlk-triton",
-            "rlk-cuda": ROOT / "packages/rlk-cuda"}
+            "rlk-cuda": ROOT / "packages/rlk-cuda", "rlk-rocm": ROOT / "packages/rlk-rocm",
+            "rlk-domestic": ROOT / "packages/rlk-domestic"}
+#: The native backends: (package folder key, import name, ABI version literal's module).
+NATIVE = {"rlk-cuda": "rlk_cuda", "rlk-rocm": "rlk_rocm"}
 
 
 def _project(name: str) -> dict:
@@ -38,20 +41,25 @@ def test_every_distribution_ships_the_license():
 def test_versions_agree():
     """rlk, rlk-triton and rlk-cuda carry one version, ``VERSION``'s (``tools/set_version.py`` writes it); rlk's
     backend extras and the backends' rlk dependency pin it exactly, and so do the Python packages' ``__version__``."""
+    import rlk_domestic
     import rlk_triton
 
     version = (ROOT / "VERSION").read_text().strip()
     assert rlk.__version__ == version
     assert {_project(name)["version"] for name in PACKAGES} == {version}
     assert rlk_triton.__version__ == version
-    cuda_init = (PACKAGES["rlk-cuda"] / "src/rlk_cuda/__init__.py").read_text()
-    assert re.search(r'^__version__ = "([^"]+)"', cuda_init, re.M).group(1) == version
+    assert rlk_domestic.__version__ == version
+    for name, module in NATIVE.items():
+        init = (PACKAGES[name] / f"src/{module}/__init__.py").read_text()
+        assert re.search(r'^__version__ = "([^"]+)"', init, re.M).group(1) == version, name
     for extra, pins in _project("rlk")["optional-dependencies"].items():
         for pin in pins:
             if pin.startswith("rlk-"):
                 assert pin.endswith(f"=={version}"), (extra, pin)
-    for name in ("rlk-triton", "rlk-cuda"):
+    for name in ("rlk-triton", "rlk-domestic", *NATIVE):
         assert f"rlk=={version}" in _project(name)["dependencies"], name
+    extras = _project("rlk")["optional-dependencies"]
+    assert extras["rocm60"] == extras["rocm62"] == [f"{_project('rlk-rocm')['name']}=={version}"]
 
 
 def test_one_torch_floor():
@@ -65,7 +73,7 @@ def test_one_torch_floor():
     assert tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= minimum
 
 
-@pytest.mark.parametrize("name", ["rlk", "rlk-triton"])
+@pytest.mark.parametrize("name", ["rlk", "rlk-triton", "rlk-domestic"])
 def test_wheel_metadata(name, tmp_path):
     """The pure-Python wheels build offline (no build isolation; from a copy, so the checkout gets no build folder)
     and carry the SPDX license, the license file and the classifiers."""
@@ -81,3 +89,37 @@ def test_wheel_metadata(name, tmp_path):
     assert meta["Name"] == name and meta["Version"] == rlk.__version__
     assert meta["License-Expression"] == "Apache-2.0" and meta["License-File"] == "LICENSE"
     assert meta.get_all("Classifier") == _project(name)["classifiers"]
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_native_backend_declares_its_abi_and_entry_point(name):
+    """Each native backend states the ABI version it was written for as a literal, registers its entry point, and
+    names its flavour (CUDA / ROCm major) in the distribution name."""
+    module = NATIVE[name]
+    init = (PACKAGES[name] / f"src/{module}/__init__.py").read_text()
+    from rlk.core import abi
+
+    assert re.search(r"^ABI_VERSION = (\d+)$", init, re.M).group(1) == str(abi.ABI_VERSION)
+    project = _project(name)
+    backend = name.removeprefix("rlk-")
+    assert project["entry-points"]["rlk.backends"] == {backend: f"{module}:backend"}
+    assert re.fullmatch(rf"{name}\d+", project["name"]), project["name"]
+    assert (PACKAGES[name] / "README.md").is_file() and project["readme"] == "README.md"
+
+
+def test_rocm_sdist_carries_the_shared_kernels():
+    """rlk-rocm's sdist force-includes the kernel headers it shares with rlk-cuda (their single source), and its
+    CMakeLists reads them from there or from the checkout."""
+    sdist = tomllib.loads((PACKAGES["rlk-rocm"] / "pyproject.toml").read_text())["tool"]["scikit-build"]["sdist"]
+    shared = sdist["force-include"]
+    for source, dest in shared.items():
+        assert (PACKAGES["rlk-rocm"] / source).resolve().is_file(), source
+        assert dest == f"csrc/shared/{Path(source).name}"
+    includes = set()
+    for header in ("logprob.cuh", "norm.cuh", "common.cuh", "launch_common.h"):
+        includes |= set(re.findall(r'#include "([^"]+)"', (PACKAGES["rlk-cuda"] / "csrc" / header).read_text()))
+    # ... and every header rlk-rocm's own sources include from rlk-cuda (the nanobind layer, the launch helpers).
+    own = {f for f in (PACKAGES["rlk-rocm"] / "csrc").iterdir() if f.is_file()}
+    for source in own:
+        includes |= set(re.findall(r'#include "([^"]+)"', source.read_text())) - {f.name for f in own}
+    assert {Path(s).name for s in shared} >= includes | {"logprob.cuh", "norm.cuh"}

@@ -327,8 +327,10 @@ INTERPRETER_PROGRAMS = 3
 
 
 def buckets_serve(device: torch.device) -> bool:
-    """Whether :data:`M_TILE_CONFIGS` serve calls on ``device`` (a GPU of a checked capability)."""
-    return device.type == "cuda" and _capability(_index(device)) in SAME_BITS_CAPABILITIES
+    """Whether :data:`M_TILE_CONFIGS` serve calls on ``device`` (an NVIDIA GPU of a checked capability; a ROCm torch
+    reports an AMD GPU's gfx version as its capability, gfx90a as (9, 0), so HIP is ruled out first)."""
+    return (device.type == "cuda" and torch.version.hip is None
+            and _capability(_index(device)) in SAME_BITS_CAPABILITIES)
 
 
 def tiles_for(dtype: torch.dtype, m: int, leaves: int, device: torch.device) -> dict[str, int]:
@@ -426,7 +428,7 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, addend: torch.Tensor | None,
         return False
     if addend is not None and (addend.dim() != 1 or addend.stride(0) != 1):
         return False
-    if a.device.type == "cuda" and _capability(_index(a.device)) < (9, 0):
+    if a.device.type == "cuda" and (torch.version.hip is not None or _capability(_index(a.device)) < (9, 0)):
         return False
     return _aligned(a) and _aligned(b.T)
 

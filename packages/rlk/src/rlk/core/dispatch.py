@@ -13,7 +13,7 @@ the same backend):
   call raises :class:`BackendError` saying why. There is no fallback.
 * otherwise the chain of the inputs' device type is walked in order
   (CUDA GPU: cuda, triton, reference; ROCm GPU: rocm, triton, reference;
-  NPU/MLU: domestic, reference; CPU: reference) and the first backend that
+  NPU/MLU/MUSA: domestic, reference; CPU: reference) and the first backend that
   serves the call runs it. Skipping an installed backend is logged once per
   distinct situation (logger ``rlk``, level WARNING); skipping a backend that
   is simply not installed is logged at DEBUG.
@@ -46,6 +46,7 @@ _CHAINS = {
     "rocm": ("rocm", "triton", "reference"),
     "npu": ("domestic", "reference"),
     "mlu": ("domestic", "reference"),
+    "musa": ("domestic", "reference"),
 }
 _DEFAULT_CHAIN = ("reference",)
 

@@ -1,0 +1,7 @@
+"""Ema primitive: the spec (:mod:`rlk.reference.ema`) as it is: per element one subtraction, one multiplication and
+one addition (correctly rounded, no reduction, no fused multiply-add in eager PyTorch), independent of the other
+elements and tensors."""
+
+from rlk.reference.ema import ema_fwd
+
+__all__ = ["ema_fwd"]
