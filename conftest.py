@@ -5,7 +5,8 @@ passed) when torch sees no GPU. ``RLK_REQUIRE_GPU=1`` turns a missing GPU into
 an error, so a GPU run can't quietly turn into a CPU run. Tests marked
 ``triton_interpreter`` are deselected unless ``TRITON_INTERPRET=1`` (CI sets it). ``multi_gpu``
 tests are deselected on machines with fewer than two GPUs, ``no_gpu`` tests (behaviour without a
-GPU) on machines with one. ``verl`` tests (the integration against the real verl, run in the environment of
+GPU) on machines with one, ``rocm`` tests on any torch that is not a ROCm build. ``verl`` tests (the integration
+against the real verl, run in the environment of
 ``ci/install_verl_env.sh``) are deselected where ``verl.trainer.ppo.core_algos`` cannot be imported;
 ``RLK_REQUIRE_VERL=1`` turns that into an error.
 
@@ -51,6 +52,8 @@ def pytest_collection_modifyitems(config, items):
                 raise pytest.UsageError(f"RLK_REQUIRE_VERL=1 but verl cannot be imported ({missing}); "
                                         "set up its environment with ci/install_verl_env.sh")
             _deselect(config, items, "verl")
+    if torch.version.hip is None:
+        _deselect(config, items, "rocm")
     if torch.cuda.device_count() < 2:
         _deselect(config, items, "multi_gpu")
     if torch.cuda.is_available():

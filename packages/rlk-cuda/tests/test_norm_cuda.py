@@ -25,7 +25,7 @@ pytest.importorskip(f"rlk_{BACKEND}", reason=f"rlk-{BACKEND} is not installed (b
 pytestmark = pytest.mark.gpu
 if BACKEND == "rocm":
     # On an NVIDIA GPU (a CUDA torch) these are skipped: rlk-rocm serves AMD GPUs.
-    pytestmark = [pytestmark, pytest.mark.skipif(torch.version.hip is None, reason="not a ROCm build of torch")]
+    pytestmark = [pytestmark, pytest.mark.rocm]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-6

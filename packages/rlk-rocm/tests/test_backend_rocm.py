@@ -191,9 +191,8 @@ def test_supports_declines_other_dtypes_and_devices():
 
 
 @pytest.mark.gpu
+@pytest.mark.rocm
 def test_available_on_an_amd_gpu():
-    if torch.version.hip is None:
-        pytest.skip("an NVIDIA GPU: rlk-rocm serves AMD GPUs")
     assert rlk_rocm._probe() is None
     assert _native.C.device_problem(torch.cuda.current_device()) == ""
     for op in ("selected_logprob", "rms_norm"):
