@@ -49,8 +49,10 @@ def pytest_collection_modifyitems(config, items):
         missing = _verl_import_error()
         if missing is not None:
             if os.environ.get("RLK_REQUIRE_VERL") == "1":
-                raise pytest.UsageError(f"RLK_REQUIRE_VERL=1 but verl cannot be imported ({missing}); "
-                                        "set up its environment with ci/install_verl_env.sh")
+                raise pytest.UsageError(
+                    f"RLK_REQUIRE_VERL=1 but verl cannot be imported ({missing}); "
+                    "set up its environment with ci/install_verl_env.sh"
+                )
             _deselect(config, items, "verl")
     if torch.version.hip is None:
         _deselect(config, items, "rocm")
@@ -71,8 +73,9 @@ def _interpreting() -> bool:
 def pytest_configure(config):
     if not os.environ.get("RLK_RECORD_TRITON_LAUNCHES") or not _interpreting():
         return
-    spec = importlib.util.spec_from_file_location("triton_aot_check", Path(__file__).parent / "tools" /
-                                                  "triton_aot_check.py")
+    spec = importlib.util.spec_from_file_location(
+        "triton_aot_check", Path(__file__).parent / "tools" / "triton_aot_check.py"
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     records: list[dict] = []

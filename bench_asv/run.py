@@ -202,8 +202,9 @@ def markdown(rows: list[dict], ceilings: dict, env: dict) -> str:
             lines.append(f"{head} {r['status']} | | | | | | | | |")
             continue
         speedups = ", ".join(f"{b} {_fmt(r[f'speedup_vs_{b}'], '.2f', 'x')}" for b in r["baselines"] if b != r["impl"])
-        kernel_speedups = ", ".join(f"{b} {_fmt(r.get(f'kernel_speedup_vs_{b}'), '.2f', 'x')}"
-                                    for b in r["baselines"] if b != r["impl"])
+        kernel_speedups = ", ".join(
+            f"{b} {_fmt(r.get(f'kernel_speedup_vs_{b}'), '.2f', 'x')}" for b in r["baselines"] if b != r["impl"]
+        )
         memory = ", ".join(f"{b} {_fmt(r[f'memory_vs_{b}'], '.2f', 'x')}" for b in r["baselines"] if b != r["impl"])
         lines.append(
             f"{head} {r['ms']:.3f} | {r['rate']:.3g} {r['unit']} | {_fmt(r['of_ceiling'], '.1%')} "

@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 out=${RLK_CI_OUT:-out/ci}
 mkdir -p "$out"
 
-echo "== ruff"; ruff check .
+echo "== ruff"; ruff check . && ruff format --check .
 echo "== mypy (rlk.core)"; python3 -m mypy packages/rlk/src/rlk/core
 echo "== clang-format (csrc)"; clang-format --dry-run --Werror packages/rlk-cuda/csrc/* packages/rlk-rocm/csrc/*
 echo "== docs site (mkdocs build --strict: broken links, missing pages, API pages from the docstrings)"

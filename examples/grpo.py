@@ -42,23 +42,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="tiny | qwen3-8b-shape | llama3-8b-shape | PATH (default tiny)")
     p.add_argument("--layers", type=int, default=None, help="keep this many layers of a built-in model")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                   help="default: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument(
+        "--dtype", default=None, choices=("float32", "bfloat16"), help="default: bfloat16 on a GPU, float32 on the CPU"
+    )
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group", type=int, default=4, help="responses per prompt (the GRPO group)")
     p.add_argument("--prompt-len", type=int, default=6, help="longest prompt (prompts are 2..this long)")
     p.add_argument("--max-new-tokens", type=int, default=6)
-    p.add_argument("--micro-batches", type=int, default=2,
-                   help="micro-batches per optimizer step, each a contiguous run of whole groups (1..--prompts)")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=2,
+        help="micro-batches per optimizer step, each a contiguous run of whole groups (1..--prompts)",
+    )
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: 1e-2 tiny, 1e-5 otherwise)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stock", action="store_true", help="stock kernels and a PyTorch loss")
     p.add_argument("--out", default=None, help="folder for log.jsonl")
     args = p.parse_args(argv)
     if not 1 <= args.micro_batches <= args.prompts:
-        p.error(f"argument --micro-batches: {args.micro_batches} is not in 1..{args.prompts} (--prompts): each "
-                "micro-batch is a run of whole groups, one group per prompt")
+        p.error(
+            f"argument --micro-batches: {args.micro_batches} is not in 1..{args.prompts} (--prompts): each "
+            "micro-batch is a run of whole groups, one group per prompt"
+        )
     return args
 
 
@@ -97,8 +104,8 @@ def rollout(model, prompts: list[list[int]], max_new: int, seed: int, rlk_on: bo
     ids = torch.zeros((n, width), dtype=torch.int64)
     mask = torch.zeros((n, width), dtype=torch.int64)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     seeds = sequence_seeds(seed, n).to(device)
@@ -109,8 +116,9 @@ def rollout(model, prompts: list[list[int]], max_new: int, seed: int, rlk_on: bo
     tokens, logprobs = [], []
     try:
         with torch.no_grad():
-            out = compat.cached_forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=pos,
-                                        logits_to_keep=1)
+            out = compat.cached_forward(
+                model, cache, input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1
+            )
             next_pos = pos[:, -1:] + 1
             for t in range(max_new):
                 logits = out.logits[:, -1].float()
@@ -123,8 +131,9 @@ def rollout(model, prompts: list[list[int]], max_new: int, seed: int, rlk_on: bo
                 tokens.append(token)
                 logprobs.append(lp.float())
                 mask = torch.cat([mask, mask.new_ones((n, 1))], 1)
-                out = compat.cached_forward(model, cache, input_ids=token[:, None], attention_mask=mask,
-                                            position_ids=next_pos, logits_to_keep=1)
+                out = compat.cached_forward(
+                    model, cache, input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, logits_to_keep=1
+                )
                 next_pos = next_pos + 1
     finally:
         hook.remove()
@@ -163,8 +172,8 @@ def training_batch(prompts, responses, rows, device):
     ids = torch.zeros((len(rows), width), dtype=torch.int64)
     mask = torch.zeros_like(ids)
     for r, s in enumerate(seqs):
-        ids[r, :len(s)] = torch.tensor(s)
-        mask[r, :len(s)] = 1
+        ids[r, : len(s)] = torch.tensor(s)
+        mask[r, : len(s)] = 1
     starts = torch.tensor([len(prompts[i]) for i in rows])  # the first response token's position
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids.to(device), mask.to(device), pos.to(device), starts
@@ -225,8 +234,9 @@ def main(argv=None) -> list[dict]:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         prompts = [p for p in make_prompts(args.prompts, args.prompt_len, vocab, gen) for _ in range(args.group)]
-        responses, old = rollout(model, prompts, args.max_new_tokens, seed=args.seed * 7919 + step,
-                                 rlk_on=not args.stock)
+        responses, old = rollout(
+            model, prompts, args.max_new_tokens, seed=args.seed * 7919 + step, rlk_on=not args.stock
+        )
         rewards = torch.tensor([verify(p, r.tolist()) for p, r in zip(prompts, responses)])
         n = len(prompts)
         if args.stock:
@@ -248,8 +258,16 @@ def main(argv=None) -> list[dict]:
                 with rlk.batch_invariant():
                     lp = response_logprobs_groups(model, prompts, responses, groups, args.group)
                     resp_mask = torch.ones_like(lp, dtype=torch.bool)
-                    loss, metrics = rlk.policy_loss(lp, old_rows, adv_rows, resp_mask, loss="ppo", clip_low=0.2,
-                                                    agg="token-mean", global_tokens=float(n_tokens))
+                    loss, metrics = rlk.policy_loss(
+                        lp,
+                        old_rows,
+                        adv_rows,
+                        resp_mask,
+                        loss="ppo",
+                        clip_low=0.2,
+                        agg="token-mean",
+                        global_tokens=float(n_tokens),
+                    )
                     clipped = float(metrics["clip_fraction"])
             delta = float((lp.detach() - old_rows).abs().max())
             if max_delta is None:  # the first micro-step: nothing has been updated yet
@@ -264,9 +282,16 @@ def main(argv=None) -> list[dict]:
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        record = {"step": step, "reward": float(rewards.mean()), "loss": total_loss, "clip_fraction": clip_fraction,
-                  "max_abs_delta": max_delta, "ratio_exactly_1": max_delta == 0.0,
-                  "step_s": time.perf_counter() - t0, "peak_mib": peak_memory_mib(device)}
+        record = {
+            "step": step,
+            "reward": float(rewards.mean()),
+            "loss": total_loss,
+            "clip_fraction": clip_fraction,
+            "max_abs_delta": max_delta,
+            "ratio_exactly_1": max_delta == 0.0,
+            "step_s": time.perf_counter() - t0,
+            "peak_mib": peak_memory_mib(device),
+        }
         log.append(record)
         print(json.dumps(record), flush=True)
         if out_dir:

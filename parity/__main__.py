@@ -17,9 +17,14 @@ from parity.run import ALL_OPS as OPS
 from parity.run import FAIL, Config, run_matrix, runnable_backends
 
 DTYPE_ALIASES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16", "half": "float16",
-    "fp32": "float32", "float32": "float32", "float": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
 }
 
 
@@ -31,13 +36,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m parity",
         description="Compare every available rlk backend with the reference run in fp64, under the numerical "
-                    "contract, and check batch invariance. Exit code 1 if anything fails.",
+        "contract, and check batch invariance. Exit code 1 if anything fails.",
     )
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", default=default_device, help=f"torch device (default: {default_device})")
     parser.add_argument("--backends", help="comma-separated backends (default: every one that serves the device)")
-    parser.add_argument("--dtypes", default="bf16,fp16,fp32",
-                        help="comma-separated dtypes (default: bf16,fp16,fp32; the RL-objective ops run fp32 only)")
+    parser.add_argument(
+        "--dtypes",
+        default="bf16,fp16,fp32",
+        help="comma-separated dtypes (default: bf16,fp16,fp32; the RL-objective ops run fp32 only)",
+    )
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
     parser.add_argument("--quick", action="store_true", help="a small subset of the cases (CI smoke)")
     parser.add_argument("--out", type=Path, help="write parity.md and parity.json into this folder")

@@ -44,32 +44,46 @@ from rlk.reference import rope as ref_rope
 
 CHAIN_OPS = ("rms_norm", "matmul", "attention", "prefix_attention", "softmax", "rope", "embedding", "pack")
 #: The public function each op is called through: (module, name).
-_PUBLIC = {"rms_norm": ("rlk.ops.norm", "rms_norm"), "matmul": ("rlk.ops.matmul", "linear"),
-           "attention": ("rlk.ops.attention", "attention"),
-           "prefix_attention": ("rlk.ops.attention", "prefix_attention"), "softmax": ("rlk.ops.softmax", "softmax"),
-           "log_softmax": ("rlk.ops.softmax", "log_softmax"), "rope": ("rlk.ops.rope", "apply_rope"),
-           "embedding": ("rlk.ops.embedding", "embedding"), "pack": ("rlk.ops.pack", "pack"),
-           "unpack": ("rlk.ops.pack", "unpack")}
+_PUBLIC = {
+    "rms_norm": ("rlk.ops.norm", "rms_norm"),
+    "matmul": ("rlk.ops.matmul", "linear"),
+    "attention": ("rlk.ops.attention", "attention"),
+    "prefix_attention": ("rlk.ops.attention", "prefix_attention"),
+    "softmax": ("rlk.ops.softmax", "softmax"),
+    "log_softmax": ("rlk.ops.softmax", "log_softmax"),
+    "rope": ("rlk.ops.rope", "apply_rope"),
+    "embedding": ("rlk.ops.embedding", "embedding"),
+    "pack": ("rlk.ops.pack", "pack"),
+    "unpack": ("rlk.ops.pack", "unpack"),
+}
 
 
 def _public(name: str) -> Callable:
     module, function = _PUBLIC[name]
     return getattr(importlib.import_module(module), function)
 
+
 #: Problem sizes per op and device type (see :func:`_describe` for what each tuple means).
 SIZES: dict[str, dict[str, tuple]] = {
     "rms_norm": {"cuda": ((1, 4096), (133, 4096), (4096, 5120)), "cpu": ((1, 64), (7, 96), (33, 64))},
-    "matmul": {"cuda": ((1, 4096, 4096), (133, 4096, 12288), (4096, 12288, 4096)),
-               "cpu": ((1, 64, 80), (7, 72, 80), (33, 64, 96))},
+    "matmul": {
+        "cuda": ((1, 4096, 4096), (133, 4096, 12288), (4096, 12288, 4096)),
+        "cpu": ((1, 64, 80), (7, 72, 80), (33, 64, 96)),
+    },
     # attention: (sequence lengths (queries = keys), Hq, Hkv, D)
-    "attention": {"cuda": (((4096,), 32, 8, 128), ((1, 77, 1000, 3000), 16, 4, 64), ((513, 2048), 8, 8, 128)),
-                  "cpu": (((1, 5, 37), 4, 2, 64), ((70,), 2, 1, 64))},
+    "attention": {
+        "cuda": (((4096,), 32, 8, 128), ((1, 77, 1000, 3000), 16, 4, 64), ((513, 2048), 8, 8, 128)),
+        "cpu": (((1, 5, 37), 4, 2, 64), ((70,), 2, 1, 64)),
+    },
     # prefix_attention: (groups (prompt length, response lengths); no responses: an ordinary sequence, Hq, Hkv, D);
     # queries = own keys per sequence
-    "prefix_attention": {"cuda": ((((1000, (1000, 1, 700, 0)), (300, ()), (2048, (513, 2048))), 16, 4, 128),
-                                  (((77, (77,) * 8), (4096, ())), 32, 8, 128)),
-                         "cpu": ((((37, (23, 0, 40)), (5, ()), (19, (19, 1))), 4, 2, 64),
-                                 (((21, (17, 30)),), 2, 1, 64))},
+    "prefix_attention": {
+        "cuda": (
+            (((1000, (1000, 1, 700, 0)), (300, ()), (2048, (513, 2048))), 16, 4, 128),
+            (((77, (77,) * 8), (4096, ())), 32, 8, 128),
+        ),
+        "cpu": ((((37, (23, 0, 40)), (5, ()), (19, (19, 1))), 4, 2, 64), (((21, (17, 30)),), 2, 1, 64)),
+    },
     "softmax": {"cuda": ((7, 151936), (133, 32000)), "cpu": ((7, 1000), (33, 300))},
     # rope: (T tokens, Hq, Hk, D)
     "rope": {"cuda": ((4096, 32, 8, 128), (7, 16, 4, 64)), "cpu": ((33, 4, 2, 64), (5, 2, 2, 16))},
@@ -79,9 +93,11 @@ SIZES: dict[str, dict[str, tuple]] = {
     "pack": {"cuda": ((64, 2048, 512), (7, 300, 8)), "cpu": ((5, 9, 4), (3, 17, 1))},
 }
 VARIANTS: dict[str, tuple[tuple[str, tuple], ...]] = {
-    "rms_norm": (("llama", (("gemma", False), ("residual", False))),
-                 ("residual", (("gemma", False), ("residual", True))),
-                 ("gemma", (("gemma", True), ("residual", False)))),
+    "rms_norm": (
+        ("llama", (("gemma", False), ("residual", False))),
+        ("residual", (("gemma", False), ("residual", True))),
+        ("gemma", (("gemma", True), ("residual", False))),
+    ),
     "matmul": (("linear+bias", ()),),
     "attention": (("causal", (("causal", True),)),),
     "prefix_attention": (("causal", (("causal", True),)),),
@@ -173,25 +189,43 @@ def make_inputs(case: ChainCase, seed: int) -> dict[str, torch.Tensor]:
         lengths, hq, hkv, d = size
         total = sum(lengths)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        return {"q": randn(total, hq, d), "k": randn(total, hkv, d), "v": randn(total, hkv, d), "cu_seqlens": cu,
-                "cot_out": randn(total, hq, d), "cot_lse": randn(hq, total)}
+        return {
+            "q": randn(total, hq, d),
+            "k": randn(total, hkv, d),
+            "v": randn(total, hkv, d),
+            "cu_seqlens": cu,
+            "cot_out": randn(total, hq, d),
+            "cot_lse": randn(hq, total),
+        }
     if op == "prefix_attention":
         groups, hq, hkv, d = size
         lengths, prefix, starts = _group_layout(groups)
         total = sum(lengths)
         cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
-        return {"q": randn(total, hq, d), "k": randn(total, hkv, d), "v": randn(total, hkv, d), "cu_seqlens": cu,
-                "prefix_index": torch.tensor(prefix, dtype=torch.int32),
-                "group_starts": torch.tensor(starts, dtype=torch.int64),
-                "cot_out": randn(total, hq, d), "cot_lse": randn(hq, total)}
+        return {
+            "q": randn(total, hq, d),
+            "k": randn(total, hkv, d),
+            "v": randn(total, hkv, d),
+            "cu_seqlens": cu,
+            "prefix_index": torch.tensor(prefix, dtype=torch.int32),
+            "group_starts": torch.tensor(starts, dtype=torch.int64),
+            "cot_out": randn(total, hq, d),
+            "cot_lse": randn(hq, total),
+        }
     if op == "softmax":
         n, v = size
         return {"x": 3 * randn(n, v), "cot_y": randn(n, v)}
     if op == "rope":
         t, hq, hk, d = size
         cos, sin = _rope_tables(t, d, kw["interleaved"], gen)
-        return {"q": randn(t, hq, d), "k": randn(t, hk, d), "cos": cos, "sin": sin, "cot_q": randn(t, hq, d),
-                "cot_k": randn(t, hk, d)}
+        return {
+            "q": randn(t, hq, d),
+            "k": randn(t, hk, d),
+            "cos": cos,
+            "sin": sin,
+            "cot_q": randn(t, hq, d),
+            "cot_k": randn(t, hk, d),
+        }
     if op == "pack":
         b, t, f = size
         mask = (torch.rand(b, t, generator=gen) < 0.7).long()  # right padding, left padding and holes alike
@@ -254,8 +288,10 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> Chain
             res = _leaf(x["residual"])
             y, new_res = fn(xx, w, EPS, residual=res, gemma=params["gemma"])
             ((x["cot_y"] * y).sum() + (x["cot_residual"] * new_res).sum()).backward()
-            return ChainOutputs({"y": y.detach(), "residual": new_res.detach()},
-                                {"grad_x": xx.grad, "grad_weight": w.grad, "grad_residual": res.grad})
+            return ChainOutputs(
+                {"y": y.detach(), "residual": new_res.detach()},
+                {"grad_x": xx.grad, "grad_weight": w.grad, "grad_residual": res.grad},
+            )
         y = fn(xx, w, EPS, gemma=params["gemma"])
         (x["cot_y"] * y).sum().backward()
         return ChainOutputs({"y": y.detach()}, {"grad_x": xx.grad, "grad_weight": w.grad})
@@ -267,20 +303,41 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> Chain
     if op == "attention":
         q, k, v, cu = _leaf(x["q"]), _leaf(x["k"]), _leaf(x["v"]), x["cu_seqlens"]
         longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-        out, lse = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                           max_seqlen_k=longest, causal=params["causal"], return_lse=True)
+        out, lse = fn(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=longest,
+            max_seqlen_k=longest,
+            causal=params["causal"],
+            return_lse=True,
+        )
         ((x["cot_out"] * out).sum() + (x["cot_lse"].to(lse.dtype) * lse).sum()).backward()
-        return ChainOutputs({"out": out.detach(), "lse": lse.detach()},
-                            {"grad_q": q.grad, "grad_k": k.grad, "grad_v": v.grad})
+        return ChainOutputs(
+            {"out": out.detach(), "lse": lse.detach()}, {"grad_q": q.grad, "grad_k": k.grad, "grad_v": v.grad}
+        )
     if op == "prefix_attention":
         q, k, v, cu = _leaf(x["q"]), _leaf(x["k"]), _leaf(x["v"]), x["cu_seqlens"]
         longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-        out, lse = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
-                      prefix_index=x["prefix_index"], causal=params["causal"], return_lse=True)
+        out, lse = fn(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=longest,
+            max_seqlen_k=longest,
+            prefix_index=x["prefix_index"],
+            causal=params["causal"],
+            return_lse=True,
+        )
         finite = torch.isfinite(lse.detach())
         ((x["cot_out"] * out).sum() + torch.where(finite, x["cot_lse"].to(lse.dtype) * lse, 0).sum()).backward()
-        return ChainOutputs({"out": out.detach(), "lse": lse.detach()},
-                            {"grad_q": q.grad, "grad_k": k.grad, "grad_v": v.grad})
+        return ChainOutputs(
+            {"out": out.detach(), "lse": lse.detach()}, {"grad_q": q.grad, "grad_k": k.grad, "grad_v": v.grad}
+        )
     if op == "softmax":
         xx = _leaf(x["x"])
         y = fn(xx, dim=-1)
@@ -332,7 +389,7 @@ def _prefix_attention_scale(x: dict[str, torch.Tensor], hq: int) -> torch.Tensor
     group = hq // v.shape[1]
     scale = torch.ones(v.shape[0], hq, 1, dtype=torch.float64, device=v.device)
     for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
-        keys = v[start:end] if prefix[b] < 0 else torch.cat([v[cu[prefix[b]]:cu[prefix[b] + 1]], v[start:end]])
+        keys = v[start:end] if prefix[b] < 0 else torch.cat([v[cu[prefix[b]] : cu[prefix[b] + 1]], v[start:end]])
         if end > start and keys.shape[0]:
             scale[start:end, :, 0] += keys.amax(dim=(0, 2)).repeat_interleave(group)[None, :]
     return scale
@@ -346,12 +403,13 @@ def scales(case: ChainCase, x: dict[str, torch.Tensor], truth: ChainOutputs) -> 
     if case.op == "attention":
         return {"out": _attention_scale(x, x["q"].shape[1]).expand_as(ref["out"]), "lse": 1 + ref["lse"].abs()}
     if case.op == "prefix_attention":
-        return {"out": _prefix_attention_scale(x, x["q"].shape[1]).expand_as(ref["out"]),
-                "lse": 1 + ref["lse"].abs()}
+        return {"out": _prefix_attention_scale(x, x["q"].shape[1]).expand_as(ref["out"]), "lse": 1 + ref["lse"].abs()}
     if case.op == "rope":
         interleaved = case.kwargs["interleaved"]
-        return {"q": ref_rope.error_scale(x["q"], x["cos"], x["sin"], interleaved),
-                "k": ref_rope.error_scale(x["k"], x["cos"], x["sin"], interleaved)}
+        return {
+            "q": ref_rope.error_scale(x["q"], x["cos"], x["sin"], interleaved),
+            "k": ref_rope.error_scale(x["k"], x["cos"], x["sin"], interleaved),
+        }
     if case.op == "softmax" and case.kwargs["log"]:
         return {"y": 1 + ref["y"].abs() + x["x"].abs()}
     return {name: 1 + value.abs() for name, value in ref.items()}
@@ -371,9 +429,12 @@ def compare(case: ChainCase, dtype: torch.dtype, got: ChainOutputs, truth: Chain
     """Every output (per element) and gradient (``compare_grad``, ``max_scale = 0``) under the contract."""
     entry = contract.entry(case.op, dtype)
     ref = truth.outputs
-    deviations = [contract.compare_outputs(entry, name, got.values[name].reshape(-1), ref.values[name].reshape(-1),
-                                           truth.scales[name].reshape(-1))
-                  for name in ref.values]
+    deviations = [
+        contract.compare_outputs(
+            entry, name, got.values[name].reshape(-1), ref.values[name].reshape(-1), truth.scales[name].reshape(-1)
+        )
+        for name in ref.values
+    ]
     deviations += [contract.compare_grad(entry, name, got.grads[name], ref.grads[name], 0.0) for name in ref.grads]
     return deviations
 
@@ -400,13 +461,26 @@ class ChainInvariancePlan:
 
 #: The probe's case per op and device type: one row of the size (attention: one sequence of the first length).
 _PROBE_SIZES = {
-    "cuda": {"rms_norm": (1, 4096), "matmul": (1, 4096, 4096), "attention": ((1000,), 16, 4, 128),
-             "prefix_attention": (((500, (700, 1000, 1)),), 16, 4, 128),
-             "softmax": (1, 151936), "rope": (1, 32, 8, 128), "embedding": (1, 151936, 1024),
-             "pack": (1, 2048, 512)},
-    "cpu": {"rms_norm": (1, 96), "matmul": (1, 72, 80), "attention": ((37,), 4, 2, 64),
-            "prefix_attention": (((37, (23, 40)),), 4, 2, 64), "softmax": (1, 1000),
-            "rope": (1, 4, 2, 64), "embedding": (1, 128, 64), "pack": (1, 9, 4)},
+    "cuda": {
+        "rms_norm": (1, 4096),
+        "matmul": (1, 4096, 4096),
+        "attention": ((1000,), 16, 4, 128),
+        "prefix_attention": (((500, (700, 1000, 1)),), 16, 4, 128),
+        "softmax": (1, 151936),
+        "rope": (1, 32, 8, 128),
+        "embedding": (1, 151936, 1024),
+        "pack": (1, 2048, 512),
+    },
+    "cpu": {
+        "rms_norm": (1, 96),
+        "matmul": (1, 72, 80),
+        "attention": ((37,), 4, 2, 64),
+        "prefix_attention": (((37, (23, 40)),), 4, 2, 64),
+        "softmax": (1, 1000),
+        "rope": (1, 4, 2, 64),
+        "embedding": (1, 128, 64),
+        "pack": (1, 9, 4),
+    },
 }
 
 
@@ -428,8 +502,9 @@ def _others(plan: ChainInvariancePlan, seed: int, batch: int) -> dict[str, torch
         longest = 2 * size[0][0][0]
         prompts = torch.randint(1, longest, (batch - 1,), generator=gen).tolist()
         counts = torch.randint(0, 3, (batch - 1,), generator=gen).tolist()
-        groups = tuple((p, tuple(torch.randint(0, longest, (n,), generator=gen).tolist()))
-                       for p, n in zip(prompts, counts))
+        groups = tuple(
+            (p, tuple(torch.randint(0, longest, (n,), generator=gen).tolist())) for p, n in zip(prompts, counts)
+        )
         size = (groups, *size[1:])
     else:
         size = (batch - 1, *size[1:])
@@ -442,8 +517,9 @@ def _embed(op: str, probe: dict, others: dict, position: int) -> tuple[dict, sli
     if op == "pack":
         start = int(others["mask"][:position].sum())
         length = int(probe["mask"].sum())
-        batch = {name: torch.cat([others[name][:position], probe[name], others[name][position:]])
-                 for name in ("x", "mask")}
+        batch = {
+            name: torch.cat([others[name][:position], probe[name], others[name][position:]]) for name in ("x", "mask")
+        }
         batch["cot_y"] = torch.cat([others["cot_y"][:start], probe["cot_y"], others["cot_y"][start:]])
         return batch, (slice(start, start + length), slice(position, position + 1))
     if op == "prefix_attention":
@@ -455,9 +531,14 @@ def _embed(op: str, probe: dict, others: dict, position: int) -> tuple[dict, sli
                 batch[name] = value
             else:
                 axis = 1 if name == "cot_lse" else 0
-                batch[name] = torch.cat([others[name].narrow(axis, 0, position), value,
-                                         others[name].narrow(axis, position, others[name].shape[axis] - position)],
-                                        dim=axis)
+                batch[name] = torch.cat(
+                    [
+                        others[name].narrow(axis, 0, position),
+                        value,
+                        others[name].narrow(axis, position, others[name].shape[axis] - position),
+                    ],
+                    dim=axis,
+                )
         return batch, slice(position, position + 1)
     lengths_others = (others["cu_seqlens"][1:] - others["cu_seqlens"][:-1]).tolist()
     start = sum(lengths_others[:position])
@@ -466,8 +547,14 @@ def _embed(op: str, probe: dict, others: dict, position: int) -> tuple[dict, sli
     batch = {"cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)}
     for name in ("q", "k", "v", "cot_out", "cot_lse"):
         axis = 1 if name == "cot_lse" else 0
-        batch[name] = torch.cat([others[name].narrow(axis, 0, start), probe[name],
-                                 others[name].narrow(axis, start, others[name].shape[axis] - start)], dim=axis)
+        batch[name] = torch.cat(
+            [
+                others[name].narrow(axis, 0, start),
+                probe[name],
+                others[name].narrow(axis, start, others[name].shape[axis] - start),
+            ],
+            dim=axis,
+        )
     return batch, slice(start, start + length)
 
 
@@ -483,15 +570,26 @@ def _embed_group(probe: dict, others: dict, position: int) -> tuple[dict, slice]
     lengths = [*lengths_others[:seq], *lengths_probe, *lengths_others[seq:]]
     moved = [a + n_probe if a >= seq else a for a in others["prefix_index"].tolist()]
     prefix = [*moved[:seq], *[a + seq if a >= 0 else a for a in probe["prefix_index"].tolist()], *moved[seq:]]
-    group_starts = [*starts[:position], *[s + seq for s in probe["group_starts"].tolist()[:-1]],
-                    *[s + n_probe for s in starts[position:]]]
-    batch = {"cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
-             "prefix_index": torch.tensor(prefix, dtype=torch.int32),
-             "group_starts": torch.tensor(group_starts, dtype=torch.int64)}
+    group_starts = [
+        *starts[:position],
+        *[s + seq for s in probe["group_starts"].tolist()[:-1]],
+        *[s + n_probe for s in starts[position:]],
+    ]
+    batch = {
+        "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+        "prefix_index": torch.tensor(prefix, dtype=torch.int32),
+        "group_starts": torch.tensor(group_starts, dtype=torch.int64),
+    }
     for name in ("q", "k", "v", "cot_out", "cot_lse"):
         axis = 1 if name == "cot_lse" else 0
-        batch[name] = torch.cat([others[name].narrow(axis, 0, start), probe[name],
-                                 others[name].narrow(axis, start, others[name].shape[axis] - start)], dim=axis)
+        batch[name] = torch.cat(
+            [
+                others[name].narrow(axis, 0, start),
+                probe[name],
+                others[name].narrow(axis, start, others[name].shape[axis] - start),
+            ],
+            dim=axis,
+        )
     length = int(probe["cu_seqlens"][-1])
     return batch, slice(start, start + length)
 
@@ -499,15 +597,24 @@ def _embed_group(probe: dict, others: dict, position: int) -> tuple[dict, slice]
 def _probe_rows(op: str, out: ChainOutputs, rows) -> dict[str, torch.Tensor]:
     if op == "pack":  # rows: (packed tokens, padded rows), or one slice for both
         tokens, padded = rows if isinstance(rows, tuple) else (rows, rows)
-        return {"y": out.values["y"][tokens], "unpacked": out.values["unpacked"][padded],
-                "grad_x": out.grads["grad_x"][padded]}
+        return {
+            "y": out.values["y"][tokens],
+            "unpacked": out.values["unpacked"][padded],
+            "grad_x": out.grads["grad_x"][padded],
+        }
     picked = {name: (value[:, rows] if name == "lse" else value[rows]) for name, value in out.values.items()}
     picked |= {name: value[rows] for name, value in out.grads.items() if name not in ("grad_weight", "grad_bias")}
     return picked
 
 
-def invariance_checks(plan: ChainInvariancePlan, seed: int, backend: str, device: torch.device, dtype: torch.dtype,
-                      record: Callable[[int, int, list[str]], None]) -> None:
+def invariance_checks(
+    plan: ChainInvariancePlan,
+    seed: int,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    record: Callable[[int, int, list[str]], None],
+) -> None:
     """Run the probe of ``plan`` on ``backend``; ``record(batch, position, differing outputs)`` per check."""
     probe = make_inputs(plan.case, seed)
     params = plan.case.kwargs

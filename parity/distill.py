@@ -30,22 +30,32 @@ IGNORE_INDEX = -100
 
 #: ``(N, V, Hs)``; the teacher is 1.5x wider (``Ht = 3 Hs / 2``). GPU: the Qwen vocabulary and a 4096-row batch of
 #: the Llama-2 vocabulary; CPU: small (the Triton interpreter).
-SIZES = {"cuda": ((1, 151936, 4096), (133, 151936, 1536), (4096, 32000, 4096)),
-         "cpu": ((1, 300, 32), (33, 200, 48))}
+SIZES = {"cuda": ((1, 151936, 4096), (133, 151936, 1536), (4096, 32000, 4096)), "cpu": ((1, 300, 32), (33, 200, 48))}
 #: (label, keyword parameters): divergence, reduction, temperature ("row": a per-row tensor), beta, extreme rows.
 VARIANTS = (
-    ("forward_kl mean", (("divergence", "forward_kl"), ("reduction", "mean"), ("temperature", 1.0), ("beta", 0.5),
-                         ("extreme", False))),
-    ("reverse_kl none T=0.7 1e4", (("divergence", "reverse_kl"), ("reduction", "none"), ("temperature", 0.7),
-                                   ("beta", 0.5), ("extreme", True))),
-    ("jsd beta=0.3 sum T=row", (("divergence", "jsd"), ("reduction", "sum"), ("temperature", "row"), ("beta", 0.3),
-                                ("extreme", False))),
+    (
+        "forward_kl mean",
+        (("divergence", "forward_kl"), ("reduction", "mean"), ("temperature", 1.0), ("beta", 0.5), ("extreme", False)),
+    ),
+    (
+        "reverse_kl none T=0.7 1e4",
+        (("divergence", "reverse_kl"), ("reduction", "none"), ("temperature", 0.7), ("beta", 0.5), ("extreme", True)),
+    ),
+    (
+        "jsd beta=0.3 sum T=row",
+        (("divergence", "jsd"), ("reduction", "sum"), ("temperature", "row"), ("beta", 0.3), ("extreme", False)),
+    ),
 )
 INVARIANCE_BATCHES = {"cuda": (7, 133, 4096), "cpu": (7, 33)}
 QUICK_INVARIANCE_BATCHES = (7,)
 _PROBE_SIZES = {"cuda": (1, 151936, 4096), "cpu": (1, 200, 48)}
-_PROBE_PARAMS = (("divergence", "jsd"), ("reduction", "none"), ("temperature", "row"), ("beta", 0.3),
-                 ("extreme", False))
+_PROBE_PARAMS = (
+    ("divergence", "jsd"),
+    ("reduction", "none"),
+    ("temperature", "row"),
+    ("beta", 0.3),
+    ("extreme", False),
+)
 #: Logit standard deviation of both models.
 LOGIT_STD = 2.0
 
@@ -85,8 +95,12 @@ def make_inputs(case: ChainCase, seed: int) -> dict[str, torch.Tensor]:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    x = {"student_hidden": randn(n, hs), "student_weight": randn(v, hs) * (LOGIT_STD / hs**0.5),
-         "teacher_hidden": randn(n, ht), "teacher_weight": randn(v, ht) * (LOGIT_STD / ht**0.5)}
+    x = {
+        "student_hidden": randn(n, hs),
+        "student_weight": randn(v, hs) * (LOGIT_STD / hs**0.5),
+        "teacher_hidden": randn(n, ht),
+        "teacher_weight": randn(v, ht) * (LOGIT_STD / ht**0.5),
+    }
     targets = torch.randint(0, v, (n,), generator=gen)
     if n > 1:
         targets[torch.randperm(n, generator=gen)[: max(1, n // 4)]] = IGNORE_INDEX
@@ -124,9 +138,17 @@ def _call(params: dict, x: dict[str, torch.Tensor], reduction: str) -> tuple[tor
     hidden = x["student_hidden"].detach().clone().requires_grad_()
     weight = x["student_weight"].detach().clone().requires_grad_()
     temperature = x.get("temperature", params["temperature"])
-    loss = fused_linear_kl(hidden, weight, x["teacher_hidden"], x["teacher_weight"], x["targets"],
-                           divergence=params["divergence"], beta=params["beta"], temperature=temperature,
-                           reduction=reduction)
+    loss = fused_linear_kl(
+        hidden,
+        weight,
+        x["teacher_hidden"],
+        x["teacher_weight"],
+        x["targets"],
+        divergence=params["divergence"],
+        beta=params["beta"],
+        temperature=temperature,
+        reduction=reduction,
+    )
     cot = x["cot"] if reduction == params["reduction"] else torch.ones_like(loss)
     (cot * loss).sum().backward()
     return loss.detach(), hidden.grad, weight.grad
@@ -159,9 +181,22 @@ def ground_truth(case: ChainCase, low: dict[str, torch.Tensor]) -> DistillTruth:
         temperature = torch.full((n,), float(case.kwargs["temperature"]), dtype=torch.float64, device=device)
     loss = torch.empty(n, dtype=torch.float64, device=device)
     stats = torch.empty(3, n, dtype=torch.float64, device=device)
-    ref_distill.fused_linear_kl_fwd(x64["student_hidden"], x64["student_weight"], x64["teacher_hidden"],
-                                    x64["teacher_weight"], x64["targets"], 1 / temperature, IGNORE_INDEX,
-                                    case.kwargs["divergence"], case.kwargs["beta"], loss, stats, None, None, None)
+    ref_distill.fused_linear_kl_fwd(
+        x64["student_hidden"],
+        x64["student_weight"],
+        x64["teacher_hidden"],
+        x64["teacher_weight"],
+        x64["targets"],
+        1 / temperature,
+        IGNORE_INDEX,
+        case.kwargs["divergence"],
+        case.kwargs["beta"],
+        loss,
+        stats,
+        None,
+        None,
+        None,
+    )
     rows = contract.divergence_scale(stats[0], stats[1])
     valid = x64["targets"] != IGNORE_INDEX
     reduction = case.kwargs["reduction"]
@@ -179,10 +214,14 @@ def compare(case: ChainCase, dtype: torch.dtype, got: ChainOutputs, truth: Disti
     """The loss (per row, or the reduced value) and both gradients under the contract."""
     entry = contract.entry(case.op, dtype)
     ref = truth.outputs
-    deviations = [contract.compare_outputs(entry, "loss", got.values["loss"].reshape(-1),
-                                           ref.values["loss"].reshape(-1), truth.scale.reshape(-1))]
-    deviations += [contract.compare_grad(entry, name, got.grads[name], ref.grads[name], truth.max_scale)
-                   for name in ref.grads]
+    deviations = [
+        contract.compare_outputs(
+            entry, "loss", got.values["loss"].reshape(-1), ref.values["loss"].reshape(-1), truth.scale.reshape(-1)
+        )
+    ]
+    deviations += [
+        contract.compare_grad(entry, name, got.grads[name], ref.grads[name], truth.max_scale) for name in ref.grads
+    ]
     return deviations
 
 
@@ -203,8 +242,14 @@ def _probe_outputs(params: dict, x: dict[str, torch.Tensor], position: int) -> d
     return {"loss": loss[rows], "grad_hidden": grad_hidden[rows], "grad_hidden (sum)": grad_hidden_sum[rows]}
 
 
-def invariance_checks(plan: ChainInvariancePlan, seed: int, backend: str, device: torch.device, dtype: torch.dtype,
-                      record: Callable[[int, int, list[str]], None]) -> None:
+def invariance_checks(
+    plan: ChainInvariancePlan,
+    seed: int,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    record: Callable[[int, int, list[str]], None],
+) -> None:
     """Run the probe of ``plan`` on ``backend``; ``record(batch, position, differing outputs)`` per check. The probe
     row is never ignored; the other rows (some ignored, some extreme) share its heads."""
     probe = make_inputs(plan.case, seed)
@@ -213,8 +258,10 @@ def invariance_checks(plan: ChainInvariancePlan, seed: int, backend: str, device
         alone = _probe_outputs(params, cast(probe, dtype, device), 0)
         for batch in plan.batches:
             n, v, hs = plan.case.size
-            others = make_inputs(DistillCase(plan.op, (batch - 1, v, hs), "others", (*plan.case.params[:-1],
-                                                                                    ("extreme", True))), seed + 1)
+            others = make_inputs(
+                DistillCase(plan.op, (batch - 1, v, hs), "others", (*plan.case.params[:-1], ("extreme", True))),
+                seed + 1,
+            )
             for position in plan.positions(batch):
                 inputs = dict(probe)
                 for name in ("student_hidden", "teacher_hidden", "targets", "temperature", "cot"):

@@ -62,17 +62,34 @@ def _finite(x: float) -> float | str:
 
 def _case_json(case: cs.Case | rl.RLCase | chain.ChainCase) -> dict:
     if isinstance(case, chain.ChainCase):
-        return {"label": case.label(), "size": list(map(str, case.size)), "variant": case.variant,
-                "params": dict(case.params)}
+        return {
+            "label": case.label(),
+            "size": list(map(str, case.size)),
+            "variant": case.variant,
+            "params": dict(case.params),
+        }
     if isinstance(case, rl.RLCase):
         params = {k: v for k, v in case.params if not isinstance(v, torch.Tensor)}
-        return {"label": case.label(), "rows": case.rows, "cols": case.cols, "variant": case.variant,
-                "params": {k: _finite(v) if isinstance(v, float) else v for k, v in params.items()}}
+        return {
+            "label": case.label(),
+            "rows": case.rows,
+            "cols": case.cols,
+            "variant": case.variant,
+            "params": {k: _finite(v) if isinstance(v, float) else v for k, v in params.items()},
+        }
     f = case.features
     return {
-        "label": case.label(), "vocab": case.vocab, "rows": case.rows, "hidden": case.hidden,
-        "features": {"ignore": f.ignore, "extreme": f.extreme, "neg_inf": f.neg_inf,
-                     "temperature": f.temperature, "entropy": f.entropy},
+        "label": case.label(),
+        "vocab": case.vocab,
+        "rows": case.rows,
+        "hidden": case.hidden,
+        "features": {
+            "ignore": f.ignore,
+            "extreme": f.extreme,
+            "neg_inf": f.neg_inf,
+            "temperature": f.temperature,
+            "entropy": f.entropy,
+        },
     }
 
 
@@ -90,9 +107,11 @@ def _cell_json(cell: Cell) -> dict:
         out["reason"] = cell.na_reason
         return out
     worst = cell.worst
-    out["worst"] = None if worst is None else {
-        "ratio": _finite(worst[1].ratio), "check": worst[1].name, "case": worst[0].case.label()
-    }
+    out["worst"] = (
+        None
+        if worst is None
+        else {"ratio": _finite(worst[1].ratio), "check": worst[1].name, "case": worst[0].case.label()}
+    )
     out["cases"] = [
         {
             **_case_json(r.case),
@@ -100,8 +119,7 @@ def _cell_json(cell: Cell) -> dict:
             "error": r.error,
             "seconds": round(r.seconds, 3),
             "deviations": [
-                {"name": d.name, "worst": _finite(d.worst), "allowed": d.allowed, "ratio": _finite(d.ratio),
-                 "ok": d.ok}
+                {"name": d.name, "worst": _finite(d.worst), "allowed": d.allowed, "ratio": _finite(d.ratio), "ok": d.ok}
                 for d in r.deviations
             ],
         }
@@ -127,8 +145,12 @@ def to_json(config: Config, cells: list[Cell], not_run: dict[str, str], env: dic
     return {
         "environment": env,
         "config": {
-            "device": str(config.device), "backends": config.backends, "dtypes": config.dtypes, "ops": config.ops,
-            "quick": config.quick, "seed": config.seed,
+            "device": str(config.device),
+            "backends": config.backends,
+            "dtypes": config.dtypes,
+            "ops": config.ops,
+            "quick": config.quick,
+            "seed": config.seed,
         },
         "backends_not_run": not_run,
         "failed": any(c.status == FAIL for c in cells),
@@ -168,7 +190,8 @@ def to_markdown(config: Config, cells: list[Cell], not_run: dict[str, str], env:
         f"- device: {env['device']} ({env['device_name']})",
         f"- versions: rlk {env['rlk']} (ABI {env['abi']}), torch {env['torch']}, triton {env['triton']}, "
         f"python {env['python']}",
-        "- backends: " + ", ".join(
+        "- backends: "
+        + ", ".join(
             f"{b} {versions.get(b, '?')}" + (" (Triton CPU interpreter)" if cs.interpreted(b, config.device) else "")
             for b in config.backends
         ),
@@ -177,8 +200,12 @@ def to_markdown(config: Config, cells: list[Cell], not_run: dict[str, str], env:
         "## Matrix",
         "",
     ]
-    rows = [[op, dtype] + [_cell_text(by_key[op, dtype, b]) for b in config.backends]
-            for op in config.ops for dtype in config.dtypes if all((op, dtype, b) in by_key for b in config.backends)]
+    rows = [
+        [op, dtype] + [_cell_text(by_key[op, dtype, b]) for b in config.backends]
+        for op in config.ops
+        for dtype in config.dtypes
+        if all((op, dtype, b) in by_key for b in config.backends)
+    ]
     lines += _table(["op", "dtype"] + config.backends, rows)
     lines += [
         "",
@@ -197,17 +224,37 @@ def to_markdown(config: Config, cells: list[Cell], not_run: dict[str, str], env:
         if worst is None:
             continue
         result, dev = worst
-        worst_rows.append([cell.op, cell.dtype, cell.backend, f"{dev.ratio:.3g}", dev.name,
-                           f"{dev.worst:.3g} / {dev.allowed:.3g}", result.case.label(), str(len(cell.results))])
+        worst_rows.append(
+            [
+                cell.op,
+                cell.dtype,
+                cell.backend,
+                f"{dev.ratio:.3g}",
+                dev.name,
+                f"{dev.worst:.3g} / {dev.allowed:.3g}",
+                result.case.label(),
+                str(len(cell.results)),
+            ]
+        )
     lines += _table(["op", "dtype", "backend", "ratio", "check", "deviation / allowed", "case", "cases"], worst_rows)
     failures = [
         f"- {c.backend} {c.op} {c.dtype} {r.case.label()}: "
-        + (f"error {r.error}" if r.error else ", ".join(
-            f"{d.name} {d.worst:.3g} > {d.allowed:.3g} (ratio {d.ratio:.3g})" for d in r.deviations if not d.ok))
-        for c in cells for r in c.results if not r.ok
+        + (
+            f"error {r.error}"
+            if r.error
+            else ", ".join(
+                f"{d.name} {d.worst:.3g} > {d.allowed:.3g} (ratio {d.ratio:.3g})" for d in r.deviations if not d.ok
+            )
+        )
+        for c in cells
+        for r in c.results
+        if not r.ok
     ]
-    failures += [f"- {c.backend} {c.op} {c.dtype} invariance: {c.invariance.verdict}: {c.invariance.details}"
-                 for c in cells if c.invariance is not None and not c.invariance.ok]
+    failures += [
+        f"- {c.backend} {c.op} {c.dtype} invariance: {c.invariance.verdict}: {c.invariance.details}"
+        for c in cells
+        if c.invariance is not None and not c.invariance.ok
+    ]
     lines += ["", "## Failures", ""] + (failures or ["none"])
     skipped: dict[tuple[str, str, str], list[str]] = {}
     for c in cells:
@@ -215,8 +262,10 @@ def to_markdown(config: Config, cells: list[Cell], not_run: dict[str, str], env:
             labels = skipped.setdefault((c.backend, c.op, reason), [])
             if case.label() not in labels:
                 labels.append(case.label())
-    skips = [f"- {backend} {op}: {len(labels)} cases skipped ({reason}): {'; '.join(labels)}"
-             for (backend, op, reason), labels in skipped.items()]
+    skips = [
+        f"- {backend} {op}: {len(labels)} cases skipped ({reason}): {'; '.join(labels)}"
+        for (backend, op, reason), labels in skipped.items()
+    ]
     notes = [f"- {name}: not run ({reason})" for name, reason in not_run.items()]
     lines += ["", "## Skipped", ""] + (notes + skips or ["none"])
     lines += ["", "## Cases", ""]
@@ -226,23 +275,29 @@ def to_markdown(config: Config, cells: list[Cell], not_run: dict[str, str], env:
             lines.append(f"- {op} (float32): " + "; ".join(labels))
             rl_plan = rl.invariance_plan(op, config.device.type, config.quick)
             if rl_plan is not None:
-                lines.append(f"- {op} invariance: probe row alone vs in batches of "
-                             f"{', '.join(map(str, rl_plan.batches))} rows (first/middle/last), {rl_plan.describe()}")
+                lines.append(
+                    f"- {op} invariance: probe row alone vs in batches of "
+                    f"{', '.join(map(str, rl_plan.batches))} rows (first/middle/last), {rl_plan.describe()}"
+                )
             continue
         if op in chain.CHAIN_OPS or op in distill.DISTILL_OPS:
             module = chain if op in chain.CHAIN_OPS else distill
             labels = [case.label() for case in module.value_cases(op, config.device.type, config.quick)]
             lines.append(f"- {op}: " + "; ".join(labels))
             chain_plan = module.invariance_plan(op, config.device.type, config.quick)
-            lines.append(f"- {op} invariance: probe alone vs in batches of {', '.join(map(str, chain_plan.batches))} "
-                         f"(first/middle/last), {chain_plan.describe()}")
+            lines.append(
+                f"- {op} invariance: probe alone vs in batches of {', '.join(map(str, chain_plan.batches))} "
+                f"(first/middle/last), {chain_plan.describe()}"
+            )
             continue
         plan = cs.invariance_plan(op, config.device.type, config.quick)
         labels = [case.label() for case in cs.value_cases(op, config.device.type, config.quick)]
         lines.append(f"- {op}: " + "; ".join(labels))
         size = f"V={plan.vocab}" + (f" H={plan.hidden}" if plan.hidden else "")
-        lines.append(f"- {op} invariance: probe row alone vs in batches of {', '.join(map(str, plan.batches))} rows "
-                     f"(first/middle/last), {size}, per-row temperature, entropy on")
+        lines.append(
+            f"- {op} invariance: probe row alone vs in batches of {', '.join(map(str, plan.batches))} rows "
+            f"(first/middle/last), {size}, per-row temperature, entropy on"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -36,8 +36,17 @@ from rlk.reference import losses as ref_losses
 from rlk.reference import policy_loss as ref_pl
 from rlk.reference import rollout_correction as ref_rc
 
-RL_OPS = ("policy_loss", "kl_penalty", "value_loss", "dpo_loss", "group_advantages", "masked_whiten",
-          "discounted_returns", "gae", "rollout_correction")
+RL_OPS = (
+    "policy_loss",
+    "kl_penalty",
+    "value_loss",
+    "dpo_loss",
+    "group_advantages",
+    "masked_whiten",
+    "discounted_returns",
+    "gae",
+    "rollout_correction",
+)
 INF = float("inf")
 
 #: ``[B, T]`` shapes (``dpo_loss``: ``P`` pairs = B; ``group_advantages``: B sequences, T unused).
@@ -52,7 +61,7 @@ QUICK_INVARIANCE_BATCHES = (7,)
 INVARIANT_OPS = ("policy_loss", "discounted_returns", "gae", "rollout_correction")
 
 #: Dyadic discount / lambda: exact in float32, so fp32 and fp64 runs use the same constants.
-GAMMA = 1 - 2 ** -7
+GAMMA = 1 - 2**-7
 LAM = 15 / 16
 GROUP_SIZE = 8
 
@@ -141,8 +150,10 @@ VARIANTS: dict[str, tuple[tuple[str, tuple], ...]] = {
     "rollout_correction": (
         ("token truncate upper=2 (TIS)", _p(level="token", mode="truncate", upper=2.0)),
         ("sequence mask [0.5, 3] (IcePop)", _p(level="sequence", mode="mask", lower=0.5, upper=3.0)),
-        ("token mask [0.8, 1.25], no clamp", _p(level="token", mode="mask", lower=0.8, upper=1.25,
-                                                clamp_log_ratio=None)),
+        (
+            "token mask [0.8, 1.25], no clamp",
+            _p(level="token", mode="mask", lower=0.8, upper=1.25, clamp_log_ratio=None),
+        ),
         ("sequence truncate [0.5, 2]", _p(level="sequence", mode="truncate", lower=0.5, upper=2.0)),
     ),
 }
@@ -151,7 +162,7 @@ VARIANTS: dict[str, tuple[tuple[str, tuple], ...]] = {
 def _sizes(op: str, device_type: str, quick: bool) -> tuple[tuple[int, int], ...]:
     shapes = QUICK_SHAPES if quick else SHAPES[device_type]
     if op == "group_advantages":  # (B sequences, group size): B = 1 is one singleton group
-        return tuple((b, GROUP_SIZE if b % GROUP_SIZE == 0 else b) for b in GROUP_ROWS[device_type][:len(shapes)])
+        return tuple((b, GROUP_SIZE if b % GROUP_SIZE == 0 else b) for b in GROUP_ROWS[device_type][: len(shapes)])
     if op == "masked_whiten":  # needs two masked entries for the unbiased variance
         return tuple((b, max(t, 2)) for b, t in shapes)
     return shapes
@@ -192,9 +203,13 @@ def invariance_plan(op: str, device_type: str, quick: bool) -> RLInvariancePlan 
         return None
     batches = QUICK_INVARIANCE_BATCHES if quick else INVARIANCE_BATCHES[device_type]
     if op == "policy_loss":
-        variants = (("ppo dual-clip token-sum", _PPO + _p(agg="token-sum")),
-                    ("gspo seq-mean-token-mean, global normalizers",
-                     _GSPO + _p(agg="seq-mean-token-mean", global_tokens=4096.0, global_seqs=64.0)))
+        variants = (
+            ("ppo dual-clip token-sum", _PPO + _p(agg="token-sum")),
+            (
+                "gspo seq-mean-token-mean, global normalizers",
+                _GSPO + _p(agg="seq-mean-token-mean", global_tokens=4096.0, global_seqs=64.0),
+            ),
+        )
     elif op == "rollout_correction":
         variants = VARIANTS[op][:2]  # both levels
     else:
@@ -244,20 +259,30 @@ def make_inputs(case: RLCase, seed: int, rows: int | None = None) -> dict[str, t
         if case.kwargs["level"] == "token":
             roll = old + 0.3 * torch.randn(b, t, generator=gen)
         else:  # row sums of log-ratios of about N(0, 1.4^2), ratios on both sides of the thresholds
-            roll = old + torch.randn(b, t, generator=gen) / t ** 0.5 + torch.randn(b, 1, generator=gen) / t
+            roll = old + torch.randn(b, t, generator=gen) / t**0.5 + torch.randn(b, 1, generator=gen) / t
         return {"old_logprob": old, "rollout_logprob": roll, "mask": _ragged_mask(b, t, gen)}
     if op == "value_loss":
         values = torch.randn(b, t, generator=gen) * 2
-        return {"values": values, "old_values": values + 0.7 * torch.randn(b, t, generator=gen),
-                "returns": torch.randn(b, t, generator=gen) * 2, "mask": _ragged_mask(b, t, gen)}
+        return {
+            "values": values,
+            "old_values": values + 0.7 * torch.randn(b, t, generator=gen),
+            "returns": torch.randn(b, t, generator=gen) * 2,
+            "mask": _ragged_mask(b, t, gen),
+        }
     if op == "dpo_loss":
         len_c = torch.randint(1, 500, (b,), generator=gen).float()
         len_r = torch.randint(1, 500, (b,), generator=gen).float()
         lc = -len_c * (0.2 + torch.rand(b, generator=gen))
         lr = -len_r * (0.2 + torch.rand(b, generator=gen))
-        return {"chosen": lc, "rejected": lr, "ref_chosen": lc + 10 * torch.randn(b, generator=gen),
-                "ref_rejected": lr + 10 * torch.randn(b, generator=gen), "len_chosen": len_c, "len_rejected": len_r,
-                "c": torch.randn(b, generator=gen)}
+        return {
+            "chosen": lc,
+            "rejected": lr,
+            "ref_chosen": lc + 10 * torch.randn(b, generator=gen),
+            "ref_rejected": lr + 10 * torch.randn(b, generator=gen),
+            "len_chosen": len_c,
+            "len_rejected": len_r,
+            "c": torch.randn(b, generator=gen),
+        }
     if op == "group_advantages":
         scores = (torch.rand(b, generator=gen) < 0.5).float() + 0.1 * torch.randn(b, generator=gen)
         out = {"scores": scores}
@@ -294,16 +319,23 @@ class RLOutputs:
 
 
 def _policy_kwargs(params: dict, x: dict) -> dict:
-    return {**params, "importance_weights": x["importance_weights"], "ref_logprob": x["ref_logprob"],
-            "kl": "k3", "kl_coef": 0.1, "entropy_coef": 0.01}
+    return {
+        **params,
+        "importance_weights": x["importance_weights"],
+        "ref_logprob": x["ref_logprob"],
+        "kl": "k3",
+        "kl_coef": 0.1,
+        "entropy_coef": 0.01,
+    }
 
 
 def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOutputs:
     """The public op on the pinned backend; differentiable ops also run backward."""
     if op == "policy_loss":
         lp, ent = x["logprob"].clone().requires_grad_(), x["entropy"].clone().requires_grad_()
-        loss, metrics = rlk.policy_loss(lp, x["old_logprob"], x["advantages"], x["mask"], entropy=ent,
-                                        **_policy_kwargs(params, x))
+        loss, metrics = rlk.policy_loss(
+            lp, x["old_logprob"], x["advantages"], x["mask"], entropy=ent, **_policy_kwargs(params, x)
+        )
         loss.backward()
         values = {"loss": loss.detach().reshape(1), **{k: v.reshape(1) for k, v in metrics.items()}}
         return RLOutputs(values, {"grad_logprob": lp.grad, "grad_entropy": ent.grad})
@@ -320,8 +352,9 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOut
         v = x["values"].clone().requires_grad_()
         loss, metrics = rlk.value_loss(v, x["old_values"], x["returns"], x["mask"], **params)
         loss.backward()
-        return RLOutputs({"loss": loss.detach().reshape(1), **{k: m.reshape(1) for k, m in metrics.items()}},
-                         {"grad_values": v.grad})
+        return RLOutputs(
+            {"loss": loss.detach().reshape(1), **{k: m.reshape(1) for k, m in metrics.items()}}, {"grad_values": v.grad}
+        )
     if op == "dpo_loss":
         lc, lr = x["chosen"].clone().requires_grad_(), x["rejected"].clone().requires_grad_()
         kwargs = dict(params)
@@ -330,8 +363,9 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOut
         loss, metrics = rlk.dpo_loss(lc, lr, x["ref_chosen"], x["ref_rejected"], **kwargs)
         loss.backward()
         with torch.no_grad():
-            losses, _ = rlk.dpo_loss(x["chosen"], x["rejected"], x["ref_chosen"], x["ref_rejected"],
-                                     reduction="none", **kwargs)
+            losses, _ = rlk.dpo_loss(
+                x["chosen"], x["rejected"], x["ref_chosen"], x["ref_rejected"], reduction="none", **kwargs
+            )
         values = {"losses": losses, "loss": loss.detach().reshape(1), **{k: m.reshape(1) for k, m in metrics.items()}}
         return RLOutputs(values, {"grad_chosen": lc.grad, "grad_rejected": lr.grad})
     if op == "group_advantages":
@@ -362,13 +396,34 @@ def _policy_contract_scale(params: dict, x: dict) -> dict[str, torch.Tensor]:
     agg_kw = {k: kw.get(k) for k in ("global_tokens", "global_seqs", "loss_scale")}
     row_weight = aggregation.row_weights(x["mask"], kw["agg"], dtype=torch.float64, **agg_kw)
     attrs = {
-        "loss": kw["loss"], "cispo_upper": False, "clip_low": kw["clip_low"], "clip_high": kw["clip_high"],
-        "dual_clip": kw.get("dual_clip") or 0.0, "clamp_low": -INF, "clamp_high": INF, "tau_pos": 1.0,
-        "tau_neg": 1.05, "kl": kw["kl"], "kl_coef": kw["kl_coef"], "kl_k3_clamp": True, "kl_clamp": INF,
-        "kl_straight_through": False, "kl_unbiased": False, "entropy_coef": kw["entropy_coef"],
+        "loss": kw["loss"],
+        "cispo_upper": False,
+        "clip_low": kw["clip_low"],
+        "clip_high": kw["clip_high"],
+        "dual_clip": kw.get("dual_clip") or 0.0,
+        "clamp_low": -INF,
+        "clamp_high": INF,
+        "tau_pos": 1.0,
+        "tau_neg": 1.05,
+        "kl": kw["kl"],
+        "kl_coef": kw["kl_coef"],
+        "kl_k3_clamp": True,
+        "kl_clamp": INF,
+        "kl_straight_through": False,
+        "kl_unbiased": False,
+        "entropy_coef": kw["entropy_coef"],
     }
-    return ref_pl.contract_scale(x["logprob"], x["old_logprob"], x["advantages"], x["mask"], row_weight,
-                                 x["importance_weights"], x["ref_logprob"], x["entropy"], **attrs)
+    return ref_pl.contract_scale(
+        x["logprob"],
+        x["old_logprob"],
+        x["advantages"],
+        x["mask"],
+        row_weight,
+        x["importance_weights"],
+        x["ref_logprob"],
+        x["entropy"],
+        **attrs,
+    )
 
 
 def _policy_scales(params: dict, x: dict, truth: RLOutputs) -> tuple[dict[str, torch.Tensor], float]:
@@ -398,8 +453,17 @@ def _dpo_scales(params: dict, x: dict, truth: RLOutputs) -> tuple[dict[str, torc
         n_c, n_r = x["len_chosen"].clamp(min=1), x["len_rejected"].clamp(min=1)
         lc, lc_ref, lr, lr_ref = lc / n_c, lc_ref / n_c, lr / n_r, lr_ref / n_r
     s = 1 + lc.abs() + lr.abs() + lc_ref.abs() + lr_ref.abs()
-    _, dl_dx, *_ = ref_losses._dpo_terms(x["chosen"], x["rejected"], x["ref_chosen"], x["ref_rejected"],
-                                         x["len_chosen"], x["len_rejected"], beta, loss_type, eps)
+    _, dl_dx, *_ = ref_losses._dpo_terms(
+        x["chosen"],
+        x["rejected"],
+        x["ref_chosen"],
+        x["ref_rejected"],
+        x["len_chosen"],
+        x["len_rejected"],
+        beta,
+        loss_type,
+        eps,
+    )
     per_pair = 1 + truth.values["losses"].abs() + dl_dx.abs() * s
     reward = (1 + beta * s.mean()).reshape(1)
     # reward_accuracy counts [margin > 0]: a pair whose exact margin is within fp32 rounding of 0 may count either
@@ -424,28 +488,43 @@ def scales(case: RLCase, x: dict[str, torch.Tensor], truth: RLOutputs) -> tuple[
         return {"kl": 1.0 + v["kl"].abs()}, 1.0
     if op == "rollout_correction":
         upper, lower, clamp = params.get("upper", 2.0), params.get("lower"), params.get("clamp_log_ratio", 20.0)
-        s = ref_rc.contract_scale(x["old_logprob"], x["rollout_logprob"], x["mask"], level=params["level"],
-                                  mode=params["mode"], upper=INF if upper is None else upper,
-                                  lower=0.0 if lower is None else lower, clamp=INF if clamp is None else clamp)
+        s = ref_rc.contract_scale(
+            x["old_logprob"],
+            x["rollout_logprob"],
+            x["mask"],
+            level=params["level"],
+            mode=params["mode"],
+            upper=INF if upper is None else upper,
+            lower=0.0 if lower is None else lower,
+            clamp=INF if clamp is None else clamp,
+        )
         out = {"weights": s["weights"]}
         return out | {name: s["metrics"][i].reshape(1) for i, name in enumerate(abi.CORRECTION_METRICS)}, 1.0
     if op == "value_loss":
         m = x["mask"]
         v_abs = torch.where(m, x["values"].abs(), 0.0).sum() / m.sum().clamp(min=1)
-        return {"loss": 1.0 + v["loss"].abs(), "vf_clip_fraction": torch.ones_like(v["loss"]),
-                "values_mean": (1.0 + v_abs).reshape(1)}, 1.0
+        return {
+            "loss": 1.0 + v["loss"].abs(),
+            "vf_clip_fraction": torch.ones_like(v["loss"]),
+            "values_mean": (1.0 + v_abs).reshape(1),
+        }, 1.0
     if op == "dpo_loss":
         return _dpo_scales(params, x, truth)
     if op == "group_advantages":
-        return {"advantages": ref_adv.group_contract_scale(v["advantages"], x.get("group_index"),
-                                                           params.get("group_size", 0))}, 1.0
+        return {
+            "advantages": ref_adv.group_contract_scale(
+                v["advantages"], x.get("group_index"), params.get("group_size", 0)
+            )
+        }, 1.0
     if op == "masked_whiten":
-        scale = ref_adv.whiten_contract_scale(x["x"], x["mask"], params["unbiased"], 1e-8, "add",
-                                              v["whitened"].view_as(x["x"]))
+        scale = ref_adv.whiten_contract_scale(
+            x["x"], x["mask"], params["unbiased"], 1e-8, "add", v["whitened"].view_as(x["x"])
+        )
         return {"whitened": scale.reshape(-1)}, 1.0
     if op == "discounted_returns":
-        return {"returns": ref_adv.returns_contract_scale(x["rewards"], x["mask"], params["gamma"],
-                                                          params["mask_mode"])}, 1.0
+        return {
+            "returns": ref_adv.returns_contract_scale(x["rewards"], x["mask"], params["gamma"], params["mask_mode"])
+        }, 1.0
     if op == "gae":
         gamma, lam = params["gamma"], params["lam"]
         adv, ret = ref_adv.gae_contract_scale(x["rewards"], x["values"], x["mask"], gamma, gamma * lam)
@@ -475,13 +554,17 @@ def compare(case: RLCase, got: RLOutputs, truth: RLTruth) -> list[contract.Devia
     entry = contract.entry(case.op, torch.float32)
     ref = truth.outputs
     deviations = [
-        contract.compare_outputs(entry, name, got.values[name].reshape(-1), ref.values[name].reshape(-1),
-                                 truth.scales[name].reshape(-1))
+        contract.compare_outputs(
+            entry, name, got.values[name].reshape(-1), ref.values[name].reshape(-1), truth.scales[name].reshape(-1)
+        )
         for name in ref.values
     ]
-    deviations += [contract.compare_grad(entry, name, got.grads[name], ref.grads[name], truth.max_scale,
-                                         truth.magnitudes.get(name))
-                   for name in ref.grads]
+    deviations += [
+        contract.compare_grad(
+            entry, name, got.grads[name], ref.grads[name], truth.max_scale, truth.magnitudes.get(name)
+        )
+        for name in ref.grads
+    ]
     return deviations
 
 
@@ -500,8 +583,9 @@ def _row_outputs(op: str, params: dict, x: dict[str, torch.Tensor], position: in
     return {name: t[position] for name, t in rows.items()}
 
 
-def invariance_checks(plan: RLInvariancePlan, seed: int, backend: str, device: torch.device,
-                      record: Callable[[int, int, list[str]], None]) -> None:
+def invariance_checks(
+    plan: RLInvariancePlan, seed: int, backend: str, device: torch.device, record: Callable[[int, int, list[str]], None]
+) -> None:
     """Run the probe of ``plan`` on ``backend``; ``record(batch, position, differing outputs)`` per check."""
     for label, params in plan.variants:
         case = RLCase(plan.op, max(plan.batches), plan.cols, f"invariance {label}", params)
@@ -514,8 +598,9 @@ def invariance_checks(plan: RLInvariancePlan, seed: int, backend: str, device: t
             alone = _row_outputs(plan.op, kwargs, probe, 0)
             for batch in plan.batches:
                 for position in plan.positions(batch):
-                    inputs = {k: torch.cat([v[1:position + 1], v[:1], v[position + 1:batch]]) for k, v in x.items()}
+                    inputs = {k: torch.cat([v[1 : position + 1], v[:1], v[position + 1 : batch]]) for k, v in x.items()}
                     row = _row_outputs(plan.op, kwargs, inputs, position)
-                    differs = [f"{name} ({label})" for name, value in alone.items()
-                               if not torch.equal(value, row[name])]
+                    differs = [
+                        f"{name} ({label})" for name, value in alone.items() if not torch.equal(value, row[name])
+                    ]
                     record(batch, position, differs)

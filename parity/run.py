@@ -46,6 +46,7 @@ def family(op: str):
         return distill
     return None
 
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -307,8 +308,9 @@ def compare(op: str, dtype: torch.dtype, got: Outputs, truth: GroundTruth) -> li
     if ref.entropy is not None:
         deviations.append(contract.compare_outputs(entry, "entropy", got.entropy, ref.entropy, truth.scale))
     for name, grad in got.grads.items():
-        deviations.append(contract.compare_grad(entry, name, grad, ref.grads[name], truth.max_scale,
-                                                truth.magnitudes.get(name)))
+        deviations.append(
+            contract.compare_grad(entry, name, grad, ref.grads[name], truth.max_scale, truth.magnitudes.get(name))
+        )
     return deviations
 
 
@@ -327,7 +329,11 @@ def _probe_row(out: Outputs, position: int) -> dict[str, torch.Tensor]:
 
 
 def check_invariance(
-    plan: cs.InvariancePlan, probe: cs.Inputs, others: cs.Inputs, dtype: torch.dtype, backend: str,
+    plan: cs.InvariancePlan,
+    probe: cs.Inputs,
+    others: cs.Inputs,
+    dtype: torch.dtype,
+    backend: str,
     device: torch.device,
 ) -> InvarianceResult:
     """The probe row alone versus inside each batch of ``plan`` at first, middle and last position
@@ -394,25 +400,31 @@ def run_matrix(config: Config, progress: Callable[[str], None] = _say) -> list[C
         for cell in (c for c in live if c.op == op):
             start = time.perf_counter()
             cell.invariance = check_rl_invariance(rl_plan, config.seed, cell.backend, device)
-            counter(f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {rl_plan.batches}, "
-                    f"{rl_plan.describe()}): {cell.invariance.verdict} [{cell.invariance.details}] "
-                    f"({time.perf_counter() - start:.1f}s)")
+            counter(
+                f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {rl_plan.batches}, "
+                f"{rl_plan.describe()}): {cell.invariance.verdict} [{cell.invariance.details}] "
+                f"({time.perf_counter() - start:.1f}s)"
+            )
     for op in (op for op in config.ops if family(op) is not None):
         chain_plan = family(op).invariance_plan(op, device.type, config.quick)
         for cell in (c for c in live if c.op == op):
             start = time.perf_counter()
             cell.invariance = check_chain_invariance(chain_plan, config.seed, cell.backend, device, DTYPES[cell.dtype])
-            counter(f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {chain_plan.batches}, "
-                    f"{chain_plan.describe()}): {cell.invariance.verdict} [{cell.invariance.details}] "
-                    f"({time.perf_counter() - start:.1f}s)")
+            counter(
+                f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {chain_plan.batches}, "
+                f"{chain_plan.describe()}): {cell.invariance.verdict} [{cell.invariance.details}] "
+                f"({time.perf_counter() - start:.1f}s)"
+            )
     for op in (op for op in config.ops if op in cs.OPS):
         plan = cs.invariance_plan(op, device.type, config.quick)
         probe, others = cs.make_invariance_inputs(plan, config.seed)
         for cell in (c for c in live if c.op == op):
             start = time.perf_counter()
             cell.invariance = check_invariance(plan, probe, others, DTYPES[cell.dtype], cell.backend, device)
-            counter(f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {plan.batches}, V={plan.vocab}): "
-                    f"{cell.invariance.verdict} [{cell.invariance.details}] ({time.perf_counter() - start:.1f}s)")
+            counter(
+                f"{cell.op} {cell.dtype} {cell.backend} invariance (batches {plan.batches}, V={plan.vocab}): "
+                f"{cell.invariance.verdict} [{cell.invariance.details}] ({time.perf_counter() - start:.1f}s)"
+            )
     return list(cells.values())
 
 
@@ -436,8 +448,9 @@ def value_cases(op: str, device_type: str, quick: bool) -> list[cs.Case | rl.RLC
     return cs.value_cases(op, device_type, quick)
 
 
-def _collect_invariance(plan, backend: str, run_checks: Callable[[Callable[[int, int, object], None]], None]
-                        ) -> InvarianceResult:
+def _collect_invariance(
+    plan, backend: str, run_checks: Callable[[Callable[[int, int, object], None]], None]
+) -> InvarianceResult:
     """An InvarianceResult for ``plan`` on ``backend``: ``run_checks(report)`` reports each (batch, position,
     differs); an exception becomes the result's error."""
     result = InvarianceResult(claims_invariance(backend), plan)
@@ -454,16 +467,19 @@ def check_rl_invariance(plan: rl.RLInvariancePlan, seed: int, backend: str, devi
     return _collect_invariance(plan, backend, lambda report: rl.invariance_checks(plan, seed, backend, device, report))
 
 
-def check_chain_invariance(plan: chain.ChainInvariancePlan, seed: int, backend: str, device: torch.device,
-                           dtype: torch.dtype) -> InvarianceResult:
+def check_chain_invariance(
+    plan: chain.ChainInvariancePlan, seed: int, backend: str, device: torch.device, dtype: torch.dtype
+) -> InvarianceResult:
     """Batch invariance of a chain (or distill) op (:func:`parity.chain.invariance_checks`) on ``backend`` in
     ``dtype``."""
     return _collect_invariance(
-        plan, backend, lambda report: family(plan.op).invariance_checks(plan, seed, backend, device, dtype, report))
+        plan, backend, lambda report: family(plan.op).invariance_checks(plan, seed, backend, device, dtype, report)
+    )
 
 
-def _check_case(cell: Cell, case, check: Callable[[], list[contract.Deviation]],
-                progress: Callable[[str], None]) -> None:
+def _check_case(
+    cell: Cell, case, check: Callable[[], list[contract.Deviation]], progress: Callable[[str], None]
+) -> None:
     """Run ``check()`` (forward, backward, comparison) pinned to the cell's backend; record and report it."""
     result = CaseResult(case)
     start = time.perf_counter()
@@ -517,8 +533,7 @@ def _chain_check(case: chain.ChainCase, dtype: torch.dtype, low, truth) -> list[
     return module.compare(case, dtype, module.forward_backward(case.op, case.kwargs, low), truth)
 
 
-def _run_chain_case(config: Config, case: chain.ChainCase, cells: list[Cell],
-                    progress: Callable[[str], None]) -> None:
+def _run_chain_case(config: Config, case: chain.ChainCase, cells: list[Cell], progress: Callable[[str], None]) -> None:
     """One value case of a chain op in every dtype on every backend of ``cells`` (ground truth per dtype, from
     the inputs as cast to it)."""
     device = config.device

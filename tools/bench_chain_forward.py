@@ -94,10 +94,14 @@ bench_common = _load_bench_common()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="qwen3-8b-shape",
-                   help="tiny, tiny-llama, qwen3-8b-shape, llama3-8b-shape or a checkpoint directory")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        default="qwen3-8b-shape",
+        help="tiny, tiny-llama, qwen3-8b-shape, llama3-8b-shape or a checkpoint directory",
+    )
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--num-layers", type=int, default=None, help="override the model's layer count")
@@ -112,11 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (after 2 warmup ones)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of " + ",".join(SCENARIOS))
     p.add_argument("--out", default="out/chain_bench", help="directory of chain_forward.json")
-    p.add_argument("--host-profile", type=int, default=0, metavar="N",
-                   help="cProfile one unit of --host-profile-scenario, chain off and on; write the top N functions "
-                        "to <out>/host_profile_<scenario>_<chain>.txt (0: off)")
-    p.add_argument("--host-profile-scenario", default="decode", choices=SCENARIOS,
-                   help="the scenario --host-profile profiles")
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cProfile one unit of --host-profile-scenario, chain off and on; write the top N functions "
+        "to <out>/host_profile_<scenario>_<chain>.txt (0: off)",
+    )
+    p.add_argument(
+        "--host-profile-scenario", default="decode", choices=SCENARIOS, help="the scenario --host-profile profiles"
+    )
     return p
 
 
@@ -137,8 +147,8 @@ def _left_padded(lengths: list[int], width: int, vocab: int, gen: torch.Generato
     ids = torch.zeros((n, width), dtype=torch.int64)
     mask = torch.zeros((n, width), dtype=torch.int64)
     for i, length in enumerate(lengths):
-        ids[i, width - length:] = torch.randint(0, vocab, (length,), generator=gen)
-        mask[i, width - length:] = 1
+        ids[i, width - length :] = torch.randint(0, vocab, (length,), generator=gen)
+        mask[i, width - length :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids.to(device), mask.to(device), position_ids.to(device)
 
@@ -160,8 +170,15 @@ class Scenario:
     """``setup()`` (untimed) returns the state ``body(state)`` (timed) consumes; one body = ``units`` timed units
     (1 forward, or K decode steps) of ``tokens`` tokens each."""
 
-    def __init__(self, setup: Callable[[], object], body: Callable[[object], None], tokens: int, units: int,
-                 unit: str, shape: dict):
+    def __init__(
+        self,
+        setup: Callable[[], object],
+        body: Callable[[object], None],
+        tokens: int,
+        units: int,
+        unit: str,
+        shape: dict,
+    ):
         self.setup, self.body, self.tokens, self.units, self.unit, self.shape = setup, body, tokens, units, unit, shape
 
 
@@ -171,10 +188,20 @@ def _training(model, args, gen, device) -> Scenario:
     def body(_):
         model(input_ids=ids, position_ids=position_ids, use_cache=False)  # full logits (logits_to_keep=0)
 
-    return Scenario(lambda: None, body, ids.shape[1], 1, "forward",
-                    {"input_ids": list(ids.shape), "sequences": args.seqs, "seq_len": args.seq_len,
-                     "layout": "one packed row, position_ids restart per sequence, no mask, no cache",
-                     "logits": "all positions"})
+    return Scenario(
+        lambda: None,
+        body,
+        ids.shape[1],
+        1,
+        "forward",
+        {
+            "input_ids": list(ids.shape),
+            "sequences": args.seqs,
+            "seq_len": args.seq_len,
+            "layout": "one packed row, position_ids restart per sequence, no mask, no cache",
+            "logits": "all positions",
+        },
+    )
 
 
 def _prefill(model, args, gen, device) -> Scenario:
@@ -184,13 +211,23 @@ def _prefill(model, args, gen, device) -> Scenario:
     ids, mask, position_ids = _left_padded(lengths, args.prefill_len, model.config.vocab_size, gen, device)
 
     def body(cache):
-        compat.cached_forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                              logits_to_keep=1)
+        compat.cached_forward(
+            model, cache, input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=1
+        )
 
-    return Scenario(lambda: compat.new_cache(model), body, sum(lengths), 1, "forward",
-                    {"input_ids": list(ids.shape), "row_lengths": lengths,
-                     "layout": "left-padded, attention_mask + position_ids, fresh DynamicCache",
-                     "logits": "last position (logits_to_keep=1)"})
+    return Scenario(
+        lambda: compat.new_cache(model),
+        body,
+        sum(lengths),
+        1,
+        "forward",
+        {
+            "input_ids": list(ids.shape),
+            "row_lengths": lengths,
+            "layout": "left-padded, attention_mask + position_ids, fresh DynamicCache",
+            "logits": "last position (logits_to_keep=1)",
+        },
+    )
 
 
 def _decode(model, args, gen, device) -> Scenario:
@@ -205,20 +242,37 @@ def _decode(model, args, gen, device) -> Scenario:
 
     def setup():
         cache = compat.new_cache(model)
-        compat.cached_forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                              logits_to_keep=1)
+        compat.cached_forward(
+            model, cache, input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=1
+        )
         return cache
 
     def body(cache):
         for k in range(steps):
-            compat.cached_forward(model, cache, input_ids=step_ids[k], attention_mask=step_masks[k],
-                                  position_ids=step_pos[k], logits_to_keep=1)
+            compat.cached_forward(
+                model,
+                cache,
+                input_ids=step_ids[k],
+                attention_mask=step_masks[k],
+                position_ids=step_pos[k],
+                logits_to_keep=1,
+            )
 
-    return Scenario(setup, body, n, steps, "decode step",
-                    {"prompt_ids": list(ids.shape), "row_lengths": lengths, "steps": steps,
-                     "layout": "untimed left-padded prefill into a fresh DynamicCache per repetition, then K "
-                               "timed steps input_ids [B, 1] with the mask grown by one column",
-                     "logits": "last position (logits_to_keep=1)"})
+    return Scenario(
+        setup,
+        body,
+        n,
+        steps,
+        "decode step",
+        {
+            "prompt_ids": list(ids.shape),
+            "row_lengths": lengths,
+            "steps": steps,
+            "layout": "untimed left-padded prefill into a fresh DynamicCache per repetition, then K "
+            "timed steps input_ids [B, 1] with the mask grown by one column",
+            "logits": "last position (logits_to_keep=1)",
+        },
+    )
 
 
 class _StaticDecode:
@@ -243,16 +297,20 @@ class _StaticDecode:
         self.device = device
 
     def _forward(self, **kwargs):
-        return self.model(**kwargs, attention_mask=self.mask, use_cache=True, logits_to_keep=1,
-                          **{self.cache_keyword: self.cache})
+        return self.model(
+            **kwargs, attention_mask=self.mask, use_cache=True, logits_to_keep=1, **{self.cache_keyword: self.cache}
+        )
 
     def prefill(self) -> None:
         """Reset the cache in place and prefill the prompts (eager)."""
         self.cache.reset()
         self.mask.zero_()
-        self.mask[:, :self.prompt_len] = self.prompt_mask
-        self._forward(input_ids=self.ids, position_ids=self.position_ids,
-                      cache_position=torch.arange(self.prompt_len, device=self.device))
+        self.mask[:, : self.prompt_len] = self.prompt_mask
+        self._forward(
+            input_ids=self.ids,
+            position_ids=self.position_ids,
+            cache_position=torch.arange(self.prompt_len, device=self.device),
+        )
 
     def set_inputs(self, k: int) -> None:
         """Step ``k``'s inputs into the buffers: its tokens, positions, slot, and the slot's mask column."""
@@ -306,12 +364,22 @@ def _decode_graph(model, args, gen, device) -> Scenario:
             else:
                 graph.replay()
 
-    return Scenario(setup, body, n, steps, "decode step",
-                    {"prompt_ids": list(ids.shape), "row_lengths": lengths, "steps": steps,
-                     "layout": f"StaticCache of {args.decode_len + steps} slots reset and prefilled (untimed) per "
-                               "repetition, then K timed steps: inputs copied into fixed buffers (mask over all "
-                               "slots, cache_position), the step replayed from a CUDA graph (eager off CUDA)",
-                     "logits": "last position (logits_to_keep=1)"})
+    return Scenario(
+        setup,
+        body,
+        n,
+        steps,
+        "decode step",
+        {
+            "prompt_ids": list(ids.shape),
+            "row_lengths": lengths,
+            "steps": steps,
+            "layout": f"StaticCache of {args.decode_len + steps} slots reset and prefilled (untimed) per "
+            "repetition, then K timed steps: inputs copied into fixed buffers (mask over all "
+            "slots, cache_position), the step replayed from a CUDA graph (eager off CUDA)",
+            "logits": "last position (logits_to_keep=1)",
+        },
+    )
 
 
 _BUILDERS = {"training": _training, "prefill": _prefill, "decode": _decode, "decode_graph": _decode_graph}
@@ -393,8 +461,9 @@ def run_scenario(model, name: str, args, device: torch.device) -> dict:
     out["overhead"] = on["ms_median"] / off["ms_median"] - 1.0
     out["overhead_min"] = on["ms_min"] / off["ms_min"] - 1.0
     out["target_met"] = out["overhead"] <= TARGET_OVERHEAD
-    out["kernel_overhead"] = (on["kernel_ms"] / off["kernel_ms"] - 1.0
-                              if off["kernel_ms"] and on["kernel_ms"] is not None else None)
+    out["kernel_overhead"] = (
+        on["kernel_ms"] / off["kernel_ms"] - 1.0 if off["kernel_ms"] and on["kernel_ms"] is not None else None
+    )
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -431,16 +500,22 @@ def host_profile(model, args, device: torch.device, warm: bool) -> dict:
             state = None
         path = os.path.join(args.out, f"host_profile_{name}_{label}.txt")
         with open(path, "w") as f:
-            f.write(f"host profile (cProfile) of {name}, chain {label}: one body of {scenario.units} "
-                    f"{scenario.unit}(s) on {device}, wall {wall_ms:.3f} ms under cProfile "
-                    f"({wall_ms / scenario.units:.3f} ms per {scenario.unit}), {calls} aten calls served by rlk\n")
+            f.write(
+                f"host profile (cProfile) of {name}, chain {label}: one body of {scenario.units} "
+                f"{scenario.unit}(s) on {device}, wall {wall_ms:.3f} ms under cProfile "
+                f"({wall_ms / scenario.units:.3f} ms per {scenario.unit}), {calls} aten calls served by rlk\n"
+            )
             stats = pstats.Stats(profiler, stream=f)
             f.write(f"\n=== top {top} by cumulative time ===\n")
             stats.sort_stats("cumulative").print_stats(top)
             f.write(f"\n=== top {top} by own time (tottime) ===\n")
             stats.sort_stats("tottime").print_stats(top)
-        result[label] = {"file": path, "wall_ms": wall_ms, "wall_ms_per_unit": wall_ms / scenario.units,
-                         "rlk_aten_calls": calls}
+        result[label] = {
+            "file": path,
+            "wall_ms": wall_ms,
+            "wall_ms_per_unit": wall_ms / scenario.units,
+            "rlk_aten_calls": calls,
+        }
         print(f"wrote {path}")
     return result
 
@@ -466,12 +541,17 @@ def _ms(value: float | None) -> str:
 
 
 def format_table(report: dict) -> str:
-    head = (f"{'scenario':<9} {'shape':<24} {'unit':<12} {'tok/unit':>8} {'ms off med/min':>17} "
-            f"{'ms on med/min':>17} {'tok/s off':>11} {'tok/s on':>11} {'overhead':>9}  <=20% "
-            f"{'kernel ms off/on':>19} {'kern ovh':>9}")
-    lines = [f"rlk chain forward: {report['model']['name']} ({report['dtype']}) on {report['device']['name']}, "
-             f"{report['settings']['reps']} reps after {report['settings']['warmup']} warmup, {report['timer']}",
-             head, "-" * len(head)]
+    head = (
+        f"{'scenario':<9} {'shape':<24} {'unit':<12} {'tok/unit':>8} {'ms off med/min':>17} "
+        f"{'ms on med/min':>17} {'tok/s off':>11} {'tok/s on':>11} {'overhead':>9}  <=20% "
+        f"{'kernel ms off/on':>19} {'kern ovh':>9}"
+    )
+    lines = [
+        f"rlk chain forward: {report['model']['name']} ({report['dtype']}) on {report['device']['name']}, "
+        f"{report['settings']['reps']} reps after {report['settings']['warmup']} warmup, {report['timer']}",
+        head,
+        "-" * len(head),
+    ]
     for name, r in report["scenarios"].items():
         off, on = r["off"], r["on"]
         lines.append(
@@ -479,7 +559,8 @@ def format_table(report: dict) -> str:
             f"{off['ms_median']:>8.3f}/{off['ms_min']:<8.3f} {on['ms_median']:>8.3f}/{on['ms_min']:<8.3f} "
             f"{off['tokens_per_s']:>11.1f} {on['tokens_per_s']:>11.1f} {100 * r['overhead']:>8.1f}%  "
             f"{'yes' if r['target_met'] else 'NO':<5} {_ms(off['kernel_ms']):>9}/{_ms(on['kernel_ms']):<9} "
-            f"{'-' if r['kernel_overhead'] is None else format(100 * r['kernel_overhead'], '.1f') + '%':>9}")
+            f"{'-' if r['kernel_overhead'] is None else format(100 * r['kernel_overhead'], '.1f') + '%':>9}"
+        )
     lines += [f"note: {n}" for n in report["notes"]]
     return "\n".join(lines)
 
@@ -493,8 +574,19 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [s for s in names if s not in SCENARIOS]
     if bad or not names:
         raise SystemExit(f"--scenarios: unknown {bad or names}; choose from {','.join(SCENARIOS)}")
-    sizes = {k: getattr(args, k) for k in ("seqs", "seq_len", "prefill_batch", "prefill_len", "decode_batch",
-                                           "decode_len", "decode_steps", "reps")}
+    sizes = {
+        k: getattr(args, k)
+        for k in (
+            "seqs",
+            "seq_len",
+            "prefill_batch",
+            "prefill_len",
+            "decode_batch",
+            "decode_len",
+            "decode_steps",
+            "reps",
+        )
+    }
     if any(v < 1 for v in sizes.values()):
         raise SystemExit(f"every size must be >= 1: {sizes}")
     if args.host_profile < 0:
@@ -505,15 +597,16 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from rlk.app.consistency import run
 
-    dtype = run.parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda"
-                                                            else torch.float32)
+    dtype = run.parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     notes = []
     if device.type == "cpu":
         if dtype != torch.float32:
             raise SystemExit(f"--dtype {args.dtype} on the CPU: the Triton interpreter serves float32 only")
         run.ensure_interpreter()  # before triton is imported (building the model may import it)
-        notes.append("CPU: rlk's chain runs in the Triton interpreter, stock kernels natively: the overhead says "
-                     "nothing about the GPU")
+        notes.append(
+            "CPU: rlk's chain runs in the Triton interpreter, stock kernels natively: the overhead says "
+            "nothing about the GPU"
+        )
 
     from rlk.app.consistency import harness
 
@@ -536,19 +629,28 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "rlk chain forward (batch-invariant chain vs stock kernels)",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
-        "device": {"device": str(device),
-                   "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+        "device": {
+            "device": str(device),
+            "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        },
         "versions": run._versions(),
         "model": run._model_summary(args.model, model),
         "dtype": str(dtype).removeprefix("torch."),
         "timer": "cuda events" if device.type == "cuda" else "perf_counter",
-        "settings": {**sizes, "warmup": WARMUP, "seed": args.seed, "num_layers": args.num_layers,
-                     "scenarios": names, "target_overhead": TARGET_OVERHEAD,
-                     "overhead": "ms_on_median / ms_off_median - 1 (overhead_min: of the mins)",
-                     "kernel_ms": "device busy time of the CUDA kernels + memcpy/memset of one extra repetition under "
-                                  "torch.profiler, per unit (None off CUDA); kernel_overhead: kernel_ms_on / "
-                                  "kernel_ms_off - 1",
-                     "host_profile": args.host_profile, "host_profile_scenario": args.host_profile_scenario},
+        "settings": {
+            **sizes,
+            "warmup": WARMUP,
+            "seed": args.seed,
+            "num_layers": args.num_layers,
+            "scenarios": names,
+            "target_overhead": TARGET_OVERHEAD,
+            "overhead": "ms_on_median / ms_off_median - 1 (overhead_min: of the mins)",
+            "kernel_ms": "device busy time of the CUDA kernels + memcpy/memset of one extra repetition under "
+            "torch.profiler, per unit (None off CUDA); kernel_overhead: kernel_ms_on / "
+            "kernel_ms_off - 1",
+            "host_profile": args.host_profile,
+            "host_profile_scenario": args.host_profile_scenario,
+        },
         "scenarios": scenarios,
         "host_profile": host,
         "target_met": all(r["target_met"] for r in scenarios.values()),

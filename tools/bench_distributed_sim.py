@@ -82,8 +82,14 @@ def _time_ms(fn, device) -> float:
 
 
 def _trainable(params):
-    return {k: ([t.detach().clone().requires_grad_() for t in v] if isinstance(v, list)
-                else v.detach().clone().requires_grad_()) for k, v in params.items()}
+    return {
+        k: (
+            [t.detach().clone().requires_grad_() for t in v]
+            if isinstance(v, list)
+            else v.detach().clone().requires_grad_()
+        )
+        for k, v in params.items()
+    }
 
 
 def _grads_full(config, params, world):
@@ -100,8 +106,9 @@ def _run(config, params, batch, mode, world, with_grad=True):
     trace: list = []
     start = time.perf_counter()
     with torch.set_grad_enabled(with_grad):
-        out = decoder.forward(config, p, ids, cu, seq_len, positions, targets, mode=mode, group=group,
-                              with_logits=True, trace=trace)
+        out = decoder.forward(
+            config, p, ids, cu, seq_len, positions, targets, mode=mode, group=group, with_logits=True, trace=trace
+        )
         if with_grad:
             ((out["logprob"] * coef[0]).sum() + (out["entropy"] * coef[1]).sum()).backward()
     _sync(ids.device)
@@ -136,8 +143,15 @@ def invariance(config, dtype, device, tokens, out_dir) -> dict:
         timings[f"tp{world}_fwd_bwd_s"] = secs
         equal = {k: bool(torch.equal(out[k], single[k])) for k in ("logits", "logprob", "entropy")}
         diff_grads = [k for k in single_grads if not torch.equal(grads[k], single_grads[k])]
-        rows.append({"tp": world, **equal, "gradients_equal": not diff_grads, "differing_gradients": diff_grads,
-                     "seconds_fwd_bwd": secs})
+        rows.append(
+            {
+                "tp": world,
+                **equal,
+                "gradients_equal": not diff_grads,
+                "differing_gradients": diff_grads,
+                "seconds_fwd_bwd": secs,
+            }
+        )
         if world == 2:
             tp2 = (out, grads, trace)
     stock, stock_grads, stock_trace, _ = _run(config, params, batch, "stock", 2)
@@ -151,38 +165,65 @@ def invariance(config, dtype, device, tokens, out_dir) -> dict:
     training = _split(torch.cat(halves), n_seqs)
     full = _split(single["logprob"], n_seqs)
     chains = {
-        "on": drift.chain_entry(_split(tp2[0]["logprob"], n_seqs), training, full, tp2[1], single_grads, tp2[2],
-                                single_trace, {"tp2_fwd_bwd_s": timings["tp2_fwd_bwd_s"]}),
-        "off": drift.chain_entry(_split(stock["logprob"], n_seqs), training, full, stock_grads, single_grads,
-                                 stock_trace, single_trace, {}),
+        "on": drift.chain_entry(
+            _split(tp2[0]["logprob"], n_seqs),
+            training,
+            full,
+            tp2[1],
+            single_grads,
+            tp2[2],
+            single_trace,
+            {"tp2_fwd_bwd_s": timings["tp2_fwd_bwd_s"]},
+        ),
+        "off": drift.chain_entry(
+            _split(stock["logprob"], n_seqs), training, full, stock_grads, single_grads, stock_trace, single_trace, {}
+        ),
     }
     report = drift.parallel_report(
-        model=f"qwen3-8b-shape, {config.layers} layer(s)" if config.hidden == 4096 else "tiny", config=config,
-        device=device, dtype=dtype,
-        parallel={"rollout": {"name": "TP=2", "tp": 2, "dp": 1}, "training_a": {"name": "TP=1 DP=2", "tp": 1, "dp": 2},
-                  "training_b": {"name": "TP=1 DP=1", "tp": 1, "dp": 1},
-                  "combine": {"on": "rlk.distributed (fixed tree, simulated ranks)",
-                              "off": "each rank's rlk.linear partial added in rank order (stock all-reduce)"},
-                  "simulated": True},
-        chains=chains, seeds={"weights": 0, "prompts": 0, "sampling": 0}, lengths=[seq_len] * n_seqs,
-        histograms={"on": drift.histogram(_split(tp2[0]["logprob"], n_seqs), training),
-                    "off": drift.histogram(_split(stock["logprob"], n_seqs), training)},
-        notes=["gradients count parameter tensors (TP=2 vs TP=1), not sequences",
-               "training_b (split B) is the whole batch at TP=1 on one rank"],
-        seconds=time.perf_counter() - started)
+        model=f"qwen3-8b-shape, {config.layers} layer(s)" if config.hidden == 4096 else "tiny",
+        config=config,
+        device=device,
+        dtype=dtype,
+        parallel={
+            "rollout": {"name": "TP=2", "tp": 2, "dp": 1},
+            "training_a": {"name": "TP=1 DP=2", "tp": 1, "dp": 2},
+            "training_b": {"name": "TP=1 DP=1", "tp": 1, "dp": 1},
+            "combine": {
+                "on": "rlk.distributed (fixed tree, simulated ranks)",
+                "off": "each rank's rlk.linear partial added in rank order (stock all-reduce)",
+            },
+            "simulated": True,
+        },
+        chains=chains,
+        seeds={"weights": 0, "prompts": 0, "sampling": 0},
+        lengths=[seq_len] * n_seqs,
+        histograms={
+            "on": drift.histogram(_split(tp2[0]["logprob"], n_seqs), training),
+            "off": drift.histogram(_split(stock["logprob"], n_seqs), training),
+        },
+        notes=[
+            "gradients count parameter tensors (TP=2 vs TP=1), not sequences",
+            "training_b (split B) is the whole batch at TP=1 on one rank",
+        ],
+        seconds=time.perf_counter() - started,
+    )
     report["tp_rows"] = rows
     stock_equal = bool(torch.equal(stock["logprob"], single["logprob"]))
     print(f"\n== invariance: {report['model']['name']}, {dtype}, {tokens} tokens, simulated ranks on {device}")
     print(f"{'':8}{'logits':>8}{'logprob':>9}{'entropy':>9}{'all grads':>11}{'fwd+bwd s':>11}")
     print(f"{'TP=1':8}{'':>37}{t1:>11.2f}")
     for r in rows:
-        cells = "".join(f"{'equal' if r[k] else 'DIFF':>{w}}" for k, w in
-                        (("logits", 8), ("logprob", 9), ("entropy", 9), ("gradients_equal", 11)))
+        cells = "".join(
+            f"{'equal' if r[k] else 'DIFF':>{w}}"
+            for k, w in (("logits", 8), ("logprob", 9), ("entropy", 9), ("gradients_equal", 11))
+        )
         print(f"{'TP=' + str(r['tp']):8}{cells}{r['seconds_fwd_bwd']:>11.2f}")
     rt = chains["on"]["rollout_vs_training"]
     print(f"rollout TP=2 vs training TP=1 DP=2: {rt['equal_tokens']}/{rt['tokens']} tokens bitwise equal")
-    print(f"control (stock combine) equal to TP=1: {stock_equal} (expected False); max |delta lp| "
-          f"{chains['off']['rollout_vs_training']['max_abs']:.3g}")
+    print(
+        f"control (stock combine) equal to TP=1: {stock_equal} (expected False); max |delta lp| "
+        f"{chains['off']['rollout_vs_training']['max_abs']:.3g}"
+    )
     print("report:", "PASSED" if report["passed"] else f"FAILED {report['failed']}")
     if out_dir:
         try:
@@ -195,8 +236,12 @@ def invariance(config, dtype, device, tokens, out_dir) -> dict:
             report.setdefault("notes", []).append(f"drift.html not written: {type(exc).__name__}: {exc}")
             report["files"] = {"json": rep.write_json(report, os.path.join(out_dir, "report.json"))}
         print("wrote", report["files"])
-    return {"rows": rows, "cross_config_bitwise": rt["bitwise"], "control_differs": not stock_equal,
-            "passed": report["passed"] and not stock_equal}
+    return {
+        "rows": rows,
+        "cross_config_bitwise": rt["bitwise"],
+        "control_differs": not stock_equal,
+        "passed": report["passed"] and not stock_equal,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,8 +258,12 @@ class _Tree:
         self.leaves, self.warps, self.dtype = leaves, warps, dtype
 
     def __enter__(self):
-        self.saved = (tk_logprob.MAX_TREE_LEAVES, tk_matmul.MAX_TREE_LEAVES, dict(tk_matmul.TILE_CONFIGS[self.dtype]),
-                      rlk.is_tensor_parallel_invariant())
+        self.saved = (
+            tk_logprob.MAX_TREE_LEAVES,
+            tk_matmul.MAX_TREE_LEAVES,
+            dict(tk_matmul.TILE_CONFIGS[self.dtype]),
+            rlk.is_tensor_parallel_invariant(),
+        )
         tk_logprob.MAX_TREE_LEAVES = tk_matmul.MAX_TREE_LEAVES = self.leaves
         rlk.set_tensor_parallel_invariant(self.leaves > 1)
         if self.warps is not None:
@@ -257,12 +306,19 @@ def overhead_logprob(device, dtype, sizes, h, v):
         gh, gw = torch.empty_like(hidden), torch.empty_like(weight)
 
         fwd = functools.partial(tk_logprob.linear_logprob_fwd, hidden, weight, targets, inv_t, -100, lp, ent, lse)
-        bwd = functools.partial(tk_logprob.linear_logprob_bwd, hidden, weight, targets, inv_t, lse, ent, g_lp, g_ent,
-                                -100, gh, gw)
+        bwd = functools.partial(
+            tk_logprob.linear_logprob_bwd, hidden, weight, targets, inv_t, lse, ent, g_lp, g_ent, -100, gh, gw
+        )
 
         for what, fn, flops in (("fwd", fwd, 2 * n * v * h), ("bwd", bwd, 6 * n * v * h)):
-            row = {"op": "linear_logprob", "pass": what, "m": n, "shape": f"{what} N={n} H={h} V={v}", "ms": {},
-                   "peak_mib": {}}
+            row = {
+                "op": "linear_logprob",
+                "pass": what,
+                "m": n,
+                "shape": f"{what} N={n} H={h} V={v}",
+                "ms": {},
+                "peak_mib": {},
+            }
             for name, tree in _variants(device).items():
                 if " w" in name:
                     continue  # the bf16 matmul warps do not touch linear_logprob's kernels
@@ -281,8 +337,12 @@ def overhead_logprob(device, dtype, sizes, h, v):
     return rows
 
 
-QWEN3_LINEARS = {"q / o (N=K=4096)": (4096, 4096), "k / v (N=1024, K=4096)": (1024, 4096),
-                 "gate / up (N=12288, K=4096)": (12288, 4096), "down (N=4096, K=12288)": (4096, 12288)}
+QWEN3_LINEARS = {
+    "q / o (N=K=4096)": (4096, 4096),
+    "k / v (N=1024, K=4096)": (1024, 4096),
+    "gate / up (N=12288, K=4096)": (12288, 4096),
+    "down (N=4096, K=12288)": (4096, 12288),
+}
 
 
 def overhead_matmul(device, dtype, sizes, shapes):
@@ -300,8 +360,7 @@ def overhead_matmul(device, dtype, sizes, shapes):
             bwd = functools.partial(tk_matmul.matmul_bwd, grad, x, w.t(), gx, gw.t(), None)
 
             for what, fn, flops in (("fwd", fwd, 2 * m * n * k), ("bwd", bwd, 4 * m * n * k)):
-                row = {"op": "linear", "pass": what, "m": m, "shape": f"{what} {label.split(' (')[0]} M={m}",
-                       "ms": {}}
+                row = {"op": "linear", "pass": what, "m": m, "shape": f"{what} {label.split(' (')[0]} M={m}", "ms": {}}
                 for name, tree in _variants(device).items():
                     with tree:
                         row["ms"][name] = _time_ms(fn, device)
@@ -335,8 +394,10 @@ def main(args) -> int:
         mm_sizes, mm_shapes = (1024, 4096, 16384), QWEN3_LINEARS
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    print(f"rlk {rlk.__version__}, torch {torch.__version__}, device {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else " (Triton interpreter)"))
+    print(
+        f"rlk {rlk.__version__}, torch {torch.__version__}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else " (Triton interpreter)")
+    )
     results: dict = {"device": str(device), "dtype": str(dtype), "quick": quick}
     ok = True
     rlk.set_tensor_parallel_invariant(True)  # TP = 1 and the simulated ranks in the tensor-parallel order
@@ -352,10 +413,13 @@ def main(args) -> int:
             if device.type == "cuda":
                 for r in lp_rows:
                     if r["pass"] == "bwd":
-                        print(f"  peak extra memory, {r['shape']}: " + ", ".join(
-                            f"{k} {v:.0f} MiB" for k, v in r["peak_mib"].items()))
-            _print_table("linear (x @ W.T): today's kernels vs tree-aligned (median ms)", mm_rows,
-                         list(mm_rows[0]["ms"]))
+                        print(
+                            f"  peak extra memory, {r['shape']}: "
+                            + ", ".join(f"{k} {v:.0f} MiB" for k, v in r["peak_mib"].items())
+                        )
+            _print_table(
+                "linear (x @ W.T): today's kernels vs tree-aligned (median ms)", mm_rows, list(mm_rows[0]["ms"])
+            )
             results["overhead"] = {"linear_logprob": lp_rows, "linear": mm_rows}
             if quick:
                 print("(--quick: interpreter timings, not a measurement)")

@@ -31,8 +31,28 @@ def _add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _add_kernel_many_args(x_ptr, y_ptr, out_ptr, n, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, s0, s1, s2, s3,
-                          BLOCK: tl.constexpr, FLAG: tl.constexpr):
+def _add_kernel_many_args(
+    x_ptr,
+    y_ptr,
+    out_ptr,
+    n,
+    a0,
+    a1,
+    a2,
+    a3,
+    a4,
+    a5,
+    a6,
+    a7,
+    a8,
+    a9,
+    s0,
+    s1,
+    s2,
+    s3,
+    BLOCK: tl.constexpr,
+    FLAG: tl.constexpr,
+):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(x_ptr + offs, mask=m) + tl.load(y_ptr + offs, mask=m)
@@ -51,11 +71,16 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     cases = {
         # the direct runner takes every argument in signature order, constexprs included
-        "few args": (lambda: _add_kernel[grid](x, y, out, n, BLOCK=1024),
-                     _add_kernel[grid](x, y, out, n, BLOCK=1024), (x, y, out, n, 1024)),
-        "18 args": (lambda: _add_kernel_many_args[grid](x, y, out, n, *floats, *ints, BLOCK=1024, FLAG=True),
-                    _add_kernel_many_args[grid](x, y, out, n, *floats, *ints, BLOCK=1024, FLAG=True),
-                    (x, y, out, n, *floats, *ints, 1024, True)),
+        "few args": (
+            lambda: _add_kernel[grid](x, y, out, n, BLOCK=1024),
+            _add_kernel[grid](x, y, out, n, BLOCK=1024),
+            (x, y, out, n, 1024),
+        ),
+        "18 args": (
+            lambda: _add_kernel_many_args[grid](x, y, out, n, *floats, *ints, BLOCK=1024, FLAG=True),
+            _add_kernel_many_args[grid](x, y, out, n, *floats, *ints, BLOCK=1024, FLAG=True),
+            (x, y, out, n, *floats, *ints, 1024, True),
+        ),
     }
     for name, (normal, compiled, runtime_args) in cases.items():
         normal_us = host_us(normal, n=2000)

@@ -36,15 +36,17 @@ CLIP, DUAL_CLIP, CLAMP = 0.2, 3.0, 20.0
 
 def step(logprob, old, adv, mask):
     """policy_loss forward + autograd backward."""
-    loss, metrics = rlk.policy_loss(logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP,
-                                    clamp_log_ratio=CLAMP, agg="token-mean")
+    loss, metrics = rlk.policy_loss(
+        logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean"
+    )
     return torch.autograd.grad(loss, logprob), metrics
 
 
 def fused_step(logprob, old, adv, mask):
     """policy_loss_and_grad: the same loss and gradient in one pass, no autograd."""
-    return rlk.policy_loss_and_grad(logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP,
-                                    clamp_log_ratio=CLAMP, agg="token-mean")
+    return rlk.policy_loss_and_grad(
+        logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean"
+    )
 
 
 def ppo_inputs(b: int, t: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -77,41 +79,86 @@ def _layers(logprob, old, adv, mask):
 
     detached = logprob.detach()
     config = rlk.PolicyLossConfig(loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP)
-    call = policy_ops.prepare(tuple(logprob.shape), logprob.device, logprob.dtype, old, adv, mask, config,
-                              entropy=None)
-    op_args = (call.old, call.advantages, call.mask, None, None, None, False, *call.norm_tensors, call.agg, call.loss,
-               call.kl, call.flags, call.params)
+    call = policy_ops.prepare(tuple(logprob.shape), logprob.device, logprob.dtype, old, adv, mask, config, entropy=None)
+    op_args = (
+        call.old,
+        call.advantages,
+        call.mask,
+        None,
+        None,
+        None,
+        False,
+        *call.norm_tensors,
+        call.agg,
+        call.loss,
+        call.kl,
+        call.flags,
+        call.params,
+    )
     backend = dispatch.select("policy_loss", logprob.device, logprob.dtype)
     b, t = logprob.shape
-    outs = (logprob.new_empty(()), torch.empty_like(detached), None, logprob.new_empty((b,)),
-            logprob.new_empty((b, 9)), logprob.new_empty((8,)))
-    attrs = (dict(agg=call.agg, loss=call.loss, kl=call.kl) | dict(zip(policy_ops._BOOL_ATTRS, call.flags))
-             | dict(zip(policy_ops._FLOAT_ATTRS, call.params)))
+    outs = (
+        logprob.new_empty(()),
+        torch.empty_like(detached),
+        None,
+        logprob.new_empty((b,)),
+        logprob.new_empty((b, 9)),
+        logprob.new_empty((8,)),
+    )
+    attrs = (
+        dict(agg=call.agg, loss=call.loss, kl=call.kl)
+        | dict(zip(policy_ops._BOOL_ATTRS, call.flags))
+        | dict(zip(policy_ops._FLOAT_ATTRS, call.params))
+    )
     grad_out = torch.ones((), device=logprob.device)
+
     class PassThrough(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
     def dispatcher_step():
         with PassThrough():  # any dispatch mode sends rlk's ops through torch's custom-op path (rlk.core.custom_op)
-            loss, _ = rlk.policy_loss(logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP,
-                                      clamp_log_ratio=CLAMP, agg="token-mean")
+            loss, _ = rlk.policy_loss(
+                logprob,
+                old,
+                adv,
+                mask,
+                loss="ppo",
+                clip_low=CLIP,
+                dual_clip=DUAL_CLIP,
+                clamp_log_ratio=CLAMP,
+                agg="token-mean",
+            )
         return torch.autograd.grad(loss, logprob)
 
     return [
         ("step through torch's custom-op dispatcher (and a pass-through dispatch mode)", dispatcher_step),
         ("step: rlk.policy_loss + autograd.grad", lambda: step(logprob, old, adv, mask)),
         ("step: rlk.policy_loss_and_grad", lambda: fused_step(logprob, old, adv, mask)),
-        ("rlk.policy_loss forward, logprob requires grad", lambda: rlk.policy_loss(
-            logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP)),
-        ("rlk.policy_loss forward, no grad", lambda: rlk.policy_loss(
-            detached, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP)),
+        (
+            "rlk.policy_loss forward, logprob requires grad",
+            lambda: rlk.policy_loss(
+                logprob, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP
+            ),
+        ),
+        (
+            "rlk.policy_loss forward, no grad",
+            lambda: rlk.policy_loss(
+                detached, old, adv, mask, loss="ppo", clip_low=CLIP, dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP
+            ),
+        ),
         ("torch.ops.rlk.policy_loss_fwd, requires grad", lambda: torch.ops.rlk.policy_loss_fwd(logprob, *op_args)),
         ("torch.ops.rlk.policy_loss_fwd, no grad", lambda: torch.ops.rlk.policy_loss_fwd(detached, *op_args)),
-        ("backend primitive policy_loss_fwd (outputs preallocated)", lambda: backend.primitives["policy_loss_fwd"](
-            detached, old, adv, mask, None, None, None, None, None, None, *outs, **attrs)),
-        ("backend primitive policy_loss_bwd", lambda: backend.primitives["policy_loss_bwd"](
-            grad_out, outs[1], None, torch.empty_like(detached), None)),
+        (
+            "backend primitive policy_loss_fwd (outputs preallocated)",
+            lambda: backend.primitives["policy_loss_fwd"](
+                detached, old, adv, mask, None, None, None, None, None, None, *outs, **attrs
+            ),
+        ),
+        (
+            "backend primitive policy_loss_bwd",
+            lambda: backend.primitives["policy_loss_bwd"](grad_out, outs[1], None, torch.empty_like(detached), None),
+        ),
         ("torch.empty_like([B, T]) (reference point)", lambda: torch.empty_like(detached)),
     ]
 
@@ -141,8 +188,10 @@ def _report_step(name, fn, logprob, old, adv, mask, nominal_bytes: int) -> None:
     print(f"  {name}:")
     print(f"    one step, CUDA events on an idle device: median {statistics.median(event_ms):.3f} ms")
     print(f"    host time per step, steps queued back to back: {host_ms:.3f} ms")
-    print(f"    GPU kernel time per step: {gpu_ms:.4f} ms -> {nominal_bytes / gpu_ms / 1e6:.0f} GB/s of the "
-          f"{nominal_bytes / 2**20:.0f} MiB credited")
+    print(
+        f"    GPU kernel time per step: {gpu_ms:.4f} ms -> {nominal_bytes / gpu_ms / 1e6:.0f} GB/s of the "
+        f"{nominal_bytes / 2**20:.0f} MiB credited"
+    )
     for kernel, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1])):
         print(f"      {sum(times) / 10 * 1e3:8.1f} us  x{len(times) // 10}  {kernel[:100]}")
 

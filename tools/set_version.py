@@ -14,11 +14,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PYPROJECTS = ["packages/rlk/pyproject.toml", "packages/rlk-triton/pyproject.toml", "packages/rlk-cuda/pyproject.toml",
-              "packages/rlk-rocm/pyproject.toml", "packages/rlk-domestic/pyproject.toml"]
-VERSION_MODULES = ["packages/rlk/src/rlk/core/version.py", "packages/rlk-triton/src/rlk_triton/__init__.py",
-                   "packages/rlk-cuda/src/rlk_cuda/__init__.py", "packages/rlk-rocm/src/rlk_rocm/__init__.py",
-                   "packages/rlk-domestic/src/rlk_domestic/__init__.py"]
+PYPROJECTS = [
+    "packages/rlk/pyproject.toml",
+    "packages/rlk-triton/pyproject.toml",
+    "packages/rlk-cuda/pyproject.toml",
+    "packages/rlk-rocm/pyproject.toml",
+    "packages/rlk-domestic/pyproject.toml",
+]
+VERSION_MODULES = [
+    "packages/rlk/src/rlk/core/version.py",
+    "packages/rlk-triton/src/rlk_triton/__init__.py",
+    "packages/rlk-cuda/src/rlk_cuda/__init__.py",
+    "packages/rlk-rocm/src/rlk_rocm/__init__.py",
+    "packages/rlk-domestic/src/rlk_domestic/__init__.py",
+]
 
 
 def write(version: str) -> list[str]:

@@ -70,12 +70,27 @@ class Problem:
         self.dense_grad = self.grad_out.view(batch, seqlen, n_heads, head_dim).transpose(1, 2).contiguous()
 
     def fwd(self):
-        tk.attention_fwd(self.q, self.k, self.v, self.cu, self.cu, self.seqlen, self.seqlen, True, self.scale,
-                         self.out, self.lse)
+        tk.attention_fwd(
+            self.q, self.k, self.v, self.cu, self.cu, self.seqlen, self.seqlen, True, self.scale, self.out, self.lse
+        )
 
     def bwd(self):
-        tk.attention_bwd(self.grad_out, self.q, self.k, self.v, self.out, self.lse, None, self.cu, self.cu,
-                         self.seqlen, self.seqlen, True, self.scale, *self.grads)
+        tk.attention_bwd(
+            self.grad_out,
+            self.q,
+            self.k,
+            self.v,
+            self.out,
+            self.lse,
+            None,
+            self.cu,
+            self.cu,
+            self.seqlen,
+            self.seqlen,
+            True,
+            self.scale,
+            *self.grads,
+        )
 
     def sdpa_fwd(self):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -91,11 +106,22 @@ class Problem:
         for t in range(self.seqlen - 3, self.seqlen):
             cu_q = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
             cu_k = torch.tensor([0, t + 1], device="cuda", dtype=torch.int32)
-            out = torch.empty_like(self.q[t:t + 1])
+            out = torch.empty_like(self.q[t : t + 1])
             lse = torch.empty(self.q.shape[1], 1, device="cuda")
-            tk.attention_fwd(self.q[t:t + 1].contiguous(), self.k[:t + 1].contiguous(), self.v[:t + 1].contiguous(),
-                             cu_q, cu_k, 1, t + 1, True, self.scale, out, lse)
-            if not (torch.equal(out, self.out[t:t + 1]) and torch.equal(lse[:, 0], self.lse[:, t])):
+            tk.attention_fwd(
+                self.q[t : t + 1].contiguous(),
+                self.k[: t + 1].contiguous(),
+                self.v[: t + 1].contiguous(),
+                cu_q,
+                cu_k,
+                1,
+                t + 1,
+                True,
+                self.scale,
+                out,
+                lse,
+            )
+            if not (torch.equal(out, self.out[t : t + 1]) and torch.equal(lse[:, 0], self.lse[:, t])):
                 return False
         return True
 
@@ -114,8 +140,10 @@ def main() -> None:
     bucket = 64 if args.head_dim <= 64 else triton.next_power_of_2(args.head_dim)
     sdpa_f = _ms(p.sdpa_fwd)
     sdpa_fb = _ms(p.sdpa_fwd_bwd)
-    print(f"SDPA flash: fwd {sdpa_f:.2f} ms ({flops_fwd / sdpa_f / 1e9:.0f} TFLOP/s), fwd+bwd {sdpa_fb:.2f} ms "
-          f"({(flops_fwd + flops_bwd) / sdpa_fb / 1e9:.0f} TFLOP/s)")
+    print(
+        f"SDPA flash: fwd {sdpa_f:.2f} ms ({flops_fwd / sdpa_f / 1e9:.0f} TFLOP/s), fwd+bwd {sdpa_fb:.2f} ms "
+        f"({(flops_fwd + flops_bwd) / sdpa_fb / 1e9:.0f} TFLOP/s)"
+    )
     shipped = {kind: dict(tk.TILE_CONFIGS[kind][DTYPE][bucket]) for kind in ("fwd", "dkdv", "dq")}
     for kind, candidates in (("fwd", FWD_CANDIDATES), ("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)):
         for cfg in candidates:
@@ -127,8 +155,10 @@ def main() -> None:
                 bwd_ms = _ms(p.bwd)
                 ok = p.prefill_decode_equal()
                 total = fwd_ms + bwd_ms
-                print(f"{kind:5s} {cfg}: {ms:.2f} ms | fwd {fwd_ms:.2f} ({sdpa_f / fwd_ms:.2f}x SDPA) "
-                      f"fwd+bwd {total:.2f} ({sdpa_fb / total:.2f}x SDPA) | prefill==decode {ok}")
+                print(
+                    f"{kind:5s} {cfg}: {ms:.2f} ms | fwd {fwd_ms:.2f} ({sdpa_f / fwd_ms:.2f}x SDPA) "
+                    f"fwd+bwd {total:.2f} ({sdpa_fb / total:.2f}x SDPA) | prefill==decode {ok}"
+                )
             except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
                 print(f"{kind:5s} {cfg}: failed: {type(exc).__name__}: {str(exc)[:100]}")
         tk.TILE_CONFIGS[kind][DTYPE][bucket] = shipped[kind]

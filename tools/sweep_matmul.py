@@ -100,8 +100,10 @@ def main() -> None:
     m_values = (1, 64, 4096) if args.quick else M_VALUES
     layouts = LAYOUTS[:1] if args.quick else LAYOUTS
     dev = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"shipped bf16 TILE_CONFIGS {tk.TILE_CONFIGS[DTYPE]}")
+    print(
+        f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"shipped bf16 TILE_CONFIGS {tk.TILE_CONFIGS[DTYPE]}"
+    )
     gen = torch.Generator(dev).manual_seed(0)
     runners = {name(c): pointer_runner(c) for c in CANDIDATES}
     configs = {name(c): config(c) for c in CANDIDATES}
@@ -125,8 +127,11 @@ def main() -> None:
                 shipped[m] = torch.empty(m, n, device=dev, dtype=DTYPE)
                 tk._gemm(x[:m], b, shipped[m], cfg=tk.TILE_CONFIGS[DTYPE])
             print(f"\n### {shape_name}, {layout}: cuBLAS ms / candidate ms (cuBLAS TFLOP/s in the header)")
-            print("| config | " + " | ".join(f"M={m} ({2 * m * n * k / cublas[m] / 1e9:.0f})" for m in m_values)
-                  + " | same bits |")
+            print(
+                "| config | "
+                + " | ".join(f"M={m} ({2 * m * n * k / cublas[m] / 1e9:.0f})" for m in m_values)
+                + " | same bits |"
+            )
             print("|---|" + "---:|" * len(m_values) + "---|")
             for cand, run in runners.items():
                 if cand in failed:
@@ -150,8 +155,10 @@ def main() -> None:
                     ratio[cand][m].append(r)
                 print(f"| {cand} | " + " | ".join(f"{r:.2f}" for r in row) + f" | {'yes' if bits else 'NO'} |")
     usable = [c for c in runners if c not in failed and same[c]]
-    print(f"\ncandidates with the shipped bits everywhere: {len(usable)} of {len(runners)}"
-          + "".join(f"\n  OTHER BITS: {c}" for c in runners if c not in failed and not same[c]))
+    print(
+        f"\ncandidates with the shipped bits everywhere: {len(usable)} of {len(runners)}"
+        + "".join(f"\n  OTHER BITS: {c}" for c in runners if c not in failed and not same[c])
+    )
     print("\n### best same-bits candidate per M (worst ratio over shapes and layouts)")
     print("| M | best | worst ratio | shipped's worst ratio |")
     print("|---:|---|---:|---:|")
@@ -167,14 +174,16 @@ def main() -> None:
         best = max(usable, key=lambda c: min(min(ratio[c][m]) for m in ms))
         worst = min(min(ratio[best][m]) for m in ms)
         shipped_worst = min(min(ratio[shipped_name][m]) for m in ms)
-        print(f"M <= {m_max if m_max is not None else 'any'}: {best}: worst {worst:.2f} "
-              f"(shipped {shipped_worst:.2f})")
+        print(f"M <= {m_max if m_max is not None else 'any'}: {best}: worst {worst:.2f} (shipped {shipped_worst:.2f})")
         buckets.append([m_max, configs.get(best, best)])
     if args.out:
         table = {c: {str(m): ratio[c][m] for m in m_values} for c in runners if c not in failed}
         with open(args.out, "w") as f:
-            json.dump({"buckets": buckets, "same_bits": {c: same[c] for c in runners if c not in failed},
-                       "table": table}, f, indent=1)
+            json.dump(
+                {"buckets": buckets, "same_bits": {c: same[c] for c in runners if c not in failed}, "table": table},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -103,8 +103,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="512,8192")
     parser.add_argument("--global-tokens", action="store_true", help="pass the token count as global_tokens")
-    parser.add_argument("--grid", nargs="*", default=["BLOCK_T=1024,2048,4096", "NUM_WARPS=4,8"],
-                        help="NAME=v1,v2 for constants of rlk_triton.policy_loss (integers or strings)")
+    parser.add_argument(
+        "--grid",
+        nargs="*",
+        default=["BLOCK_T=1024,2048,4096", "NUM_WARPS=4,8"],
+        help="NAME=v1,v2 for constants of rlk_triton.policy_loss (integers or strings)",
+    )
     args = parser.parse_args()
     b, t = (int(x) for x in args.shape.split(","))
     logprob, old, adv, mask = ppo_inputs(b, t, seed=1234)
@@ -116,11 +120,15 @@ def main() -> None:
     same_size_graph_us = graph_us(lambda: same_size.clone())
     same_size_queued_us = queued_us(lambda: same_size.clone())
     given = " (global_tokens given)" if args.global_tokens else ""
-    print(f"policy-loss tile sweep, [{b}, {t}] fp32 PPO token-mean{given}, {torch.cuda.get_device_name()}, torch "
-          f"{torch.__version__}; copy {copy:.0f} GB/s; share = {credited / 2**20:.0f} MiB / busy time / copy")
-    print(f"a copy moving the credited bytes takes {same_size_us:.1f} us of kernel time = "
-          f"{credited / (same_size_us * 1e-6) / 1e9 / copy:.1%} of the 1 GiB copy rate; "
-          f"{same_size_graph_us:.1f} us per step in a CUDA graph of {GRAPH_STEPS}, {same_size_queued_us:.1f} us queued")
+    print(
+        f"policy-loss tile sweep, [{b}, {t}] fp32 PPO token-mean{given}, {torch.cuda.get_device_name()}, torch "
+        f"{torch.__version__}; copy {copy:.0f} GB/s; share = {credited / 2**20:.0f} MiB / busy time / copy"
+    )
+    print(
+        f"a copy moving the credited bytes takes {same_size_us:.1f} us of kernel time = "
+        f"{credited / (same_size_us * 1e-6) / 1e9 / copy:.1%} of the 1 GiB copy rate; "
+        f"{same_size_graph_us:.1f} us per step in a CUDA graph of {GRAPH_STEPS}, {same_size_queued_us:.1f} us queued"
+    )
 
     def fused():
         return rlk.policy_loss_and_grad(logprob, old, adv, mask, **kwargs)
@@ -141,8 +149,9 @@ def main() -> None:
         for point in itertools.product(*axes):
             for name, value in point:
                 setattr(tk, name, value)
-            label = " ".join(f"{name}={value!r}" if isinstance(value, str) else f"{name}={value}"
-                             for name, value in point)
+            label = " ".join(
+                f"{name}={value!r}" if isinstance(value, str) else f"{name}={value}" for name, value in point
+            )
             out = fused()
             grad = autograd()
             same = torch.equal(out.grad_logprob, grad)
@@ -155,13 +164,18 @@ def main() -> None:
                 share = credited / (busy * 1e-6) / 1e9 / copy
                 detail = ", ".join(f"{k} {v:.1f}" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]))
                 graph, queued = graph_us(fn), queued_us(fn)
-                print(f"{label}  {name:22s} busy {busy:6.1f} us = {share:6.1%} of copy (kernels summed "
-                      f"{sum(kernels.values()):.1f}; graph {graph:.1f} us/step = {same_size_graph_us / graph:.1%} of "
-                      f"the copy's; queued {queued:.1f} us/step = {same_size_queued_us / queued:.1%})  [{detail}]")
-            print(f"    gradients: fused == autograd {same}; == first point {same_first}; "
-                  f"loss vs first point: rel {loss_rel:.1e}")
+                print(
+                    f"{label}  {name:22s} busy {busy:6.1f} us = {share:6.1%} of copy (kernels summed "
+                    f"{sum(kernels.values()):.1f}; graph {graph:.1f} us/step = {same_size_graph_us / graph:.1%} of "
+                    f"the copy's; queued {queued:.1f} us/step = {same_size_queued_us / queued:.1%})  [{detail}]"
+                )
+            print(
+                f"    gradients: fused == autograd {same}; == first point {same_first}; "
+                f"loss vs first point: rel {loss_rel:.1e}"
+            )
     for name, value in defaults.items():
         setattr(tk, name, value)
+
 
 if __name__ == "__main__":
     main()

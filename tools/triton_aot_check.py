@@ -43,8 +43,15 @@ import sys
 from collections.abc import Iterator
 
 _TORCH_TO_TRITON = {
-    "torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float64": "fp64",
-    "torch.int8": "i8", "torch.uint8": "u8", "torch.int16": "i16", "torch.int32": "i32", "torch.int64": "i64",
+    "torch.float32": "fp32",
+    "torch.float16": "fp16",
+    "torch.bfloat16": "bf16",
+    "torch.float64": "fp64",
+    "torch.int8": "i8",
+    "torch.uint8": "u8",
+    "torch.int16": "i16",
+    "torch.int32": "i32",
+    "torch.int64": "i64",
     "torch.bool": "i1",
 }
 
@@ -88,23 +95,40 @@ def record_launches(records: list[dict]) -> Iterator[list[dict]]:
             value = bound[p.name]
             if "constexpr" in str(p.annotation):
                 if not isinstance(value, (bool, int, float, str, type(None))):  # e.g. a tl.dtype
-                    records.append({"module": fn.__module__, "kernel": fn.__name__,
-                                    "left_out": f"constexpr {p.name} of type {type(value).__name__}"})
+                    records.append(
+                        {
+                            "module": fn.__module__,
+                            "kernel": fn.__name__,
+                            "left_out": f"constexpr {p.name} of type {type(value).__name__}",
+                        }
+                    )
                     return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
                 constants[p.name] = value
                 continue
             try:
                 kind, what = _arg_type(value)
             except (TypeError, KeyError) as exc:  # an argument type this checker does not map
-                records.append({"module": fn.__module__, "kernel": fn.__name__,
-                                "left_out": f"argument {p.name}: {type(exc).__name__} {exc}"})
+                records.append(
+                    {
+                        "module": fn.__module__,
+                        "kernel": fn.__name__,
+                        "left_out": f"argument {p.name}: {type(exc).__name__} {exc}",
+                    }
+                )
                 return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
             if kind == "value":
                 constants[p.name] = what
             else:
                 signature[p.name] = what
-        records.append({"module": fn.__module__, "kernel": fn.__name__, "signature": signature,
-                        "constants": constants, "options": options})
+        records.append(
+            {
+                "module": fn.__module__,
+                "kernel": fn.__name__,
+                "signature": signature,
+                "constants": constants,
+                "options": options,
+            }
+        )
         return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
 
     InterpretedFunction.run = run
@@ -150,8 +174,16 @@ CUDA_ONLY_OPTIONS = ("maxnreg", "launch_pdl")
 #: Shared memory (bytes) one block may use, per target (CUDA: the opt-in maximum; AMD: the LDS of a workgroup),
 #: and threads per block. A compiled kernel above either fails at launch (Triton's ``OutOfResources``, or the
 #: driver), not in the compiler.
-MAX_SHARED = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_100": 232448,
-              "gfx90a": 65536, "gfx942": 65536, "gfx950": 163840}
+MAX_SHARED = {
+    "sm_80": 166912,
+    "sm_86": 101376,
+    "sm_89": 101376,
+    "sm_90": 232448,
+    "sm_100": 232448,
+    "gfx90a": 65536,
+    "gfx942": 65536,
+    "gfx950": 163840,
+}
 MAX_THREADS = 1024
 
 
@@ -178,8 +210,9 @@ def compiled_for(records: list[dict], arch: str | int) -> list[dict]:
     for AMD all, without the :data:`CUDA_ONLY_OPTIONS` (deduplicated again: two records may differ only there)."""
     backend, number, _ = target_of(arch)
     if backend == "hip":
-        return unique([dict(r, options={k: v for k, v in r["options"].items() if k not in CUDA_ONLY_OPTIONS})
-                       for r in records])
+        return unique(
+            [dict(r, options={k: v for k, v in r["options"].items() if k not in CUDA_ONLY_OPTIONS}) for r in records]
+        )
     return with_programmatic_launch(records) if number >= 90 else [r for r in records if not uses_tma(r)]
 
 
@@ -204,8 +237,11 @@ def _compile_one(r: dict, arch: str | int) -> str | None:
 
     target = GPUTarget(*target_of(arch))
     fn = getattr(importlib.import_module(r["module"]), r["kernel"])
-    signature = {name: "constexpr" if name in r["constants"] else r["signature"][name]
-                 for name in fn.arg_names if name in r["signature"] or name in r["constants"]}
+    signature = {
+        name: "constexpr" if name in r["constants"] else r["signature"][name]
+        for name in fn.arg_names
+        if name in r["signature"] or name in r["constants"]
+    }
     try:
         src = ASTSource(fn=fn, signature=signature, constexprs=dict(r["constants"]))
         problem = _launch_problem(triton.compile(src, target=target, options=r["options"]), arch)
@@ -247,13 +283,21 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("records", nargs="+", help="JSON lists written from record_launches")
-    parser.add_argument("--arch", nargs="+", default=["90"], type=str,
-                        help="CUDA compute capabilities (90 80) and / or AMD gfx names (gfx942 gfx90a)")
-    parser.add_argument("--packages", default="rlk,rlk_triton",
-                        help="top-level packages whose kernels are compiled (others, e.g. kernels defined in tests, "
-                             "are left out)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                        help="compiler processes at a time (default: the CPUs)")
+    parser.add_argument(
+        "--arch",
+        nargs="+",
+        default=["90"],
+        type=str,
+        help="CUDA compute capabilities (90 80) and / or AMD gfx names (gfx942 gfx90a)",
+    )
+    parser.add_argument(
+        "--packages",
+        default="rlk,rlk_triton",
+        help="top-level packages whose kernels are compiled (others, e.g. kernels defined in tests, are left out)",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes at a time (default: the CPUs)"
+    )
     args = parser.parse_args(argv)
     for arch in args.arch:
         try:

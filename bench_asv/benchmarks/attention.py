@@ -56,16 +56,20 @@ class AttentionCase(CaseBase):
         def rnd(*size: int) -> Tensor:
             return torch.randn(*size, generator=gen, device=DEVICE, dtype=DTYPE)
 
-        self.q, self.k, self.v = rnd(total, n_heads, head_dim), rnd(total, n_kv_heads, head_dim), \
-            rnd(total, n_kv_heads, head_dim)
+        self.q, self.k, self.v = (
+            rnd(total, n_heads, head_dim),
+            rnd(total, n_kv_heads, head_dim),
+            rnd(total, n_kv_heads, head_dim),
+        )
         self.grad_out = rnd(total, n_heads, head_dim)
         self.lengths, self.mode, self.impl = lengths, mode, impl
         self.work = causal_flops(lengths, n_heads, head_dim) * (3.5 if grad else 1.0)
         self.unit = "TFLOP/s"
         if impl == "rlk":
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-            self.kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
-                               max_seqlen_k=max(lengths), causal=True)
+            self.kwargs = dict(
+                cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), causal=True
+            )
             self.leaves = [t.requires_grad_(grad) for t in (self.q, self.k, self.v)]
             import rlk
 
@@ -75,17 +79,24 @@ class AttentionCase(CaseBase):
             self.dense: list[tuple[Tensor, ...]] = []
             start = 0
             for n in lengths:
+
                 def view(t: Tensor, s=start, n=n) -> Tensor:
-                    return t[s:s + n].transpose(0, 1).unsqueeze(0)
+                    return t[s : s + n].transpose(0, 1).unsqueeze(0)
 
                 self.dense.append(tuple(view(t) for t in (self.q, self.k, self.v, self.grad_out)))
                 start += n
             if len(set(lengths)) == 1:
                 b = len(lengths)
-                self.dense = [tuple(t.view(b, lengths[0], t.shape[1], head_dim).transpose(1, 2).contiguous()
-                                    for t in (self.q, self.k, self.v, self.grad_out))]
-            self.dense = [tuple(t.contiguous().requires_grad_(grad and i < 3) for i, t in enumerate(group))
-                          for group in self.dense]
+                self.dense = [
+                    tuple(
+                        t.view(b, lengths[0], t.shape[1], head_dim).transpose(1, 2).contiguous()
+                        for t in (self.q, self.k, self.v, self.grad_out)
+                    )
+                ]
+            self.dense = [
+                tuple(t.contiguous().requires_grad_(grad and i < 3) for i, t in enumerate(group))
+                for group in self.dense
+            ]
         self.step()
 
     def step(self) -> object:

@@ -46,8 +46,26 @@ MODEL = "tiny" if QUICK else "qwen3-8b-shape"
 DTYPE = torch.float32 if QUICK else torch.bfloat16
 SHAPES = [(2,)] if QUICK else [(8,)]
 #: The tool's size arguments (its defaults on a GPU).
-SIZES = (["--seqs", "2", "--seq-len", "8", "--prefill-batch", "2", "--prefill-len", "8", "--decode-batch", "2",
-          "--decode-len", "8", "--decode-steps", "2"] if QUICK else [])
+SIZES = (
+    [
+        "--seqs",
+        "2",
+        "--seq-len",
+        "8",
+        "--prefill-batch",
+        "2",
+        "--prefill-len",
+        "8",
+        "--decode-batch",
+        "2",
+        "--decode-len",
+        "8",
+        "--decode-steps",
+        "2",
+    ]
+    if QUICK
+    else []
+)
 
 _TOOL_PATH = Path(__file__).resolve().parents[2] / "tools" / "bench_chain_forward.py"
 _tool = None
@@ -126,8 +144,9 @@ class ChainCase(CaseBase):
         mode: one after one, the interpreter being slow)."""
         if self._ms is None:
             with self._chain(), torch.no_grad():
-                self._times = tool().time_scenario(self.scenario, DEVICE, 1 if QUICK else REPEATS,
-                                                   warmup=max(WARMUP, 1))
+                self._times = tool().time_scenario(
+                    self.scenario, DEVICE, 1 if QUICK else REPEATS, warmup=max(WARMUP, 1)
+                )
             self._ms = statistics.median(self._times)
         return self._ms
 

@@ -48,8 +48,9 @@ def run_ms(fn: Callable[[], object], device: torch.device = DEVICE) -> float:
     return (time.perf_counter() - begin) * 1e3
 
 
-def median_ms(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REPEATS,
-              device: torch.device = DEVICE) -> float:
+def median_ms(
+    fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REPEATS, device: torch.device = DEVICE
+) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs (:func:`run_ms`)."""
     for _ in range(warmup):
         fn()
@@ -67,8 +68,9 @@ def device_ms(prof) -> float:
     CPU events (ops, runtime calls), recorded when the profile also has ``ProfilerActivity.CPU``,
     are left out: an op's ``device_time_total`` counts its kernels a second time.
     """
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
     busy_us, covered_to = 0.0, float("-inf")
     for start, end in intervals:
         if end > covered_to:
@@ -126,7 +128,6 @@ def copy_gbps() -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), warmup=5, repeats=50)
     return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
-
 
 
 # ---------------------------------------------------------------------------

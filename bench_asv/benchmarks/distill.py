@@ -58,8 +58,14 @@ IMPLS = ["rlk", "torch_eager", "torch_compile"] + (["liger"] if LIGER is not Non
 # ---------------------------------------------------------------------------
 
 
-def torch_divergence(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
-                     targets: Tensor, divergence: str) -> Tensor:
+def torch_divergence(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    targets: Tensor,
+    divergence: str,
+) -> Tensor:
     """The plain formula: fp32 logits of both models, the divergence per row, the mean over non-ignored rows."""
     log_q = torch.log_softmax((student_hidden @ student_weight.T).float() / TEMPERATURE, dim=-1)
     with torch.no_grad():
@@ -70,15 +76,24 @@ def torch_divergence(student_hidden: Tensor, student_weight: Tensor, teacher_hid
         rows = F.kl_div(log_p, log_q, reduction="none", log_target=True).sum(-1)
     else:
         log_m = torch.logaddexp(log_p + math.log(BETA), log_q + math.log(1 - BETA))
-        rows = (BETA * F.kl_div(log_m, log_p, reduction="none", log_target=True).sum(-1)
-                + (1 - BETA) * F.kl_div(log_m, log_q, reduction="none", log_target=True).sum(-1))
+        rows = BETA * F.kl_div(log_m, log_p, reduction="none", log_target=True).sum(-1) + (1 - BETA) * F.kl_div(
+            log_m, log_q, reduction="none", log_target=True
+        ).sum(-1)
     valid = targets != -100
     return torch.where(valid, rows, 0.0).sum() / valid.sum().clamp(min=1)
 
 
 def rlk_divergence(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, divergence):
-    return rlk.fused_linear_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, targets,
-                               divergence=divergence, beta=BETA, temperature=TEMPERATURE)
+    return rlk.fused_linear_kl(
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        targets,
+        divergence=divergence,
+        beta=BETA,
+        temperature=TEMPERATURE,
+    )
 
 
 def liger_divergence(divergence: str):

@@ -32,8 +32,19 @@ def qwen3_shapes(layers: int, hidden: int, intermediate: int, vocab: int) -> lis
     q, kv = (2 * head, head) if QUICK else (32 * head, 8 * head)
     shapes: list[tuple[int, ...]] = [(vocab, hidden)]
     for _ in range(layers):
-        shapes += [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (head,), (head,),
-                   (intermediate, hidden), (intermediate, hidden), (hidden, intermediate), (hidden,), (hidden,)]
+        shapes += [
+            (q, hidden),
+            (kv, hidden),
+            (kv, hidden),
+            (hidden, q),
+            (head,),
+            (head,),
+            (intermediate, hidden),
+            (intermediate, hidden),
+            (hidden, intermediate),
+            (hidden,),
+            (hidden,),
+        ]
     return shapes + [(hidden,), (vocab, hidden)]
 
 

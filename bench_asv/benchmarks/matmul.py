@@ -38,7 +38,8 @@ LAYOUTS = ["linear", "row_major"]
 M_VALUES = (1, 16, 64, 256, 1024, 4096, 16384)
 # (M, N, K)
 SHAPES = (
-    [(1, 96, 80), (64, 96, 80)] if QUICK
+    [(1, 96, 80), (64, 96, 80)]
+    if QUICK
     else [(m, n, k) for n, k in ((4096, 4096), (12288, 4096), (4096, 12288)) for m in M_VALUES]
 )
 

@@ -74,8 +74,9 @@ class RmsNormCase(CaseBase):
         res = torch.randn(n, h, generator=gen, device=DEVICE, dtype=DTYPE) if residual else None
         self.inputs = tuple(t.requires_grad_() for t in (x, weight, res) if t is not None)
         self.residual = res
-        self.grad_outputs = tuple(torch.randn(n, h, generator=gen, device=DEVICE, dtype=DTYPE)
-                                  for _ in range(1 + residual))
+        self.grad_outputs = tuple(
+            torch.randn(n, h, generator=gen, device=DEVICE, dtype=DTYPE) for _ in range(1 + residual)
+        )
         self.work, self.unit = (8 if residual else 5) * n * h * x.element_size(), "GB/s"
         if impl == "rlk":
             fn = rlk_rms_norm

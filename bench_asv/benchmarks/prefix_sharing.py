@@ -74,8 +74,9 @@ class PrefixSharingCase(CaseBase):
 
     def _logprobs(self) -> torch.Tensor:
         if self.impl == "packed":
-            return self.lm(input_ids=self.ids, position_ids=self.positions, logprob_targets=self.targets,
-                           use_cache=False).logprobs
+            return self.lm(
+                input_ids=self.ids, position_ids=self.positions, logprob_targets=self.targets, use_cache=False
+            ).logprobs
         from rlk.integrations.hf import group_logprobs
 
         return torch.cat([lp for group in group_logprobs(self.lm, self.prompts, self.responses) for lp in group])
@@ -118,8 +119,12 @@ class PrefixSharing(_CaseSetup):
 class PrefixSharingMemory(_MemorySetup):
     """Group log-probs: peak extra GPU memory in MiB (CUDA only)."""
 
-    op, case_type, param_names, params = "prefix_sharing", PrefixSharingCase, PrefixSharing.param_names, \
-        PrefixSharing.params
+    op, case_type, param_names, params = (
+        "prefix_sharing",
+        PrefixSharingCase,
+        PrefixSharing.param_names,
+        PrefixSharing.params,
+    )
     timeout = 1200
 
     def teardown(self, impl: str, option: str, shape: tuple[int, int, int, int]) -> None:

@@ -59,8 +59,9 @@ GRPO_CLIP_HIGH, GRPO_KL_COEF = 0.28, 0.001
 # ---------------------------------------------------------------------------
 
 
-def torch_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-                   global_tokens: float | None = None) -> tuple[Tensor, ...]:
+def torch_ppo_loss(
+    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, global_tokens: float | None = None
+) -> tuple[Tensor, ...]:
     """verl-style PPO loss, token-mean (over ``global_tokens`` when given), with clip fraction and approx KL (means
     over the batch's tokens, as ``rlk.policy_loss``'s metrics), as eager PyTorch."""
     m = mask.float()
@@ -78,24 +79,51 @@ def torch_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mas
     return loss, clip_fraction.detach(), approx_kl.detach()
 
 
-def rlk_ppo_loss(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-                 global_tokens: float | None = None) -> tuple[Tensor, ...]:
-    loss, metrics = rlk.policy_loss(logprob, old_logprob, advantages, mask, loss="ppo", clip_low=CLIP,
-                                    dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean",
-                                    global_tokens=global_tokens)
+def rlk_ppo_loss(
+    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, global_tokens: float | None = None
+) -> tuple[Tensor, ...]:
+    loss, metrics = rlk.policy_loss(
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        loss="ppo",
+        clip_low=CLIP,
+        dual_clip=DUAL_CLIP,
+        clamp_log_ratio=CLAMP,
+        agg="token-mean",
+        global_tokens=global_tokens,
+    )
     return loss, metrics["clip_fraction"], metrics["approx_kl"]
 
 
-def rlk_ppo_loss_and_grad(logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor,
-                          global_tokens: float | None = None) -> tuple:
-    out = rlk.policy_loss_and_grad(logprob, old_logprob, advantages, mask, loss="ppo", clip_low=CLIP,
-                                   dual_clip=DUAL_CLIP, clamp_log_ratio=CLAMP, agg="token-mean",
-                                   global_tokens=global_tokens)
+def rlk_ppo_loss_and_grad(
+    logprob: Tensor, old_logprob: Tensor, advantages: Tensor, mask: Tensor, global_tokens: float | None = None
+) -> tuple:
+    out = rlk.policy_loss_and_grad(
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        loss="ppo",
+        clip_low=CLIP,
+        dual_clip=DUAL_CLIP,
+        clamp_log_ratio=CLAMP,
+        agg="token-mean",
+        global_tokens=global_tokens,
+    )
     return out.loss, out.grad_logprob, out.metrics["clip_fraction"], out.metrics["approx_kl"]
 
 
-def torch_grpo_k3_loss(hidden: Tensor, weight: Tensor, targets: Tensor, old_logprob: Tensor, ref_logprob: Tensor,
-                       advantages: Tensor, mask: Tensor) -> Tensor:
+def torch_grpo_k3_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    old_logprob: Tensor,
+    ref_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+) -> Tensor:
     """GRPO's loss from hidden states as plain PyTorch (what ``torch.compile`` is given): the logits, their fp32
     log-softmax at the targets, the clipped PPO loss and ``GRPO_KL_COEF`` times verl's clamped k3 estimator
     (``low_var_kl``), token-mean over the mask."""
@@ -109,16 +137,38 @@ def torch_grpo_k3_loss(hidden: Tensor, weight: Tensor, targets: Tensor, old_logp
     return ((pg + GRPO_KL_COEF * kl) * m).sum() / m.sum().clamp(min=1)
 
 
-def rlk_grpo_k3_loss(hidden: Tensor, weight: Tensor, targets: Tensor, old_logprob: Tensor, ref_logprob: Tensor,
-                     advantages: Tensor, mask: Tensor, mode: str) -> Tensor:
-    loss, _ = rlk.fused_linear_policy_loss(hidden, weight, targets, old_logprob, advantages, mask, mode=mode,
-                                           ref_logprob=ref_logprob, loss="ppo", clip_low=CLIP,
-                                           clip_high=GRPO_CLIP_HIGH, kl="k3", kl_coef=GRPO_KL_COEF, agg="token-mean")
+def rlk_grpo_k3_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    old_logprob: Tensor,
+    ref_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    mode: str,
+) -> Tensor:
+    loss, _ = rlk.fused_linear_policy_loss(
+        hidden,
+        weight,
+        targets,
+        old_logprob,
+        advantages,
+        mask,
+        mode=mode,
+        ref_logprob=ref_logprob,
+        loss="ppo",
+        clip_low=CLIP,
+        clip_high=GRPO_CLIP_HIGH,
+        kl="k3",
+        kl_coef=GRPO_KL_COEF,
+        agg="token-mean",
+    )
     return loss
 
 
-def torch_rollout_correction(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor,
-                             option: str) -> tuple[Tensor, ...]:
+def torch_rollout_correction(
+    old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, option: str
+) -> tuple[Tensor, ...]:
     """Importance weights (``option``: ``token/truncate`` or ``sequence/mask``, see the module docstring) and the
     masked mean / max / min of the weights and the fraction of ratios above the upper bound, as eager PyTorch."""
     d = torch.where(mask, old_logprob - rollout_logprob, 0.0)
@@ -137,17 +187,26 @@ def torch_rollout_correction(old_logprob: Tensor, rollout_logprob: Tensor, mask:
     return weights, mean, top, low, high
 
 
-def rlk_rollout_correction(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor,
-                           option: str) -> tuple[Tensor, ...]:
+def rlk_rollout_correction(
+    old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, option: str
+) -> tuple[Tensor, ...]:
     level, mode = option.split("/")
-    weights, metrics = rlk.rollout_correction(old_logprob, rollout_logprob, mask, level=level, mode=mode,
-                                              upper=RC_UPPER, lower=None if mode == "truncate" else RC_LOWER,
-                                              clamp_log_ratio=RC_CLAMP)
+    weights, metrics = rlk.rollout_correction(
+        old_logprob,
+        rollout_logprob,
+        mask,
+        level=level,
+        mode=mode,
+        upper=RC_UPPER,
+        lower=None if mode == "truncate" else RC_LOWER,
+        clamp_log_ratio=RC_CLAMP,
+    )
     return weights, metrics["weight_mean"], metrics["weight_max"], metrics["weight_min"], metrics["fraction_high"]
 
 
-def torch_gae_step(rewards_t: Tensor, values_t: Tensor, mask_t: Tensor, next_value: Tensor,
-                   last_adv: Tensor) -> tuple[Tensor, Tensor]:
+def torch_gae_step(
+    rewards_t: Tensor, values_t: Tensor, mask_t: Tensor, next_value: Tensor, last_adv: Tensor
+) -> tuple[Tensor, Tensor]:
     """One reverse step of GAE over ``[B]`` vectors, masked positions carrying ``V_next`` and ``a``."""
     delta = rewards_t + GAMMA * next_value - values_t
     adv = delta + GAMMA * LAM * last_adv
@@ -244,7 +303,7 @@ class RolloutCorrectionCase(CaseBase):
         gen = torch.Generator(DEVICE).manual_seed(SEED)
         batch, length = shape
         self.old = -torch.rand(batch, length, generator=gen, device=DEVICE) * 5
-        noise = 0.1 if option == "token/truncate" else length ** -0.5
+        noise = 0.1 if option == "token/truncate" else length**-0.5
         self.rollout = self.old + noise * torch.randn(batch, length, generator=gen, device=DEVICE)
         self.mask = torch.rand(batch, length, generator=gen, device=DEVICE) < 0.9
         self.option = option
@@ -274,7 +333,7 @@ class FusedLinearPolicyLossCase(CaseBase):
         gen = torch.Generator(DEVICE).manual_seed(SEED)
         b, t, h, v = shape
         self.hidden = torch.randn(b, t, h, generator=gen, device=DEVICE, dtype=LINEAR_DTYPE).requires_grad_()
-        self.weight = (torch.randn(v, h, generator=gen, device=DEVICE, dtype=LINEAR_DTYPE) * h**-0.5)
+        self.weight = torch.randn(v, h, generator=gen, device=DEVICE, dtype=LINEAR_DTYPE) * h**-0.5
         self.weight.requires_grad_()
         self.targets = torch.randint(0, v, (b, t), generator=gen, device=DEVICE)
         _, self.old, self.advantages, self.mask = _token_inputs(b, t, gen)
@@ -369,8 +428,11 @@ class FusedLinearPolicyLoss(_CaseSetup):
     op, case_type, shape_names = "fused_linear_policy_loss", FusedLinearPolicyLossCase, "BTHV"
     baselines = ("torch_compile", "torch_eager", "lean")
     param_names = ["impl", "loss", "shape"]
-    params = [["one_pass", "lean", "one_pass_auto", "lean_auto", "torch_eager", "torch_compile"], ["grpo_k3"],
-              LINEAR_SHAPES]
+    params = [
+        ["one_pass", "lean", "one_pass_auto", "lean_auto", "torch_eager", "torch_compile"],
+        ["grpo_k3"],
+        LINEAR_SHAPES,
+    ]
 
     def track_ms(self, impl: str, loss: str, shape: tuple[int, int, int, int]) -> float:
         return self.case.ms()

@@ -32,8 +32,9 @@ class SampleCase(CaseBase):
         self.logits = torch.randn(shape, generator=gen, device=DEVICE).mul_(3).to(getattr(torch, dtype))
         self.seeds = torch.arange(rows, dtype=torch.int64, device=DEVICE)
         self.steps = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
-        self.kw = dict(temperature=TEMPERATURE) if option == "plain" else dict(temperature=TEMPERATURE, top_k=50,
-                                                                               top_p=0.9)
+        self.kw = (
+            dict(temperature=TEMPERATURE) if option == "plain" else dict(temperature=TEMPERATURE, top_k=50, top_p=0.9)
+        )
         self.work, self.unit = self.logits.numel() * self.logits.element_size(), "GB/s"
         if impl == "rlk":
             self.decision = rlk.explain("sample", self.logits)

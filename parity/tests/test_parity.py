@@ -29,15 +29,15 @@ CPU = torch.device("cpu")
 #: ABI ops the parity matrix does not run yet, each with where it is checked instead.
 NOT_IN_PARITY = {
     "linear_logprob_stored": "fused_linear_policy_loss's one-pass primitives: checked against the fp64 reference and "
-                             "the lean mode by packages/rlk/tests/test_linear_policy_loss.py and the backends' "
-                             "test_linear_policy_loss_kernels.py / test_linear_logprob_stored_cuda.py",
+    "the lean mode by packages/rlk/tests/test_linear_policy_loss.py and the backends' "
+    "test_linear_policy_loss_kernels.py / test_linear_logprob_stored_cuda.py",
     "ema": "an in-place list update with no output (rlk.ema_): checked against torch._foreach_lerp_ and the fp64 "
-           "reference under the contract, for determinism and for independence from the other tensors by "
-           "packages/rlk/tests/test_ema.py and packages/rlk-triton/tests/test_ema_kernels.py",
+    "reference under the contract, for determinism and for independence from the other tensors by "
+    "packages/rlk/tests/test_ema.py and packages/rlk-triton/tests/test_ema_kernels.py",
     "sample": "a random draw with integer outputs (rlk.sample), not a tolerance against fp64: checked bitwise "
-              "reference vs Triton, for batch invariance, by chi-square tests of the filters and Philox "
-              "known-answer vectors by packages/rlk/tests/test_sampling.py and "
-              "packages/rlk-triton/tests/test_sampling_kernels.py",
+    "reference vs Triton, for batch invariance, by chi-square tests of the filters and Philox "
+    "known-answer vectors by packages/rlk/tests/test_sampling.py and "
+    "packages/rlk-triton/tests/test_sampling_kernels.py",
 }
 
 
@@ -46,6 +46,7 @@ def test_the_matrix_covers_every_abi_op():
     cannot enter the ABI unseen by parity."""
     assert len(set(ALL_OPS)) == len(ALL_OPS) and set(ALL_OPS) <= set(abi.OPS)
     assert set(abi.OPS) - set(ALL_OPS) == set(NOT_IN_PARITY)
+
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # Triton interpreter: log(0) on masked lanes
 
@@ -152,8 +153,19 @@ def test_a_backend_off_by_1e_2_fails(monkeypatch):
 
 def test_the_command_line_exits_1_on_failure(monkeypatch, tmp_path, capsys):
     _register(monkeypatch, _selected_only("broken", False, _offset))
-    argv = ["--device", "cpu", "--backends", "broken", "--ops", "selected_logprob", "--dtypes", "fp32", "--quick",
-            "--out", str(tmp_path)]
+    argv = [
+        "--device",
+        "cpu",
+        "--backends",
+        "broken",
+        "--ops",
+        "selected_logprob",
+        "--dtypes",
+        "fp32",
+        "--quick",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 1
     assert "| selected_logprob | float32 | FAIL · worst " in capsys.readouterr().out
     record = json.loads((tmp_path / "parity.json").read_text())
@@ -183,12 +195,30 @@ def test_an_unclaimed_batch_dependence_is_information_only(monkeypatch):
 
 #: What each RL op's cells must check (outputs, and gradients of the differentiable ops).
 RL_CHECKS = {
-    "policy_loss": {"loss", "clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max",
-                    "entropy_mean", "kl_mean", "grad_logprob", "grad_entropy"},
+    "policy_loss": {
+        "loss",
+        "clip_fraction",
+        "lower_clip_fraction",
+        "approx_kl",
+        "ratio_mean",
+        "ratio_max",
+        "entropy_mean",
+        "kl_mean",
+        "grad_logprob",
+        "grad_entropy",
+    },
     "kl_penalty": {"kl", "grad_logprob"},
     "value_loss": {"loss", "vf_clip_fraction", "values_mean", "grad_values"},
-    "dpo_loss": {"losses", "loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy",
-                 "grad_chosen", "grad_rejected"},
+    "dpo_loss": {
+        "losses",
+        "loss",
+        "rewards_chosen",
+        "rewards_rejected",
+        "reward_margin",
+        "reward_accuracy",
+        "grad_chosen",
+        "grad_rejected",
+    },
     "group_advantages": {"advantages"},
     "masked_whiten": {"whitened"},
     "discounted_returns": {"returns"},
@@ -235,8 +265,15 @@ def _gae_only(name: str, batch_invariant: bool, after) -> rlk.Backend:
         ref["gae_fwd"](rewards, values, mask, gamma, gamma_lam, advantages_out, returns_out)
         after(rewards, advantages_out)
 
-    return rlk.Backend(name=name, version="0", abi_version=rlk.ABI_VERSION, primitives={"gae_fwd": gae_fwd},
-                       probe=lambda: None, device_types=lambda: ("cpu",), batch_invariant=batch_invariant)
+    return rlk.Backend(
+        name=name,
+        version="0",
+        abi_version=rlk.ABI_VERSION,
+        primitives={"gae_fwd": gae_fwd},
+        probe=lambda: None,
+        device_types=lambda: ("cpu",),
+        batch_invariant=batch_invariant,
+    )
 
 
 def test_an_rl_backend_off_by_1e_3_fails(monkeypatch):
@@ -291,10 +328,16 @@ def test_cli_refuses_a_backend_that_cannot_run():
 # the batch-invariant forward chain
 # ---------------------------------------------------------------------------
 
-CHAIN_GRADS = {"rms_norm": {"grad_x", "grad_weight", "grad_residual"}, "matmul": {"grad_x", "grad_weight", "grad_bias"},
-               "attention": {"grad_q", "grad_k", "grad_v"}, "prefix_attention": {"grad_q", "grad_k", "grad_v"},
-               "softmax": {"grad_x"}, "rope": {"grad_q", "grad_k"},
-               "embedding": {"grad_weight"}, "pack": {"grad_x"}}
+CHAIN_GRADS = {
+    "rms_norm": {"grad_x", "grad_weight", "grad_residual"},
+    "matmul": {"grad_x", "grad_weight", "grad_bias"},
+    "attention": {"grad_q", "grad_k", "grad_v"},
+    "prefix_attention": {"grad_q", "grad_k", "grad_v"},
+    "softmax": {"grad_x"},
+    "rope": {"grad_q", "grad_k"},
+    "embedding": {"grad_weight"},
+    "pack": {"grad_x"},
+}
 
 
 @pytest.fixture
@@ -307,8 +350,9 @@ def small_chain(monkeypatch):
 def test_chain_ops_are_reported_and_pass_on_reference_and_triton(small_chain):
     config = _config(["reference", "triton"], dtypes=("float32", "float16"), ops=chain.CHAIN_OPS)
     cells = _run(config)
-    assert set(cells) == {(op, d, b) for op in chain.CHAIN_OPS for d in ("float32", "float16")
-                          for b in ("reference", "triton")}
+    assert set(cells) == {
+        (op, d, b) for op in chain.CHAIN_OPS for d in ("float32", "float16") for b in ("reference", "triton")
+    }
     for (op, _, backend), cell in cells.items():
         assert cell.status == PASS, (op, backend, [(r.case.label(), r.error, r.worst) for r in cell.results])
         assert [r.case for r in cell.results] == chain.value_cases(op, "cpu", quick=True)
@@ -330,9 +374,15 @@ def _softmax_only(name: str, batch_invariant: bool, after) -> rlk.Backend:
         ref["softmax_fwd"](x, log, out)
         after(x, out)
 
-    return rlk.Backend(name=name, version="0", abi_version=rlk.ABI_VERSION,
-                       primitives={"softmax_fwd": softmax_fwd, "softmax_bwd": ref["softmax_bwd"]},
-                       probe=lambda: None, device_types=lambda: ("cpu",), batch_invariant=batch_invariant)
+    return rlk.Backend(
+        name=name,
+        version="0",
+        abi_version=rlk.ABI_VERSION,
+        primitives={"softmax_fwd": softmax_fwd, "softmax_bwd": ref["softmax_bwd"]},
+        probe=lambda: None,
+        device_types=lambda: ("cpu",),
+        batch_invariant=batch_invariant,
+    )
 
 
 def test_a_chain_backend_off_by_1e_2_fails(monkeypatch, small_chain):
@@ -384,9 +434,15 @@ def _distill_only(name: str, batch_invariant: bool, after) -> rlk.Backend:
         ref["fused_linear_kl_fwd"](*args)
         after(args[0], args[9])
 
-    return rlk.Backend(name=name, version="0", abi_version=rlk.ABI_VERSION,
-                       primitives={"fused_linear_kl_fwd": forward, "fused_linear_kl_bwd": ref["fused_linear_kl_bwd"]},
-                       probe=lambda: None, device_types=lambda: ("cpu",), batch_invariant=batch_invariant)
+    return rlk.Backend(
+        name=name,
+        version="0",
+        abi_version=rlk.ABI_VERSION,
+        primitives={"fused_linear_kl_fwd": forward, "fused_linear_kl_bwd": ref["fused_linear_kl_bwd"]},
+        probe=lambda: None,
+        device_types=lambda: ("cpu",),
+        batch_invariant=batch_invariant,
+    )
 
 
 def test_a_distill_backend_off_by_1e_2_fails(monkeypatch):

@@ -22,9 +22,18 @@ from rlk.reference import norm as ref_norm
 rlk_cuda = pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
 _native = importlib.import_module("rlk_cuda._native")
 
-IMPLEMENTED = ("selected_logprob_fwd", "selected_logprob_bwd", "linear_logprob_fwd", "linear_logprob_bwd",
-               "linear_logprob_stored_fwd", "linear_logprob_stored_bwd", "rms_norm_fwd", "rms_norm_bwd",
-               "fused_linear_kl_fwd", "fused_linear_kl_bwd")
+IMPLEMENTED = (
+    "selected_logprob_fwd",
+    "selected_logprob_bwd",
+    "linear_logprob_fwd",
+    "linear_logprob_bwd",
+    "linear_logprob_stored_fwd",
+    "linear_logprob_stored_bwd",
+    "rms_norm_fwd",
+    "rms_norm_bwd",
+    "fused_linear_kl_fwd",
+    "fused_linear_kl_bwd",
+)
 
 
 def test_entry_point_is_registered():
@@ -82,8 +91,9 @@ def test_native_layer_rejects_cpu_tensors():
 def test_supports_declines_other_dtypes_and_devices():
     assert "float64" in rlk_cuda._supports("rms_norm_fwd", torch.device("cuda", 0), torch.float64)
     assert "cpu" in rlk_cuda._supports("rms_norm_fwd", torch.device("cpu"), torch.float32)
-    assert "float32 not implemented" in rlk_cuda._supports("fused_linear_kl_fwd", torch.device("cuda", 0),
-                                                           torch.float32)
+    assert "float32 not implemented" in rlk_cuda._supports(
+        "fused_linear_kl_fwd", torch.device("cuda", 0), torch.float32
+    )
 
 
 @pytest.mark.parametrize(

@@ -62,15 +62,27 @@ def run_fwd(impl, data, targets, inv_t, divergence, coef=None):
     loss, stats = torch.empty(n, dtype=dt, device="cuda"), torch.empty(3, n, dtype=dt, device="cuda")
     gh = torch.empty_like(data[0]) if coef is not None else None
     gw = torch.empty_like(data[1]) if coef is not None else None
-    impl.fused_linear_kl_fwd(*data, targets, inv_t.to(dt), IGNORE, divergence, BETA, loss, stats,
-                             None if coef is None else coef.to(dt), gh, gw)
+    impl.fused_linear_kl_fwd(
+        *data,
+        targets,
+        inv_t.to(dt),
+        IGNORE,
+        divergence,
+        BETA,
+        loss,
+        stats,
+        None if coef is None else coef.to(dt),
+        gh,
+        gw,
+    )
     return loss, stats, gh, gw
 
 
 def run_bwd(impl, data, targets, inv_t, stats, grad_loss, divergence):
     gh, gw = torch.empty_like(data[0]), torch.empty_like(data[1])
-    impl.fused_linear_kl_bwd(*data, targets, inv_t.to(stats.dtype), stats, grad_loss.to(stats.dtype), IGNORE,
-                             divergence, BETA, gh, gw)
+    impl.fused_linear_kl_bwd(
+        *data, targets, inv_t.to(stats.dtype), stats, grad_loss.to(stats.dtype), IGNORE, divergence, BETA, gh, gw
+    )
     return gh, gw
 
 
@@ -108,9 +120,9 @@ def _zero_ignored(data, targets):
 @pytest.mark.parametrize(
     "shape",
     [
-        (37, 150, 24, 40),      # one ragged row tile, one vocab chunk narrower than a GEMM tile, Hs != Ht
-        (300, 9000, 136, 72),   # three row tiles, three chunks (the last 808 columns), ragged K steps
-        (129, 4100, 30, 44),    # Hs % 8 != 0 (padded copies), a last chunk of 4 columns
+        (37, 150, 24, 40),  # one ragged row tile, one vocab chunk narrower than a GEMM tile, Hs != Ht
+        (300, 9000, 136, 72),  # three row tiles, three chunks (the last 808 columns), ragged K steps
+        (129, 4100, 30, 44),  # Hs % 8 != 0 (padded copies), a last chunk of 4 columns
     ],
 )
 def test_matches_reference(shape, divergence, dtype):
@@ -168,8 +180,14 @@ def test_batch_invariant_at_full_vocab(divergence):
     targets = targets.clone()
     targets[probe] = 7
     ones = torch.ones(1024, device="cuda")
-    alone = run_fwd(ck, [data[0][probe:probe + 1], data[1], data[2][probe:probe + 1], data[3]],
-                    targets[probe:probe + 1], inv_t[probe:probe + 1], divergence, ones[:1])
+    alone = run_fwd(
+        ck,
+        [data[0][probe : probe + 1], data[1], data[2][probe : probe + 1], data[3]],
+        targets[probe : probe + 1],
+        inv_t[probe : probe + 1],
+        divergence,
+        ones[:1],
+    )
     for batch, position, index in probe_placements(probe):
         sub = [data[0][index], data[1], data[2][index], data[3]]
         got = run_fwd(ck, sub, targets[index], inv_t[index], divergence, ones[:batch])
@@ -204,8 +222,16 @@ def test_dispatch_and_public_op():
             sh = data[0].detach().to(dtype).requires_grad_()
             sw = data[1].detach().to(dtype).requires_grad_()
             with dispatch.use_backend(backend):
-                loss = rlk.fused_linear_kl(sh, sw, data[2].to(dtype), data[3].to(dtype), targets,
-                                           divergence="reverse_kl", temperature=temperature, reduction=reduction)
+                loss = rlk.fused_linear_kl(
+                    sh,
+                    sw,
+                    data[2].to(dtype),
+                    data[3].to(dtype),
+                    targets,
+                    divergence="reverse_kl",
+                    temperature=temperature,
+                    reduction=reduction,
+                )
                 loss.sum().backward()
             results.append((loss.detach(), sh.grad, sw.grad))
         (loss, gh, gw), (t_loss, t_gh, t_gw) = results

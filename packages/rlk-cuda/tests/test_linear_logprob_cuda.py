@@ -90,8 +90,7 @@ def kernel(request, monkeypatch) -> str:
     """Runs the test with the primitives on one kernel pair (RLK_CUDA_LINEAR_FWD / RLK_CUDA_LINEAR_BWD)."""
     ck = _cuda()
     if request.param == "wgmma" and wgmma_problem_here() is not None:
-        pytest.fail(f"RLK_REQUIRE_WGMMA=1 but the wgmma kernels cannot run here: {wgmma_problem_here()}",
-                    pytrace=False)
+        pytest.fail(f"RLK_REQUIRE_WGMMA=1 but the wgmma kernels cannot run here: {wgmma_problem_here()}", pytrace=False)
     monkeypatch.setenv(ck.FORWARD_ENV, request.param)
     monkeypatch.setenv(ck.BACKWARD_ENV, request.param)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -116,8 +115,18 @@ def make_inputs(n: int, v: int, h: int, dtype: torch.dtype, seed: int = 0, extre
     return hidden.to(dtype), weight.to(dtype), targets, inv_t, grad_lp, grad_ent
 
 
-def run(impl, hidden, weight, targets, inv_t, grad_lp, grad_ent, entropy_mode: str = "fwd_and_grad",
-        want_hidden: bool = True, want_weight: bool = True):
+def run(
+    impl,
+    hidden,
+    weight,
+    targets,
+    inv_t,
+    grad_lp,
+    grad_ent,
+    entropy_mode: str = "fwd_and_grad",
+    want_hidden: bool = True,
+    want_weight: bool = True,
+):
     """Forward and backward of ``impl`` (a module with the two primitives); fp64 statistics for fp64 inputs."""
     n = hidden.shape[0]
     sdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -127,8 +136,19 @@ def run(impl, hidden, weight, targets, inv_t, grad_lp, grad_ent, entropy_mode: s
     impl.linear_logprob_fwd(hidden, weight, targets, inv_t.to(sdt), IGNORE, lp, ent if with_entropy else None, lse)
     gh = torch.empty_like(hidden) if want_hidden else None
     gw = torch.empty_like(weight) if want_weight else None
-    impl.linear_logprob_bwd(hidden, weight, targets, inv_t.to(sdt), lse, ent if with_entropy else None,
-                            grad_lp.to(sdt), grad_entropy, IGNORE, gh, gw)
+    impl.linear_logprob_bwd(
+        hidden,
+        weight,
+        targets,
+        inv_t.to(sdt),
+        lse,
+        ent if with_entropy else None,
+        grad_lp.to(sdt),
+        grad_entropy,
+        IGNORE,
+        gh,
+        gw,
+    )
     out = {"logprob": lp, "lse": lse}
     if with_entropy:
         out["entropy"] = ent
@@ -139,12 +159,22 @@ def run(impl, hidden, weight, targets, inv_t, grad_lp, grad_ent, entropy_mode: s
     return out
 
 
-def check_against_reference(name: str, hidden, weight, targets, inv_t, grad_lp, grad_ent,
-                            entropy_mode: str = "fwd_and_grad", want_hidden: bool = True,
-                            want_weight: bool = True) -> None:
+def check_against_reference(
+    name: str,
+    hidden,
+    weight,
+    targets,
+    inv_t,
+    grad_lp,
+    grad_ent,
+    entropy_mode: str = "fwd_and_grad",
+    want_hidden: bool = True,
+    want_weight: bool = True,
+) -> None:
     got = run(_cuda(), hidden, weight, targets, inv_t, grad_lp, grad_ent, entropy_mode, want_hidden, want_weight)
-    truth = run(ref, hidden.double(), weight.double(), targets, inv_t, grad_lp, grad_ent, entropy_mode,
-                want_hidden, want_weight)
+    truth = run(
+        ref, hidden.double(), weight.double(), targets, inv_t, grad_lp, grad_ent, entropy_mode, want_hidden, want_weight
+    )
     e = contract.entry("linear_logprob", hidden.dtype)
     valid = targets != IGNORE
     scale = check_row_outputs(name, e, got, truth, valid)
@@ -166,8 +196,17 @@ def check_against_reference(name: str, hidden, weight, targets, inv_t, grad_lp, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("n", "v", "h"),
-    [(1, 1000, 64), (7, 1000, 64), (133, 1000, 64), (7, 32003, 64), (133, 32003, 64), (1, 32003, 4096),
-     (7, 1000, 4096), (133, 8200, 4096), (3, 5, 64)],
+    [
+        (1, 1000, 64),
+        (7, 1000, 64),
+        (133, 1000, 64),
+        (7, 32003, 64),
+        (133, 32003, 64),
+        (1, 32003, 4096),
+        (7, 1000, 4096),
+        (133, 8200, 4096),
+        (3, 5, 64),
+    ],
 )
 def test_matches_reference(dtype, n, v, h):
     """V not a multiple of 128 (1000, 8200, 32003: ragged last tile, split and chunk), N not a multiple of 128,
@@ -185,8 +224,12 @@ def test_entropy_modes(dtype, entropy_mode):
 @pytest.mark.parametrize(("want_hidden", "want_weight"), [(True, False), (False, True), (False, False)])
 def test_optional_gradients(dtype, want_hidden, want_weight):
     """A gradient output left None is not computed; the other one is still right."""
-    check_against_reference(f"grads_{want_hidden}_{want_weight}", *make_inputs(19, 5000, 64, dtype, seed=2),
-                            want_hidden=want_hidden, want_weight=want_weight)
+    check_against_reference(
+        f"grads_{want_hidden}_{want_weight}",
+        *make_inputs(19, 5000, 64, dtype, seed=2),
+        want_hidden=want_hidden,
+        want_weight=want_weight,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -214,8 +257,9 @@ def test_entropy_of_large_logits(dtype, offset, temperature):
     check_against_reference("large_logits", *args)
     got = run(_cuda(), *args, want_weight=False)
     truth = run(ref, hidden.double(), weight.double(), targets, inv_t, grad_lp, grad_ent, want_weight=False)
-    check_entropy_of_large_logits("large_logits", contract.entry("linear_logprob", dtype), got["entropy"],
-                                  truth["entropy"])
+    check_entropy_of_large_logits(
+        "large_logits", contract.entry("linear_logprob", dtype), got["entropy"], truth["entropy"]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -42,8 +42,9 @@ def _forward(ck, hidden, weight, targets, inv_t, with_entropy=True, stored=True)
         out["entropy"] = ent
     if stored:
         out["logits"] = torch.full((n, v), float("nan"), device="cuda")
-        ck.linear_logprob_stored_fwd(hidden, weight, targets, inv_t, IGNORE, lp, ent if with_entropy else None, lse,
-                                     out["logits"])
+        ck.linear_logprob_stored_fwd(
+            hidden, weight, targets, inv_t, IGNORE, lp, ent if with_entropy else None, lse, out["logits"]
+        )
     else:
         ck.linear_logprob_fwd_wgmma(hidden, weight, targets, inv_t, IGNORE, lp, ent if with_entropy else None, lse)
     return out
@@ -53,14 +54,29 @@ def _stored_grads(ck, hidden, weight, targets, inv_t, grad_lp, grad_ent, fwd, we
     logits = fwd["logits"].clone()
     gh = torch.empty_like(hidden)
     gw = torch.empty(weight.shape, dtype=weight_dtype or weight.dtype, device="cuda")
-    ck.linear_logprob_stored_bwd(hidden, weight, targets, inv_t, fwd["lse"], fwd.get("entropy"), grad_lp,
-                                 grad_ent if "entropy" in fwd else None, IGNORE, logits, gh, gw, False)
+    ck.linear_logprob_stored_bwd(
+        hidden,
+        weight,
+        targets,
+        inv_t,
+        fwd["lse"],
+        fwd.get("entropy"),
+        grad_lp,
+        grad_ent if "entropy" in fwd else None,
+        IGNORE,
+        logits,
+        gh,
+        gw,
+        False,
+    )
     return gh, gw
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n", "v", "h"), [(1, 1000, 64), (133, 8200, 256), (300, 4352, 192), (129, 32003, 128),
-                                           (7, 37, 100), (64, 151936, 4096)])
+@pytest.mark.parametrize(
+    ("n", "v", "h"),
+    [(1, 1000, 64), (133, 8200, 256), (300, 4352, 192), (129, 32003, 128), (7, 37, 100), (64, 151936, 4096)],
+)
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_stored_forward_is_the_forward_and_stores_its_logits(dtype, n, v, h, with_entropy):
     """logprob / entropy / lse bitwise the plain Hopper forward's (odd V, H not a multiple of 8, one and several
@@ -74,14 +90,16 @@ def test_stored_forward_is_the_forward_and_stores_its_logits(dtype, n, v, h, wit
     truth = (hidden.double() @ weight.double().T) * inv_t.double()[:, None]
     scale = (hidden.double().abs() @ weight.double().abs().T) * inv_t.double()[:, None]
     assert bool(torch.isfinite(got["logits"]).all())  # every column written (the buffer started as NaN)
-    dev = contract.compare_outputs(contract.entry("matmul", dtype), "logits", got["logits"].flatten(),
-                                   truth.flatten(), scale.flatten())
+    dev = contract.compare_outputs(
+        contract.entry("matmul", dtype), "logits", got["logits"].flatten(), truth.flatten(), scale.flatten()
+    )
     assert dev.ok, dev
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n", "v", "h"), [(3, 5, 64), (133, 8200, 256), (300, 4352, 192), (129, 32003, 128),
-                                           (37, 1001, 36)])
+@pytest.mark.parametrize(
+    ("n", "v", "h"), [(3, 5, 64), (133, 8200, 256), (300, 4352, 192), (129, 32003, 128), (37, 1001, 36)]
+)
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_stored_backward_matches_the_recomputing_backward_and_fp64(dtype, n, v, h, with_entropy):
     """grad_hidden / grad_weight from the stored logits against the recomputing Hopper backward and the fp64
@@ -91,16 +109,38 @@ def test_stored_backward_matches_the_recomputing_backward_and_fp64(dtype, n, v, 
     fwd = _forward(ck, hidden, weight, targets, inv_t, with_entropy)
     gh, gw = _stored_grads(ck, hidden, weight, targets, inv_t, grad_lp, grad_ent, fwd)
     lean_h, lean_w = torch.empty_like(hidden), torch.empty_like(weight)
-    ck.linear_logprob_bwd_wgmma(hidden, weight, targets, inv_t, fwd["lse"], fwd.get("entropy"), grad_lp,
-                                grad_ent if with_entropy else None, IGNORE, lean_h, lean_w)
-    th, tw = torch.empty(hidden.shape, dtype=torch.float64, device="cuda"), torch.empty(weight.shape,
-                                                                                        dtype=torch.float64,
-                                                                                        device="cuda")
+    ck.linear_logprob_bwd_wgmma(
+        hidden,
+        weight,
+        targets,
+        inv_t,
+        fwd["lse"],
+        fwd.get("entropy"),
+        grad_lp,
+        grad_ent if with_entropy else None,
+        IGNORE,
+        lean_h,
+        lean_w,
+    )
+    th, tw = (
+        torch.empty(hidden.shape, dtype=torch.float64, device="cuda"),
+        torch.empty(weight.shape, dtype=torch.float64, device="cuda"),
+    )
     lp64, ent64, lse64 = (torch.empty(n, dtype=torch.float64, device="cuda") for _ in range(3))
     ref.linear_logprob_fwd(hidden.double(), weight.double(), targets, inv_t.double(), IGNORE, lp64, ent64, lse64)
-    ref.linear_logprob_bwd(hidden.double(), weight.double(), targets, inv_t.double(), lse64,
-                           ent64 if with_entropy else None, grad_lp.double(),
-                           grad_ent.double() if with_entropy else None, IGNORE, th, tw)
+    ref.linear_logprob_bwd(
+        hidden.double(),
+        weight.double(),
+        targets,
+        inv_t.double(),
+        lse64,
+        ent64 if with_entropy else None,
+        grad_lp.double(),
+        grad_ent.double() if with_entropy else None,
+        IGNORE,
+        th,
+        tw,
+    )
     e = contract.entry("linear_logprob", dtype)
     scale = 1.0 + float(lse64.abs().max())
     for key, got, lean, truth in (("grad_hidden", gh, lean_h, th), ("grad_weight", gw, lean_w, tw)):
@@ -124,15 +164,41 @@ def test_fp32_weight_sums_over_row_chunks(dtype):
     for k, rows in enumerate((slice(0, 77), slice(77, n))):
         part = {key: value[rows] for key, value in fwd.items()}
         logits = part["logits"].clone()
-        ck.linear_logprob_stored_bwd(hidden[rows].contiguous(), weight, targets[rows], inv_t[rows], part["lse"],
-                                     None, grad_lp[rows], None, IGNORE, logits, None, summed, k > 0)
+        ck.linear_logprob_stored_bwd(
+            hidden[rows].contiguous(),
+            weight,
+            targets[rows],
+            inv_t[rows],
+            part["lse"],
+            None,
+            grad_lp[rows],
+            None,
+            IGNORE,
+            logits,
+            None,
+            summed,
+            k > 0,
+        )
     _, whole = _stored_grads(ck, hidden, weight, targets, inv_t, grad_lp, grad_ent, fwd, torch.float32)
     e = contract.entry("linear_logprob", dtype)
     dev = contract.compare_grad(e, "grad_weight", summed, whole.double(), 1.0 + float(fwd["lse"].abs().max()))
     assert dev.ok, dev
     with pytest.raises(ValueError, match="accumulate"):
-        ck.linear_logprob_stored_bwd(hidden, weight, targets, inv_t, fwd["lse"], None, grad_lp, None, IGNORE,
-                                     fwd["logits"].clone(), None, torch.empty_like(weight), True)
+        ck.linear_logprob_stored_bwd(
+            hidden,
+            weight,
+            targets,
+            inv_t,
+            fwd["lse"],
+            None,
+            grad_lp,
+            None,
+            IGNORE,
+            fwd["logits"].clone(),
+            None,
+            torch.empty_like(weight),
+            True,
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -166,7 +232,7 @@ def test_fused_linear_policy_loss_one_pass_on_cuda_is_the_lean_mode():
     torch.manual_seed(0)
     b, t, h, v = 4, 300, 512, 32003
     hidden = torch.randn(b, t, h, device="cuda", dtype=torch.bfloat16)
-    weight = (torch.randn(v, h, device="cuda") * h ** -0.5).to(torch.bfloat16)
+    weight = (torch.randn(v, h, device="cuda") * h**-0.5).to(torch.bfloat16)
     targets = torch.randint(0, v, (b, t), device="cuda")
     mask = torch.rand(b, t, device="cuda") > 0.2
     old = torch.randn(b, t, device="cuda") * 0.1 - 3

@@ -54,8 +54,9 @@ def check(name: str, hidden, weight, targets, inv_t, with_entropy: bool = True, 
     ck = _ck()
     got = forward(ck.linear_logprob_fwd_wgmma, hidden, weight, targets, inv_t, with_entropy, ignore_index)
     mma = forward(ck.linear_logprob_fwd_mma, hidden, weight, targets, inv_t, with_entropy, ignore_index)
-    truth = forward(ref.linear_logprob_fwd, hidden.double(), weight.double(), targets, inv_t, with_entropy,
-                    ignore_index)
+    truth = forward(
+        ref.linear_logprob_fwd, hidden.double(), weight.double(), targets, inv_t, with_entropy, ignore_index
+    )
     e = contract.entry("linear_logprob", hidden.dtype)
     valid = targets != ignore_index
     scale = contract.row_scale(truth["logprob"], truth["lse"])
@@ -72,8 +73,20 @@ def check(name: str, hidden, weight, targets, inv_t, with_entropy: bool = True, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("n", "v", "h"),
-    [(1, 1000, 64), (7, 1000, 64), (133, 1000, 64), (3, 5, 64), (7, 32003, 64), (133, 32003, 64), (1, 32003, 4096),
-     (7, 1000, 4096), (133, 8200, 4096), (300, 9000, 256), (129, 4097, 128), (256, 4352, 192)],
+    [
+        (1, 1000, 64),
+        (7, 1000, 64),
+        (133, 1000, 64),
+        (3, 5, 64),
+        (7, 32003, 64),
+        (133, 32003, 64),
+        (1, 32003, 4096),
+        (7, 1000, 4096),
+        (133, 8200, 4096),
+        (300, 9000, 256),
+        (129, 4097, 128),
+        (256, 4352, 192),
+    ],
 )
 def test_matches_reference_and_mma(dtype, n, v, h):
     """N below / above / at multiples of 128 (the row tile), V around the 256-column vocab tile and the 4096-column

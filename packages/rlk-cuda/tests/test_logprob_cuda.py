@@ -35,8 +35,9 @@ def _native():
     return importlib.import_module(f"rlk_{BACKEND}.logprob")
 
 
-def make_inputs(n: int, v: int, dtype: torch.dtype, seed: int = 0, scale: float = 3.0, extreme: bool = False,
-                on_gpu: bool = False):
+def make_inputs(
+    n: int, v: int, dtype: torch.dtype, seed: int = 0, scale: float = 3.0, extreme: bool = False, on_gpu: bool = False
+):
     """logits ~ scale * N(0, 1) (row 0 with -inf entries when V >= 3, row 2 at +-1e4 with ``extreme``),
     targets with row 1 ignored (N >= 3), inv_temperature in [0.5, 2], upstream gradients ~ N(0, 1).
     ``on_gpu``: drawn by a CUDA generator (large batches)."""
@@ -64,8 +65,17 @@ def run(impl, x, targets, inv_t, grad_lp, grad_ent, entropy: bool = True):
     lp, ent, lse = (torch.empty(n, dtype=sdt, device=x.device) for _ in range(3))
     impl.selected_logprob_fwd(x, targets, inv_t.to(sdt), IGNORE, lp, ent if entropy else None, lse)
     grad = torch.empty_like(x)
-    impl.selected_logprob_bwd(x, targets, inv_t.to(sdt), lse, ent if entropy else None, grad_lp.to(sdt),
-                              grad_ent.to(sdt) if entropy else None, IGNORE, grad)
+    impl.selected_logprob_bwd(
+        x,
+        targets,
+        inv_t.to(sdt),
+        lse,
+        ent if entropy else None,
+        grad_lp.to(sdt),
+        grad_ent.to(sdt) if entropy else None,
+        IGNORE,
+        grad,
+    )
     out = {"logprob": lp, "lse": lse, "grad": grad}
     if entropy:
         out["entropy"] = ent
@@ -118,9 +128,15 @@ def test_without_entropy_and_extreme_logits(dtype):
 # Logits far from 0 (the offset) with an O(1) spread, where entropy = lse - E_p[z] would subtract two numbers
 # of size |z|. float16 cannot hold the 1e6 and 3e38 offsets (6e4 stands in for them); bfloat16 stops at 1e6: the
 # 16-bit kernels' fp32 exponent offset round(m * log2(e)) bounds the |z| they take (near 1e9).
-LARGE_LOGITS = [(torch.float32, 30.0, 0.05), (torch.float32, 1e6, 1.0), (torch.float32, 3e38, 1.0),
-                (torch.bfloat16, 30.0, 0.05), (torch.bfloat16, 1e6, 1.0),
-                (torch.float16, 30.0, 0.05), (torch.float16, 6e4, 1.0)]
+LARGE_LOGITS = [
+    (torch.float32, 30.0, 0.05),
+    (torch.float32, 1e6, 1.0),
+    (torch.float32, 3e38, 1.0),
+    (torch.bfloat16, 30.0, 0.05),
+    (torch.bfloat16, 1e6, 1.0),
+    (torch.float16, 30.0, 0.05),
+    (torch.float16, 6e4, 1.0),
+]
 
 
 def large_logit_inputs(n: int, v: int, dtype: torch.dtype, offset: float, temperature: float, seed: int = 8):
@@ -160,8 +176,9 @@ def test_entropy_of_large_logits(dtype, offset, temperature):
     x, targets, inv_t, grad_lp, grad_ent = args
     got = run(_native(), x, targets, inv_t, grad_lp, grad_ent)
     truth = run(ref, x.double(), targets, inv_t, grad_lp, grad_ent)
-    check_entropy_of_large_logits("large_logits", contract.entry("selected_logprob", dtype), got["entropy"],
-                                  truth["entropy"])
+    check_entropy_of_large_logits(
+        "large_logits", contract.entry("selected_logprob", dtype), got["entropy"], truth["entropy"]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -208,8 +225,14 @@ def test_batch_invariance(dtype):
     v = 151936
     x, targets, inv_t, grad_lp, grad_ent = make_inputs(4096, v, dtype, seed=6, on_gpu=True)
     probe = 5
-    alone = run(_native(), x[probe:probe + 1].clone(), targets[probe:probe + 1].clone(), inv_t[probe:probe + 1].clone(),
-                grad_lp[probe:probe + 1].clone(), grad_ent[probe:probe + 1].clone())
+    alone = run(
+        _native(),
+        x[probe : probe + 1].clone(),
+        targets[probe : probe + 1].clone(),
+        inv_t[probe : probe + 1].clone(),
+        grad_lp[probe : probe + 1].clone(),
+        grad_ent[probe : probe + 1].clone(),
+    )
     for batch, position in ((7, 3), (133, 100), (4096, 4000)):
         rows = torch.arange(batch, device="cuda")
         rows[position], rows[probe] = probe, rows[position]
@@ -236,8 +259,14 @@ def test_offsets_past_2_31_elements():
     grad_lp, grad_ent = torch.randn(2, n, generator=g, device="cuda")
     big = run(_native(), x, targets, inv_t, grad_lp, grad_ent)
     tail = slice(n - 3, n)
-    alone = run(_native(), x[tail].clone(), targets[tail].clone(), inv_t[tail].clone(), grad_lp[tail].clone(),
-                grad_ent[tail].clone())
+    alone = run(
+        _native(),
+        x[tail].clone(),
+        targets[tail].clone(),
+        inv_t[tail].clone(),
+        grad_lp[tail].clone(),
+        grad_ent[tail].clone(),
+    )
     for key in alone:
         assert torch.equal(big[key][tail], alone[key]), key
     assert bool((big["grad"][-2] == 0).all()) and bool(big["grad"][-1].abs().sum() > 0)

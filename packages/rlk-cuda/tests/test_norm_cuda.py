@@ -35,8 +35,16 @@ def _native():
     return importlib.import_module(f"rlk_{BACKEND}.norm")
 
 
-def make_inputs(n: int, h: int, dtype: torch.dtype, weight_dtype: torch.dtype | None, gemma: bool, residual: bool,
-                seed: int = 0, on_gpu: bool = False):
+def make_inputs(
+    n: int,
+    h: int,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype | None,
+    gemma: bool,
+    residual: bool,
+    seed: int = 0,
+    on_gpu: bool = False,
+):
     """x, residual ~ N(0, 1) (row 0 scaled by 100, row 1 by 1e-3 when N >= 2), weight ~ 1 + 0.1 N(0, 1)
     (0.1 N(0, 1) for Gemma), grad_y ~ N(0, 1) in y's dtype, grad_residual ~ N(0, 1) (when fused)."""
     weight_dtype = weight_dtype or dtype
@@ -125,8 +133,9 @@ def _case_id(case) -> str:
 @pytest.mark.parametrize(("n", "h"), [(1, 1), (37, 7), (33, 64), (300, 4096), (17, 5120), (5, 20000)])
 def test_matches_reference(case, n, h):
     dt, wdt, gemma, res = case
-    check_against_reference(f"{_case_id(case)}-{n}x{h}", *make_inputs(n, h, dt, wdt, gemma, res, seed=n + h),
-                            gemma=gemma)
+    check_against_reference(
+        f"{_case_id(case)}-{n}x{h}", *make_inputs(n, h, dt, wdt, gemma, res, seed=n + h), gemma=gemma
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -161,8 +170,15 @@ def test_batch_invariance(dtype, h):
     for batch, position in ((7, 3), (133, 100), (4096, 4000)):
         rows = torch.arange(batch, device="cuda")
         rows[position], rows[probe] = probe, rows[position]
-        inside = run(_native(), x[rows].contiguous(), w, r[rows].contiguous(), gy[rows].contiguous(),
-                     gres[rows].contiguous(), False)
+        inside = run(
+            _native(),
+            x[rows].contiguous(),
+            w,
+            r[rows].contiguous(),
+            gy[rows].contiguous(),
+            gres[rows].contiguous(),
+            False,
+        )
         for key in ("y", "s", "rstd", "grad_input"):
             assert torch.equal(alone[key][0], inside[key][position]), (key, batch)
     first = run(_native(), x, w, r, gy, gres, False)
@@ -248,8 +264,9 @@ def test_public_op_on_backend(case):
     y64, loss64 = forward("reference", leaves64)
     loss64.backward()
     e = contract.entry("rms_norm", dt)
-    assert contract.compare_outputs(e, "y", y.reshape(-1), y64.detach().reshape(-1),
-                                    1.0 + y64.detach().abs().reshape(-1)).ok
+    assert contract.compare_outputs(
+        e, "y", y.reshape(-1), y64.detach().reshape(-1), 1.0 + y64.detach().abs().reshape(-1)
+    ).ok
     for got, truth, name in zip(leaves, leaves64, ("x", "weight", "residual")):
         if got is not None:
             dev = contract.compare_grad(e, f"grad_{name}", got.grad, truth.grad, 1.0)

@@ -158,21 +158,26 @@ def report_linear(n: int, h: int = 4096, v: int = 151936) -> None:
         extra = extra_memory(lambda name=name: (on_kernel("fwd", name), on_kernel("bwd", name)))
         results[name] = [o.clone() for o in outs]
         rate = 8 * n * h * v / (t_fwd + t_bwd)
-        print(f"linear_logprob bf16 N={n} H={h} V={v} (entropy, both grads), {name} kernels: fwd {t_fwd * 1e3:.1f} ms "
-              f"({100 * 2 * n * h * v / t_fwd / mm:.0f}% of mm), bwd {t_bwd * 1e3:.1f} ms "
-              f"({100 * 6 * n * h * v / t_bwd / mm:.0f}% of mm), fwd+bwd {(t_fwd + t_bwd) * 1e3:.1f} ms = "
-              f"{rate / 1e12:.0f} TFLOP/s credited (8NHV) = {100 * rate / mm:.0f}% of torch.mm's {mm / 1e12:.0f} "
-              f"TFLOP/s; extra memory {extra / 2**30:.2f} GiB")
+        print(
+            f"linear_logprob bf16 N={n} H={h} V={v} (entropy, both grads), {name} kernels: fwd {t_fwd * 1e3:.1f} ms "
+            f"({100 * 2 * n * h * v / t_fwd / mm:.0f}% of mm), bwd {t_bwd * 1e3:.1f} ms "
+            f"({100 * 6 * n * h * v / t_bwd / mm:.0f}% of mm), fwd+bwd {(t_fwd + t_bwd) * 1e3:.1f} ms = "
+            f"{rate / 1e12:.0f} TFLOP/s credited (8NHV) = {100 * rate / mm:.0f}% of torch.mm's {mm / 1e12:.0f} "
+            f"TFLOP/s; extra memory {extra / 2**30:.2f} GiB"
+        )
     if problem is not None:
         print(f"linear_logprob wgmma kernels: not run ({problem})")
     else:
-        for key, a, b in zip(("logprob", "entropy", "lse", "grad_hidden", "grad_weight"), results["mma"],
-                             results["wgmma"]):
+        for key, a, b in zip(
+            ("logprob", "entropy", "lse", "grad_hidden", "grad_weight"), results["mma"], results["wgmma"]
+        ):
             note = "" if bool(torch.isfinite(b).all()) else " (NON-FINITE wgmma values)"
             diff = (a.double() - b.double()).abs().max().item()
             print(f"linear_logprob N={n}: {key} wgmma vs mma max |diff| {diff:.3g}{note}")
-    print(f"linear_logprob: the primitives' default kernels here: fwd {ck.forward_kernel(device)}, "
-          f"bwd {ck.backward_kernel(device)}")
+    print(
+        f"linear_logprob: the primitives' default kernels here: fwd {ck.forward_kernel(device)}, "
+        f"bwd {ck.backward_kernel(device)}"
+    )
     compare_linear_with_triton(n, fwd, bwd, outs, reps)
 
 
@@ -187,8 +192,10 @@ def compare_linear_with_triton(n: int, fwd, bwd, outputs, reps: int) -> None:
     t_fwd = timed(lambda: fwd(tl_logprob), reps=reps, warmup=1)
     t_bwd = timed(lambda: bwd(tl_logprob), reps=reps, warmup=1)
     extra = extra_memory(lambda: (fwd(tl_logprob), bwd(tl_logprob)))
-    print(f"linear_logprob N={n}, triton kernels: fwd {t_fwd * 1e3:.1f} ms, bwd {t_bwd * 1e3:.1f} ms, fwd+bwd "
-          f"{(t_fwd + t_bwd) * 1e3:.1f} ms; extra memory {extra / 2**30:.2f} GiB")
+    print(
+        f"linear_logprob N={n}, triton kernels: fwd {t_fwd * 1e3:.1f} ms, bwd {t_bwd * 1e3:.1f} ms, fwd+bwd "
+        f"{(t_fwd + t_bwd) * 1e3:.1f} ms; extra memory {extra / 2**30:.2f} GiB"
+    )
     fwd(ck)
     bwd(ck)
     ours = [t.clone() for t in outputs]
@@ -216,10 +223,12 @@ def report(name: str, tensor_bytes: int, n_passes: int, fwd, bwd, copy_bw: float
         k_bwd = kernel_seconds(lambda impl=impl: bwd(impl))
         total = n_passes * tensor_bytes
         bw, kernel_bw = total / (t_fwd + t_bwd), total / (k_fwd + k_bwd)
-        print(f"{name} ({backend}): events (host included) fwd {t_fwd * 1e3:.3f} ms, bwd {t_bwd * 1e3:.3f} ms, "
-              f"fwd+bwd {bw / 1e12:.2f} TB/s = {100 * bw / copy_bw:.1f}% of copy bandwidth; kernels fwd "
-              f"{k_fwd * 1e3:.3f} ms, bwd {k_bwd * 1e3:.3f} ms, fwd+bwd {kernel_bw / 1e12:.2f} TB/s = "
-              f"{100 * kernel_bw / copy_bw:.1f}% of copy")
+        print(
+            f"{name} ({backend}): events (host included) fwd {t_fwd * 1e3:.3f} ms, bwd {t_bwd * 1e3:.3f} ms, "
+            f"fwd+bwd {bw / 1e12:.2f} TB/s = {100 * bw / copy_bw:.1f}% of copy bandwidth; kernels fwd "
+            f"{k_fwd * 1e3:.3f} ms, bwd {k_bwd * 1e3:.3f} ms, fwd+bwd {kernel_bw / 1e12:.2f} TB/s = "
+            f"{100 * kernel_bw / copy_bw:.1f}% of copy"
+        )
 
 
 def compare_with_triton(name: str, fwd, bwd, outputs) -> None:

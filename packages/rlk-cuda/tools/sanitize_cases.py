@@ -59,8 +59,9 @@ def logprob_cases() -> int:
                     logprob.selected_logprob_fwd(x, targets, inv_t, -100, lp, ent if entropy else None, lse)
                     grad = unaligned_empty(x.shape, x.dtype) if shift else torch.empty_like(x)
                     g_lp, g_ent = torch.randn(2, n, device="cuda")
-                    logprob.selected_logprob_bwd(x, targets, inv_t, lse, ent if entropy else None, g_lp,
-                                                 g_ent if entropy else None, -100, grad)
+                    logprob.selected_logprob_bwd(
+                        x, targets, inv_t, lse, ent if entropy else None, g_lp, g_ent if entropy else None, -100, grad
+                    )
                     torch.cuda.synchronize()
                     bad += int(not torch.isfinite(lp).all()) + int(not torch.isfinite(grad.float()).all())
     return bad
@@ -124,8 +125,19 @@ def linear_logprob_cases_on(kernel: str) -> int:
                     for want_h, want_w in ((True, True), (True, False), (False, True)):
                         gh = torch.empty_like(hidden) if want_h else None
                         gw = torch.empty_like(weight) if want_w else None
-                        bwd(hidden, weight, targets, inv_t, lse, ent if entropy else None, g_lp,
-                            g_ent if entropy else None, -100, gh, gw)
+                        bwd(
+                            hidden,
+                            weight,
+                            targets,
+                            inv_t,
+                            lse,
+                            ent if entropy else None,
+                            g_lp,
+                            g_ent if entropy else None,
+                            -100,
+                            gh,
+                            gw,
+                        )
                         torch.cuda.synchronize()
                         bad += int(want_h and not torch.isfinite(gh.float()).all())
                         bad += int(want_w and not torch.isfinite(gw.float()).all())

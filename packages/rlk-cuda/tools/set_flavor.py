@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
     name = f"rlk-cuda{major}"
     text = PYPROJECT.read_text()
     if len(NAME_LINE.findall(text)) != 1:
-        sys.exit(f"set_flavor: expected exactly one line `name = \"rlk-cudaNN\"` in {PYPROJECT}")
+        sys.exit(f'set_flavor: expected exactly one line `name = "rlk-cudaNN"` in {PYPROJECT}')
     PYPROJECT.write_text(NAME_LINE.sub(f'name = "{name}"', text))
     print(name)
     return 0

@@ -39,8 +39,9 @@ def test_unavailable_by_default_with_the_reason_of_every_device(monkeypatch):
 
 def test_rlk_info_lists_it_unavailable():
     env = {k: v for k, v in os.environ.items() if k != rlk_domestic.ENV_STANDIN}
-    out = subprocess.run([sys.executable, "-m", "rlk", "info"], capture_output=True, text=True, env=env, check=True,
-                         cwd=ROOT).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "rlk", "info"], capture_output=True, text=True, env=env, check=True, cwd=ROOT
+    ).stdout
     line = next(x for x in out.splitlines() if x.strip().startswith("domestic"))
     assert "[rlk_domestic:backend] unavailable: no Ascend NPU: torch_npu is not installed" in line
     assert "domestic" not in "\n".join(x for x in out.splitlines() if x.startswith("  softmax"))

@@ -33,7 +33,7 @@ def _positions(n: int) -> tuple[int, ...]:
 
 def _embed(probe: torch.Tensor, others: torch.Tensor, n: int, position: int) -> torch.Tensor:
     """``n`` rows: ``others``' first ``n - 1`` with ``probe`` (one row) inserted at ``position``."""
-    return torch.cat([others[:position], probe, others[position:n - 1]])
+    return torch.cat([others[:position], probe, others[position : n - 1]])
 
 
 # ---------------------------------------------------------------------------
@@ -60,8 +60,21 @@ def _stored(prims, hidden, weight, targets, inv_t, g_lp, g_ent, grad_dtype=None)
     prims["linear_logprob_stored_fwd"](hidden, weight, targets, inv_t.to(cdt), IGNORE, lp, ent, lse, logits)
     gh = torch.empty_like(hidden)
     gw = torch.empty(weight.shape, dtype=grad_dtype or weight.dtype)
-    prims["linear_logprob_stored_bwd"](hidden, weight, targets, inv_t.to(cdt), lse, ent, g_lp.to(cdt), g_ent.to(cdt),
-                                       IGNORE, logits.clone(), gh, gw, False)
+    prims["linear_logprob_stored_bwd"](
+        hidden,
+        weight,
+        targets,
+        inv_t.to(cdt),
+        lse,
+        ent,
+        g_lp.to(cdt),
+        g_ent.to(cdt),
+        IGNORE,
+        logits.clone(),
+        gh,
+        gw,
+        False,
+    )
     return {"logprob": lp, "entropy": ent, "lse": lse, "logits": logits, "grad_hidden": gh, "grad_weight": gw}
 
 
@@ -88,11 +101,37 @@ def test_linear_logprob_stored_contract_and_bits(dom, dtype):
     # accumulate adds the weight gradient to what the output holds
     acc = torch.ones(weight.shape)
     n, v = hidden.shape[0], weight.shape[0]
-    dom["linear_logprob_stored_bwd"](hidden, weight, targets, inv_t, got["lse"], got["entropy"], args[4], args[5],
-                                     IGNORE, got["logits"].clone(), None, acc, True)
+    dom["linear_logprob_stored_bwd"](
+        hidden,
+        weight,
+        targets,
+        inv_t,
+        got["lse"],
+        got["entropy"],
+        args[4],
+        args[5],
+        IGNORE,
+        got["logits"].clone(),
+        None,
+        acc,
+        True,
+    )
     fresh = torch.empty(weight.shape)
-    dom["linear_logprob_stored_bwd"](hidden, weight, targets, inv_t, got["lse"], got["entropy"], args[4], args[5],
-                                     IGNORE, got["logits"].clone(), None, fresh, False)
+    dom["linear_logprob_stored_bwd"](
+        hidden,
+        weight,
+        targets,
+        inv_t,
+        got["lse"],
+        got["entropy"],
+        args[4],
+        args[5],
+        IGNORE,
+        got["logits"].clone(),
+        None,
+        fresh,
+        False,
+    )
     assert torch.equal(acc, fresh + 1.0) and n and v
 
 
@@ -143,8 +182,18 @@ def test_ema_contract_and_independence(dom, dtype):
 def _sample(prims, logits, seed, step, **kw):
     n = logits.shape[0]
     tokens, logprob = torch.empty(n, dtype=torch.int64), torch.empty(n)
-    prims["sample_fwd"](logits, seed, step, kw.get("inv_t", 1.25), kw.get("top_k", 20), kw.get("top_p", 0.9),
-                        kw.get("min_p", 0.0), kw.get("greedy", False), tokens, logprob)
+    prims["sample_fwd"](
+        logits,
+        seed,
+        step,
+        kw.get("inv_t", 1.25),
+        kw.get("top_k", 20),
+        kw.get("top_p", 0.9),
+        kw.get("min_p", 0.0),
+        kw.get("greedy", False),
+        tokens,
+        logprob,
+    )
     return tokens, logprob
 
 
@@ -181,8 +230,17 @@ def test_kl_penalty_elements_are_invariant(dom):
 
     def run(idx):
         kl, coef = torch.empty(len(idx)), torch.empty(len(idx))
-        dom["kl_penalty_fwd"](lp[idx], ref[idx], old[idx], kl, coef, estimator="k3", straight_through=False,
-                              k3_clamp=True, clamp=float("inf"))
+        dom["kl_penalty_fwd"](
+            lp[idx],
+            ref[idx],
+            old[idx],
+            kl,
+            coef,
+            estimator="k3",
+            straight_through=False,
+            k3_clamp=True,
+            clamp=float("inf"),
+        )
         return kl, coef
 
     alone = run(torch.tensor([0]))
@@ -222,8 +280,9 @@ def test_dpo_pairs_and_value_loss_tokens_are_invariant(dom):
 
     def value_grad(rows):
         out = torch.empty(len(rows), t)
-        dom["value_loss_bwd"](values[rows], old[rows], returns[rows], mask[rows], weight[rows], 0.2,
-                              torch.tensor(0.7), out)
+        dom["value_loss_bwd"](
+            values[rows], old[rows], returns[rows], mask[rows], weight[rows], 0.2, torch.tensor(0.7), out
+        )
         return out
 
     alone = value_grad(torch.tensor([0]))[0]
@@ -250,15 +309,18 @@ def test_a_groups_advantages_do_not_depend_on_the_other_groups(dom, mode):
 
     alone = run(probe, torch.zeros(5, dtype=torch.int64), probe_len)
     truth = torch.empty_like(probe)
-    ref_adv.group_advantages_fwd(probe, torch.zeros(5, dtype=torch.int64), 0, probe_len if opo else None, mode, 1e-6,
-                                 truth)
+    ref_adv.group_advantages_fwd(
+        probe, torch.zeros(5, dtype=torch.int64), 0, probe_len if opo else None, mode, 1e-6, truth
+    )
     e = contract.entry("group_advantages", torch.float32)
     assert contract.compare_outputs(e, "adv", alone, truth.double(), 1 + truth.double().abs().max().expand(5)).ok
     for n_groups in (1, 7, len(sizes)):
         scores = torch.cat([probe, *others[:n_groups]])
         lengths = torch.cat([probe_len, *lens[:n_groups]])
-        ids = torch.cat([torch.full((5,), 100, dtype=torch.int64)] + [torch.full((k,), i, dtype=torch.int64)
-                                                                       for i, k in enumerate(sizes[:n_groups])])
+        ids = torch.cat(
+            [torch.full((5,), 100, dtype=torch.int64)]
+            + [torch.full((k,), i, dtype=torch.int64) for i, k in enumerate(sizes[:n_groups])]
+        )
         # the probe group's members scattered in the batch, in their order (the group order fixes the pivot)
         where = torch.randperm(len(scores), generator=g)[:5].sort().values
         rest = torch.ones(len(scores), dtype=torch.bool)

@@ -38,8 +38,11 @@ def _default_archs(hip_version: int) -> list[str]:
     requested = os.environ.get("RLK_ROCM_ARCHS", "").replace(",", ";").replace(" ", ";")
     if requested.strip(";"):
         return [a for a in requested.split(";") if a]
-    return ["gfx90a", "gfx942"] if (hip_version // 10_000_000, hip_version // 100_000 % 100) >= (5, 7) else [
-        "gfx90a", "gfx940"]
+    return (
+        ["gfx90a", "gfx942"]
+        if (hip_version // 10_000_000, hip_version // 100_000 % 100) >= (5, 7)
+        else ["gfx90a", "gfx940"]
+    )
 
 
 def test_entry_point_is_registered():
@@ -83,7 +86,8 @@ def test_ops_it_lacks_fall_through():
     table = rlk_rocm.backend().primitives
     assert not set(abi.OPS["linear_logprob"].primitives) & set(table)
     assert set(abi.OPS["selected_logprob"].primitives) <= set(table) and set(abi.OPS["rms_norm"].primitives) <= set(
-        table)
+        table
+    )
     assert dispatch._CHAINS["rocm"] == ("rocm", "triton", "reference")
 
 
@@ -102,8 +106,11 @@ def test_probe_here_says_no_amd_gpu(fresh_probe):
 
 def test_probe_without_runtime(fresh_probe, monkeypatch):
     monkeypatch.setattr(_native, "C", None)
-    monkeypatch.setattr(_native, "IMPORT_ERROR",
-                        "ImportError: libamdhip64.so.6: cannot open shared object file: No such file or directory")
+    monkeypatch.setattr(
+        _native,
+        "IMPORT_ERROR",
+        "ImportError: libamdhip64.so.6: cannot open shared object file: No such file or directory",
+    )
     reason = rlk_rocm._probe()
     assert reason.startswith("no ROCm runtime: libamdhip64 is not loadable"), reason
     monkeypatch.setattr(_native, "IMPORT_ERROR", "ImportError: undefined symbol: foo")

@@ -62,8 +62,13 @@ def _gen(seed: int) -> torch.Generator:
 
 def _check(op: str, name: str, value: torch.Tensor, truth: torch.Tensor, scale: torch.Tensor) -> float:
     assert value.dtype == torch.float32
-    dev = contract.compare_outputs(contract.entry(op, torch.float32), name, value.reshape(-1).cpu(),
-                                   truth.reshape(-1).cpu(), scale.reshape(-1).cpu())
+    dev = contract.compare_outputs(
+        contract.entry(op, torch.float32),
+        name,
+        value.reshape(-1).cpu(),
+        truth.reshape(-1).cpu(),
+        scale.reshape(-1).cpu(),
+    )
     assert dev.ok, dev
     return dev.ratio
 
@@ -212,17 +217,16 @@ def test_group_batch_invariance(small_tiles, mode):
     probe = (torch.randn(9, generator=g) * 4 + 1).to(DEVICE)
     probe_len = torch.randint(1, 50, (9,), generator=g).float().to(DEVICE)
     alone = run_group(tk, probe, None, 9, probe_len, mode)
-    assert torch.equal(run_group(tk, probe, torch.zeros(9, dtype=torch.long, device=DEVICE), 0, probe_len, mode),
-                       alone)
+    assert torch.equal(run_group(tk, probe, torch.zeros(9, dtype=torch.long, device=DEVICE), 0, probe_len, mode), alone)
     for n_other in (1, 6, 20):
         other = (torch.randn(n_other * 9, generator=g) * 10).to(DEVICE)
         other_len = torch.randint(0, 50, (n_other * 9,), generator=g).float().to(DEVICE)
         # group_size: the probe as group k of n_other + 1
         for k in sorted({0, n_other // 2, n_other}):
-            scores = torch.cat([other[:k * 9], probe, other[k * 9:]])
-            lengths = torch.cat([other_len[:k * 9], probe_len, other_len[k * 9:]])
+            scores = torch.cat([other[: k * 9], probe, other[k * 9 :]])
+            lengths = torch.cat([other_len[: k * 9], probe_len, other_len[k * 9 :]])
             out = run_group(tk, scores, None, 9, lengths, mode)
-            assert torch.equal(out[k * 9:(k + 1) * 9], alone), (n_other, k)
+            assert torch.equal(out[k * 9 : (k + 1) * 9], alone), (n_other, k)
         # group_index: the probe's members scattered (in order) among other groups' members
         total = (n_other + 1) * 9
         where = torch.sort(torch.randperm(total, generator=g)[:9]).values.to(DEVICE)
@@ -309,10 +313,10 @@ def test_whiten_huge_spread(monkeypatch, tiles, n, unbiased, eps_mode, shift_mea
     _use_tiles(monkeypatch, tiles)
     g = _gen(15)
     x = torch.randn(n, generator=g) * 3
-    x[n // 3: n // 3 + 5] = torch.tensor([1e20, -1e20, 3e19, 2e38, 3e38])
+    x[n // 3 : n // 3 + 5] = torch.tensor([1e20, -1e20, 3e19, 2e38, 3e38])
     x[-4:] = torch.tensor([3e38, 3e38, -1e38, 3e38])
     mask = torch.rand(n, generator=g) > 0.3
-    mask[n // 3: n // 3 + 5] = True
+    mask[n // 3 : n // 3 + 5] = True
     mask[-4:] = True
     x[~mask] = math.nan
     got = check_whiten(x.to(DEVICE), mask.to(DEVICE), unbiased, eps_mode, shift_mean)
@@ -350,8 +354,12 @@ def row_masks(b: int, t: int, seed: int) -> torch.Tensor:
     """Random masks plus a full row, an empty row, right and left padding."""
     g = _gen(seed)
     mask = torch.rand(b, t, generator=g) > 0.3
-    patterns = [torch.ones(t, dtype=torch.bool), torch.zeros(t, dtype=torch.bool),
-                torch.arange(t) < (t * 2) // 3, torch.arange(t) >= t // 4]
+    patterns = [
+        torch.ones(t, dtype=torch.bool),
+        torch.zeros(t, dtype=torch.bool),
+        torch.arange(t) < (t * 2) // 3,
+        torch.arange(t) >= t // 4,
+    ]
     for i, p in enumerate(patterns[:b]):
         mask[i] = p
     return mask.to(DEVICE)
@@ -386,8 +394,14 @@ def check_gae(rewards, values, mask, gamma, lam):
 
 
 # (tiles, (B, T)): one chunk, several chunks with a ragged last one, T = 1
-SCAN_CASES = [("default", (1, 1)), ("default", (6, 37)), ("default", (2, 2500)),
-              ("small", (5, 7)), ("small", (6, 37)), ("small", (3, 150))]
+SCAN_CASES = [
+    ("default", (1, 1)),
+    ("default", (6, 37)),
+    ("default", (2, 2500)),
+    ("small", (5, 7)),
+    ("small", (6, 37)),
+    ("small", (3, 150)),
+]
 
 
 @pytest.mark.parametrize("gamma", [1.0, 0.99])
@@ -436,8 +450,13 @@ def test_returns_reset_nan_example():
         want = rlk.discounted_returns(torch.nan_to_num(rewards), mask, gamma=0.9, mask_mode="reset")
     assert torch.equal(got[mask], want[mask]) and bool(torch.isnan(got[0, 2]))
     truth = run_returns(ref, torch.nan_to_num(rewards).double(), mask, 0.9, "reset")
-    _check("discounted_returns", "reset", got[mask], truth[mask],
-           ref.returns_contract_scale(torch.nan_to_num(rewards), mask, 0.9, "reset")[mask])
+    _check(
+        "discounted_returns",
+        "reset",
+        got[mask],
+        truth[mask],
+        ref.returns_contract_scale(torch.nan_to_num(rewards), mask, 0.9, "reset")[mask],
+    )
 
 
 def _garbage_mask(b: int, t: int, seed: int) -> torch.Tensor:
@@ -450,8 +469,9 @@ def _garbage_mask(b: int, t: int, seed: int) -> torch.Tensor:
 
 # The interpreter's scan costs about BLOCK_T per chunk: the default BLOCK_T runs on the GPU only here.
 @pytest.mark.parametrize("fill", [math.nan, math.inf, -math.inf])
-@pytest.mark.parametrize("tiles, shape", [("small", (6, 37)), ("small", (2, 70)),
-                                          pytest.param("default", (6, 2100), marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "tiles, shape", [("small", (6, 37)), ("small", (2, 70)), pytest.param("default", (6, 2100), marks=pytest.mark.gpu)]
+)
 def test_scans_masked_garbage_does_not_leak(monkeypatch, tiles, shape, fill):
     """NaN / inf rewards and values at masked positions: every mode's returns and GAE's advantages at
     the unmasked positions are bitwise those with 0 there; carry, zero and the advantages do not read
@@ -512,7 +532,7 @@ def test_scan_batch_invariance(monkeypatch, block_t):
             r, v, m = rewards.clone(), values.clone(), mask.clone()
             r[pos], v[pos], m[pos] = p_r[0], p_v[0], p_m[0]
             for got, want in zip(_scan_outputs(r, v, m), alone):
-                assert torch.equal(got[pos:pos + 1], want), (n, pos)
+                assert torch.equal(got[pos : pos + 1], want), (n, pos)
     pad = 70
     padded = [torch.cat([x, torch.zeros(1, pad, dtype=x.dtype, device=DEVICE)], 1) for x in (p_r, p_v, p_m)]
     for got, want in zip(_scan_outputs(*padded), alone):
@@ -533,14 +553,21 @@ def test_public_ops_run_the_triton_primitives(small_tiles):
     with rlk.use_backend("triton"):
         for mode in abi.GROUP_MODES:
             lens = lengths if mode == "opo" else None
-            assert torch.equal(rlk.group_advantages(scores, group_index=ids, mode=mode, lengths=lens),
-                               run_group(tk, scores, ids, 0, lengths, mode))
-        assert torch.equal(rlk.masked_whiten(rewards, mask.float(), unbiased=False),
-                           run_whiten(tk, rewards.reshape(-1), mask.reshape(-1), False, "add", True).view(4, 30))
-        assert torch.equal(rlk.discounted_returns(rewards, mask, 0.9, mask_mode="reset"),
-                           run_returns(tk, rewards, mask, 0.9, "reset"))
-        for a, b in zip(rlk.gae(rewards.bfloat16(), values, mask, gamma=0.99, lam=0.95),
-                        run_gae(tk, rewards.bfloat16().float(), values, mask, 0.99, 0.95)):
+            assert torch.equal(
+                rlk.group_advantages(scores, group_index=ids, mode=mode, lengths=lens),
+                run_group(tk, scores, ids, 0, lengths, mode),
+            )
+        assert torch.equal(
+            rlk.masked_whiten(rewards, mask.float(), unbiased=False),
+            run_whiten(tk, rewards.reshape(-1), mask.reshape(-1), False, "add", True).view(4, 30),
+        )
+        assert torch.equal(
+            rlk.discounted_returns(rewards, mask, 0.9, mask_mode="reset"), run_returns(tk, rewards, mask, 0.9, "reset")
+        )
+        for a, b in zip(
+            rlk.gae(rewards.bfloat16(), values, mask, gamma=0.99, lam=0.95),
+            run_gae(tk, rewards.bfloat16().float(), values, mask, 0.99, 0.95),
+        ):
             assert torch.equal(a, b)
 
 
@@ -601,8 +628,8 @@ def test_passk_batch_invariance_and_nan(small_tiles, mode):
     for n_other in (1, 6):
         other = (torch.randn(n_other * 9, generator=g) * 10).to(DEVICE)
         for k in sorted({0, n_other}):
-            scores = torch.cat([other[:k * 9], probe, other[k * 9:]])
-            assert torch.equal(run_group(tk, scores, None, 9, None, mode)[k * 9:(k + 1) * 9], alone)
+            scores = torch.cat([other[: k * 9], probe, other[k * 9 :]])
+            assert torch.equal(run_group(tk, scores, None, 9, None, mode)[k * 9 : (k + 1) * 9], alone)
         total = (n_other + 1) * 9
         where = torch.sort(torch.randperm(total, generator=g)[:9]).values.to(DEVICE)
         ids = torch.randint(1, 2 + n_other, (total,), generator=g).to(DEVICE)

@@ -44,8 +44,9 @@ interp = pytest.mark.triton_interpreter if INTERPRETER else pytest.mark.gpu
 
 
 def _cu(lengths) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32,
-                        device=DEVICE)
+    return torch.tensor(
+        [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
 
 
 class Packed:
@@ -114,12 +115,15 @@ def check_values(p: Packed, got, want, dtype, op: str = "attention", scale=None)
     out, lse, dq, dk, dv = got
     r_out, r_lse, r_dq, r_dk, r_dv = want
     devs = [
-        contract.compare_outputs(e, "out", out.reshape(-1), r_out.reshape(-1),
-                                 out_scale(p) if scale is None else scale),
+        contract.compare_outputs(
+            e, "out", out.reshape(-1), r_out.reshape(-1), out_scale(p) if scale is None else scale
+        ),
         contract.compare_outputs(e, "lse", lse.reshape(-1), r_lse.reshape(-1), 1 + r_lse.abs().reshape(-1)),
     ]
-    devs += [contract.compare_grad(e, name, g, r, 0.0) for name, g, r in (("dq", dq, r_dq), ("dk", dk, r_dk),
-                                                                         ("dv", dv, r_dv))]
+    devs += [
+        contract.compare_grad(e, name, g, r, 0.0)
+        for name, g, r in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv))
+    ]
     for dev in devs:
         assert dev.ok, f"{dev.name}: worst {dev.worst:.3g} > allowed {dev.allowed:.3g} ({dtype})"
     return {dev.name: dev.ratio for dev in devs}
@@ -137,11 +141,14 @@ LENGTHS_FP16 = ([150, 20, 1], [150, 140, 131])
 
 @interp
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dtype, lengths, d", [
-    (torch.float32, LENGTHS_FP32, 64),
-    (torch.float32, ([19, 40], [33, 40]), 40),  # head dim padded to 64
-    (torch.float16, LENGTHS_FP16, 64),
-])
+@pytest.mark.parametrize(
+    "dtype, lengths, d",
+    [
+        (torch.float32, LENGTHS_FP32, 64),
+        (torch.float32, ([19, 40], [33, 40]), 40),  # head dim padded to 64
+        (torch.float16, LENGTHS_FP16, 64),
+    ],
+)
 def test_values_and_gradients_match_fp64_reference(dtype, lengths, d, causal):
     p = Packed(*lengths, d=d, dtype=dtype, seed=1)
     got, want = run_both(p, causal)
@@ -171,8 +178,10 @@ def test_extreme_scores_and_no_grad_lse():
 def _needle_and_garbage(dtype, d, needle_lengths, seed):
     """A needle sequence and three garbage sequences (large random values, not zeros)."""
     needle = Packed(*needle_lengths, hq=4, hkv=2, d=d, dtype=dtype, seed=seed)
-    others = [Packed([n], [m], hq=4, hkv=2, d=d, dtype=dtype, seed=seed + i + 1, scale=30.0)
-              for i, (n, m) in enumerate([(21, 50), (5, 5), (40, 13)])]
+    others = [
+        Packed([n], [m], hq=4, hkv=2, d=d, dtype=dtype, seed=seed + i + 1, scale=30.0)
+        for i, (n, m) in enumerate([(21, 50), (5, 5), (40, 13)])
+    ]
     return needle, others
 
 
@@ -195,10 +204,13 @@ def _fwd_bwd(p: Packed, causal: bool):
 
 @interp
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dtype, needle_lengths", [
-    (torch.float32, ([45], [60])),
-    (torch.float16, ([70], [140])),
-])
+@pytest.mark.parametrize(
+    "dtype, needle_lengths",
+    [
+        (torch.float32, ([45], [60])),
+        (torch.float16, ([70], [140])),
+    ],
+)
 def test_needle_alone_equals_needle_packed_first_middle_last(dtype, needle_lengths, causal):
     d = 64
     needle, others = _needle_and_garbage(dtype, d, needle_lengths, seed=10)
@@ -211,11 +223,11 @@ def test_needle_alone_equals_needle_packed_first_middle_last(dtype, needle_lengt
         q0 = sum(x.lq[0] for x in others[:position])
         k0 = sum(x.lk[0] for x in others[:position])
         out, lse, dq, dk, dv = got
-        assert torch.equal(out[q0:q0 + n_q], alone[0]), f"out differs with the needle at position {position}"
-        assert torch.equal(lse[:, q0:q0 + n_q], alone[1]), f"lse differs at position {position}"
-        assert torch.equal(dq[q0:q0 + n_q], alone[2]), f"dq differs at position {position}"
-        assert torch.equal(dk[k0:k0 + n_k], alone[3]), f"dk differs at position {position}"
-        assert torch.equal(dv[k0:k0 + n_k], alone[4]), f"dv differs at position {position}"
+        assert torch.equal(out[q0 : q0 + n_q], alone[0]), f"out differs with the needle at position {position}"
+        assert torch.equal(lse[:, q0 : q0 + n_q], alone[1]), f"lse differs at position {position}"
+        assert torch.equal(dq[q0 : q0 + n_q], alone[2]), f"dq differs at position {position}"
+        assert torch.equal(dk[k0 : k0 + n_k], alone[3]), f"dk differs at position {position}"
+        assert torch.equal(dv[k0 : k0 + n_k], alone[4]), f"dv differs at position {position}"
 
 
 def _chunk(full: Packed, q_start: int, q_end: int) -> Packed:
@@ -234,13 +246,16 @@ def _chunk(full: Packed, q_start: int, q_end: int) -> Packed:
 
 
 @interp
-@pytest.mark.parametrize("dtype, lengths, chunkings", [
-    # fp32 tiles: BLOCK_M 32, BLOCK_N 16 (fwd, dq). Aligned chunks of 32, unaligned of 23 and 7.
-    (torch.float32, ([70], [70]), [32, 23, 7]),
-    (torch.float32, ([40], [75]), [32, 13]),  # queries against a longer KV (a cached prefix)
-    # fp16 tiles: BLOCK_M 128, BLOCK_N 64. Aligned chunks of 128, unaligned of 50.
-    (torch.float16, ([150], [150]), [128, 50]),
-])
+@pytest.mark.parametrize(
+    "dtype, lengths, chunkings",
+    [
+        # fp32 tiles: BLOCK_M 32, BLOCK_N 16 (fwd, dq). Aligned chunks of 32, unaligned of 23 and 7.
+        (torch.float32, ([70], [70]), [32, 23, 7]),
+        (torch.float32, ([40], [75]), [32, 13]),  # queries against a longer KV (a cached prefix)
+        # fp16 tiles: BLOCK_M 128, BLOCK_N 64. Aligned chunks of 128, unaligned of 50.
+        (torch.float16, ([150], [150]), [128, 50]),
+    ],
+)
 def test_full_prefill_equals_chunked_prefill_and_decode(dtype, lengths, chunkings):
     """out, lse and dq of every query: full prefill == each chunking == one-token decode steps."""
     full = Packed(*lengths, d=64, dtype=dtype, seed=20)
@@ -293,17 +308,19 @@ def test_gpu_bf16_invariance_with_real_lengths(d):
             assert torch.equal(got[0], want[0][a:b]), f"out differs in chunk [{a}, {b})"
             assert torch.equal(got[1], want[1][:, a:b]), f"lse differs in chunk [{a}, {b})"
             assert torch.equal(got[2], want[2][a:b]), f"dq differs in chunk [{a}, {b})"
-    others = [_gpu_problem(d, [n], [m], seed=41 + i) for i, (n, m) in
-              enumerate([(1, 900), (300, 300), (2048, 4000), (17, 17), (513, 1000), (4096, 4096), (64, 64)])]
+    others = [
+        _gpu_problem(d, [n], [m], seed=41 + i)
+        for i, (n, m) in enumerate([(1, 900), (300, 300), (2048, 4000), (17, 17), (513, 1000), (4096, 4096), (64, 64)])
+    ]
     for i in range(len(others)):
         others[i].q = others[i].q * 20  # garbage of another scale
     packed = _pack(others[:3] + [full] + others[3:], d, torch.bfloat16)
     got = _fwd_bwd(packed, True)
     q0 = sum(x.lq[0] for x in others[:3])
     k0 = sum(x.lk[0] for x in others[:3])
-    assert torch.equal(got[0][q0:q0 + 4096], want[0]) and torch.equal(got[1][:, q0:q0 + 4096], want[1])
-    assert torch.equal(got[2][q0:q0 + 4096], want[2])
-    assert torch.equal(got[3][k0:k0 + 4096], want[3]) and torch.equal(got[4][k0:k0 + 4096], want[4])
+    assert torch.equal(got[0][q0 : q0 + 4096], want[0]) and torch.equal(got[1][:, q0 : q0 + 4096], want[1])
+    assert torch.equal(got[2][q0 : q0 + 4096], want[2])
+    assert torch.equal(got[3][k0 : k0 + 4096], want[3]) and torch.equal(got[4][k0 : k0 + 4096], want[4])
     # values: a smaller packed problem against the fp64 reference (the reference is slow at 4096^2)
     small = _gpu_problem(d, [700, 1, 300], [700, 900, 256], seed=50)
     got, ref_values = run_both(small, True)
@@ -334,8 +351,10 @@ def test_gpu_sdpa_flash_is_not_invariant_negative_control():
             full = sdpa(q, k, v, is_causal=True)
             last = sdpa(q[:, :, -1:], k, v, is_causal=False)  # the last query sees every key
         differs.append(not torch.equal(full[:, :, -1:], last))
-    assert any(differs), ("SDPA flash gave the same bits for prefill and decode in every case: the negative "
-                          "control failed, so these shapes do not exercise the invariance property")
+    assert any(differs), (
+        "SDPA flash gave the same bits for prefill and decode in every case: the negative "
+        "control failed, so these shapes do not exercise the invariance property"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,8 +389,9 @@ def pfwd(impl, q, k, v, cu_q, cu_k, max_q, max_k, prefix, causal, scale):
 
 def pbwd(impl, grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, max_q, max_k, prefix, causal, scale):
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    impl.prefix_attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, max_q, max_k, prefix, causal,
-                              scale, *grads)
+    impl.prefix_attention_bwd(
+        grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, max_q, max_k, prefix, causal, scale, *grads
+    )
     return grads
 
 
@@ -402,10 +422,19 @@ def logical_out_scale(p: Grouped) -> torch.Tensor:
 # see no key (Lq > P + Lk); a response packed before its prompt.
 LAYOUT_FP32 = [
     (20, 37, -1),
-    (37, 37, -1), (23, 23, 1), (0, 0, 1), (40, 5, 1), (3, 0, 1), (9, 17, 1),
-    (0, 21, -1), (18, 18, 7), (30, 30, 7),
-    (11, 11, 11), (16, 16, -1),
-    (0, 5, -1), (30, 4, 12),
+    (37, 37, -1),
+    (23, 23, 1),
+    (0, 0, 1),
+    (40, 5, 1),
+    (3, 0, 1),
+    (9, 17, 1),
+    (0, 21, -1),
+    (18, 18, 7),
+    (30, 30, 7),
+    (11, 11, 11),
+    (16, 16, -1),
+    (0, 5, -1),
+    (30, 4, 12),
     (45, 3, -1),
 ]
 # fp16 tiles: fwd / dq 128 x 64, dkdv 64 queries x 128 keys (D <= 64): a 70-token prompt puts the boundary in
@@ -415,11 +444,14 @@ LAYOUT_FP16 = [(70, 70, -1), (60, 60, 0), (9, 9, 0), (0, 0, 0), (5, 0, 0), (20, 
 
 @interp
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dtype, layout, d", [
-    (torch.float32, LAYOUT_FP32, 16),
-    (torch.float32, [(19, 19, -1), (33, 40, 0), (7, 7, 0)], 40),  # head dim padded to 64 (masked loads)
-    (torch.float16, LAYOUT_FP16, 32),
-])
+@pytest.mark.parametrize(
+    "dtype, layout, d",
+    [
+        (torch.float32, LAYOUT_FP32, 16),
+        (torch.float32, [(19, 19, -1), (33, 40, 0), (7, 7, 0)], 40),  # head dim padded to 64 (masked loads)
+        (torch.float16, LAYOUT_FP16, 32),
+    ],
+)
 def test_prefix_values_and_gradients_match_fp64_reference(dtype, layout, d, causal):
     p = Grouped(layout, d=d, dtype=dtype, seed=101)
     got = _prefix_fwd_bwd(tk, p, causal)
@@ -437,8 +469,7 @@ def test_prefix_values_and_gradients_match_fp64_reference(dtype, layout, d, caus
 
 @interp
 def test_prefix_no_grad_lse_and_gqa_four_to_one():
-    p = Grouped([(21, 21, -1), (17, 17, 0), (30, 30, 0)], hq=4, hkv=1, d=16, dtype=torch.float32, seed=102,
-                scale=2.0)
+    p = Grouped([(21, 21, -1), (17, 17, 0), (30, 30, 0)], hq=4, hkv=1, d=16, dtype=torch.float32, seed=102, scale=2.0)
     got = _prefix_fwd_bwd(tk, p, True, with_grad_lse=False)
     want = _prefix_fwd_bwd(ref, p, True, cast=lambda t: t.double(), with_grad_lse=False)
     check_values(p, got, want, torch.float32, op="prefix_attention", scale=logical_out_scale(p))
@@ -461,11 +492,14 @@ def _alone(p: Grouped, q_rows, k_parts, causal=True):
 
 @interp
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dtype, layout, d", [
-    (torch.float32, LAYOUT_FP32, 16),
-    (torch.float32, [(19, 19, -1), (33, 40, 0), (7, 7, 0)], 40),
-    (torch.float16, LAYOUT_FP16, 32),
-])
+@pytest.mark.parametrize(
+    "dtype, layout, d",
+    [
+        (torch.float32, LAYOUT_FP32, 16),
+        (torch.float32, [(19, 19, -1), (33, 40, 0), (7, 7, 0)], 40),
+        (torch.float16, LAYOUT_FP16, 32),
+    ],
+)
 def test_prefix_rows_equal_attention_over_concatenated_keys_bitwise(dtype, layout, d, causal):
     """The promise: every query's out, lse and dq are bitwise those of plain attention on its sequence alone
     over [prefix keys; own keys] (Lq = R, Lk = P + R: a chunked prefill against the prompt's cache), and, for a
@@ -530,18 +564,21 @@ def _group_sum(p: Grouped, impl, causal, cast=lambda t: t):
         start = 0
         for s in parts:
             n = s.stop - s.start
-            dk[s] += gk[start:start + n]
-            dv[s] += gv[start:start + n]
+            dk[s] += gk[start : start + n]
+            dv[s] += gv[start : start + n]
             start += n
     return dk, dv
 
 
 @interp
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dtype, layout, d", [
-    (torch.float32, LAYOUT_FP32, 16),
-    (torch.float16, LAYOUT_FP16, 32),
-])
+@pytest.mark.parametrize(
+    "dtype, layout, d",
+    [
+        (torch.float32, LAYOUT_FP32, 16),
+        (torch.float16, LAYOUT_FP16, 32),
+    ],
+)
 def test_prefix_dk_dv_are_the_sum_over_the_group(dtype, layout, d, causal):
     """dk / dv of a prompt's keys: its own queries' contributions plus every response's, within the contract of
     the fp64 sum of the per-sequence computations, and close to the same sum of Triton's plain attention."""
@@ -571,6 +608,7 @@ def test_prefix_without_prefixes_is_attention_bitwise():
 def _embed_group(group: list, others: list, position: int) -> list:
     """``others`` (a layout) with ``group`` (a layout whose prefix_index counts from the group's first sequence)
     inserted before sequence ``position`` of it, every prefix index renumbered."""
+
     def renumber(layout, at, by):  # indices >= at move by `by`
         return [(lq, lk, a + by if a >= at else a) for lq, lk, a in layout]
 
@@ -584,8 +622,11 @@ def test_prefix_group_alone_equals_group_packed_first_middle_last(dtype):
     """A group's out, lse and gradients (dq, and dk / dv of its keys) are bitwise the same alone and packed with
     other groups and sequences (garbage of another scale) before and after it."""
     d = 16
-    group = [(29, 29, -1), (17, 17, 0), (0, 0, 0), (40, 40, 0)] if dtype == torch.float32 else \
-        [(70, 70, -1), (60, 60, 0), (9, 9, 0)]
+    group = (
+        [(29, 29, -1), (17, 17, 0), (0, 0, 0), (40, 40, 0)]
+        if dtype == torch.float32
+        else [(70, 70, -1), (60, 60, 0), (9, 9, 0)]
+    )
     others = [(21, 50, -1), (5, 5, -1), (13, 13, 1), (40, 13, -1), (8, 8, 3)]
     alone_p = Grouped(group, d=d, dtype=dtype, seed=106)
     alone = _prefix_fwd_bwd(tk, alone_p, True)
@@ -606,8 +647,13 @@ def test_prefix_group_alone_equals_group_packed_first_middle_last(dtype):
         packed.scale = alone_p.scale
         got = _prefix_fwd_bwd(tk, packed, True)
         qs, ks = slice(q0, q0 + nq), slice(k0, k0 + nk)
-        pairs = (("out", got[0][qs], alone[0]), ("lse", got[1][:, qs], alone[1]), ("dq", got[2][qs], alone[2]),
-                 ("dk", got[3][ks], alone[3]), ("dv", got[4][ks], alone[4]))
+        pairs = (
+            ("out", got[0][qs], alone[0]),
+            ("lse", got[1][:, qs], alone[1]),
+            ("dq", got[2][qs], alone[2]),
+            ("dk", got[3][ks], alone[3]),
+            ("dv", got[4][ks], alone[4]),
+        )
         for name, a, b in pairs:
             assert torch.equal(a, b), f"{name} differs with the group at position {position}"
 
@@ -625,7 +671,7 @@ def test_readers_csr():
     prefix = torch.tensor([-1, 0, 0, -1, 3, 0, -1, -1, 6], dtype=torch.int32, device=DEVICE)
     order, ends = tk._readers(prefix)
     assert order.dtype == ends.dtype == torch.int32 and ends.shape == (10,)
-    readers = [order[int(ends[a]):int(ends[a + 1])].tolist() for a in range(9)]
+    readers = [order[int(ends[a]) : int(ends[a + 1])].tolist() for a in range(9)]
     assert readers == [[1, 2, 5], [], [], [4], [], [], [8], [], []]
     order, ends = tk._readers(torch.zeros(0, dtype=torch.int32, device=DEVICE))
     assert order.shape == (0,) and ends.tolist() == [0]
@@ -660,8 +706,17 @@ def test_prefix_negative_control_unaligned_key_blocks_differ():
 def test_gpu_prefix_bf16_bitwise_and_values_at_real_lengths(d):
     """bf16, real lengths: a response's out, lse and dq equal plain attention over [prompt; response] keys (and
     the full sequence), bit for bit; values under the contract against the fp64 reference."""
-    layout = [(1000, 1000, -1), (777, 777, 0), (1, 1, 0), (0, 0, 0), (2048, 2048, 0), (300, 900, -1),
-              (517, 517, -1), (64, 64, 6), (1000, 1000, 6)]
+    layout = [
+        (1000, 1000, -1),
+        (777, 777, 0),
+        (1, 1, 0),
+        (0, 0, 0),
+        (2048, 2048, 0),
+        (300, 900, -1),
+        (517, 517, -1),
+        (64, 64, 6),
+        (1000, 1000, 6),
+    ]
     p = Grouped(layout, hq=8, hkv=2, d=d, dtype=torch.bfloat16, seed=110)
     got = _prefix_fwd_bwd(tk, p, True)
     for b, a in enumerate(p.prefix):

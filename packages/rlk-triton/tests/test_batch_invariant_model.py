@@ -55,12 +55,17 @@ def test_stock_pytorch_is_not_batch_invariant_negative_control():
             differs.append(not torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits[0, real], alone))
         stacked = model(torch.stack([seq, seq.flip(0)])).logits[0]  # same length, no padding: batch of 2
         differs.append(not torch.equal(stacked, alone))
-    assert any(differs), ("stock PyTorch gave bitwise identical logits alone and batched in every case: "
-                          "the negative control failed to show batch variance")
+    assert any(differs), (
+        "stock PyTorch gave bitwise identical logits alone and batched in every case: "
+        "the negative control failed to show batch variance"
+    )
 
 
-SDPA_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                "_scaled_dot_product_cudnn_attention")
+SDPA_KERNELS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
 
 
 @pytest.mark.parametrize("kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "default"])
@@ -81,8 +86,9 @@ def test_sdpa_backward_of_a_stock_forward_stays_stock():
     """A forward run before the mode was switched on keeps the stock backward (rlk's backward overrides only
     serve the saved state of an rlk forward)."""
     g = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(2, 4, 300, 64, generator=g).to(DEVICE, torch.bfloat16).requires_grad_(True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(2, 4, 300, 64, generator=g).to(DEVICE, torch.bfloat16).requires_grad_(True) for _ in range(3)
+    )
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     expected = torch.autograd.grad(out.float().square().sum(), (q, k, v), retain_graph=True)
     with batch_invariant():

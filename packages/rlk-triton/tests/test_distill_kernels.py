@@ -42,10 +42,24 @@ pytestmark = [
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 
 SMALL_TILES = {
-    "partial": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_SPLIT": 64, "GROUP_N": 2, "num_warps": 4,
-                "num_stages": 1},
-    "grad": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_CHUNK": 48, "GROUP_N": 2, "num_warps": 4,
-             "num_stages": 1},
+    "partial": {
+        "BLOCK_N": 16,
+        "BLOCK_V": 16,
+        "BLOCK_K": 16,
+        "VOCAB_SPLIT": 64,
+        "GROUP_N": 2,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
+    "grad": {
+        "BLOCK_N": 16,
+        "BLOCK_V": 16,
+        "BLOCK_K": 16,
+        "VOCAB_CHUNK": 48,
+        "GROUP_N": 2,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
 }
 SMALL_GEMM = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 
@@ -86,8 +100,12 @@ def make_inputs(n, v, hs, ht, dtype, seed=0, extreme=False, with_targets=True):
     inv_t = torch.rand(n, generator=g) * 1.5 + 0.5
     coef = torch.randn(n, generator=g)
     to = {"device": DEVICE}
-    return ([t.to(dtype).to(**to) for t in (sh, sw, th, tw)], targets.to(**to) if with_targets else None,
-            inv_t.to(**to), coef.to(**to))
+    return (
+        [t.to(dtype).to(**to) for t in (sh, sw, th, tw)],
+        targets.to(**to) if with_targets else None,
+        inv_t.to(**to),
+        coef.to(**to),
+    )
 
 
 def _f64(tensors):
@@ -103,8 +121,19 @@ def run_fwd(impl, data, targets, inv_t, divergence, coef=None, want=(True, True)
     stats = torch.empty(3, n, dtype=dt, device=DEVICE)
     gh = torch.empty_like(data[0]) if coef is not None and want[0] else None
     gw = torch.empty_like(data[1]) if coef is not None and want[1] else None
-    impl.fused_linear_kl_fwd(*data, targets, inv_t.to(dt), IGNORE, divergence, BETA, loss, stats,
-                             None if coef is None else coef.to(dt), gh, gw)
+    impl.fused_linear_kl_fwd(
+        *data,
+        targets,
+        inv_t.to(dt),
+        IGNORE,
+        divergence,
+        BETA,
+        loss,
+        stats,
+        None if coef is None else coef.to(dt),
+        gh,
+        gw,
+    )
     return loss, stats, gh, gw
 
 
@@ -236,11 +265,12 @@ def _batch_invariance(dtype, divergence, v, hs, ht, batch_sizes, heads=None):
         sh, th, targets, inv_t = _rows(n, hs, ht, dtype, seed=n, extreme=True)
         for pos in sorted({0, n // 2, n - 1}):
             sh[pos], th[pos], targets[pos], inv_t[pos] = p_sh[0], p_th[0], p_targets[0], p_inv_t[0]
-            out = run_fwd(tk, [sh, sw, th, tw], targets, inv_t, divergence, torch.ones(n, device=DEVICE),
-                          want=(True, False))
-            assert torch.equal(out[0][pos:pos + 1], alone[0]), (n, pos)
-            assert torch.equal(out[1][:, pos:pos + 1], alone[1]), (n, pos)
-            assert torch.equal(out[2][pos:pos + 1], alone[2]), (n, pos)
+            out = run_fwd(
+                tk, [sh, sw, th, tw], targets, inv_t, divergence, torch.ones(n, device=DEVICE), want=(True, False)
+            )
+            assert torch.equal(out[0][pos : pos + 1], alone[0]), (n, pos)
+            assert torch.equal(out[1][:, pos : pos + 1], alone[1]), (n, pos)
+            assert torch.equal(out[2][pos : pos + 1], alone[2]), (n, pos)
     return alone
 
 
@@ -264,8 +294,9 @@ def test_the_bitwise_checks_see_a_changed_reduction_order(small_tiles, monkeypat
     second = run_fwd(tk, data, targets, inv_t, "forward_kl")
     assert not torch.equal(first[0], second[0])
     e = contract.entry("fused_linear_kl", torch.float32)
-    assert contract.compare_outputs(e, "loss", second[0], first[0].double(),
-                                    contract.divergence_scale(first[1][0], first[1][1])).ok
+    assert contract.compare_outputs(
+        e, "loss", second[0], first[0].double(), contract.divergence_scale(first[1][0], first[1][1])
+    ).ok
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,8 +313,9 @@ def test_public_op_on_triton_matches_the_reference_backend(small_tiles, reductio
     for backend in ("triton", "reference"):
         hs, ws = (t.clone().requires_grad_(True) for t in data[:2])
         with rlk.use_backend(backend):
-            loss = rlk.fused_linear_kl(hs, ws, *data[2:], targets, divergence="jsd", beta=BETA,
-                                       temperature=1 / inv_t, reduction=reduction)
+            loss = rlk.fused_linear_kl(
+                hs, ws, *data[2:], targets, divergence="jsd", beta=BETA, temperature=1 / inv_t, reduction=reduction
+            )
             (loss * (coef if reduction == "none" else 1.0)).sum().backward()
         results[backend] = (loss.detach(), hs.grad, ws.grad)
     got, want = results["triton"], results["reference"]
@@ -324,8 +356,9 @@ def test_headline_shape_gpu(divergence):
     loss, stats, gh, gw = run_fwd(tk, data, targets, inv_t, divergence, ones)
     last = slice(n - 64, n)
     part = [data[0][last], data[1], data[2][last], data[3]]
-    t_loss, t_stats, t_gh, _ = run_fwd(ref, _f64(part), targets[last], inv_t[last], divergence, ones[last],
-                                       want=(True, False))
+    t_loss, t_stats, t_gh, _ = run_fwd(
+        ref, _f64(part), targets[last], inv_t[last], divergence, ones[last], want=(True, False)
+    )
     e = contract.entry("fused_linear_kl", torch.bfloat16)
     scale = contract.divergence_scale(t_stats[0], t_stats[1])
     assert contract.compare_outputs(e, "loss", loss[last], t_loss, scale).ok

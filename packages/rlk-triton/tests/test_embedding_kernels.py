@@ -94,8 +94,9 @@ def test_forward_is_a_bitwise_gather(tiles, dtype, shape):
 
 @pytest.mark.parametrize("padding_idx", [-1, 3])
 @pytest.mark.parametrize("dtype", BWD_DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1, 1), (13, 70, 40), (300, 5, 9), (6, 33, 50)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1), (13, 70, 40), (300, 5, 9), (6, 33, 50)], ids=lambda s: "x".join(map(str, s))
+)
 def test_backward_equals_reference_bitwise(tiles, dtype, shape, padding_idx):
     v, h, n = shape
     padding_idx = min(padding_idx, v - 1)
@@ -163,8 +164,8 @@ def test_batch_invariance(dtype):
             grad_out[pos] = probe_rows[i]
         out = fwd(tk, weight, ids)
         for pos in positions:
-            assert torch.equal(out[pos:pos + 1], alone_fwd), (n, pos)
-        alone_bwd = bwd(tk, probe_rows[:len(positions)], torch.full((len(positions),), probe_id, device=DEVICE), -1, v)
+            assert torch.equal(out[pos : pos + 1], alone_fwd), (n, pos)
+        alone_bwd = bwd(tk, probe_rows[: len(positions)], torch.full((len(positions),), probe_id, device=DEVICE), -1, v)
         assert torch.equal(bwd(tk, grad_out, ids, -1, v)[probe_id], alone_bwd[probe_id]), n
 
 

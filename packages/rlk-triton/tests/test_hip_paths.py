@@ -37,8 +37,9 @@ def test_policy_loss_uses_no_cuda_only_launch_option_on_hip(monkeypatch, program
 def test_policy_loss_launch_options_on_cuda(monkeypatch, programmatic_launch, capability, pdl):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
-    assert policy_loss._register_limit() == ({"maxnreg": policy_loss.MAX_REGISTERS} if policy_loss.MAX_REGISTERS
-                                             else {})
+    assert policy_loss._register_limit() == (
+        {"maxnreg": policy_loss.MAX_REGISTERS} if policy_loss.MAX_REGISTERS else {}
+    )
     assert programmatic_launch(0) is pdl
 
 
@@ -58,9 +59,15 @@ class _OnGpu:
         return _OnGpu(self._t.T)
 
 
-@pytest.mark.parametrize("hip, capability, nvidia_paths", [
-    ("6.4.43482", ROCM_CAPABILITIES["gfx90a"], False), ("6.4.43482", ROCM_CAPABILITIES["gfx942"], False),
-    ("6.4.43482", ROCM_CAPABILITIES["gfx950"], False), (None, (9, 0), True)])
+@pytest.mark.parametrize(
+    "hip, capability, nvidia_paths",
+    [
+        ("6.4.43482", ROCM_CAPABILITIES["gfx90a"], False),
+        ("6.4.43482", ROCM_CAPABILITIES["gfx942"], False),
+        ("6.4.43482", ROCM_CAPABILITIES["gfx950"], False),
+        (None, (9, 0), True),
+    ],
+)
 def test_matmul_takes_the_h200_buckets_and_tma_on_nvidia_only(monkeypatch, hip, capability, nvidia_paths):
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(matmul, "_capability", lambda index: capability)

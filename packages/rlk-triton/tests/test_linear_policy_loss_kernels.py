@@ -43,10 +43,24 @@ DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytes
 # BLOCK_K steps).
 V, H = 150, 32
 SMALL_TILES = {
-    "linear_fwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 32, "VOCAB_SPLIT": 32, "GROUP_N": 2,
-                   "num_warps": 4, "num_stages": 1},
-    "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 32, "VOCAB_CHUNK": 48, "GROUP_N": 2,
-                   "num_warps": 4, "num_stages": 1},
+    "linear_fwd": {
+        "BLOCK_N": 16,
+        "BLOCK_V": 16,
+        "BLOCK_K": 32,
+        "VOCAB_SPLIT": 32,
+        "GROUP_N": 2,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
+    "linear_bwd": {
+        "BLOCK_N": 16,
+        "BLOCK_V": 32,
+        "BLOCK_K": 32,
+        "VOCAB_CHUNK": 48,
+        "GROUP_N": 2,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
     "stored_grad": {"BLOCK_V": 64, "num_warps": 4},
 }
 SMALL_GEMM = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
@@ -79,8 +93,14 @@ def inputs(n: int, dtype: torch.dtype, seed: int = 0, v: int = V, h: int = H, na
     inv_t = torch.rand(n, generator=g) * 1.5 + 0.5
     grad_lp, grad_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
     to = {"device": DEVICE}
-    return (hidden.to(dtype).to(**to), weight.to(dtype).to(**to), targets.to(**to), inv_t.to(**to),
-            grad_lp.to(**to), grad_ent.to(**to))
+    return (
+        hidden.to(dtype).to(**to),
+        weight.to(dtype).to(**to),
+        targets.to(**to),
+        inv_t.to(**to),
+        grad_lp.to(**to),
+        grad_ent.to(**to),
+    )
 
 
 def stats(n: int, dtype=torch.float32, entropy: bool = True) -> dict[str, torch.Tensor]:
@@ -94,19 +114,45 @@ def stored_fwd(hidden, weight, targets, inv_t, entropy=True, logits=None):
     n, v = hidden.shape[0], weight.shape[0]
     out = stats(n, entropy=entropy)
     logits = torch.full((n, v), 7.0, device=DEVICE) if logits is None else logits
-    tk.linear_logprob_stored_fwd(hidden, weight, targets, inv_t, IGNORE, out["logprob"], out.get("entropy"),
-                                 out["lse"], logits)
+    tk.linear_logprob_stored_fwd(
+        hidden, weight, targets, inv_t, IGNORE, out["logprob"], out.get("entropy"), out["lse"], logits
+    )
     return out, logits
 
 
-def stored_bwd(hidden, weight, targets, inv_t, out, logits, grad_lp, grad_ent, want_hidden=True, want_weight=True,
-               grad_weight=None, accumulate=False):
+def stored_bwd(
+    hidden,
+    weight,
+    targets,
+    inv_t,
+    out,
+    logits,
+    grad_lp,
+    grad_ent,
+    want_hidden=True,
+    want_weight=True,
+    grad_weight=None,
+    accumulate=False,
+):
     gh = torch.empty_like(hidden) if want_hidden else None
     if want_weight and grad_weight is None:
         grad_weight = torch.empty_like(weight)
     zeroed = torch.where((targets != IGNORE)[:, None], hidden, hidden.new_zeros(()))  # as the op layer passes it
-    tk.linear_logprob_stored_bwd(zeroed, weight, targets, inv_t, out["lse"], out.get("entropy"), grad_lp, grad_ent,
-                                 IGNORE, logits, gh, grad_weight if want_weight else None, accumulate)
+    tk.linear_logprob_stored_bwd(
+        zeroed,
+        weight,
+        targets,
+        inv_t,
+        out["lse"],
+        out.get("entropy"),
+        grad_lp,
+        grad_ent,
+        IGNORE,
+        logits,
+        gh,
+        grad_weight if want_weight else None,
+        accumulate,
+    )
     return gh, grad_weight if want_weight else None
 
 
@@ -117,8 +163,19 @@ def truth(hidden, weight, targets, inv_t, grad_lp, grad_ent):
     out = stats(hidden.shape[0], torch.float64, entropy=True)
     ref.linear_logprob_fwd(h64, w64, targets, inv_t.double(), IGNORE, out["logprob"], out["entropy"], out["lse"])
     gh, gw = torch.empty_like(h64), torch.empty_like(w64)
-    ref.linear_logprob_bwd(h64, w64, targets, inv_t.double(), out["lse"], out["entropy"], grad_lp.double(),
-                           None if grad_ent is None else grad_ent.double(), IGNORE, gh, gw)
+    ref.linear_logprob_bwd(
+        h64,
+        w64,
+        targets,
+        inv_t.double(),
+        out["lse"],
+        out["entropy"],
+        grad_lp.double(),
+        None if grad_ent is None else grad_ent.double(),
+        IGNORE,
+        gh,
+        gw,
+    )
     return out, gh, gw
 
 
@@ -146,8 +203,7 @@ def test_stored_fwd_is_linear_logprob_fwd_bit_for_bit(small_tiles, dtype, entrop
     n = 37  # three row blocks, a ragged last one
     hidden, weight, targets, inv_t, _, _ = inputs(n, dtype)
     plain = stats(n, entropy=entropy)
-    tk.linear_logprob_fwd(hidden, weight, targets, inv_t, IGNORE, plain["logprob"], plain.get("entropy"),
-                          plain["lse"])
+    tk.linear_logprob_fwd(hidden, weight, targets, inv_t, IGNORE, plain["logprob"], plain.get("entropy"), plain["lse"])
     buffer = torch.full((n + 5, V), 7.0, device=DEVICE)
     out, logits = stored_fwd(hidden, weight, targets, inv_t, entropy, logits=buffer[:n])
     for name in plain:
@@ -185,8 +241,17 @@ def test_stored_bwd_matches_fp64(small_tiles, dtype, with_entropy_grad):
     assert g.dtype == dtype and g.shape == (n, V)
     g64 = torch.empty(n, V, dtype=torch.float64)
     h64 = torch.where((targets != IGNORE)[:, None], hidden.double(), 0.0)
-    ref.selected_logprob_bwd(h64 @ weight.double().T, targets, inv_t.double(), out64["lse"], out64["entropy"],
-                             grad_lp.double(), None if grad_ent is None else grad_ent.double(), IGNORE, g64)
+    ref.selected_logprob_bwd(
+        h64 @ weight.double().T,
+        targets,
+        inv_t.double(),
+        out64["lse"],
+        out64["entropy"],
+        grad_lp.double(),
+        None if grad_ent is None else grad_ent.double(),
+        IGNORE,
+        g64,
+    )
     assert bool((g[1] == 0).all())
     dev = contract.compare_grad(contract.entry("linear_logprob_stored", dtype), "G", g, g64, scale)
     assert dev.ok, dev
@@ -202,8 +267,9 @@ def test_stored_bwd_agrees_with_the_recomputing_backward(small_tiles, dtype):
     gh, gw = stored_bwd(hidden, weight, targets, inv_t, out, logits, grad_lp, grad_ent)
     lean_h, lean_w = torch.empty_like(hidden), torch.empty_like(weight)
     zeroed = torch.where((targets != IGNORE)[:, None], hidden, hidden.new_zeros(()))
-    tk.linear_logprob_bwd(zeroed, weight, targets, inv_t, out["lse"], out["entropy"], grad_lp, grad_ent, IGNORE,
-                          lean_h, lean_w)
+    tk.linear_logprob_bwd(
+        zeroed, weight, targets, inv_t, out["lse"], out["entropy"], grad_lp, grad_ent, IGNORE, lean_h, lean_w
+    )
     out64, _, _ = truth(hidden, weight, targets, inv_t, grad_lp, grad_ent)
     scale = 2 * max_row_scale(out64, targets)
     check_grad(dtype, "grad_hidden", gh, lean_h.double(), scale)
@@ -217,15 +283,34 @@ def test_stored_bwd_accumulates_in_fp32_and_writes_optional_outputs(small_tiles)
     hidden, weight, targets, inv_t, grad_lp, grad_ent = inputs(20, dtype, seed=3)
     out, logits = stored_fwd(hidden, weight, targets, inv_t)
     keep = logits.clone()
-    gh, gw32 = stored_bwd(hidden, weight, targets, inv_t, out, logits, grad_lp, grad_ent,
-                          grad_weight=torch.empty(weight.shape, device=DEVICE))
+    gh, gw32 = stored_bwd(
+        hidden,
+        weight,
+        targets,
+        inv_t,
+        out,
+        logits,
+        grad_lp,
+        grad_ent,
+        grad_weight=torch.empty(weight.shape, device=DEVICE),
+    )
     first = torch.randn(weight.shape, generator=_gen(9)).to(DEVICE)
     acc = first.clone()
-    stored_bwd(hidden, weight, targets, inv_t, out, keep.clone(), grad_lp, grad_ent, want_hidden=False,
-               grad_weight=acc, accumulate=True)
+    stored_bwd(
+        hidden,
+        weight,
+        targets,
+        inv_t,
+        out,
+        keep.clone(),
+        grad_lp,
+        grad_ent,
+        want_hidden=False,
+        grad_weight=acc,
+        accumulate=True,
+    )
     assert torch.equal(acc, first + gw32)
-    only_h, none_w = stored_bwd(hidden, weight, targets, inv_t, out, keep.clone(), grad_lp, grad_ent,
-                                want_weight=False)
+    only_h, none_w = stored_bwd(hidden, weight, targets, inv_t, out, keep.clone(), grad_lp, grad_ent, want_weight=False)
     none_h, gw16 = stored_bwd(hidden, weight, targets, inv_t, out, keep.clone(), grad_lp, grad_ent, want_hidden=False)
     assert none_w is None and none_h is None and torch.equal(only_h, gh)
     assert gw16.dtype == dtype and torch.equal(gw16, gw32.to(dtype))  # rounded once, from the same fp32 sums
@@ -243,15 +328,21 @@ def test_stored_grad_hidden_is_batch_invariant_and_grad_weight_deterministic(sma
     for n in (2, 19):
         hidden, _, targets, inv_t, glp, gent = inputs(n, dtype, seed=n)
         for pos in sorted({0, n // 2, n - 1}):
-            hidden[pos], targets[pos], inv_t[pos], glp[pos], gent[pos] = probe_h[0], p_t[0], p_inv_t[0], p_glp[0], \
-                p_gent[0]
+            hidden[pos], targets[pos], inv_t[pos], glp[pos], gent[pos] = (
+                probe_h[0],
+                p_t[0],
+                p_inv_t[0],
+                p_glp[0],
+                p_gent[0],
+            )
             batch, logits = stored_fwd(hidden, weight, targets, inv_t)
             for name in ("logprob", "entropy", "lse"):
-                assert torch.equal(batch[name][pos:pos + 1], out[name]), (name, n, pos)
+                assert torch.equal(batch[name][pos : pos + 1], out[name]), (name, n, pos)
             gh, gw = stored_bwd(hidden, weight, targets, inv_t, batch, logits.clone(), glp, gent)
-            assert torch.equal(gh[pos:pos + 1], alone), (n, pos)
-            _, again = stored_bwd(hidden, weight, targets, inv_t, batch, stored_fwd(hidden, weight, targets,
-                                                                                    inv_t)[1], glp, gent)
+            assert torch.equal(gh[pos : pos + 1], alone), (n, pos)
+            _, again = stored_bwd(
+                hidden, weight, targets, inv_t, batch, stored_fwd(hidden, weight, targets, inv_t)[1], glp, gent
+            )
             assert torch.equal(gw, again)
 
 
@@ -269,7 +360,7 @@ def test_tree_reduce_keeps_nothing_alive(impl):
     tree_reduce = (reference_matmul if impl == "reference" else triton_matmul).tree_reduce
 
     def total_of(x):  # the leaves close over x, as the backward's leaves close over their buffers
-        return tree_reduce(lambda j: x[j:j + 1] * (j + 1), 8, lambda a, b: a.add_(b))
+        return tree_reduce(lambda j: x[j : j + 1] * (j + 1), 8, lambda a, b: a.add_(b))
 
     held = torch.ones(1000)
     gone = weakref.ref(held)
@@ -344,6 +435,15 @@ def test_stored_fwd_bits_and_batch_invariance_headline_shape_gpu():
     del logits
     rows = slice(1000, 1007)
     small, small_logits = stored_fwd(hidden[rows], weight, targets[rows], inv_t[rows])
-    gh_small, _ = stored_bwd(hidden[rows], weight, targets[rows], inv_t[rows], small, small_logits, grad_lp[rows],
-                             grad_ent[rows], want_weight=False)
+    gh_small, _ = stored_bwd(
+        hidden[rows],
+        weight,
+        targets[rows],
+        inv_t[rows],
+        small,
+        small_logits,
+        grad_lp[rows],
+        grad_ent[rows],
+        want_weight=False,
+    )
     assert torch.equal(gh_small, gh[rows])

@@ -39,10 +39,24 @@ LINEAR_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, mark
 
 # Tiny tiles so that CPU-sized problems cover several row blocks, vocab splits / chunks and K steps.
 SMALL_TILES = {
-    "linear_fwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_SPLIT": 64, "GROUP_N": 2,
-                   "num_warps": 4, "num_stages": 1},
-    "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_CHUNK": 48, "GROUP_N": 2,
-                   "num_warps": 4, "num_stages": 1},
+    "linear_fwd": {
+        "BLOCK_N": 16,
+        "BLOCK_V": 16,
+        "BLOCK_K": 16,
+        "VOCAB_SPLIT": 64,
+        "GROUP_N": 2,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
+    "linear_bwd": {
+        "BLOCK_N": 16,
+        "BLOCK_V": 16,
+        "BLOCK_K": 16,
+        "VOCAB_CHUNK": 48,
+        "GROUP_N": 2,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
 }
 SMALL_GEMM = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 
@@ -101,8 +115,14 @@ def linear_inputs(n: int, v: int, h: int, dtype: torch.dtype, seed: int = 0, ext
     if extreme and n >= 3:
         hidden[2] *= 500
     to = {"device": DEVICE}
-    return (hidden.to(dtype).to(**to), weight.to(dtype).to(**to), targets.to(**to), inv_t.to(**to),
-            grad_lp.to(**to), grad_ent.to(**to))
+    return (
+        hidden.to(dtype).to(**to),
+        weight.to(dtype).to(**to),
+        targets.to(**to),
+        inv_t.to(**to),
+        grad_lp.to(**to),
+        grad_ent.to(**to),
+    )
 
 
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:
@@ -129,8 +149,9 @@ def run_selected_bwd(impl, x, targets, inv_t, stats, grad_lp, grad_ent) -> torch
 def run_linear_bwd(impl, hidden, weight, targets, inv_t, stats, grad_lp, grad_ent, want_hidden=True, want_weight=True):
     gh = torch.empty_like(hidden) if want_hidden else None
     gw = torch.empty_like(weight) if want_weight else None
-    impl.linear_logprob_bwd(hidden, weight, targets, inv_t, stats["lse"], stats.get("entropy"), grad_lp, grad_ent,
-                            IGNORE, gh, gw)
+    impl.linear_logprob_bwd(
+        hidden, weight, targets, inv_t, stats["lse"], stats.get("entropy"), grad_lp, grad_ent, IGNORE, gh, gw
+    )
     return gh, gw
 
 
@@ -180,8 +201,9 @@ def test_selected_matches_reference(dtype, shape, entropy_mode, extreme=False):
     max_scale = check_stats("selected_logprob", dtype, got, truth, targets)
 
     grad = run_selected_bwd(tk, x, targets, inv_t, got, grad_lp, g_ent)
-    grad_truth = run_selected_bwd(ref, *_f64(x), targets, inv_t.double(), truth, grad_lp.double(),
-                                  None if g_ent is None else g_ent.double())
+    grad_truth = run_selected_bwd(
+        ref, *_f64(x), targets, inv_t.double(), truth, grad_lp.double(), None if g_ent is None else g_ent.double()
+    )
     check_grad("selected_logprob", dtype, "grad_logits", grad, grad_truth, max_scale)
     assert bool((grad[targets == IGNORE] == 0).all())
 
@@ -203,20 +225,31 @@ def test_selected_batch_invariance(dtype):
         x, targets, inv_t, glp, gent = selected_inputs(n, v, dtype, seed=n, extreme=True)
         for pos in sorted({0, n // 2, n - 1}):
             x[pos], targets[pos], inv_t[pos], glp[pos], gent[pos] = (
-                probe[0], p_targets[0], p_inv_t[0], p_glp[0], p_gent[0]
+                probe[0],
+                p_targets[0],
+                p_inv_t[0],
+                p_glp[0],
+                p_gent[0],
             )
             out = run_fwd(tk, "selected_logprob", (x,), targets, inv_t, True)
             grad = run_selected_bwd(tk, x, targets, inv_t, out, glp, gent)
             for name in ("logprob", "entropy", "lse"):
-                assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, n, pos)
-            assert torch.equal(grad[pos:pos + 1], alone_grad), (n, pos)
+                assert torch.equal(out[name][pos : pos + 1], alone[name]), (name, n, pos)
+            assert torch.equal(grad[pos : pos + 1], alone_grad), (n, pos)
 
 
 # Logits far from 0 (the offset) with an O(1) spread, where entropy = lse - E_p[z] would subtract two numbers
 # of size |z|. float16 cannot hold the 1e6 and 3e38 offsets (6e4 stands in for them).
-LARGE_LOGITS = [(torch.float32, 30.0, 0.05), (torch.float32, 1e6, 1.0), (torch.float32, 3e38, 1.0),
-                (torch.bfloat16, 30.0, 0.05), (torch.bfloat16, 1e6, 1.0), (torch.bfloat16, 3e38, 1.0),
-                (torch.float16, 30.0, 0.05), (torch.float16, 6e4, 1.0)]
+LARGE_LOGITS = [
+    (torch.float32, 30.0, 0.05),
+    (torch.float32, 1e6, 1.0),
+    (torch.float32, 3e38, 1.0),
+    (torch.bfloat16, 30.0, 0.05),
+    (torch.bfloat16, 1e6, 1.0),
+    (torch.bfloat16, 3e38, 1.0),
+    (torch.float16, 30.0, 0.05),
+    (torch.float16, 6e4, 1.0),
+]
 
 
 def large_logit_inputs(n: int, v: int, dtype: torch.dtype, offset: float, temperature: float, seed: int = 8):
@@ -275,8 +308,15 @@ def _linear_case(dtype, shape, entropy_mode, extreme=False):
     max_scale = check_stats("linear_logprob", dtype, got, truth, targets)
 
     gh, gw = run_linear_bwd(tk, hidden, weight, targets, inv_t, got, grad_lp, g_ent)
-    gh_truth, gw_truth = run_linear_bwd(ref, *_f64(hidden, weight), targets, inv_t.double(), truth,
-                                        grad_lp.double(), None if g_ent is None else g_ent.double())
+    gh_truth, gw_truth = run_linear_bwd(
+        ref,
+        *_f64(hidden, weight),
+        targets,
+        inv_t.double(),
+        truth,
+        grad_lp.double(),
+        None if g_ent is None else g_ent.double(),
+    )
     check_grad("linear_logprob", dtype, "grad_hidden", gh, gh_truth, max_scale)
     check_grad("linear_logprob", dtype, "grad_weight", gw, gw_truth, max_scale)
     assert bool((gh[targets == IGNORE] == 0).all())
@@ -324,8 +364,9 @@ def test_linear_entropy_of_large_logits(small_tiles, dtype, offset, temperature)
     max_scale = check_stats("linear_logprob", dtype, got, truth, targets)
     check_entropy_of_large_logits("linear_logprob", dtype, got["entropy"], truth["entropy"])
     gh, gw = run_linear_bwd(tk, hidden, weight, targets, inv_t, got, grad_lp, grad_ent)
-    gh_truth, gw_truth = run_linear_bwd(ref, *_f64(hidden, weight), targets, inv_t.double(), truth,
-                                        grad_lp.double(), grad_ent.double())
+    gh_truth, gw_truth = run_linear_bwd(
+        ref, *_f64(hidden, weight), targets, inv_t.double(), truth, grad_lp.double(), grad_ent.double()
+    )
     check_grad("linear_logprob", dtype, "grad_hidden", gh, gh_truth, max_scale)
     check_grad("linear_logprob", dtype, "grad_weight", gw, gw_truth, max_scale)
 
@@ -353,13 +394,17 @@ def _linear_batch_invariance(dtype, v, h, batch_sizes):
         hidden, _, targets, inv_t, glp, gent = linear_inputs(n, v, h, dtype, seed=n, extreme=True)
         for pos in sorted({0, n // 2, n - 1}):
             hidden[pos], targets[pos], inv_t[pos], glp[pos], gent[pos] = (
-                probe_h[0], p_targets[0], p_inv_t[0], p_glp[0], p_gent[0]
+                probe_h[0],
+                p_targets[0],
+                p_inv_t[0],
+                p_glp[0],
+                p_gent[0],
             )
             out = run_fwd(tk, "linear_logprob", (hidden, weight), targets, inv_t, True)
             gh, _ = run_linear_bwd(tk, hidden, weight, targets, inv_t, out, glp, gent)
             for name in ("logprob", "entropy", "lse"):
-                assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, n, pos)
-            assert torch.equal(gh[pos:pos + 1], alone_gh), (n, pos)
+                assert torch.equal(out[name][pos : pos + 1], alone[name]), (name, n, pos)
+            assert torch.equal(gh[pos : pos + 1], alone_gh), (n, pos)
 
 
 @pytest.mark.parametrize("dtype", LINEAR_DTYPES)
@@ -438,8 +483,9 @@ def test_selected_int64_indexing_gpu():
     last = slice(n - 2, n)
     x_last = x[last].double()
     truth = run_fwd(ref, "selected_logprob", (x_last,), targets[last], inv_t[last].double(), True)
-    max_scale = check_stats("selected_logprob", torch.bfloat16, {k: t[last] for k, t in out.items()}, truth,
-                            targets[last])
+    max_scale = check_stats(
+        "selected_logprob", torch.bfloat16, {k: t[last] for k, t in out.items()}, truth, targets[last]
+    )
     grad = run_selected_bwd(tk, x, targets, inv_t, out, grad_lp, None)
     grad_truth = run_selected_bwd(ref, x_last, targets[last], inv_t[last].double(), truth, grad_lp[last].double(), None)
     check_grad("selected_logprob", torch.bfloat16, "grad_logits", grad[last], grad_truth, max_scale)

@@ -90,9 +90,11 @@ def check_value(got, truth, values, mask):
     r_loss, r_metrics, r_grad = truth
     v_abs = torch.where(mask, values.double().abs(), 0.0).sum() / mask.sum().clamp(min=1)
     one = torch.ones(1, dtype=torch.float64, device=DEVICE)
-    for name, value, ground, scale in (("loss", loss, r_loss, 1 + r_loss.abs()),
-                                       ("vf_clip_fraction", metrics[0], r_metrics[0], one),
-                                       ("values_mean", metrics[1], r_metrics[1], 1 + v_abs)):
+    for name, value, ground, scale in (
+        ("loss", loss, r_loss, 1 + r_loss.abs()),
+        ("vf_clip_fraction", metrics[0], r_metrics[0], one),
+        ("values_mean", metrics[1], r_metrics[1], 1 + v_abs),
+    ):
         dev = contract.compare_outputs(e, name, value.reshape(1), ground.reshape(1), scale.reshape(1))
         assert dev.ok, dev
     assert grad.dtype == F32
@@ -135,8 +137,16 @@ def test_value_masked_garbage_and_empty_mask(small_blocks):
     values, old_values, returns, _ = value_inputs(4, 40, garbage=False)
     mask = torch.zeros_like(values, dtype=torch.bool)
     values[0, 3] = math.nan
-    loss, metrics, grad = run_value(tk, values, old_values, returns, mask, aggregation.row_weights(mask, "token-mean"),
-                                    0.2, torch.tensor(1.0, device=DEVICE))
+    loss, metrics, grad = run_value(
+        tk,
+        values,
+        old_values,
+        returns,
+        mask,
+        aggregation.row_weights(mask, "token-mean"),
+        0.2,
+        torch.tensor(1.0, device=DEVICE),
+    )
     assert float(loss) == 0.0 and bool((metrics == 0).all()) and bool((grad == 0).all())
 
 
@@ -166,8 +176,9 @@ def test_value_clipping_branches():
     returns = torch.tensor([[0.0, 2.2, 3.0, 0.3]], device=DEVICE)
     mask = torch.ones_like(values, dtype=torch.bool)
     weights = torch.ones(1, device=DEVICE)
-    loss, metrics, grad = run_value(tk, values, old_values, returns, mask, weights, 0.5,
-                                    torch.tensor(1.0, device=DEVICE))
+    loss, metrics, grad = run_value(
+        tk, values, old_values, returns, mask, weights, 0.5, torch.tensor(1.0, device=DEVICE)
+    )
     # token 0: in range, L = 1; token 1: clipped to 0.5, L2 = 2.89 > L1 = 0.04; token 2: clipped to -0.5,
     # L2 = 12.25 < L1 = 16; token 3: L = 0
     assert float(loss) == pytest.approx(0.5 * (1.0 + 2.89 + 16.0), rel=1e-6)
@@ -188,7 +199,7 @@ def _value_batch_invariance(batch_sizes, t):
             weights = torch.full((n,), 1 / 97, device=DEVICE)
             first = run_value(tk, values, old_values, returns, mask, weights, 0.4, grad_loss)
             again = run_value(tk, values, old_values, returns, mask, weights, 0.4, grad_loss)
-            assert torch.equal(first[2][pos:pos + 1], alone), (n, pos)
+            assert torch.equal(first[2][pos : pos + 1], alone), (n, pos)
             assert all(torch.equal(a, b) for a, b in zip(first, again))  # deterministic
 
 
@@ -224,8 +235,7 @@ def run_dpo(impl, data, beta, loss_type, eps, mean, grad_losses, grad_loss):
     metrics = torch.empty(4, dtype=lc.dtype, device=DEVICE)
     impl.dpo_loss_fwd(*data[:4], *lengths, beta, loss_type, eps, mean, losses, loss, metrics)
     g_c, g_r = torch.empty_like(lc), torch.empty_like(lc)
-    impl.dpo_loss_bwd(*data[:4], *lengths, beta, loss_type, eps, mean, *_f64_like(lc, grad_losses, grad_loss),
-                      g_c, g_r)
+    impl.dpo_loss_bwd(*data[:4], *lengths, beta, loss_type, eps, mean, *_f64_like(lc, grad_losses, grad_loss), g_c, g_r)
     return losses, loss, metrics, g_c, g_r
 
 
@@ -251,8 +261,10 @@ def check_dpo(got, truth, data, beta, loss_type, eps, mean):
     reduced = per_pair.mean() if mean else per_pair.sum()
     reward_scale = 1 + beta * s.mean()
     checks = [("losses", got[0], truth[0], per_pair), ("loss", got[1].reshape(1), truth[1].reshape(1), reduced[None])]
-    checks += [(name, got[2][k:k + 1], truth[2][k:k + 1], reward_scale[None])
-               for k, name in enumerate(("rewards_chosen", "rewards_rejected", "reward_margin"))]
+    checks += [
+        (name, got[2][k : k + 1], truth[2][k : k + 1], reward_scale[None])
+        for k, name in enumerate(("rewards_chosen", "rewards_rejected", "reward_margin"))
+    ]
     checks.append(("reward_accuracy", got[2][3:], truth[2][3:], torch.ones(1, dtype=torch.float64)))
     for name, value, ground, scale in checks:
         dev = contract.compare_outputs(e, name, value, ground, scale)
@@ -309,7 +321,7 @@ def test_dpo_batch_invariance_and_determinism(small_blocks, loss_type, eps):
             first = run_dpo(tk, data, 0.1, loss_type, eps, False, g, None)
             again = run_dpo(tk, data, 0.1, loss_type, eps, False, g, None)
             for k in (0, 3, 4):  # per-pair loss, grad_chosen, grad_rejected
-                assert torch.equal(first[k][pos:pos + 1], alone[k]), (n, pos, k)
+                assert torch.equal(first[k][pos : pos + 1], alone[k]), (n, pos, k)
             assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
@@ -365,8 +377,9 @@ def test_public_value_loss_micro_batch_gradients_are_bitwise(agg):
     v64 = values.double().requires_grad_(True)
     truth, _ = rlk.value_loss(v64, old_values.double(), returns.double(), mask, agg=agg, **norms)
     truth.backward()
-    assert contract.compare_outputs(e, "loss", torch.tensor([full]), truth.detach().reshape(1),
-                                    1 + truth.detach().abs().reshape(1)).ok
+    assert contract.compare_outputs(
+        e, "loss", torch.tensor([full]), truth.detach().reshape(1), 1 + truth.detach().abs().reshape(1)
+    ).ok
     assert contract.compare_grad(e, "grad_values", v.grad, v64.grad, 1.0).ok
 
 
@@ -374,12 +387,21 @@ def test_public_dpo_micro_batch_gradients_are_bitwise():
     lc, lr, lc_ref, lr_ref, len_c, len_r = dpo_inputs(20, seed=43)
     with rlk.use_backend("triton"):
         a, b = lc.clone().requires_grad_(True), lr.clone().requires_grad_(True)
-        rlk.dpo_loss(a, b, lc_ref, lr_ref, loss="ipo", chosen_length=len_c, rejected_length=len_r,
-                     reduction="sum")[0].backward()
+        rlk.dpo_loss(a, b, lc_ref, lr_ref, loss="ipo", chosen_length=len_c, rejected_length=len_r, reduction="sum")[
+            0
+        ].backward()
         for rows in (slice(0, 7), slice(7, 20)):
             pa, pb = lc[rows].clone().requires_grad_(True), lr[rows].clone().requires_grad_(True)
-            rlk.dpo_loss(pa, pb, lc_ref[rows], lr_ref[rows], loss="ipo", chosen_length=len_c[rows],
-                         rejected_length=len_r[rows], reduction="sum")[0].backward()
+            rlk.dpo_loss(
+                pa,
+                pb,
+                lc_ref[rows],
+                lr_ref[rows],
+                loss="ipo",
+                chosen_length=len_c[rows],
+                rejected_length=len_r[rows],
+                reduction="sum",
+            )[0].backward()
             assert torch.equal(pa.grad, a.grad[rows]) and torch.equal(pb.grad, b.grad[rows])
 
 
@@ -388,11 +410,25 @@ def test_public_ops_opcheck_and_compile_on_triton():
     lc, lr, lc_ref, lr_ref, len_c, len_r = dpo_inputs(6, seed=45)
     weights = aggregation.row_weights(mask, "token-mean")
     with rlk.use_backend("triton"):
-        torch.library.opcheck(torch.ops.rlk.value_loss_fwd.default,
-                              (values.clone().requires_grad_(True), old_values, returns, mask, weights, 0.5, ""))
-        torch.library.opcheck(torch.ops.rlk.dpo_loss_fwd.default,
-                              (lc.clone().requires_grad_(True), lr.clone().requires_grad_(True), lc_ref, lr_ref,
-                               None, None, 0.1, "robust", 0.2, True))
+        torch.library.opcheck(
+            torch.ops.rlk.value_loss_fwd.default,
+            (values.clone().requires_grad_(True), old_values, returns, mask, weights, 0.5, ""),
+        )
+        torch.library.opcheck(
+            torch.ops.rlk.dpo_loss_fwd.default,
+            (
+                lc.clone().requires_grad_(True),
+                lr.clone().requires_grad_(True),
+                lc_ref,
+                lr_ref,
+                None,
+                None,
+                0.1,
+                "robust",
+                0.2,
+                True,
+            ),
+        )
 
         def step(v, a, b):
             vl, vm = rlk.value_loss(v, old_values, returns, mask, agg="seq-mean-token-mean")

@@ -86,8 +86,9 @@ def _f64(*tensors):
 
 def check_value(dtype, name, got, truth, scale):
     assert got.dtype == dtype
-    dev = contract.compare_outputs(contract.entry("matmul", dtype), name, got.reshape(-1), truth.reshape(-1),
-                                   scale.reshape(-1))
+    dev = contract.compare_outputs(
+        contract.entry("matmul", dtype), name, got.reshape(-1), truth.reshape(-1), scale.reshape(-1)
+    )
     assert dev.ok, dev
     return dev
 
@@ -184,8 +185,8 @@ def _probe_invariance(dtype, n, k, batch_sizes, b_cm=True, with_bias=True):
             a[pos], g[pos] = probe[0], probe_g[0]
             out = run_fwd(tk, a, b, bias)
             ga = run_bwd(tk, g, a, b, want=(True, False, False))[0]
-            assert torch.equal(out[pos:pos + 1], alone), (m, pos)
-            assert torch.equal(ga[pos:pos + 1], alone_ga), (m, pos)
+            assert torch.equal(out[pos : pos + 1], alone), (m, pos)
+            assert torch.equal(ga[pos : pos + 1], alone_ga), (m, pos)
 
 
 @interpreter
@@ -222,8 +223,9 @@ def test_tile_configs_are_consistent():
         bounds = [m_max for m_max, _ in buckets]
         assert all(isinstance(b, int) for b in bounds[:-1]) and bounds[:-1] == sorted(set(bounds[:-1])), dtype
         for _, cfg in buckets:  # "tma": the large bucket's TMA loads, where the operands allow them
-            assert cfg is None or (set(cfg) - {"tma"} == keys
-                                   and all(isinstance(v, int) and v > 0 for v in cfg.values()))
+            assert cfg is None or (
+                set(cfg) - {"tma"} == keys and all(isinstance(v, int) and v > 0 for v in cfg.values())
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +248,7 @@ def _rows_vs_alone(mm, dtype, n, k, batch_sizes, seed=0):
         a = _rand((m, k), seed + m, dtype)
         for pos in sorted({0, m // 2, m - 1}):
             a[pos] = probe[0]
-            if not torch.equal(mm(a, w)[pos:pos + 1], alone):
+            if not torch.equal(mm(a, w)[pos : pos + 1], alone):
                 differ.append((m, pos))
     return differ
 
@@ -364,7 +366,7 @@ def test_grad_a_invariance_and_grad_b_determinism_gpu():
         pos = m // 2
         a[pos], g[pos] = probe[0], probe_g[0]
         ga, gb, gbias = run_bwd(tk, g, a, w_t)
-        assert torch.equal(ga[pos:pos + 1], alone), m
+        assert torch.equal(ga[pos : pos + 1], alone), m
         again = run_bwd(tk, g, a, w_t)
         assert torch.equal(again[1], gb) and torch.equal(again[2], gbias), m
 
@@ -383,5 +385,7 @@ def test_cublas_is_not_batch_invariant_gpu():
     """Negative control: the same probe check on ``torch.mm`` (cuBLAS) must find a differing M, which
     shows that the check can fail. If cuBLAS happens to be invariant on this stack, this fails and says so."""
     differ = _rows_vs_alone(lambda a, w: torch.mm(a, w.T), torch.bfloat16, 4096, 4096, FULL_M)
-    assert differ, ("torch.mm was batch-invariant at N = K = 4096 bf16 for every M tried: the negative control "
-                    "shows nothing on this GPU / cuBLAS version; pick shapes where it differs")
+    assert differ, (
+        "torch.mm was batch-invariant at N = K = 4096 bf16 for every M tried: the negative control "
+        "shows nothing on this GPU / cuBLAS version; pick shapes where it differs"
+    )

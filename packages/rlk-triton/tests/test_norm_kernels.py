@@ -45,8 +45,15 @@ def long_rows(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
-def make_inputs(n: int, h: int, dtype: torch.dtype, seed: int = 0, w_dtype: torch.dtype | None = None,
-                fused: bool = True, scale: float = 1.0) -> dict:
+def make_inputs(
+    n: int,
+    h: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    w_dtype: torch.dtype | None = None,
+    fused: bool = True,
+    scale: float = 1.0,
+) -> dict:
     """x ~ scale * N(0, 1) (row 0 all zeros when n >= 3), weight ~ 1 + 0.3 N(0, 1), residual, grad_y, grad_s."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, h, generator=g) * scale
@@ -80,8 +87,7 @@ def run(impl, data: dict, gemma: bool, want_dw: bool = True) -> dict:
     impl.rms_norm_fwd(x, w, r, EPS, gemma, y, s, rstd)
     grad_x = torch.empty_like(x)
     grad_w = torch.empty_like(w) if want_dw else None
-    impl.rms_norm_bwd(data["grad_y"].to(y.dtype), x if s is None else s, w, rstd, gemma, data["grad_s"], grad_x,
-                      grad_w)
+    impl.rms_norm_bwd(data["grad_y"].to(y.dtype), x if s is None else s, w, rstd, gemma, data["grad_s"], grad_x, grad_w)
     return {"y": y, "s": s, "rstd": rstd, "grad_x": grad_x, "grad_w": grad_w}
 
 
@@ -93,8 +99,9 @@ def check_against_reference(data: dict, gemma: bool) -> dict:
     e = contract.entry("rms_norm", dtype)
     ratios = {}
     for name in ("y", "rstd"):
-        dev = contract.compare_outputs(e, name, got[name].reshape(-1), truth[name].reshape(-1),
-                                       1.0 + truth[name].abs().reshape(-1))
+        dev = contract.compare_outputs(
+            e, name, got[name].reshape(-1), truth[name].reshape(-1), 1.0 + truth[name].abs().reshape(-1)
+        )
         assert dev.ok, dev
         ratios[name] = dev.ratio
     if data["residual"] is not None:  # the new residual is torch's x + residual, bit for bit
@@ -121,7 +128,7 @@ def check_invariance(dtype: torch.dtype, h: int, row_counts, gemma: bool, fused:
             out = run(tk, batch, gemma)
             for name in ("y", "s", "rstd", "grad_x"):
                 if out[name] is not None:
-                    assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, n, pos)
+                    assert torch.equal(out[name][pos : pos + 1], alone[name]), (name, n, pos)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def _rows(n, f, dtype, seed):
             x.view(-1)[0] = float("nan")
             x.view(-1)[-1] = -0.0
     else:
-        x = torch.randint(-2**31, 2**31 - 1, (n, f), generator=g).to(dtype)
+        x = torch.randint(-(2**31), 2**31 - 1, (n, f), generator=g).to(dtype)
     return x.to(DEVICE)
 
 

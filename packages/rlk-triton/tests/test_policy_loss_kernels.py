@@ -87,7 +87,10 @@ def make_inputs(b: int, t: int, seed: int = 0, per_seq_adv: bool = True) -> dict
     mask = torch.arange(t)[None, :] < lengths[:, None]
     adv = torch.randn(b, 1, generator=g) if per_seq_adv else torch.randn(b, t, generator=g)
     out = {
-        "logprob": lp, "old_logprob": old, "advantages": adv, "mask": mask,
+        "logprob": lp,
+        "old_logprob": old,
+        "advantages": adv,
+        "mask": mask,
         "importance_weights": torch.rand(b, t, generator=g) + 0.5,
         "ref_logprob": lp + 0.7 * torch.randn(b, t, generator=g),
         "entropy": torch.rand(b, t, generator=g) * 2,
@@ -96,9 +99,22 @@ def make_inputs(b: int, t: int, seed: int = 0, per_seq_adv: bool = True) -> dict
 
 
 BASE = {
-    "loss": "ppo", "cispo_upper": False, "clip_low": 0.2, "clip_high": 0.28, "dual_clip": 0.0, "clamp_low": -INF,
-    "clamp_high": INF, "tau_pos": 1.0, "tau_neg": 1.05, "kl": "k3", "kl_coef": 0.1, "kl_k3_clamp": True,
-    "kl_clamp": INF, "kl_straight_through": False, "kl_unbiased": False, "entropy_coef": 0.01,
+    "loss": "ppo",
+    "cispo_upper": False,
+    "clip_low": 0.2,
+    "clip_high": 0.28,
+    "dual_clip": 0.0,
+    "clamp_low": -INF,
+    "clamp_high": INF,
+    "tau_pos": 1.0,
+    "tau_neg": 1.05,
+    "kl": "k3",
+    "kl_coef": 0.1,
+    "kl_k3_clamp": True,
+    "kl_clamp": INF,
+    "kl_straight_through": False,
+    "kl_unbiased": False,
+    "entropy_coef": 0.01,
 }
 TENSORS = ("logprob", "old_logprob", "advantages", "mask", "importance_weights", "ref_logprob", "entropy")
 #: The aggregation of the kernel tests unless a test says otherwise: per-row weights c_i = 1 / (n_i N_seq).
@@ -120,8 +136,17 @@ def run_fwd(impl, inputs: dict, dtype=torch.float32, with_entropy_grad=True, **a
         "row_stats": torch.empty(b, len(abi.ROW_STATS), dtype=dtype, device=DEVICE),
         "metrics": torch.empty(len(abi.POLICY_METRICS), dtype=dtype, device=DEVICE),
     }
-    impl.policy_loss_fwd(*args, *norms, out["loss"], out["grad_logprob"], out["grad_entropy"], out["row_weight"],
-                         out["row_stats"], out["metrics"], **attrs)
+    impl.policy_loss_fwd(
+        *args,
+        *norms,
+        out["loss"],
+        out["grad_logprob"],
+        out["grad_entropy"],
+        out["row_weight"],
+        out["row_stats"],
+        out["metrics"],
+        **attrs,
+    )
     if not with_entropy_grad:
         del out["grad_entropy"]
     return out
@@ -137,8 +162,9 @@ def scales(inputs: dict, **attrs) -> dict:
 
 
 def check_outputs(got: dict, truth: dict, scale: dict, attrs=None) -> None:
-    dev = contract.compare_outputs(ENTRY, "row_weight", got["row_weight"], truth["row_weight"],
-                                   1.0 + truth["row_weight"].abs())
+    dev = contract.compare_outputs(
+        ENTRY, "row_weight", got["row_weight"], truth["row_weight"], 1.0 + truth["row_weight"].abs()
+    )
     assert dev.ok, (attrs, dev)
     for name in ("loss", "row_stats", "metrics"):
         value, expected = got[name].reshape(-1), truth[name].reshape(-1)
@@ -209,8 +235,13 @@ def test_optional_inputs(loss, optional):
 
 
 KL_OPTIONS = [
-    {"kl": "k1"}, {"kl": "abs"}, {"kl": "k2"}, {"kl": "k3"}, {"kl": "k3", "kl_k3_clamp": False},
-    {"kl": "k3", "kl_k3_clamp": False, "kl_clamp": 1.0}, {"kl": "k2", "kl_straight_through": True},
+    {"kl": "k1"},
+    {"kl": "abs"},
+    {"kl": "k2"},
+    {"kl": "k3"},
+    {"kl": "k3", "kl_k3_clamp": False},
+    {"kl": "k3", "kl_k3_clamp": False, "kl_clamp": 1.0},
+    {"kl": "k2", "kl_straight_through": True},
     {"kl": "k3", "kl_unbiased": True},
 ]
 
@@ -329,7 +360,7 @@ def test_batch_invariance(request, loss, blocks):
                 batch[name][pos] = probe[name][0]
             out = run_fwd(tk, batch, **attrs)
             for name in ("grad_logprob", "grad_entropy", "row_stats", "row_weight"):
-                assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, b, pos)
+                assert torch.equal(out[name][pos : pos + 1], alone[name]), (name, b, pos)
 
 
 def test_deterministic():
@@ -363,8 +394,15 @@ def test_policy_loss_bwd_is_the_reference_product(small_blocks):
 
 
 KL_CASES = [
-    ("k1", {}), ("abs", {}), ("k2", {}), ("k3", {}), ("k3", {"k3_clamp": False}), ("k1", {"clamp": 2.0}),
-    ("k3", {"clamp": 10.0, "k3_clamp": False}), ("k3", {"straight_through": True}), ("abs", {"old": True}),
+    ("k1", {}),
+    ("abs", {}),
+    ("k2", {}),
+    ("k3", {}),
+    ("k3", {"k3_clamp": False}),
+    ("k1", {"clamp": 2.0}),
+    ("k3", {"clamp": 10.0, "k3_clamp": False}),
+    ("k3", {"straight_through": True}),
+    ("abs", {"old": True}),
     ("k3", {"old": True}),
 ]
 
@@ -403,16 +441,29 @@ def test_kl_penalty_matches_reference(small_blocks, estimator, kwargs):
 
 def test_public_ops_on_triton_match_the_fp64_reference():
     inputs = make_inputs(6, 17, seed=11)
-    kwargs = {"loss": "ppo", "dual_clip": 3.0, "agg": "seq-mean-token-mean", "importance_weights":
-              inputs["importance_weights"], "kl": "low_var_kl", "kl_coef": 0.1, "entropy_coef": 0.01}
+    kwargs = {
+        "loss": "ppo",
+        "dual_clip": 3.0,
+        "agg": "seq-mean-token-mean",
+        "importance_weights": inputs["importance_weights"],
+        "kl": "low_var_kl",
+        "kl_coef": 0.1,
+        "entropy_coef": 0.01,
+    }
     results = {}
     for backend, dtype in (("triton", torch.float32), ("reference", torch.float64)):
         lp = inputs["logprob"].detach().to(dtype).clone().requires_grad_(True)
         ent = inputs["entropy"].detach().to(dtype).clone().requires_grad_(True)
         with rlk.use_backend(backend):
-            value, metrics = rlk.policy_loss(lp, inputs["old_logprob"].to(dtype), inputs["advantages"].to(dtype),
-                                             inputs["mask"], ref_logprob=inputs["ref_logprob"].to(dtype),
-                                             entropy=ent, **kwargs)
+            value, metrics = rlk.policy_loss(
+                lp,
+                inputs["old_logprob"].to(dtype),
+                inputs["advantages"].to(dtype),
+                inputs["mask"],
+                ref_logprob=inputs["ref_logprob"].to(dtype),
+                entropy=ent,
+                **kwargs,
+            )
             kl = rlk.kl_penalty(lp, inputs["ref_logprob"].to(dtype), "k3+")
         (value + kl.sum()).backward()
         results[backend] = (value, metrics, lp.grad, ent.grad, kl)
@@ -440,9 +491,16 @@ def test_micro_batches_on_triton(loss):
     def run(rows):
         lp = inputs["logprob"][rows].clone().requires_grad_(True)
         with rlk.use_backend("triton"):
-            value, _ = rlk.policy_loss(lp, inputs["old_logprob"][rows], inputs["advantages"][rows],
-                                       inputs["mask"][rows], loss=loss, agg="seq-mean-token-mean",
-                                       global_tokens=tokens, global_seqs=seqs)
+            value, _ = rlk.policy_loss(
+                lp,
+                inputs["old_logprob"][rows],
+                inputs["advantages"][rows],
+                inputs["mask"][rows],
+                loss=loss,
+                agg="seq-mean-token-mean",
+                global_tokens=tokens,
+                global_seqs=seqs,
+            )
         value.backward()
         return value.detach(), lp.grad
 
@@ -453,22 +511,38 @@ def test_micro_batches_on_triton(loss):
     assert torch.equal(torch.cat([p[1] for p in parts]), full_grad)
 
 
-@pytest.mark.parametrize("agg", [{"agg": "token-mean"}, {"agg": "seq-mean-token-mean"},
-                                 {"agg": "token-mean", "global_tokens": 500.0}])
+@pytest.mark.parametrize(
+    "agg", [{"agg": "token-mean"}, {"agg": "seq-mean-token-mean"}, {"agg": "token-mean", "global_tokens": 500.0}]
+)
 def test_policy_loss_and_grad_on_triton_is_the_autograd_path(small_blocks, agg):
     """On the Triton backend, policy_loss_and_grad gives the loss, metrics and gradients of policy_loss +
     backward() bit for bit (the backward multiplies the forward's gradient by the upstream 1)."""
     inputs = make_inputs(7, 40, seed=16, per_seq_adv=False)
-    kwargs = {"loss": "ppo", "dual_clip": 3.0, "clamp_log_ratio": 20.0, "ref_logprob": inputs["ref_logprob"],
-              "kl": "low_var_kl", "kl_coef": 0.05, "entropy_coef": 0.01, **agg}
+    kwargs = {
+        "loss": "ppo",
+        "dual_clip": 3.0,
+        "clamp_log_ratio": 20.0,
+        "ref_logprob": inputs["ref_logprob"],
+        "kl": "low_var_kl",
+        "kl_coef": 0.05,
+        "entropy_coef": 0.01,
+        **agg,
+    }
     with rlk.use_backend("triton"):
         lp = inputs["logprob"].clone().requires_grad_(True)
         ent = inputs["entropy"].clone().requires_grad_(True)
-        value, metrics = rlk.policy_loss(lp, inputs["old_logprob"], inputs["advantages"], inputs["mask"],
-                                         entropy=ent, **kwargs)
+        value, metrics = rlk.policy_loss(
+            lp, inputs["old_logprob"], inputs["advantages"], inputs["mask"], entropy=ent, **kwargs
+        )
         value.backward()
-        out = rlk.policy_loss_and_grad(inputs["logprob"], inputs["old_logprob"], inputs["advantages"],
-                                       inputs["mask"], entropy=inputs["entropy"], **kwargs)
+        out = rlk.policy_loss_and_grad(
+            inputs["logprob"],
+            inputs["old_logprob"],
+            inputs["advantages"],
+            inputs["mask"],
+            entropy=inputs["entropy"],
+            **kwargs,
+        )
     assert torch.equal(out.loss, value.detach())
     assert torch.equal(out.grad_logprob, lp.grad) and torch.equal(out.grad_entropy, ent.grad)
     assert all(torch.equal(out.metrics[k], metrics[k]) for k in metrics)
@@ -478,8 +552,9 @@ def test_compile_with_triton_matches_eager():
     inputs = make_inputs(4, 9, seed=12)
 
     def objective(lp):
-        value, metrics = rlk.policy_loss(lp, inputs["old_logprob"], inputs["advantages"], inputs["mask"],
-                                         loss="gspo", agg="token-sum")
+        value, metrics = rlk.policy_loss(
+            lp, inputs["old_logprob"], inputs["advantages"], inputs["mask"], loss="gspo", agg="token-sum"
+        )
         return value + rlk.kl_penalty(lp, inputs["ref_logprob"], "k3").sum(), metrics["clip_fraction"]
 
     results = []
@@ -515,7 +590,7 @@ def test_realistic_shape_gpu(loss):
             batch[name][pos] = probe[name][0]
         out = run_fwd(tk, batch, **attrs)
         for name in ("grad_logprob", "grad_entropy", "row_stats"):
-            assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, pos)
+            assert torch.equal(out[name][pos : pos + 1], alone[name]), (name, pos)
 
 
 @pytest.mark.gpu
@@ -533,8 +608,10 @@ def test_repeated_runs_give_the_same_bits_gpu(agg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loss,agg", [("ppo", "token-mean"), ("ppo", "token-sum"), ("gspo", "token-mean"),
-                                      ("geo_mean", "seq-mean-token-mean")])
+@pytest.mark.parametrize(
+    "loss,agg",
+    [("ppo", "token-mean"), ("ppo", "token-sum"), ("gspo", "token-mean"), ("geo_mean", "seq-mean-token-mean")],
+)
 def test_programmatic_launch_changes_no_bit_gpu(loss, agg, monkeypatch):
     """Programmatic dependent launch (on from compute capability 9.0) lets each kernel of a call start before the one
     ahead of it ends: [512, 8192] with it and without it, every output the same bits (10 runs with it: a kernel that
@@ -574,9 +651,12 @@ def test_runs_without_tritons_cuda_extras():
 
 
 AGG_CASES = [
-    {"agg": "token-mean"}, {"agg": "token-mean", "global_tokens": 300.0},
-    {"agg": "token-mean", "global_tokens": "tensor"}, {"agg": "token-sum"},
-    {"agg": "seq-mean-token-sum"}, {"agg": "seq-mean-token-sum", "global_seqs": 11.0},
+    {"agg": "token-mean"},
+    {"agg": "token-mean", "global_tokens": 300.0},
+    {"agg": "token-mean", "global_tokens": "tensor"},
+    {"agg": "token-sum"},
+    {"agg": "seq-mean-token-sum"},
+    {"agg": "seq-mean-token-sum", "global_seqs": 11.0},
     {"agg": "seq-mean-token-mean", "global_seqs": "tensor"},
     {"agg": "seq-mean-token-sum-norm", "loss_scale": 64.0},
     {"agg": "seq-mean-token-sum-norm", "loss_scale": "tensor", "global_seqs": "tensor"},
@@ -588,11 +668,14 @@ def test_every_aggregation_matches_the_reference(agg):
     """The finalize program's weights c_i (numbers, one-element tensors or absent normalizers; an empty row and
     rows of different lengths) against rlk.reference.aggregation, and the loss, statistics and metrics."""
     inputs = make_inputs(6, 23, seed=12)
-    attrs = {k: (torch.tensor(7.0 if k != "global_tokens" else 150.0, device=DEVICE) if v == "tensor" else v)
-             for k, v in agg.items()}
+    attrs = {
+        k: (torch.tensor(7.0 if k != "global_tokens" else 150.0, device=DEVICE) if v == "tensor" else v)
+        for k, v in agg.items()
+    }
     got = check_against_reference(inputs, loss="ppo", **attrs)
-    expected = aggregation.row_weights(inputs["mask"], attrs["agg"], dtype=torch.float64,
-                                       **{k: v for k, v in attrs.items() if k != "agg"})
+    expected = aggregation.row_weights(
+        inputs["mask"], attrs["agg"], dtype=torch.float64, **{k: v for k, v in attrs.items() if k != "agg"}
+    )
     assert torch.allclose(got["row_weight"].double(), expected, rtol=1e-6, atol=0)
 
 
@@ -626,8 +709,15 @@ def test_dppo_matches_reference(attrs, shape):
 # A zero importance weight is log 0 = -inf before vespo's clamp (intended): the interpreter warns.
 pytestmark.append(pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"))
 
-VESPO = {"loss": "vespo", "clamp_low": -20.0, "clamp_high": 20.0, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0,
-         "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}
+VESPO = {
+    "loss": "vespo",
+    "clamp_low": -20.0,
+    "clamp_high": 20.0,
+    "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0,
+    "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0,
+}
 
 
 def vespo_inputs(b: int, t: int, seed: int, per_seq_adv: bool = True) -> dict:
@@ -664,9 +754,14 @@ def test_vespo_matches_reference(shape, iw):
         _phi_is_not_trivial(got, inputs)
 
 
-@pytest.mark.parametrize("params", [{"vespo_k_pos": 1.0, "vespo_lambda_pos": 0.5},
-                                    {"vespo_k_neg": 10.0, "vespo_lambda_neg": 1e-4, "kl_coef": 0.0},
-                                    {"clamp_low": -INF, "clamp_high": INF}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"vespo_k_pos": 1.0, "vespo_lambda_pos": 0.5},
+        {"vespo_k_neg": 10.0, "vespo_lambda_neg": 1e-4, "kl_coef": 0.0},
+        {"clamp_low": -INF, "clamp_high": INF},
+    ],
+)
 def test_vespo_parameters_and_token_advantages(small_blocks, params):
     """Rows of several chunks (the sequence sum over chunk partials), per-token advantages of both signs (k and lam
     chosen per token), other k / lam (k = 10, lam = 1e-4 at w = 1e5: phi = e^105 overflows fp32 and counts as 0,
@@ -697,23 +792,37 @@ def test_vespo_batch_invariance_with_importance_weights():
                 batch[name][pos] = probe[name][0]
             out = run_fwd(tk, batch, **attrs)
             for name in ("grad_logprob", "grad_entropy", "row_stats", "row_weight"):
-                assert torch.equal(out[name][pos:pos + 1], alone[name]), (name, b, pos)
+                assert torch.equal(out[name][pos : pos + 1], alone[name]), (name, b, pos)
 
 
 def test_vespo_public_op_on_triton_matches_the_fp64_reference():
     """rlk.policy_loss(loss="vespo") on the Triton backend against the reference backend in fp64 (scale 1 + |ref|),
     with TRL's settings (clamp_log_ratio=20, token-mean over a global token count) and a k3 KL term."""
     inputs = vespo_inputs(6, 17, seed=11)
-    kwargs = {"loss": "vespo", "clamp_log_ratio": 20.0, "agg": "token-mean", "global_tokens": 70.0,
-              "importance_weights": inputs["importance_weights"], "kl": "k3", "kl_k3_clamp": False, "kl_coef": 0.04,
-              "vespo_k": (2.0, 3.0), "vespo_lambda": (3.0, 2.0)}
+    kwargs = {
+        "loss": "vespo",
+        "clamp_log_ratio": 20.0,
+        "agg": "token-mean",
+        "global_tokens": 70.0,
+        "importance_weights": inputs["importance_weights"],
+        "kl": "k3",
+        "kl_k3_clamp": False,
+        "kl_coef": 0.04,
+        "vespo_k": (2.0, 3.0),
+        "vespo_lambda": (3.0, 2.0),
+    }
     results = {}
     for backend, dtype in (("triton", torch.float32), ("reference", torch.float64)):
         lp = inputs["logprob"].detach().to(dtype).clone().requires_grad_(True)
         with rlk.use_backend(backend):
-            value, metrics = rlk.policy_loss(lp, inputs["old_logprob"].to(dtype), inputs["advantages"].to(dtype),
-                                             inputs["mask"], ref_logprob=inputs["ref_logprob"].to(dtype),
-                                             **{**kwargs, "importance_weights": kwargs["importance_weights"].to(dtype)})
+            value, metrics = rlk.policy_loss(
+                lp,
+                inputs["old_logprob"].to(dtype),
+                inputs["advantages"].to(dtype),
+                inputs["mask"],
+                ref_logprob=inputs["ref_logprob"].to(dtype),
+                **{**kwargs, "importance_weights": kwargs["importance_weights"].to(dtype)},
+            )
         value.backward()
         results[backend] = (value.detach().reshape(1), metrics, lp.grad)
     (value, metrics, grad), (value64, metrics64, grad64) = results["triton"], results["reference"]

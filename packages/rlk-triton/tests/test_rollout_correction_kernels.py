@@ -69,7 +69,7 @@ def make_inputs(b: int, t: int, seed: int = 0, level: str = "token") -> dict:
     if level == "token":
         roll = old + 0.3 * torch.randn(b, t, generator=g)
     else:  # a row sum of about N(0, 1.4^2): per-token noise and a row bias, 1 each
-        roll = old + torch.randn(b, t, generator=g) / t ** 0.5 + torch.randn(b, 1, generator=g) / t
+        roll = old + torch.randn(b, t, generator=g) / t**0.5 + torch.randn(b, 1, generator=g) / t
     if level == "token":
         roll[:, ::8] = old[:, ::8] + 1.2
         roll[:, 1::8] = old[:, 1::8] - 1.2
@@ -88,8 +88,9 @@ def run_fwd(impl, x: dict, dtype=torch.float32, **attrs) -> tuple[torch.Tensor, 
     old = x["old"].to(dtype).contiguous()
     weights = torch.empty_like(old)
     metrics = torch.empty(len(abi.CORRECTION_METRICS), dtype=dtype, device=old.device)
-    impl.rollout_correction_fwd(old, x["roll"].to(dtype).contiguous(), x["mask"].contiguous(), weights, metrics,
-                                **attrs)
+    impl.rollout_correction_fwd(
+        old, x["roll"].to(dtype).contiguous(), x["mask"].contiguous(), weights, metrics, **attrs
+    )
     return weights, metrics
 
 
@@ -97,11 +98,12 @@ def check_against_reference(x: dict, **attrs) -> tuple[torch.Tensor, torch.Tenso
     weights, metrics = run_fwd(tk, x, **attrs)
     truth_w, truth_m = run_fwd(ref, x, torch.float64, **attrs)
     scale = ref.contract_scale(x["old"].double(), x["roll"].double(), x["mask"], **attrs)
-    dev = contract.compare_outputs(ENTRY, "weights", weights.reshape(-1), truth_w.reshape(-1),
-                                   scale["weights"].reshape(-1))
+    dev = contract.compare_outputs(
+        ENTRY, "weights", weights.reshape(-1), truth_w.reshape(-1), scale["weights"].reshape(-1)
+    )
     assert dev.ok, (attrs, dev)
     for i, name in enumerate(abi.CORRECTION_METRICS):
-        dev = contract.compare_outputs(ENTRY, name, metrics[i:i + 1], truth_m[i:i + 1], scale["metrics"][i:i + 1])
+        dev = contract.compare_outputs(ENTRY, name, metrics[i : i + 1], truth_m[i : i + 1], scale["metrics"][i : i + 1])
         assert dev.ok, (attrs, dev)
     assert bool((weights[~x["mask"]] == 0).all())
     return weights, metrics
@@ -147,7 +149,7 @@ def test_batch_invariance(request, attrs, blocks):
             for name in batch:
                 batch[name][pos] = probe[name][0]
             weights, _ = run_fwd(tk, batch, **attrs)
-            assert torch.equal(weights[pos:pos + 1], alone), (b, pos)
+            assert torch.equal(weights[pos : pos + 1], alone), (b, pos)
 
 
 def test_deterministic(small_blocks):
@@ -205,8 +207,7 @@ def test_public_op_on_triton_and_compile():
     x = make_inputs(4, 9, seed=12, level="sequence")
 
     def weighted(old, roll, mask):
-        weights, metrics = rlk.rollout_correction(old, roll, mask, level="sequence", mode="mask", lower=0.5,
-                                                  upper=3.0)
+        weights, metrics = rlk.rollout_correction(old, roll, mask, level="sequence", mode="mask", lower=0.5, upper=3.0)
         return weights, metrics["seq_weight_mean"]
 
     with rlk.use_backend("triton"):
@@ -240,4 +241,4 @@ def test_realistic_shape_gpu(attrs):
         for name in batch:
             batch[name][pos] = probe[name][0]
         weights, _ = run_fwd(tk, batch, **attrs)
-        assert torch.equal(weights[pos:pos + 1], alone), pos
+        assert torch.equal(weights[pos : pos + 1], alone), pos

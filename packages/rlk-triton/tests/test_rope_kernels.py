@@ -64,8 +64,9 @@ def term_scale(x, cos, sin, interleaved):
 
 
 def check(dtype, name, got, truth, scale):
-    dev = contract.compare_outputs(contract.entry("rope", dtype), name, got.reshape(-1), truth.reshape(-1),
-                                   scale.reshape(-1))
+    dev = contract.compare_outputs(
+        contract.entry("rope", dtype), name, got.reshape(-1), truth.reshape(-1), scale.reshape(-1)
+    )
     assert dev.ok, dev
 
 
@@ -81,13 +82,19 @@ def test_matches_reference(dtype, shape, interleaved, table_dtype):
     x, grad, cos, sin = inputs(t, h, d, r, dtype, interleaved, table_dtype)
     c64, s64 = cos.double(), sin.double()
     out = run(tk, "rope_fwd", x, cos, sin, interleaved)
-    check(dtype, "out", out, run(ref, "rope_fwd", x.double(), c64, s64, interleaved),
-          term_scale(x, cos, sin, interleaved))
+    check(
+        dtype, "out", out, run(ref, "rope_fwd", x.double(), c64, s64, interleaved), term_scale(x, cos, sin, interleaved)
+    )
     assert torch.equal(out[..., r:], x[..., r:])  # partial rotary: the rest is copied
     gx = run(tk, "rope_bwd", grad, cos, sin, interleaved)
     assert gx.dtype == dtype
-    check(dtype, "grad_x", gx, run(ref, "rope_bwd", grad.double(), c64, s64, interleaved),
-          term_scale(grad, cos, sin, interleaved))
+    check(
+        dtype,
+        "grad_x",
+        gx,
+        run(ref, "rope_bwd", grad.double(), c64, s64, interleaved),
+        term_scale(grad, cos, sin, interleaved),
+    )
     e = contract.entry("rope", dtype)
     dev = contract.compare_grad(e, "grad_x", gx, run(ref, "rope_bwd", grad.double(), c64, s64, interleaved), 0.0)
     assert dev.ok, dev
@@ -125,8 +132,8 @@ def test_batch_invariance(dtype):
         out = run(tk, "rope_fwd", x, cos, sin, False)
         gx = run(tk, "rope_bwd", grad, cos, sin, False)
         for pos in positions:
-            assert torch.equal(out[pos:pos + 1], alone), (n, pos)
-            assert torch.equal(gx[pos:pos + 1], alone_grad), (n, pos)
+            assert torch.equal(out[pos : pos + 1], alone), (n, pos)
+            assert torch.equal(gx[pos : pos + 1], alone_grad), (n, pos)
 
 
 def test_op_layer_on_the_triton_backend():
@@ -171,10 +178,20 @@ def test_llama_shape_bf16_gpu(table_dtype):
             c64, s64 = cos.double(), sin.double()
             out = run(tk, "rope_fwd", x, cos, sin, interleaved)
             gx = run(tk, "rope_bwd", grad, cos, sin, interleaved)
-            check(torch.bfloat16, "out", out, run(ref, "rope_fwd", x.double(), c64, s64, interleaved),
-                  term_scale(x, cos, sin, interleaved))
-            check(torch.bfloat16, "grad_x", gx, run(ref, "rope_bwd", grad.double(), c64, s64, interleaved),
-                  term_scale(grad, cos, sin, interleaved))
+            check(
+                torch.bfloat16,
+                "out",
+                out,
+                run(ref, "rope_fwd", x.double(), c64, s64, interleaved),
+                term_scale(x, cos, sin, interleaved),
+            )
+            check(
+                torch.bfloat16,
+                "grad_x",
+                gx,
+                run(ref, "rope_bwd", grad.double(), c64, s64, interleaved),
+                term_scale(grad, cos, sin, interleaved),
+            )
             for pos in (0, t // 2, t - 1):
                 one = slice(pos, pos + 1)
                 assert torch.equal(run(tk, "rope_fwd", x[one], cos[one], sin[one], interleaved), out[one])

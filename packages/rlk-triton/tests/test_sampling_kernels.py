@@ -22,8 +22,14 @@ from rlk_triton import sampling as tk
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (inv_temperature, top_k, top_p, min_p, greedy)
-MODES = [(1.0, 0, 1.0, 0.0, False), (1.25, 3, 1.0, 0.0, False), (1.0, 0, 0.75, 0.0, False),
-         (0.5, 0, 1.0, 0.2, False), (2.0, 17, 0.9, 0.01, False), (1.0, 0, 1.0, 0.0, True)]
+MODES = [
+    (1.0, 0, 1.0, 0.0, False),
+    (1.25, 3, 1.0, 0.0, False),
+    (1.0, 0, 0.75, 0.0, False),
+    (0.5, 0, 1.0, 0.2, False),
+    (2.0, 17, 0.9, 0.01, False),
+    (1.0, 0, 1.0, 0.0, True),
+]
 
 
 def _run(fn, x, seed, step, mode):
@@ -48,11 +54,11 @@ def test_kernel_matches_reference(mode, vocab):
 def test_adversarial_rows():
     vocab = 1500
     x = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
-    x[0] = 1.0                     # all tied
-    x[1, 700:] = float("-inf")     # masked tokens
-    x[2, 1234] = 60.0              # one dominant token
-    x[3] = torch.round(x[3])       # many ties at each value (top-k / top-p thresholds on ties)
-    x[4, ::2] = -0.0               # signed zeros
+    x[0] = 1.0  # all tied
+    x[1, 700:] = float("-inf")  # masked tokens
+    x[2, 1234] = 60.0  # one dominant token
+    x[3] = torch.round(x[3])  # many ties at each value (top-k / top-p thresholds on ties)
+    x[4, ::2] = -0.0  # signed zeros
     x[4, 1::2] = 0.0
     x = x.to(DEVICE)
     seed = torch.arange(5, dtype=torch.int64, device=DEVICE)
@@ -85,26 +91,32 @@ def _threshold_rows(vocab: int) -> torch.Tensor:
     ulps = torch.randint(0, 600, (vocab,), generator=g)
     sign = torch.randint(0, 2, (vocab,), generator=g) << 31
     rows = [
-        _from_bits(0x3F800000 + ulps),         # 1 + k ulp: keys sharing their upper bytes, ties, low bytes 0x00-0x57
-        -_from_bits(0x3F800000 + ulps),        # the same, negative
-        _from_bits(sign | (ulps // 2)),        # +-0 and subnormals of both signs (all e = 1: flat)
+        _from_bits(0x3F800000 + ulps),  # 1 + k ulp: keys sharing their upper bytes, ties, low bytes 0x00-0x57
+        -_from_bits(0x3F800000 + ulps),  # the same, negative
+        _from_bits(sign | (ulps // 2)),  # +-0 and subnormals of both signs (all e = 1: flat)
         torch.where(torch.rand(vocab, generator=g) < 0.5, float("-inf"), torch.randn(vocab, generator=g)),
         torch.randn(vocab, generator=g) * 3,
     ]
-    rows[4][7] = 40.0                          # one dominant token
+    rows[4][7] = 40.0  # one dominant token
     return torch.stack(rows)
 
 
 def _threshold_modes(vocab: int) -> list:
     modes = [(1.0, k, 1.0, 0.0, False) for k in (1, 2, 255, 256, 257, vocab - 1)]
     modes += [(1.0, 0, p, 0.0, False) for p in (1e-6, 0.3, 0.999, 0.99999994)]
-    return modes + [(1.0, 256, 0.5, 0.0, False), (1.0, vocab - 1, 0.99999994, 0.0, False),
-                    (1.25, 3, 1e-6, 0.0, False), (1.0, 300, 0.9, 0.3, False)]
+    return modes + [
+        (1.0, 256, 0.5, 0.0, False),
+        (1.0, vocab - 1, 0.99999994, 0.0, False),
+        (1.25, 3, 1e-6, 0.0, False),
+        (1.0, 300, 0.9, 0.3, False),
+    ]
 
 
-@pytest.mark.parametrize("list_cap,list_margin", [(tk.LIST_CAP, tk.LIST_MARGIN), (0, tk.LIST_MARGIN),
-                                                  (5, tk.LIST_MARGIN), (tk.LIST_CAP, 0.25)],
-                         ids=["list", "no_list", "small_list", "short_list"])
+@pytest.mark.parametrize(
+    "list_cap,list_margin",
+    [(tk.LIST_CAP, tk.LIST_MARGIN), (0, tk.LIST_MARGIN), (5, tk.LIST_MARGIN), (tk.LIST_CAP, 0.25)],
+    ids=["list", "no_list", "small_list", "short_list"],
+)
 def test_radix_select_hard_cases(list_cap, list_margin, monkeypatch):
     """Every mode on the hard rows; the top-p select over the candidate list, over the row when the list would be
     too long (cap 0 or 5), and over the row after a list that a too small margin leaves short of the target."""

@@ -68,8 +68,9 @@ def _bwd(impl, g: torch.Tensor, y: torch.Tensor, log: bool) -> torch.Tensor:
 
 def _check(dtype, name, got, truth):
     finite = torch.isfinite(truth)
-    dev = contract.compare_outputs(contract.entry("softmax", dtype), name, got[finite], truth[finite],
-                                   1.0 + truth[finite].abs())
+    dev = contract.compare_outputs(
+        contract.entry("softmax", dtype), name, got[finite], truth[finite], 1.0 + truth[finite].abs()
+    )
     assert dev.ok, dev
     # -inf outputs (log_softmax of -inf entries) must be exactly -inf
     assert torch.equal(got.double()[~finite], truth[~finite])
@@ -112,8 +113,8 @@ def test_rows_are_batch_invariant(small_tiles, dtype, log):
     pool = _inputs(70, v, dtype, seed=3)
     g_pool = torch.randn(70, v, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
     probe = 5  # the row followed across batches
-    alone_y = _fwd(tk, pool[probe:probe + 1].contiguous(), log)
-    alone_g = _bwd(tk, g_pool[probe:probe + 1].contiguous(), alone_y, log)
+    alone_y = _fwd(tk, pool[probe : probe + 1].contiguous(), log)
+    alone_g = _bwd(tk, g_pool[probe : probe + 1].contiguous(), alone_y, log)
     counts = ROW_COUNTS if ON_GPU else [1, 2, 7, 16, 33, 65]
     for n in counts:
         position = n // 2  # the probe sits in the middle (the first row when alone)
@@ -142,5 +143,5 @@ def test_real_vocab_sizes_on_the_gpu(dtype, v):
         dev = contract.compare_grad(contract.entry("softmax", dtype), "grad_x", grad[keep], grad_truth[keep], 1.0)
         assert dev.ok, dev
         for n in ROW_COUNTS:
-            assert torch.equal(_fwd(tk, x[3:3 + n].contiguous(), log)[0], y[3]), f"{n} rows"
-            assert torch.equal(_bwd(tk, g[3:3 + n].contiguous(), y[3:3 + n].contiguous(), log)[0], grad[3])
+            assert torch.equal(_fwd(tk, x[3 : 3 + n].contiguous(), log)[0], y[3]), f"{n} rows"
+            assert torch.equal(_bwd(tk, g[3 : 3 + n].contiguous(), y[3 : 3 + n].contiguous(), log)[0], grad[3])

@@ -35,10 +35,24 @@ pytestmark = [
 ]
 
 SMALL = {
-    "linear_fwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_SPLIT": 32, "GROUP_N": 2,
-                   "num_warps": 4, "num_stages": 1},
-    "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_CHUNK": 24, "GROUP_N": 2,
-                   "num_warps": 4, "num_stages": 1},
+    "linear_fwd": {
+        "BLOCK_N": 16,
+        "BLOCK_V": 16,
+        "BLOCK_K": 16,
+        "VOCAB_SPLIT": 32,
+        "GROUP_N": 2,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
+    "linear_bwd": {
+        "BLOCK_N": 16,
+        "BLOCK_V": 16,
+        "BLOCK_K": 16,
+        "VOCAB_CHUNK": 24,
+        "GROUP_N": 2,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
 }
 SMALL_GEMM = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 
@@ -107,16 +121,29 @@ def _sharded(p, hidden, weight, targets, inv_t, g_lp, g_ent):
 
     states = torch.empty((p, 4, n), device=DEVICE)
     for r in range(p):
-        tk.linear_logprob_shard_fwd(hidden, weight[r * v_s:(r + 1) * v_s], local(r), inv_t, leaves, states[r, :3],
-                                    states[r, 3])
+        tk.linear_logprob_shard_fwd(
+            hidden, weight[r * v_s : (r + 1) * v_s], local(r), inv_t, leaves, states[r, :3], states[r, 3]
+        )
     z = states[:, 3].gather(0, torch.where(valid, targets // v_s, 0)[None]).squeeze(0).contiguous()
     out = [torch.empty(n, device=DEVICE) for _ in range(3)]
     tk.linear_logprob_combine_fwd(states[:, :3].contiguous(), z, targets, IGNORE, *out)
     parts = torch.empty((p, *hidden.shape), device=DEVICE)
     gw = torch.empty_like(weight)
     for r in range(p):
-        tk.linear_logprob_shard_bwd(hidden, weight[r * v_s:(r + 1) * v_s], local(r), inv_t, out[2], out[1], g_lp,
-                                    g_ent, NOT_HERE, leaves, parts[r], gw[r * v_s:(r + 1) * v_s])
+        tk.linear_logprob_shard_bwd(
+            hidden,
+            weight[r * v_s : (r + 1) * v_s],
+            local(r),
+            inv_t,
+            out[2],
+            out[1],
+            g_lp,
+            g_ent,
+            NOT_HERE,
+            leaves,
+            parts[r],
+            gw[r * v_s : (r + 1) * v_s],
+        )
     gh = torch.empty_like(hidden)
     tk.linear_logprob_combine_bwd(parts, gh)
     return out, gh, gw
@@ -162,8 +189,13 @@ def test_matmul_k_shards_give_the_single_device_bits(small_tiles, dtype, k):
     and the column-parallel backward's grad_a (its K is the sharded N)."""
     g = _gen(1)
     m, n = 37, 64
-    a, w, bias, grad = _to(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5,
-                           torch.randn(n, generator=g), torch.randn(m, n, generator=g), dtype=dtype)
+    a, w, bias, grad = _to(
+        torch.randn(m, k, generator=g),
+        torch.randn(n, k, generator=g) / k**0.5,
+        torch.randn(n, generator=g),
+        torch.randn(m, n, generator=g),
+        dtype=dtype,
+    )
     out = torch.empty(m, n, dtype=dtype, device=DEVICE)
     tm.matmul_fwd(a, w.t(), bias, out)
     grad_a = torch.empty_like(a)
@@ -175,15 +207,20 @@ def test_matmul_k_shards_give_the_single_device_bits(small_tiles, dtype, k):
         k_s, n_s = k // p, n // p
         parts = torch.empty(p, m, n, device=DEVICE)
         for r in range(p):
-            tm.matmul_shard_fwd(a[:, r * k_s:(r + 1) * k_s].contiguous(), w[:, r * k_s:(r + 1) * k_s].contiguous().t(),
-                                leaves // p, parts[r])
+            tm.matmul_shard_fwd(
+                a[:, r * k_s : (r + 1) * k_s].contiguous(),
+                w[:, r * k_s : (r + 1) * k_s].contiguous().t(),
+                leaves // p,
+                parts[r],
+            )
         out2 = torch.empty_like(out)
         tm.matmul_combine(parts, bias, out2)
         assert torch.equal(out2, out), p
         parts = torch.empty(p, m, k, device=DEVICE)
         for r in range(p):
-            tm.matmul_shard_fwd(grad[:, r * n_s:(r + 1) * n_s].contiguous(), w[r * n_s:(r + 1) * n_s], n_leaves // p,
-                                parts[r])
+            tm.matmul_shard_fwd(
+                grad[:, r * n_s : (r + 1) * n_s].contiguous(), w[r * n_s : (r + 1) * n_s], n_leaves // p, parts[r]
+            )
         grad_a2 = torch.empty_like(grad_a)
         tm.matmul_combine(parts, None, grad_a2)
         assert torch.equal(grad_a2, grad_a), p
@@ -195,8 +232,12 @@ def test_matmul_is_one_segment_with_the_tensor_parallel_order_off(small_tiles, m
     grad_a; with it on, 8 segments, and in fp32 other bits (a 16-bit output's rounding may hide the difference)."""
     g = _gen(3)
     m, k, n = 37, 8 * 20, 40
-    a, w, grad = _to(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5,
-                     torch.randn(m, n, generator=g), dtype=dtype)
+    a, w, grad = _to(
+        torch.randn(m, k, generator=g),
+        torch.randn(n, k, generator=g) / k**0.5,
+        torch.randn(m, n, generator=g),
+        dtype=dtype,
+    )
 
     def run():
         out, grad_a = torch.empty(m, n, dtype=dtype, device=DEVICE), torch.empty_like(a)
@@ -233,7 +274,7 @@ def test_matmul_tree_rows_are_batch_invariant(small_tiles, dtype):
             a[pos] = probe[0]
             out = torch.empty(m, n, dtype=dtype, device=DEVICE)
             tm.matmul_fwd(a, w.t(), None, out)
-            assert torch.equal(out[pos:pos + 1], alone), (m, pos)
+            assert torch.equal(out[pos : pos + 1], alone), (m, pos)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,8 +306,12 @@ def test_matmul_k_shards_qwen3_gpu(k, n):
         k_s = k // p
         parts = torch.empty(p, m, n, device=DEVICE)
         for r in range(p):
-            tm.matmul_shard_fwd(a[:, r * k_s:(r + 1) * k_s].contiguous(), w[:, r * k_s:(r + 1) * k_s].contiguous().t(),
-                                tm.tree_leaves(k, tm.MAX_TREE_LEAVES, tm.MIN_LEAF) // p, parts[r])
+            tm.matmul_shard_fwd(
+                a[:, r * k_s : (r + 1) * k_s].contiguous(),
+                w[:, r * k_s : (r + 1) * k_s].contiguous().t(),
+                tm.tree_leaves(k, tm.MAX_TREE_LEAVES, tm.MIN_LEAF) // p,
+                parts[r],
+            )
         out2 = torch.empty_like(out)
         tm.matmul_combine(parts, None, out2)
         assert torch.equal(out2, out), p

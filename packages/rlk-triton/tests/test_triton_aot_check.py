@@ -23,7 +23,7 @@ pytestmark = pytest.mark.triton_interpreter
 
 TOOL = Path(__file__).parents[3] / "tools" / "triton_aot_check.py"
 
-PROBE = '''
+PROBE = """
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
@@ -73,7 +73,7 @@ def pdl_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL_WAIT: tl.constexpr):
 def tma_kernel(x_desc, out_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(out_ptr + offs[:, None] * BLOCK + offs[None, :], x_desc.load([0, 0]))
-'''
+"""
 
 
 def _load(path: Path, name: str):
@@ -96,8 +96,13 @@ def _check(records: list[dict], tmp_path: Path, archs: tuple[str, ...] = ("90",)
     path.write_text(json.dumps(records))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(TOOL), str(path), "--arch", *archs, "--packages", "aot_probe"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(TOOL), str(path), "--arch", *archs, "--packages", "aot_probe"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def test_records_compile_and_a_compiler_only_error_is_reported(tmp_path):
@@ -112,9 +117,15 @@ def test_records_compile_and_a_compiler_only_error_is_reported(tmp_path):
         probe.bad_kernel[(1,)](x, out2, x.numel(), BLOCK=16)
     # the interpreter runs both happily
     assert torch.equal(out, x * 3.0) and torch.equal(out2, x * 2.0)
-    assert good == [{"module": "aot_probe", "kernel": "good_kernel",
-                     "signature": {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
-                     "constants": {"SCALE": 3.0, "BLOCK": 16}, "options": {"num_warps": 2}}]
+    assert good == [
+        {
+            "module": "aot_probe",
+            "kernel": "good_kernel",
+            "signature": {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"},
+            "constants": {"SCALE": 3.0, "BLOCK": 16},
+            "options": {"num_warps": 2},
+        }
+    ]
 
     done = _check(good, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -175,8 +186,9 @@ def test_tma_descriptors_are_typed_and_compiled_from_sm_90_only(tmp_path):
     done = _check(records, tmp_path, ("90", "80"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "compiled 1 of 1 kernel specializations for sm_90" in done.stdout
-    assert "compiled 0 of 0 kernel specializations for sm_80 (1 with TMA descriptors left out below sm_90)" in \
-        done.stdout
+    assert (
+        "compiled 0 of 0 kernel specializations for sm_80 (1 with TMA descriptors left out below sm_90)" in done.stdout
+    )
 
 
 def test_arch_names_map_to_cuda_and_hip_targets(tmp_path):
@@ -202,8 +214,9 @@ def test_records_compile_for_amd_gfx942_and_gfx90a(tmp_path):
     with tool.record_launches(records):
         probe.good_kernel[(1,)](x, torch.empty_like(x), x.numel(), SCALE=3.0, BLOCK=16, num_warps=2)
         probe.pdl_kernel[(1,)](x, torch.empty_like(x), x.numel(), BLOCK=16, PDL_WAIT=False)
-        probe.tma_kernel[(1,)](TensorDescriptor.from_tensor(x.reshape(2, 5)[:, :4].contiguous(), [16, 16]),
-                               torch.empty(16, 16), BLOCK=16)
+        probe.tma_kernel[(1,)](
+            TensorDescriptor.from_tensor(x.reshape(2, 5)[:, :4].contiguous(), [16, 16]), torch.empty(16, 16), BLOCK=16
+        )
     with_maxnreg = dict(records[0], options={"num_warps": 2, "maxnreg": 56})  # the same kernel on AMD
     done = _check(records + [with_maxnreg], tmp_path, ("gfx942", "gfx90a"))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -32,8 +32,9 @@ def test_the_abi_version_is_the_backends_own_and_an_other_rlk_is_refused(monkeyp
     monkeypatch.setattr(version, "__version__", rlk_triton.__version__)
     monkeypatch.setattr(rlk_triton, "ABI_VERSION", abi.ABI_VERSION + 1)
     status = dispatch._status_of("triton", rlk_triton.backend, "rlk_triton:backend")
-    assert not status.available and status.reason == (f"built for rlk ABI {abi.ABI_VERSION + 1}, this rlk speaks "
-                                                      f"ABI {abi.ABI_VERSION}")
+    assert not status.available and status.reason == (
+        f"built for rlk ABI {abi.ABI_VERSION + 1}, this rlk speaks ABI {abi.ABI_VERSION}"
+    )
 
 
 @triton.jit

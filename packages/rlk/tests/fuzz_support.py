@@ -80,13 +80,21 @@ def fuzz_run(check, backend: str, cases: st.SearchStrategy, ci: int) -> None:
     """
     examples = LONG_EXAMPLES if LONG else (ci if interpreted(backend) else 3 * ci)
 
-    @settings(max_examples=examples, database=None, deadline=None, print_blob=False, phases=PHASES,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        print_blob=False,
+        phases=PHASES,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(case=cases)
     def run(case):
         env = "TRITON_INTERPRET=1 " if interpreted(backend) else ""
-        note(f"repro: cd packages/rlk/tests && {env}python -c \"from {check.__module__} import *; "
-             f"{check.__name__}({backend!r}, {case!r})\"")
+        note(
+            f'repro: cd packages/rlk/tests && {env}python -c "from {check.__module__} import *; '
+            f'{check.__name__}({backend!r}, {case!r})"'
+        )
         check(backend, case)
 
     if not LONG:
@@ -130,8 +138,11 @@ def backends(*ops: str, invariant_only: bool = False) -> list:
 
 def backend_op_pairs(ops: tuple[str, ...], invariant_only: bool = False) -> list:
     """pytest params ``(backend, op)``: each op with every backend that implements it."""
-    return [pytest.param(name, op, marks=_marks(name), id=f"{name}-{op}") for op in ops
-            for name in backend_names(op, invariant_only=invariant_only)]
+    return [
+        pytest.param(name, op, marks=_marks(name), id=f"{name}-{op}")
+        for op in ops
+        for name in backend_names(op, invariant_only=invariant_only)
+    ]
 
 
 def dtype_names(backend: str, op: str, candidates: tuple[str, ...] = tuple(DTYPES)) -> list[str]:
@@ -302,8 +313,14 @@ def check_value(entry: contract.Entry, name: str, got: torch.Tensor, truth: torc
     assert dev.ok, f"{entry.op} {name}: {dev} (worst |got - truth| / allowed = {dev.ratio:.3g})"
 
 
-def check_grad(entry: contract.Entry, name: str, got: torch.Tensor, truth: torch.Tensor, max_scale: float,
-               magnitude: torch.Tensor | None = None) -> None:
+def check_grad(
+    entry: contract.Entry,
+    name: str,
+    got: torch.Tensor,
+    truth: torch.Tensor,
+    max_scale: float,
+    magnitude: torch.Tensor | None = None,
+) -> None:
     """A gradient against the fp64 ground truth under the contract (``rlk.core.contract.compare_grad``; ``magnitude``:
     its terms by absolute value, where they may cancel)."""
     assert got is not None, f"{entry.op} {name}: no gradient"
@@ -321,8 +338,10 @@ def check_finite(what: str, x: torch.Tensor | None, where: torch.Tensor | None =
         bad &= where.expand(x.shape).to(x.device)
     if bool(bad.any()):
         i = bad.reshape(-1).nonzero()[0, 0].item()
-        raise AssertionError(f"{what}: not finite ({x.reshape(-1)[i].item()}) at flat position {i} "
-                             f"({int(bad.sum())} of {bad.numel()} entries)")
+        raise AssertionError(
+            f"{what}: not finite ({x.reshape(-1)[i].item()}) at flat position {i} "
+            f"({int(bad.sum())} of {bad.numel()} entries)"
+        )
 
 
 def check_equal(what: str, got, want) -> None:
@@ -339,9 +358,11 @@ def check_equal(what: str, got, want) -> None:
     if not bool(differs.any()):
         return
     i = differs.reshape(-1).nonzero()[0, 0].item()
-    raise AssertionError(f"{what}: not bitwise equal; first difference at flat position {i}: "
-                         f"{got.reshape(-1)[i].item()!r} vs {want.reshape(-1)[i].item()!r} "
-                         f"({int(differs.sum())} of {differs.numel()} entries differ)")
+    raise AssertionError(
+        f"{what}: not bitwise equal; first difference at flat position {i}: "
+        f"{got.reshape(-1)[i].item()!r} vs {want.reshape(-1)[i].item()!r} "
+        f"({int(differs.sum())} of {differs.numel()} entries differ)"
+    )
 
 
 def on_backend(backend: str):

@@ -23,8 +23,9 @@ def _gen(seed: int) -> torch.Generator:
 
 def _assert_contract(op: str, name: str, value: torch.Tensor, truth: torch.Tensor, scale: torch.Tensor):
     assert value.dtype == torch.float32
-    dev = contract.compare_outputs(contract.entry(op, torch.float32), name, value.reshape(-1),
-                                   truth.reshape(-1), scale.reshape(-1))
+    dev = contract.compare_outputs(
+        contract.entry(op, torch.float32), name, value.reshape(-1), truth.reshape(-1), scale.reshape(-1)
+    )
     assert dev.ok, dev
 
 
@@ -64,7 +65,7 @@ def trl_grpo(scores, group_size, eps=1e-4):
     """TRL's GRPO: rewards viewed [-1, G], unbiased std per group, (r - mean) / (std + 1e-4)."""
     out = []
     for g0 in range(0, len(scores), group_size):
-        xs = scores[g0:g0 + group_size]
+        xs = scores[g0 : g0 + group_size]
         mean, std = _mean(xs), _std_unbiased(xs)
         out += [(x - mean) / (std + eps) for x in xs]
     return out
@@ -250,7 +251,7 @@ def openrlhf_rloo(scores, group_size):
     """OpenRLHF's ``rloo``: baseline (sum - r) / (n - 1) per group."""
     out = []
     for g0 in range(0, len(scores), group_size):
-        xs = scores[g0:g0 + group_size]
+        xs = scores[g0 : g0 + group_size]
         out += [x - (sum(xs) - x) / (group_size - 1) for x in xs]
     return out
 
@@ -326,8 +327,12 @@ def test_group_advantages_with_a_huge_spread(mode):
     _assert_contract("group_advantages", mode, by_size, truth, ref.group_contract_scale(truth, None, 4))
     assert torch.all(by_size[8:12] == 0)  # equal scores of 3e38: exactly 0
     assert torch.equal(rlk.group_advantages(scores, group_index=ids * 3, mode=mode, lengths=lengths), by_size)
-    single = rlk.group_advantages(torch.tensor([3e38, 1.0]), group_index=torch.tensor([0, 1]), mode=mode,
-                                  lengths=torch.ones(2) if mode == "opo" else None)
+    single = rlk.group_advantages(
+        torch.tensor([3e38, 1.0]),
+        group_index=torch.tensor([0, 1]),
+        mode=mode,
+        lengths=torch.ones(2) if mode == "opo" else None,
+    )
     if mode != "gpg":
         expected = torch.tensor([3e38, 1.0]) / torch.full((2,), 1 + 1e-6) if mode == "grpo" else torch.tensor([3e38, 1])
         assert torch.equal(single, expected)
@@ -390,8 +395,9 @@ def test_masked_whiten_matches_verl(shift_mean):
     x = torch.randn(6, 11, generator=_gen(6)) * 3 + 40
     mask = _row_masks(6, 11, 6)
     out = rlk.masked_whiten(x, mask, shift_mean=shift_mean)
-    truth = torch.tensor(verl_masked_whiten(x.double().reshape(-1).tolist(), mask.reshape(-1).tolist(), shift_mean),
-                         dtype=torch.float64).view(6, 11)
+    truth = torch.tensor(
+        verl_masked_whiten(x.double().reshape(-1).tolist(), mask.reshape(-1).tolist(), shift_mean), dtype=torch.float64
+    ).view(6, 11)
     truth = torch.where(mask, truth, 0.0)
     scale = ref.whiten_contract_scale(x, mask, True, 1e-8, "add", truth)
     _assert_contract("masked_whiten", "white", out, truth, scale)
@@ -402,8 +408,9 @@ def test_masked_whiten_matches_openrlhf():
     x = torch.randn(5, 13, generator=_gen(7)) * 0.5 - 3
     mask = _row_masks(5, 13, 7)
     out = rlk.masked_whiten(x, mask, unbiased=False, eps_mode="clamp")
-    truth = torch.tensor(openrlhf_normalize(x.double().reshape(-1).tolist(), mask.reshape(-1).tolist()),
-                         dtype=torch.float64).view(5, 13)
+    truth = torch.tensor(
+        openrlhf_normalize(x.double().reshape(-1).tolist(), mask.reshape(-1).tolist()), dtype=torch.float64
+    ).view(5, 13)
     truth = torch.where(mask, truth, 0.0)
     scale = ref.whiten_contract_scale(x, mask, False, 1e-8, "clamp", truth)
     _assert_contract("masked_whiten", "white", out, truth, scale)
@@ -437,8 +444,9 @@ def test_masked_whiten_large_values():
     _assert_contract("masked_whiten", "white", out, truth, ref.whiten_contract_scale(x, mask, True, 1e-8, "add", truth))
 
 
-@pytest.mark.parametrize("unbiased, eps_mode, shift_mean", [(True, "add", True), (False, "clamp", True),
-                                                         (True, "add", False)])
+@pytest.mark.parametrize(
+    "unbiased, eps_mode, shift_mean", [(True, "add", True), (False, "clamp", True), (True, "add", False)]
+)
 def test_masked_whiten_huge_spread(unbiased, eps_mode, shift_mean):
     """Squares of 1e20 (and sums of values near 3e38) overflow fp32: the statistics are computed on
     values scaled by a power of two, and the output matches fp64."""
@@ -477,8 +485,9 @@ def test_masked_whiten_masked_garbage_does_not_leak(fill):
     mask = _row_masks(5, 9, 23)
     dirty = torch.where(mask, x, fill)
     for unbiased, eps_mode, shift_mean in ((True, "add", True), (False, "clamp", False)):
-        want = rlk.masked_whiten(torch.where(mask, x, 0.0), mask, unbiased=unbiased, eps_mode=eps_mode,
-                                 shift_mean=shift_mean)
+        want = rlk.masked_whiten(
+            torch.where(mask, x, 0.0), mask, unbiased=unbiased, eps_mode=eps_mode, shift_mean=shift_mean
+        )
         got = rlk.masked_whiten(dirty, mask, unbiased=unbiased, eps_mode=eps_mode, shift_mean=shift_mean)
         assert torch.equal(got, want)  # masked-out entries are 0 in both
 
@@ -529,10 +538,13 @@ def test_discounted_returns_match_rederivation(mask_mode, gamma):
     rewards = torch.randn(6, 17, generator=_gen(10))
     mask = _row_masks(6, 17, 10)
     out = rlk.discounted_returns(rewards, mask, gamma, mask_mode=mask_mode)
-    truth = torch.tensor([returns_loop(r, m, gamma, mask_mode) for r, m in
-                          zip(rewards.double().tolist(), mask.double().tolist())], dtype=torch.float64)
-    _assert_contract("discounted_returns", mask_mode, out, truth,
-                     ref.returns_contract_scale(rewards, mask, f32(gamma), mask_mode))
+    truth = torch.tensor(
+        [returns_loop(r, m, gamma, mask_mode) for r, m in zip(rewards.double().tolist(), mask.double().tolist())],
+        dtype=torch.float64,
+    )
+    _assert_contract(
+        "discounted_returns", mask_mode, out, truth, ref.returns_contract_scale(rewards, mask, f32(gamma), mask_mode)
+    )
 
 
 def test_return_modes_agree_on_right_padded_rows():
@@ -551,8 +563,10 @@ def test_gae_matches_verl(gamma, lam):
     rewards, values = torch.randn(6, 19, generator=g), torch.randn(6, 19, generator=g) * 2
     mask = _row_masks(6, 19, 12)
     adv, ret = rlk.gae(rewards, values, mask, gamma=gamma, lam=lam)
-    truth = [verl_gae(r, v, m, gamma, lam) for r, v, m in
-             zip(rewards.double().tolist(), values.double().tolist(), mask.double().tolist())]
+    truth = [
+        verl_gae(r, v, m, gamma, lam)
+        for r, v, m in zip(rewards.double().tolist(), values.double().tolist(), mask.double().tolist())
+    ]
     adv_truth = torch.tensor([a for a, _ in truth], dtype=torch.float64)
     ret_truth = torch.tensor([r for _, r in truth], dtype=torch.float64)
     scale_adv, scale_ret = ref.gae_contract_scale(rewards, values, mask, gamma, gamma * lam)
@@ -570,20 +584,28 @@ def test_gae_matches_openrlhf_on_right_padded_rows_then_normalize():
     mask = torch.arange(16) < torch.tensor([[16], [9], [3], [1], [12]])
     adv, ret = rlk.gae(rewards, values, mask, gamma=1.0, lam=0.95)
     white = rlk.masked_whiten(adv, mask, unbiased=False, eps_mode="clamp")
-    truth = [openrlhf_gae(r, v, m) for r, v, m in
-             zip(rewards.double().tolist(), values.double().tolist(), mask.double().tolist())]
+    truth = [
+        openrlhf_gae(r, v, m)
+        for r, v, m in zip(rewards.double().tolist(), values.double().tolist(), mask.double().tolist())
+    ]
     adv_truth = torch.tensor([a for a, _ in truth], dtype=torch.float64)
     ret_truth = torch.tensor([r for _, r in truth], dtype=torch.float64)
     scale_adv, scale_ret = ref.gae_contract_scale(rewards, values, mask, 1.0, 0.95)  # gamma * lam = 0.95
     _assert_contract("gae", "advantages", adv[mask], adv_truth[mask], scale_adv[mask])
     _assert_contract("gae", "returns", ret[mask], ret_truth[mask], scale_ret[mask])
-    white_truth = torch.tensor(openrlhf_normalize(adv_truth.reshape(-1).tolist(), mask.reshape(-1).tolist()),
-                               dtype=torch.float64).view(5, 16)
+    white_truth = torch.tensor(
+        openrlhf_normalize(adv_truth.reshape(-1).tolist(), mask.reshape(-1).tolist()), dtype=torch.float64
+    ).view(5, 16)
     white_truth = torch.where(mask, white_truth, 0.0)
     scale = ref.whiten_contract_scale(adv_truth, mask, False, 1e-8, "clamp", white_truth)
     # the advantages feed the whitening with their own rounding: allow for it through the gae scale
-    dev = contract.compare_outputs(contract.entry("gae", torch.float32), "white", white.reshape(-1),
-                                   white_truth.reshape(-1), (scale * (1 + scale_adv)).reshape(-1))
+    dev = contract.compare_outputs(
+        contract.entry("gae", torch.float32),
+        "white",
+        white.reshape(-1),
+        white_truth.reshape(-1),
+        (scale * (1 + scale_adv)).reshape(-1),
+    )
     assert dev.ok, dev
 
 
@@ -609,13 +631,16 @@ def test_long_horizon_uses_the_float32_constants():
     rewards = torch.rand(2, 3000, generator=_gen(18))
     mask = torch.ones(2, 3000, dtype=torch.bool)
     out = rlk.discounted_returns(rewards, mask, 0.999)
-    truth = torch.tensor([returns_loop(r, m, 0.999, "carry") for r, m in zip(rewards.double().tolist(),
-                                                                            mask.double().tolist())])
-    _assert_contract("discounted_returns", "carry", out, truth, ref.returns_contract_scale(rewards, mask, f32(0.999),
-                                                                                          "carry"))
+    truth = torch.tensor(
+        [returns_loop(r, m, 0.999, "carry") for r, m in zip(rewards.double().tolist(), mask.double().tolist())]
+    )
+    _assert_contract(
+        "discounted_returns", "carry", out, truth, ref.returns_contract_scale(rewards, mask, f32(0.999), "carry")
+    )
     adv, _ = rlk.gae(rewards, rewards, mask, gamma=0.999, lam=1.0)
-    truth = torch.tensor([verl_gae(r, r, m, 0.999, 1.0)[0] for r, m in zip(rewards.double().tolist(),
-                                                                          mask.double().tolist())])
+    truth = torch.tensor(
+        [verl_gae(r, r, m, 0.999, 1.0)[0] for r, m in zip(rewards.double().tolist(), mask.double().tolist())]
+    )
     _assert_contract("gae", "advantages", adv, truth, ref.gae_contract_scale(rewards, rewards, mask, 0.999, 0.999)[0])
 
 
@@ -643,8 +668,9 @@ def test_16_bit_inputs_are_upcast_exactly():
     assert torch.equal(rlk.group_advantages(scores, group_size=4), rlk.group_advantages(scores.float(), group_size=4))
     r, v = torch.randn(3, 9, generator=g).half(), torch.randn(3, 9, generator=g).bfloat16()
     mask = _row_masks(3, 9, 14)
-    for a, b in zip(rlk.gae(r, v, mask, gamma=0.99, lam=0.95), rlk.gae(r.float(), v.float(), mask, gamma=0.99,
-                                                                         lam=0.95)):
+    for a, b in zip(
+        rlk.gae(r, v, mask, gamma=0.99, lam=0.95), rlk.gae(r.float(), v.float(), mask, gamma=0.99, lam=0.95)
+    ):
         assert a.dtype == torch.float32 and torch.equal(a, b)
     assert torch.equal(rlk.masked_whiten(r, mask), rlk.masked_whiten(r.float(), mask))
     assert torch.equal(rlk.discounted_returns(r, mask, 0.9), rlk.discounted_returns(r.float(), mask, 0.9))
@@ -679,8 +705,12 @@ def test_mask_dtypes_are_equivalent_and_checked(monkeypatch):
 def test_outputs_are_not_differentiable():
     x = torch.randn(2, 6, requires_grad=True)
     mask = torch.ones(2, 6)
-    outs = [rlk.masked_whiten(x, mask), rlk.discounted_returns(x, mask, 0.9), *rlk.gae(x, x, mask),
-            rlk.group_advantages(x.reshape(-1), group_size=3)]
+    outs = [
+        rlk.masked_whiten(x, mask),
+        rlk.discounted_returns(x, mask, 0.9),
+        *rlk.gae(x, x, mask),
+        rlk.group_advantages(x.reshape(-1), group_size=3),
+    ]
     assert not any(o.requires_grad for o in outs)
     for name in ("group_advantages", "masked_whiten", "discounted_returns", "gae"):
         assert abi.OPS[name].backward is None and abi.OPS[name].primitives == (f"{name}_fwd",)
@@ -702,45 +732,90 @@ _M = torch.ones(2, 5, dtype=torch.bool)
     "call, error, message",
     [
         (lambda: rlk.group_advantages(_S), ValueError, "group_size, group_index: pass exactly one of them"),
-        (lambda: rlk.group_advantages(_S, group_size=2, group_index=torch.zeros(6, dtype=torch.long)), ValueError,
-         "pass exactly one"),
-        (lambda: rlk.group_advantages(_S, group_size=4), ValueError,
-         "group_size: 4 does not divide the batch size B = 6"),
+        (
+            lambda: rlk.group_advantages(_S, group_size=2, group_index=torch.zeros(6, dtype=torch.long)),
+            ValueError,
+            "pass exactly one",
+        ),
+        (
+            lambda: rlk.group_advantages(_S, group_size=4),
+            ValueError,
+            "group_size: 4 does not divide the batch size B = 6",
+        ),
         (lambda: rlk.group_advantages(_S, group_size=0), ValueError, "group_size: expected an int >= 1"),
-        (lambda: rlk.group_advantages(_S, group_index=torch.zeros(5, dtype=torch.long)), ValueError,
-         r"group_index: expected shape \(6,\) \(the shape of scores\)"),
-        (lambda: rlk.group_advantages(_S, group_index=torch.zeros(6)), TypeError,
-         "group_index: expected an integer dtype"),
-        (lambda: rlk.group_advantages(_S, group_size=2, mode="ppo"), ValueError,
-         "mode: expected one of 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp_baseline', 'opo', 'gpg', got 'ppo'"),
+        (
+            lambda: rlk.group_advantages(_S, group_index=torch.zeros(5, dtype=torch.long)),
+            ValueError,
+            r"group_index: expected shape \(6,\) \(the shape of scores\)",
+        ),
+        (
+            lambda: rlk.group_advantages(_S, group_index=torch.zeros(6)),
+            TypeError,
+            "group_index: expected an integer dtype",
+        ),
+        (
+            lambda: rlk.group_advantages(_S, group_size=2, mode="ppo"),
+            ValueError,
+            "mode: expected one of 'grpo', 'dr_grpo', 'rloo', 'reinforce_pp_baseline', 'opo', 'gpg', got 'ppo'",
+        ),
         (lambda: rlk.group_advantages(_S, group_size=2, eps=0.0), ValueError, "eps: must be a finite number > 0"),
         (lambda: rlk.group_advantages(torch.zeros(2, 3), group_size=2), ValueError, r"scores: expected shape \[B\]"),
-        (lambda: rlk.group_advantages(torch.zeros(6, dtype=torch.long), group_size=2), TypeError,
-         "scores: expected dtype"),
-        (lambda: rlk.group_advantages(_S, group_size=2, mode="opo"), ValueError,
-         "lengths: mode='opo' needs the response lengths"),
-        (lambda: rlk.group_advantages(_S, group_size=2, lengths=torch.ones(6)), ValueError,
-         "lengths: only mode='opo' uses lengths"),
-        (lambda: rlk.group_advantages(_S, group_size=2, mode="opo", lengths=torch.ones(5)), ValueError,
-         r"lengths: expected shape \(6,\)"),
-        (lambda: rlk.group_advantages(_S, group_size=2, mode="opo", lengths=-torch.ones(6)), ValueError,
-         "lengths: must be finite and >= 0; found -1.0 at position 0"),
-        (lambda: rlk.masked_whiten(_R, torch.ones(2, 4)), ValueError,
-         r"mask: expected shape \(2, 5\) \(the shape of x\)"),
+        (
+            lambda: rlk.group_advantages(torch.zeros(6, dtype=torch.long), group_size=2),
+            TypeError,
+            "scores: expected dtype",
+        ),
+        (
+            lambda: rlk.group_advantages(_S, group_size=2, mode="opo"),
+            ValueError,
+            "lengths: mode='opo' needs the response lengths",
+        ),
+        (
+            lambda: rlk.group_advantages(_S, group_size=2, lengths=torch.ones(6)),
+            ValueError,
+            "lengths: only mode='opo' uses lengths",
+        ),
+        (
+            lambda: rlk.group_advantages(_S, group_size=2, mode="opo", lengths=torch.ones(5)),
+            ValueError,
+            r"lengths: expected shape \(6,\)",
+        ),
+        (
+            lambda: rlk.group_advantages(_S, group_size=2, mode="opo", lengths=-torch.ones(6)),
+            ValueError,
+            "lengths: must be finite and >= 0; found -1.0 at position 0",
+        ),
+        (
+            lambda: rlk.masked_whiten(_R, torch.ones(2, 4)),
+            ValueError,
+            r"mask: expected shape \(2, 5\) \(the shape of x\)",
+        ),
         (lambda: rlk.masked_whiten(_R, _M, eps=-1.0), ValueError, "eps: must be a finite number > 0, got -1.0"),
         (lambda: rlk.masked_whiten(_R, _M, eps_mode="max"), ValueError, "eps_mode: expected one of 'add', 'clamp'"),
         (lambda: rlk.masked_whiten(_R, _M, unbiased=1), TypeError, "unbiased: expected a bool"),
         (lambda: rlk.masked_whiten(_R, torch.ones(2, 5, dtype=torch.complex64)), TypeError, "mask: expected dtype"),
-        (lambda: rlk.discounted_returns(_R, _M, 1.5), ValueError,
-         r"gamma: must be a finite number in \[0, 1\], got 1.5"),
+        (
+            lambda: rlk.discounted_returns(_R, _M, 1.5),
+            ValueError,
+            r"gamma: must be a finite number in \[0, 1\], got 1.5",
+        ),
         (lambda: rlk.discounted_returns(_R, _M, -0.1), ValueError, r"gamma: must be a finite number in \[0, 1\]"),
         (lambda: rlk.discounted_returns(_R, _M, "0.9"), TypeError, "gamma: expected a number"),
-        (lambda: rlk.discounted_returns(_R, _M, 0.9, mask_mode="skip"), ValueError,
-         "mask_mode: expected one of 'carry', 'reset', 'zero'"),
-        (lambda: rlk.discounted_returns(_R, _M[:, :4], 0.9), ValueError,
-         r"mask: expected shape \(2, 5\) \(the shape of rewards\)"),
-        (lambda: rlk.discounted_returns(torch.zeros(()), torch.ones(()), 0.9), ValueError,
-         r"rewards: expected shape \[..., T\]"),
+        (
+            lambda: rlk.discounted_returns(_R, _M, 0.9, mask_mode="skip"),
+            ValueError,
+            "mask_mode: expected one of 'carry', 'reset', 'zero'",
+        ),
+        (
+            lambda: rlk.discounted_returns(_R, _M[:, :4], 0.9),
+            ValueError,
+            r"mask: expected shape \(2, 5\) \(the shape of rewards\)",
+        ),
+        (
+            lambda: rlk.discounted_returns(torch.zeros(()), torch.ones(()), 0.9),
+            ValueError,
+            r"rewards: expected shape \[..., T\]",
+        ),
         (lambda: rlk.gae(_R, torch.zeros(2, 6), _M), ValueError, r"values: expected shape \(2, 5\)"),
         (lambda: rlk.gae(_R, _R, _M, lam=2.0), ValueError, r"lam: must be a finite number in \[0, 1\], got 2.0"),
         (lambda: rlk.gae(_R, _R, _M, gamma=1.01), ValueError, r"gamma: must be a finite number in \[0, 1\]"),
@@ -764,8 +839,7 @@ def test_opcheck_all_custom_ops():
     lengths = torch.rand(ids.shape, generator=g) * 10
     for mode in ("grpo", "rloo", "gpg"):
         torch.library.opcheck(torch.ops.rlk.group_advantages_fwd.default, (scores, ids, 0, None, mode, 1e-6))
-    torch.library.opcheck(torch.ops.rlk.group_advantages_fwd.default,
-                          (scores[:12], None, 4, lengths[:12], "opo", 1e-6))
+    torch.library.opcheck(torch.ops.rlk.group_advantages_fwd.default, (scores[:12], None, 4, lengths[:12], "opo", 1e-6))
     x = torch.randn(3, 8, generator=g)
     mask = _row_masks(3, 8, 16)
     torch.library.opcheck(torch.ops.rlk.masked_whiten_fwd.default, (x, mask, True, 1e-8, "add", False))
@@ -830,8 +904,9 @@ def test_passk_matches_rederivation(mode):
     tied = next(g for g, c in counts.items() if c >= 3 and g != int(ids[0]))
     scores[ids == tied] = torch.tensor([2.0, 3.0, 3.0, 1.0, 3.0, 0.5])[: counts[tied]]  # a tie for the top
     adv = rlk.group_advantages(scores, group_index=ids, mode=mode)
-    truth = torch.tensor(passk(scores.double().tolist(), ids.tolist(), norm_by_std=mode == "grpo_passk"),
-                         dtype=torch.float64)
+    truth = torch.tensor(
+        passk(scores.double().tolist(), ids.tolist(), norm_by_std=mode == "grpo_passk"), dtype=torch.float64
+    )
     _assert_contract("group_advantages", mode, adv, truth, ref.group_contract_scale(truth, ids, 0))
     assert torch.all(adv[ids == ids[0]] == 0) and torch.all(adv[ids == tied] == 0)  # equal / tied tops: 0
     groups = _groups(ids.tolist())
@@ -844,8 +919,9 @@ def test_passk_matches_rederivation(mode):
 def test_passk_huge_spread_nan_and_layouts(mode):
     scores = torch.tensor(HUGE_SCORES)
     ids = torch.tensor(HUGE_IDS)
-    truth = torch.tensor(passk(scores.double().tolist(), ids.tolist(), norm_by_std=mode == "grpo_passk"),
-                         dtype=torch.float64)
+    truth = torch.tensor(
+        passk(scores.double().tolist(), ids.tolist(), norm_by_std=mode == "grpo_passk"), dtype=torch.float64
+    )
     by_size = rlk.group_advantages(scores, group_size=4, mode=mode)
     _assert_contract("group_advantages", mode, by_size, truth, ref.group_contract_scale(truth, None, 4))
     assert torch.equal(rlk.group_advantages(scores, group_index=ids * 3, mode=mode), by_size)

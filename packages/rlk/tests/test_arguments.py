@@ -45,8 +45,9 @@ def test_ignore_index_must_be_an_integer(backend, bad):
         with pytest.raises(TypeError, match=r"ignore_index: expected an integer, got"):
             rlk.linear_logprob(hidden, weight, targets, ignore_index=bad)
         with pytest.raises(TypeError, match=r"ignore_index: expected an integer, got"):
-            rlk.fused_linear_policy_loss(hidden.view(2, 2, 6), weight, targets.view(2, 2), None, adv[:, :2],
-                                         mask[:, :2], ignore_index=bad)
+            rlk.fused_linear_policy_loss(
+                hidden.view(2, 2, 6), weight, targets.view(2, 2), None, adv[:, :2], mask[:, :2], ignore_index=bad
+            )
 
 
 def test_integer_like_ignore_index_is_accepted():
@@ -67,13 +68,16 @@ def test_embedding_padding_idx_must_be_an_integer():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("bad, message", [
-    (1e39, r"temperature: 1e\+39 overflows torch.float32"),
-    (1e-50, r"temperature: 1e-50 rounds to 0 in torch.float32"),
-    (1e-40, r"temperature: 1e-40 is so small that 1/temperature overflows torch.float32"),
-    (float("inf"), r"temperature: must be a finite number > 0, got inf"),
-    (0.0, r"temperature: must be a finite number > 0, got 0.0"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (1e39, r"temperature: 1e\+39 overflows torch.float32"),
+        (1e-50, r"temperature: 1e-50 rounds to 0 in torch.float32"),
+        (1e-40, r"temperature: 1e-40 is so small that 1/temperature overflows torch.float32"),
+        (float("inf"), r"temperature: must be a finite number > 0, got inf"),
+        (0.0, r"temperature: must be a finite number > 0, got 0.0"),
+    ],
+)
 def test_temperature_numbers(backend, bad, message):
     logits, targets = _logits()
     with rlk.use_backend(backend), pytest.raises(ValueError, match=message):
@@ -81,13 +85,16 @@ def test_temperature_numbers(backend, bad, message):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("bad, found", [
-    (float("inf"), "inf or a value above 3.403e+38"),
-    (0.0, "0 or a value so small that 1/temperature overflows torch.float32"),
-    (1e-50, "0 or a value so small"),  # a float64 tensor: 0 in float32
-    (-2.0, "-2.0"),
-    (float("nan"), "nan"),
-])
+@pytest.mark.parametrize(
+    "bad, found",
+    [
+        (float("inf"), "inf or a value above 3.403e+38"),
+        (0.0, "0 or a value so small that 1/temperature overflows torch.float32"),
+        (1e-50, "0 or a value so small"),  # a float64 tensor: 0 in float32
+        (-2.0, "-2.0"),
+        (float("nan"), "nan"),
+    ],
+)
 def test_temperature_tensors(backend, bad, found):
     """A tensor holding +inf used to raise ZeroDivisionError while the message was formatted; 1e-50 said 0.0."""
     logits, targets = _logits()
@@ -117,8 +124,11 @@ def test_tensor_normalizers_are_checked(backend, bad):
                 call(lp, old, adv, mask, agg="seq-mean-token-mean", global_seqs=value)
             with pytest.raises(ValueError, match=r"loss_scale: must be finite and > 0; found"):
                 call(lp, old, adv, mask, agg="seq-mean-token-sum-norm", loss_scale=value)
-        with pytest.raises(ValueError, match=r"global_tokens: must be finite and > 0; the aggregation weight they give "
-                                             r"row 0 is"):
+        with pytest.raises(
+            ValueError,
+            match=r"global_tokens: must be finite and > 0; the aggregation weight they give "
+            r"row 0 is",
+        ):
             rlk.value_loss(lp, old, adv, mask, global_tokens=value)
         loss, _ = rlk.policy_loss(lp, old, adv, mask, global_tokens=torch.tensor(7.0))
         assert torch.isfinite(loss)
@@ -137,8 +147,11 @@ def test_number_normalizers_whose_reciprocal_overflows():
 
 def _attn(q_tokens=6, k_tokens=6, head_dim=8):
     g = torch.Generator().manual_seed(2)
-    return (torch.randn(q_tokens, 2, head_dim, generator=g), torch.randn(k_tokens, 2, head_dim, generator=g),
-            torch.randn(k_tokens, 2, head_dim, generator=g))
+    return (
+        torch.randn(q_tokens, 2, head_dim, generator=g),
+        torch.randn(k_tokens, 2, head_dim, generator=g),
+        torch.randn(k_tokens, 2, head_dim, generator=g),
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -162,10 +175,24 @@ def test_empty_q_still_checks_cu_seqlens():
     q, k, v = _attn(q_tokens=0)
     cu_q = torch.tensor([0, 0, 0], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"cu_seqlens_k: must end at the number of tokens of k and v \(6\), ends at 9"):
-        rlk.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor([0, 3, 9], dtype=torch.int32),
-                      max_seqlen_q=0, max_seqlen_k=6)
-    out = rlk.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32),
-                        max_seqlen_q=0, max_seqlen_k=3)
+        rlk.attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=torch.tensor([0, 3, 9], dtype=torch.int32),
+            max_seqlen_q=0,
+            max_seqlen_k=6,
+        )
+    out = rlk.attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32),
+        max_seqlen_q=0,
+        max_seqlen_k=3,
+    )
     assert out.shape == (0, 2, 8)
 
 
@@ -193,8 +220,9 @@ def test_meta_tensors_give_shapes():
     weight = torch.randn(16, 8, device=meta, requires_grad=True)
     rlk.linear_logprob(hidden, weight, torch.zeros(2, 3, dtype=torch.int64, device=meta)).sum().backward()
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
-    loss, metrics = rlk.policy_loss(*(x.to(meta) for x in _policy_inputs()),
-                                    global_tokens=torch.tensor(3.0, device=meta))
+    loss, metrics = rlk.policy_loss(
+        *(x.to(meta) for x in _policy_inputs()), global_tokens=torch.tensor(3.0, device=meta)
+    )
     assert loss.shape == () and loss.is_meta and metrics["clip_fraction"].is_meta
     q, k, v = (x.to(meta) for x in _attn())
     cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=meta)
@@ -221,8 +249,9 @@ def test_triton_declines_head_dims_above_256():
         assert rlk.core.dispatch.decide("attention", q.device, q.dtype, {"head_dim": 256}).backend == "triton"
     assert decision.backend == "reference"
     with rlk.batch_invariant():  # SDPA of an unmodified model: head dim 320 is not routed to Triton
-        out = torch.nn.functional.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2),
-                                                               v[None].transpose(1, 2))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2)
+        )
     assert out.shape == (1, 2, 6, 320)
 
 

@@ -26,8 +26,14 @@ def _inputs(lq, lk, hq=4, hkv=2, d=16, dtype=torch.float64, seed=0):
     q = torch.randn(sum(lq), hq, d, generator=g, dtype=torch.float64).to(dtype)
     k = torch.randn(sum(lk), hkv, d, generator=g, dtype=torch.float64).to(dtype)
     v = torch.randn(sum(lk), hkv, d, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v, dict(cu_seqlens_q=_cu(lq), cu_seqlens_k=_cu(lk), max_seqlen_q=max(lq, default=0),
-                         max_seqlen_k=max(lk, default=0))
+    return (
+        q,
+        k,
+        v,
+        dict(
+            cu_seqlens_q=_cu(lq), cu_seqlens_k=_cu(lk), max_seqlen_q=max(lq, default=0), max_seqlen_k=max(lk, default=0)
+        ),
+    )
 
 
 def _dense_truth(q, k, v, lq, lk, causal, scale=None):
@@ -98,8 +104,12 @@ def test_low_precision_under_the_contract(dtype):
     e = contract.entry("attention", dtype)
     vmax = torch.zeros(sum(LQ), 4, 1, dtype=torch.float64)
     for b in range(len(LQ)):
-        q0, q1, k0, k1 = int(lens["cu_seqlens_q"][b]), int(lens["cu_seqlens_q"][b + 1]), int(_cu(LK)[b]), \
-            int(_cu(LK)[b + 1])
+        q0, q1, k0, k1 = (
+            int(lens["cu_seqlens_q"][b]),
+            int(lens["cu_seqlens_q"][b + 1]),
+            int(_cu(LK)[b]),
+            int(_cu(LK)[b + 1]),
+        )
         if k1 > k0:
             vmax[q0:q1] = v[k0:k1].double().abs().amax(dim=(0, 2)).repeat_interleave(2)[None, :, None]
     scale = (1 + vmax).expand(out.shape).reshape(-1)
@@ -110,8 +120,9 @@ def _check_against_truth(e, out, lse, want_out, want_lse, scale, leaves, truth_l
     """``out`` / ``lse`` and the gradients of ``leaves`` (q, k, v) through both, from a random cotangent, against
     the fp64 truth computed from ``truth_leaves``, under the contract entry ``e``."""
     assert contract.compare_outputs(e, "out", out.reshape(-1), want_out.detach().reshape(-1), scale).ok
-    assert contract.compare_outputs(e, "lse", lse.reshape(-1), want_lse.detach().reshape(-1),
-                                    1 + want_lse.detach().abs().reshape(-1)).ok
+    assert contract.compare_outputs(
+        e, "lse", lse.reshape(-1), want_lse.detach().reshape(-1), 1 + want_lse.detach().abs().reshape(-1)
+    ).ok
     g = torch.Generator().manual_seed(seed)
     c_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
     c_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
@@ -158,17 +169,24 @@ def test_empty_inputs():
 
 def test_opcheck_both_custom_ops():
     q, k, v, lens = _inputs([5, 3], [6, 3], dtype=torch.float32, seed=5)
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), lens["cu_seqlens_q"], lens["cu_seqlens_k"],
-            lens["max_seqlen_q"], lens["max_seqlen_k"])
+    args = (
+        q.requires_grad_(),
+        k.requires_grad_(),
+        v.requires_grad_(),
+        lens["cu_seqlens_q"],
+        lens["cu_seqlens_k"],
+        lens["max_seqlen_q"],
+        lens["max_seqlen_k"],
+    )
     for causal in (True, False):
         torch.library.opcheck(torch.ops.rlk.attention_fwd.default, (*args, causal, 0.3))
-    out, lse = torch.ops.rlk.attention_fwd(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
-                                           True, 0.3)
+    out, lse = torch.ops.rlk.attention_fwd(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args), True, 0.3)
     grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
     for gl in (grad_lse, None):
-        torch.library.opcheck(torch.ops.rlk.attention_bwd.default,
-                              (grad_out, q.detach(), k.detach(), v.detach(), out, lse, gl, *args[3:], True, 0.3,
-                               "reference"))
+        torch.library.opcheck(
+            torch.ops.rlk.attention_bwd.default,
+            (grad_out, q.detach(), k.detach(), v.detach(), out, lse, gl, *args[3:], True, 0.3, "reference"),
+        )
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -195,23 +213,37 @@ def _call(q=None, k=None, v=None, **overrides):
         (lambda: _call(k=torch.randn(7, 2, 16).half()), TypeError, "k: expected the dtype of q"),
         (lambda: _call(k=torch.randn(7, 2, 8)), ValueError, "k: expected head_dim D = 16"),
         (lambda: _call(v=torch.randn(6, 2, 16)), ValueError, r"v: expected the shape of k \(7, 2, 16\)"),
-        (lambda: _call(k=torch.randn(7, 3, 16), v=torch.randn(7, 3, 16)), ValueError,
-         "Hkv = 3 must divide q's Hq = 4"),
+        (lambda: _call(k=torch.randn(7, 3, 16), v=torch.randn(7, 3, 16)), ValueError, "Hkv = 3 must divide q's Hq = 4"),
         (lambda: _call(v=torch.randn(7, 2, 16, device="meta")), ValueError, "v: expected device cpu"),
         (lambda: _call(cu_seqlens_q=torch.tensor([0, 3, 5])), TypeError, "cu_seqlens_q: expected dtype int32"),
-        (lambda: _call(cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32)), ValueError,
-         "cu_seqlens_k: expected the shape of cu_seqlens_q"),
-        (lambda: _call(cu_seqlens_q=torch.tensor([[0, 3, 5]], dtype=torch.int32)), ValueError,
-         r"cu_seqlens_q: expected shape \[B \+ 1\]"),
+        (
+            lambda: _call(cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32)),
+            ValueError,
+            "cu_seqlens_k: expected the shape of cu_seqlens_q",
+        ),
+        (
+            lambda: _call(cu_seqlens_q=torch.tensor([[0, 3, 5]], dtype=torch.int32)),
+            ValueError,
+            r"cu_seqlens_q: expected shape \[B \+ 1\]",
+        ),
         (lambda: _call(max_seqlen_q=3.0), TypeError, "max_seqlen_q: expected an integer, got float 3.0"),
         (lambda: _call(causal=1), TypeError, "causal: expected a bool"),
         (lambda: _call(softmax_scale=0.0), ValueError, "softmax_scale: must be a finite number > 0"),
-        (lambda: _call(cu_seqlens_q=torch.tensor([1, 3, 5], dtype=torch.int32)), ValueError,
-         "cu_seqlens_q: must start at 0, starts at 1"),
-        (lambda: _call(cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32)), ValueError,
-         r"cu_seqlens_k: must end at the number of tokens of k and v \(7\), ends at 6"),
-        (lambda: _call(cu_seqlens_q=torch.tensor([0, 6, 5], dtype=torch.int32), max_seqlen_q=6), ValueError,
-         "cu_seqlens_q: must be non-decreasing; sequence 1 has offsets 6 -> 5"),
+        (
+            lambda: _call(cu_seqlens_q=torch.tensor([1, 3, 5], dtype=torch.int32)),
+            ValueError,
+            "cu_seqlens_q: must start at 0, starts at 1",
+        ),
+        (
+            lambda: _call(cu_seqlens_k=torch.tensor([0, 3, 6], dtype=torch.int32)),
+            ValueError,
+            r"cu_seqlens_k: must end at the number of tokens of k and v \(7\), ends at 6",
+        ),
+        (
+            lambda: _call(cu_seqlens_q=torch.tensor([0, 6, 5], dtype=torch.int32), max_seqlen_q=6),
+            ValueError,
+            "cu_seqlens_q: must be non-decreasing; sequence 1 has offsets 6 -> 5",
+        ),
         (lambda: _call(max_seqlen_k=3), ValueError, "max_seqlen_k: sequence 1 has 4 tokens, more than max_seqlen_k=3"),
     ],
 )
@@ -310,8 +342,8 @@ def test_prefix_reference_matches_dense_masked_softmax_fp64(causal):
     torch.testing.assert_close(lse[finite], want_lse[finite], rtol=1e-12, atol=1e-12)
     if causal:  # sequence 9: Lq 5 > P 2 + Lk 1, its first 2 queries see no key; sequence 12's first 3 see none
         row = sum(PLQ[:9])
-        assert torch.all(lse[:, row:row + 2] == -torch.inf) and torch.all(torch.isfinite(lse[:, row + 2:row + 5]))
-        assert torch.all(lse[:, sum(PLQ[:12]):sum(PLQ[:12]) + 3] == -torch.inf)
+        assert torch.all(lse[:, row : row + 2] == -torch.inf) and torch.all(torch.isfinite(lse[:, row + 2 : row + 5]))
+        assert torch.all(lse[:, sum(PLQ[:12]) : sum(PLQ[:12]) + 3] == -torch.inf)
     g = torch.Generator().manual_seed(12)
     c_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
     c_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
@@ -325,8 +357,9 @@ def test_prefix_attention_without_prefixes_is_attention():
     q, k, v, lens = _inputs(LQ, LK, seed=13)
     leaves = [tuple(t.clone().requires_grad_(True) for t in (q, k, v)) for _ in range(2)]
     out, lse = attention(*leaves[0], **lens, return_lse=True)
-    pout, plse = prefix_attention(*leaves[1], **lens, prefix_index=torch.full((len(LQ),), -1, dtype=torch.int32),
-                                  return_lse=True)
+    pout, plse = prefix_attention(
+        *leaves[1], **lens, prefix_index=torch.full((len(LQ),), -1, dtype=torch.int32), return_lse=True
+    )
     assert torch.equal(out, pout) and torch.equal(lse, plse)
     for o, lg in ((out, lse), (pout, plse)):
         (o.sum() + torch.where(torch.isfinite(lg), lg, 0).sum()).backward()
@@ -385,16 +418,26 @@ def test_prefix_empty_inputs():
 
 def test_prefix_opcheck_both_custom_ops():
     q, k, v, lens = _prefix_inputs([5, 3, 0, 2], [5, 3, 0, 4], [-1, 0, 0, -1], dtype=torch.float32, seed=17)
-    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), lens["cu_seqlens_q"], lens["cu_seqlens_k"],
-            lens["max_seqlen_q"], lens["max_seqlen_k"], lens["prefix_index"])
+    args = (
+        q.requires_grad_(),
+        k.requires_grad_(),
+        v.requires_grad_(),
+        lens["cu_seqlens_q"],
+        lens["cu_seqlens_k"],
+        lens["max_seqlen_q"],
+        lens["max_seqlen_k"],
+        lens["prefix_index"],
+    )
     for causal in (True, False):
         torch.library.opcheck(torch.ops.rlk.prefix_attention_fwd.default, (*args, causal, 0.3))
     plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     out, lse = torch.ops.rlk.prefix_attention_fwd(*plain, True, 0.3)
     grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
     for gl in (grad_lse, None):
-        torch.library.opcheck(torch.ops.rlk.prefix_attention_bwd.default,
-                              (grad_out, *plain[:3], out, lse, gl, *plain[3:], True, 0.3, "reference"))
+        torch.library.opcheck(
+            torch.ops.rlk.prefix_attention_bwd.default,
+            (grad_out, *plain[:3], out, lse, gl, *plain[3:], True, 0.3, "reference"),
+        )
 
 
 def test_prefix_torch_compile_fullgraph_matches_eager():
@@ -422,22 +465,40 @@ def _pindex(*values):
     [
         (lambda: _pcall(prefix_index=[-1, 0]), TypeError, "prefix_index: expected a torch.Tensor, got list"),
         (lambda: _pcall(prefix_index=torch.tensor([-1, 0])), TypeError, "prefix_index: expected dtype int32"),
-        (lambda: _pcall(prefix_index=_pindex(-1, 0, 0)), ValueError,
-         r"prefix_index: expected shape \[B\] = \(2,\) \(one entry per sequence of cu_seqlens_q\), got \(3,\)"),
+        (
+            lambda: _pcall(prefix_index=_pindex(-1, 0, 0)),
+            ValueError,
+            r"prefix_index: expected shape \[B\] = \(2,\) \(one entry per sequence of cu_seqlens_q\), got \(3,\)",
+        ),
         (lambda: _pcall(prefix_index=_pindex(-1, 0)[None]), ValueError, r"prefix_index: expected shape \[B\]"),
         (lambda: _pcall(prefix_index=_pindex(-1, 0).to("meta")), ValueError, "prefix_index: expected device cpu"),
-        (lambda: _pcall(prefix_index=_pindex(-1, 2)), ValueError,
-         r"prefix_index: values must be -1 or a sequence index in \[0, 2\); sequence 1 has 2"),
-        (lambda: _pcall(prefix_index=_pindex(-2, -1)), ValueError,
-         r"prefix_index: values must be -1 or a sequence index in \[0, 2\); sequence 0 has -2"),
-        (lambda: _pcall(prefix_index=_pindex(0, -1)), ValueError,
-         "prefix_index: sequence 0 has the prefix sequence 0, whose own prefix_index is 0"),
-        (lambda: _pcall(prefix_index=_pindex(1, 0)), ValueError,
-         "prefix_index: sequence 0 has the prefix sequence 1, whose own prefix_index is 0 .* one level deep"),
+        (
+            lambda: _pcall(prefix_index=_pindex(-1, 2)),
+            ValueError,
+            r"prefix_index: values must be -1 or a sequence index in \[0, 2\); sequence 1 has 2",
+        ),
+        (
+            lambda: _pcall(prefix_index=_pindex(-2, -1)),
+            ValueError,
+            r"prefix_index: values must be -1 or a sequence index in \[0, 2\); sequence 0 has -2",
+        ),
+        (
+            lambda: _pcall(prefix_index=_pindex(0, -1)),
+            ValueError,
+            "prefix_index: sequence 0 has the prefix sequence 0, whose own prefix_index is 0",
+        ),
+        (
+            lambda: _pcall(prefix_index=_pindex(1, 0)),
+            ValueError,
+            "prefix_index: sequence 0 has the prefix sequence 1, whose own prefix_index is 0 .* one level deep",
+        ),
         # the checks shared with attention
         (lambda: _pcall(q=torch.randn(5, 4, 16).long()), TypeError, "q: expected dtype"),
-        (lambda: _pcall(cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32)), ValueError,
-         "cu_seqlens_k: expected the shape of cu_seqlens_q"),
+        (
+            lambda: _pcall(cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32)),
+            ValueError,
+            "cu_seqlens_k: expected the shape of cu_seqlens_q",
+        ),
         (lambda: _pcall(max_seqlen_k=3), ValueError, "max_seqlen_k: sequence 1 has 4 tokens, more than max_seqlen_k=3"),
         (lambda: _pcall(causal=1), TypeError, "causal: expected a bool"),
     ],

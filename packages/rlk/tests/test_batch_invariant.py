@@ -121,9 +121,9 @@ def _triton():
 
 def _invariant_rows(fn, pool: torch.Tensor, probe: int = 3, counts=(1, 2, 7, 16)):
     """``fn(rows)[i]`` for the probe row is bitwise the same in batches of several sizes."""
-    alone = fn(pool[probe:probe + 1])[0]
+    alone = fn(pool[probe : probe + 1])[0]
     for n in counts:
-        rows = torch.cat([pool[probe + 1:probe + n], pool[probe:probe + 1]])  # probe last
+        rows = torch.cat([pool[probe + 1 : probe + n], pool[probe : probe + 1]])  # probe last
         assert torch.equal(fn(rows)[-1], alone), f"row differs with {n} rows"
     return alone
 
@@ -162,8 +162,9 @@ def test_softmax_and_mean_under_the_mode(dtype):
         _invariant_rows(lambda x: torch.softmax(x, -1), pool)
         _invariant_rows(lambda x: torch.softmax(x.T, 0).T, pool)  # another dim
         mean = _invariant_rows(lambda x: x.mean(-1, keepdim=True), pool)
-        torch.testing.assert_close(mean.double(), pool[3:4].double().mean(-1), rtol=1e-3 if dtype != torch.float32
-                                   else 1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            mean.double(), pool[3:4].double().mean(-1), rtol=1e-3 if dtype != torch.float32 else 1e-6, atol=1e-6
+        )
         x = pool.clone().requires_grad_(True)
         torch.log_softmax(x, -1).pow(2).sum().backward()
         torch.softmax(x, -1).pow(2).sum().backward()
@@ -220,9 +221,16 @@ def test_embedding_backward_and_fused_rms_norm_are_routed():
 def tiny_model(kind: str, dtype=torch.float32, device=DEVICE, hidden=64, layers=2, heads=4, kv_heads=2, vocab=128):
     transformers = _transformers()
     torch.manual_seed(0)
-    common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                  max_position_embeddings=4096, attn_implementation="sdpa")
+    common = dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
     if kind == "llama":
         config = transformers.LlamaConfig(**common)
         model = transformers.LlamaForCausalLM(config)
@@ -359,17 +367,21 @@ def test_patched_decode_and_chunked_prefill_see_the_padding(kind):
         with batch_invariant(), torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("error", message="rlk")
             cache = DynamicCache()
-            model(ids[:, :4], attention_mask=mask[:, :4], position_ids=pos[:, :4], past_key_values=cache,
-                  use_cache=True)  # prefill chunk 1: row 1 is all padding here
-            chunk = model(ids[:, 4:], attention_mask=mask, position_ids=pos[:, 4:], past_key_values=cache,
-                          use_cache=True)  # chunk 2: 3 queries against 7 keys
+            model(
+                ids[:, :4], attention_mask=mask[:, :4], position_ids=pos[:, :4], past_key_values=cache, use_cache=True
+            )  # prefill chunk 1: row 1 is all padding here
+            chunk = model(
+                ids[:, 4:], attention_mask=mask, position_ids=pos[:, 4:], past_key_values=cache, use_cache=True
+            )  # chunk 2: 3 queries against 7 keys
             step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device=DEVICE)], 1)
-            step = model(nxt, attention_mask=step_mask, position_ids=pos[:, -1:] + 1, past_key_values=cache,
-                         use_cache=True)
+            step = model(
+                nxt, attention_mask=step_mask, position_ids=pos[:, -1:] + 1, past_key_values=cache, use_cache=True
+            )
             alone_cache = DynamicCache()
             alone = model(short[None], past_key_values=alone_cache, use_cache=True)
-            alone_step = model(nxt[1:], position_ids=torch.tensor([[3]], device=DEVICE),
-                               past_key_values=alone_cache, use_cache=True)
+            alone_step = model(
+                nxt[1:], position_ids=torch.tensor([[3]], device=DEVICE), past_key_values=alone_cache, use_cache=True
+            )
         assert torch.equal(chunk.logits[1], alone.logits[0]), f"{kind}: prefill chunk differs from the sequence alone"
         assert torch.equal(step.logits[1, -1], alone_step.logits[0, -1]), f"{kind}: decode step sees the padding"
     finally:
@@ -456,20 +468,28 @@ def _static_cache_decodes(model, record_cache_calls: bool = True):
             for name in ("dynamic", "static"):
                 cache = DynamicCache() if name == "dynamic" else StaticCache(config=model.config, max_cache_len=16)
                 prefill = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-                step = model(nxt, attention_mask=step_mask, position_ids=pos[:, -1:] + 1, past_key_values=cache,
-                             use_cache=True)
+                step = model(
+                    nxt, attention_mask=step_mask, position_ids=pos[:, -1:] + 1, past_key_values=cache, use_cache=True
+                )
                 logits[name] = (prefill.logits, step.logits)
             for name, passed in (("static, all slots", True), ("static, all slots, no cache_position", False)):
                 cache = StaticCache(config=model.config, max_cache_len=16)
                 slots = F.pad(mask, (0, 10))
                 where = {"cache_position": torch.arange(6, device=DEVICE)} if passed else {}
                 try:
-                    prefill = model(ids, attention_mask=slots, position_ids=pos, past_key_values=cache,
-                                    use_cache=True, **where)
+                    prefill = model(
+                        ids, attention_mask=slots, position_ids=pos, past_key_values=cache, use_cache=True, **where
+                    )
                     slots[:, 6] = 1
                     where = {"cache_position": torch.tensor([6], device=DEVICE)} if passed else {}
-                    step = model(nxt, attention_mask=slots, position_ids=pos[:, -1:] + 1, past_key_values=cache,
-                                 use_cache=True, **where)
+                    step = model(
+                        nxt,
+                        attention_mask=slots,
+                        position_ids=pos[:, -1:] + 1,
+                        past_key_values=cache,
+                        use_cache=True,
+                        **where,
+                    )
                     logits[name] = (prefill.logits, step.logits)
                 except ValueError as error:
                     logits[name] = error
@@ -562,7 +582,7 @@ def test_captured_static_cache_decode_is_the_eager_decode_gpu(dtype):
     lengths = [9, 3, 6, 1]
     mask = torch.zeros((batch, prompt), dtype=torch.int64)
     for i, n in enumerate(lengths):
-        mask[i, prompt - n:] = 1
+        mask[i, prompt - n :] = 1
     mask = mask.to(DEVICE)
     ids = torch.randint(0, 512, (batch, prompt), generator=g).to(DEVICE) * mask
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -576,8 +596,14 @@ def test_captured_static_cache_decode_is_the_eager_decode_gpu(dtype):
             eager = []
             for k in range(steps):
                 step_mask = torch.cat([mask, mask.new_ones((batch, k + 1))], 1)
-                out = model(tokens[k], attention_mask=step_mask, position_ids=pos[:, -1:] + 1 + k, use_cache=True,
-                            logits_to_keep=1, **{keyword: cache})
+                out = model(
+                    tokens[k],
+                    attention_mask=step_mask,
+                    position_ids=pos[:, -1:] + 1 + k,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{keyword: cache},
+                )
                 eager.append(out.logits)
 
             static = StaticCache(config=model.config, max_cache_len=prompt + steps)
@@ -588,12 +614,25 @@ def test_captured_static_cache_decode_is_the_eager_decode_gpu(dtype):
             def prefill():
                 static.reset()
                 slots[:, prompt:] = 0
-                model(ids, attention_mask=slots, position_ids=pos, use_cache=True,
-                      cache_position=torch.arange(prompt, device=DEVICE), **{keyword: static})
+                model(
+                    ids,
+                    attention_mask=slots,
+                    position_ids=pos,
+                    use_cache=True,
+                    cache_position=torch.arange(prompt, device=DEVICE),
+                    **{keyword: static},
+                )
 
             def step():
-                return model(step_ids, attention_mask=slots, position_ids=step_pos, use_cache=True, logits_to_keep=1,
-                             cache_position=slot, **{keyword: static}).logits
+                return model(
+                    step_ids,
+                    attention_mask=slots,
+                    position_ids=step_pos,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    cache_position=slot,
+                    **{keyword: static},
+                ).logits
 
             def set_inputs(k):
                 step_ids.copy_(tokens[k])

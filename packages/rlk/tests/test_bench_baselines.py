@@ -28,12 +28,13 @@ def test_ppo_baseline_matches_rlk(global_tokens):
     assert global_tokens is None or global_tokens != float(mask.sum())
     logprob.requires_grad_()
     base = bench.torch_ppo_loss(logprob, old, advantages, mask, global_tokens)
-    base_grad, = torch.autograd.grad(base[0], logprob)
+    (base_grad,) = torch.autograd.grad(base[0], logprob)
     with rlk.use_backend("reference"):
         ours = bench.rlk_ppo_loss(logprob, old, advantages, mask, global_tokens)
-        ours_grad, = torch.autograd.grad(ours[0], logprob)
-        loss, grad, clip_fraction, approx_kl = bench.rlk_ppo_loss_and_grad(logprob, old, advantages, mask,
-                                                                           global_tokens)
+        (ours_grad,) = torch.autograd.grad(ours[0], logprob)
+        loss, grad, clip_fraction, approx_kl = bench.rlk_ppo_loss_and_grad(
+            logprob, old, advantages, mask, global_tokens
+        )
     for got in (ours, (loss, clip_fraction, approx_kl)):
         for a, b in zip(got, base):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-7)
@@ -55,6 +56,8 @@ def test_distill_baseline_matches_rlk(divergence):
     torch.testing.assert_close(ours, base, rtol=1e-5, atol=1e-6)
     for a, b in zip(ours_grads, base_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
 def test_grpo_k3_baseline_matches_rlk():
     """The fused-linear benchmark's PyTorch GRPO loss (clip 0.2 / 0.28, verl's clamped k3 KL, token-mean) is what
     ``rlk.fused_linear_policy_loss`` computes in both modes: loss and gradients of hidden and weight."""
@@ -67,8 +70,11 @@ def test_grpo_k3_baseline_matches_rlk():
     ref = old + 0.3 * torch.randn(b, t, generator=gen, device=bench.DEVICE)
     args = (targets, old, ref, advantages, mask)
     results = []
-    for fn in (bench.torch_grpo_k3_loss, lambda *a: bench.rlk_grpo_k3_loss(*a, mode="lean"),
-               lambda *a: bench.rlk_grpo_k3_loss(*a, mode="one_pass")):
+    for fn in (
+        bench.torch_grpo_k3_loss,
+        lambda *a: bench.rlk_grpo_k3_loss(*a, mode="lean"),
+        lambda *a: bench.rlk_grpo_k3_loss(*a, mode="one_pass"),
+    ):
         hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         with rlk.use_backend("reference"):
             loss = fn(hh, ww, *args)

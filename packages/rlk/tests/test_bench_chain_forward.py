@@ -66,8 +66,13 @@ def test_kernel_time_is_the_busy_time_of_cuda_events_only():
     apart = [Event(cpu, 0.0, 500.0), Event(cuda, 10.0, 130.0), Event(cuda, 200.0, 230.0), Event(cpu, 0.0, 150.0)]
     assert tool.bench_common.device_ms(Prof(apart)) == pytest.approx(0.15, rel=1e-12)
     # [10, 130] and [100, 160] overlap by 30 us; [150, 155] lies inside [100, 160]; [300, 301] apart
-    overlapping = [Event(cuda, 100.0, 160.0), Event(cuda, 10.0, 130.0), Event(cuda, 150.0, 155.0),
-                   Event(cuda, 300.0, 301.0), Event(cpu, 0.0, 1000.0)]
+    overlapping = [
+        Event(cuda, 100.0, 160.0),
+        Event(cuda, 10.0, 130.0),
+        Event(cuda, 150.0, 155.0),
+        Event(cuda, 300.0, 301.0),
+        Event(cpu, 0.0, 1000.0),
+    ]
     assert tool.bench_common.device_ms(Prof(overlapping)) == pytest.approx(0.151, rel=1e-12)
 
 
@@ -78,9 +83,32 @@ def test_tiny_model_on_cpu_reports_every_scenario(tmp_path, capsys):
 
     tool = _tool()
     out = tmp_path / "cb"
-    argv = ["--model", "tiny", "--device", "cpu", "--seqs", "2", "--seq-len", "8", "--prefill-batch", "2",
-            "--prefill-len", "8", "--decode-batch", "2", "--decode-len", "8", "--decode-steps", "2", "--reps", "1",
-            "--out", str(out), "--host-profile", "5"]
+    argv = [
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--seqs",
+        "2",
+        "--seq-len",
+        "8",
+        "--prefill-batch",
+        "2",
+        "--prefill-len",
+        "8",
+        "--decode-batch",
+        "2",
+        "--decode-len",
+        "8",
+        "--decode-steps",
+        "2",
+        "--reps",
+        "1",
+        "--out",
+        str(out),
+        "--host-profile",
+        "5",
+    ]
     tool.main(argv)
     assert not is_batch_invariant_enabled()  # the chain is switched off again
     table = capsys.readouterr().out
@@ -124,5 +152,8 @@ def test_tiny_model_on_cpu_reports_every_scenario(tmp_path, capsys):
         assert "bench_chain_forward.py" in text and "(body)" in text  # the scenario's body is the profiled call
         assert host[chain]["wall_ms"] > 0
         assert host[chain]["wall_ms_per_unit"] == pytest.approx(host[chain]["wall_ms"] / 2, rel=1e-12)
-    assert sorted(p.name for p in out.iterdir()) == ["chain_forward.json", "host_profile_decode_off.txt",
-                                                     "host_profile_decode_on.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "chain_forward.json",
+        "host_profile_decode_off.txt",
+        "host_profile_decode_on.txt",
+    ]

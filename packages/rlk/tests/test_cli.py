@@ -134,15 +134,18 @@ def test_consistency_help_lists_the_options():
     assert demo.returncode == 0 and "--skip-consistency" in demo.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "no-such-model"], "neither a built-in model"),
-    (["--prompts", "0"], "must be >= 1"),
-    (["--prompts", "many"], "is not an integer"),
-    (["--max-new-tokens", "-3"], "must be >= 1"),
-    (["--dtype", "float64"], "invalid choice"),
-    (["--device", "nonsense"], "is not a torch device"),
-    (["--device", "cpu", "--dtype", "bfloat16"], "float32 only"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "no-such-model"], "neither a built-in model"),
+        (["--prompts", "0"], "must be >= 1"),
+        (["--prompts", "many"], "is not an integer"),
+        (["--max-new-tokens", "-3"], "must be >= 1"),
+        (["--dtype", "float64"], "invalid choice"),
+        (["--device", "nonsense"], "is not a torch device"),
+        (["--device", "cpu", "--dtype", "bfloat16"], "float32 only"),
+    ],
+)
 def test_consistency_argument_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["consistency", *args])
@@ -152,8 +155,14 @@ def test_consistency_argument_errors(args, message, capsys):
 
 def test_parser_defaults():
     args = cli.build_parser().parse_args(["consistency"])
-    assert (args.model, args.prompts, args.max_new_tokens, args.dtype, args.device, args.out) == \
-        ("tiny", 8, 16, None, None, None)
+    assert (args.model, args.prompts, args.max_new_tokens, args.dtype, args.device, args.out) == (
+        "tiny",
+        8,
+        16,
+        None,
+        None,
+        None,
+    )
 
 
 def _fake_run(calls, passed):

@@ -168,7 +168,7 @@ def _check_slots(inputs, slots, lengths_fed):
         valid = s[..., 0] >= 0
         assert torch.equal(valid, s[..., 1] >= 0)
         if mask is not None:
-            assert torch.equal(valid, mask[:, -shape[1]:].bool())
+            assert torch.equal(valid, mask[:, -shape[1] :].bool())
         else:
             assert bool(valid.all())
         assert torch.equal(s[..., 1][valid], pos.expand(shape)[valid])
@@ -190,8 +190,10 @@ def test_rollout_slots_shrinking_batch_and_budgets(chunk):
         handle.remove()
     budgets = paths._response_lengths(4, 5, 1)
     assert [len(x) for x in r.responses] == budgets and len(set(budgets)) > 1
-    assert all(lp.dtype == torch.float32 and lp.shape == (len(x),) and bool((lp <= 0).all())
-               for lp, x in zip(r.logprobs, r.responses))
+    assert all(
+        lp.dtype == torch.float32 and lp.shape == (len(x),) and bool((lp <= 0).all())
+        for lp, x in zip(r.logprobs, r.responses)
+    )
     # the last response token is sampled, never fed
     _check_slots(inputs, slots, [len(p) + len(x) - 1 for p, x in zip(prompts, r.responses)])
     width = max(len(p) for p in prompts)
@@ -244,7 +246,7 @@ def test_rollout_samples_with_rlk_sample_per_sequence_seed_and_step():
     assert len({len(x) for x in r.responses}) > 1  # the batch shrinks
     seeds = paths.sequence_seeds(4, 3).to(DEVICE)
     active = [0, 1, 2]
-    for t, logits in enumerate(rows_logits[:max(len(x) for x in r.responses)]):
+    for t, logits in enumerate(rows_logits[: max(len(x) for x in r.responses)]):
         assert logits.shape[0] == len(active)
         tokens, _ = rlk.sample(logits, seeds[active], torch.full((len(active),), t, dtype=torch.int64, device=DEVICE))
         assert tokens.tolist() == [r.responses[i][t] for i in active]
@@ -298,8 +300,9 @@ def test_training_slots_cover_each_token_once():
     responses = [[1, 2], [], [3, 4, 5]]
     handle, inputs, slots = _record_forwards(model)
     try:
-        lp, grads = paths.training_logprobs(model, prompts, responses, micro_batches=[[2], [1, 0]],
-                                            on_forward=slots.append)
+        lp, grads = paths.training_logprobs(
+            model, prompts, responses, micro_batches=[[2], [1, 0]], on_forward=slots.append
+        )
     finally:
         handle.remove()
     assert grads is None and len(inputs) == 2 and inputs[1][0] == (1, len(prompts[1]) + len(prompts[0]) + 2)
@@ -325,8 +328,9 @@ def test_stock_paths_match_the_fp64_reference(name):
         r = paths.rollout(model, prompts, max_new_tokens=4, seed=2)
         rc = paths.rollout(model, prompts, max_new_tokens=4, prefill_chunk=3, seed=2)
         lp_a, g_a = paths.training_logprobs(model, prompts, r.responses, micro_batches=[[0, 1, 2, 3]], backward=True)
-        lp_b, g_b = paths.training_logprobs(model, prompts, r.responses, micro_batches=[[3], [1, 0], [2]],
-                                            backward=True)
+        lp_b, g_b = paths.training_logprobs(
+            model, prompts, r.responses, micro_batches=[[3], [1, 0], [2]], backward=True
+        )
     ref = harness.reference_logprobs(model, prompts, r.responses)
     for got in (r.logprobs, lp_a, lp_b):
         for x, y in zip(got, ref):

@@ -36,9 +36,17 @@ def tiny_model(kind: str):
     """A 2-layer, hidden-64 transformers model from a config (seeded init), float32, eval mode, SDPA."""
     transformers = _transformers()
     torch.manual_seed(0)
-    common = dict(hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                  num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=VOCAB, max_position_embeddings=256,
-                  attn_implementation="sdpa")
+    common = dict(
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     else:
@@ -94,9 +102,17 @@ def test_every_op_of_every_layer_is_captured_in_computation_order(kind):
     ops = OPS if kind == "qwen3" else LLAMA_OPS
     assert probe.order() == [(layer, op) for layer in range(LAYERS) for op in ops]
     assert list(probe.states()) == probe.order()
-    widths = {"q_proj": HEADS * HEAD_DIM, "q_norm": HEADS * HEAD_DIM, "k_proj": KV_HEADS * HEAD_DIM,
-              "k_norm": KV_HEADS * HEAD_DIM, "v_proj": KV_HEADS * HEAD_DIM, "attention": HEADS * HEAD_DIM,
-              "gate_proj": INTER, "up_proj": INTER, "act": INTER}
+    widths = {
+        "q_proj": HEADS * HEAD_DIM,
+        "q_norm": HEADS * HEAD_DIM,
+        "k_proj": KV_HEADS * HEAD_DIM,
+        "k_norm": KV_HEADS * HEAD_DIM,
+        "v_proj": KV_HEADS * HEAD_DIM,
+        "attention": HEADS * HEAD_DIM,
+        "gate_proj": INTER,
+        "up_proj": INTER,
+        "act": INTER,
+    }
     for (layer, op), states in probe.states().items():
         assert set(states) == all_keys(seqs), (layer, op)  # the pads (-1, -1) are not kept
         for vector in states.values():
@@ -208,12 +224,18 @@ def test_decode_steps_of_one_token(kind):
         live = list(range(len(seqs)))
         ids = torch.stack([s[:prompt] for s in seqs])
         mask = torch.ones(len(seqs), prompt, dtype=torch.int64)
-        slots = torch.stack([torch.tensor(live)[:, None].expand(-1, prompt), torch.arange(prompt).expand(len(seqs),
-                                                                                                         -1)], -1)
+        slots = torch.stack(
+            [torch.tensor(live)[:, None].expand(-1, prompt), torch.arange(prompt).expand(len(seqs), -1)], -1
+        )
         step.on_forward(slots)
         with torch.no_grad():
-            compat.cached_forward(model, cache, input_ids=ids, attention_mask=mask,
-                                  position_ids=torch.arange(prompt).expand(len(seqs), -1))
+            compat.cached_forward(
+                model,
+                cache,
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=torch.arange(prompt).expand(len(seqs), -1),
+            )
         for pos in range(prompt, max(LENGTHS)):
             keep = [row for row, i in enumerate(live) if len(seqs[i]) > pos]
             if len(keep) < len(live):  # drop the finished rows from the batch and the cache
@@ -221,11 +243,12 @@ def test_decode_steps_of_one_token(kind):
                 mask = mask[keep]
                 live = [live[row] for row in keep]
             mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.int64)], 1)
-            ids = torch.stack([seqs[i][pos:pos + 1] for i in live])
+            ids = torch.stack([seqs[i][pos : pos + 1] for i in live])
             step.on_forward(torch.tensor([[[i, pos]] for i in live]))  # [B, 1, 2]
             with torch.no_grad():
-                compat.cached_forward(model, cache, input_ids=ids, attention_mask=mask,
-                                      position_ids=torch.full((len(live), 1), pos))
+                compat.cached_forward(
+                    model, cache, input_ids=ids, attention_mask=mask, position_ids=torch.full((len(live), 1), pos)
+                )
     assert step.unannounced == 0 and step.duplicates == 0
     for (layer, op), states in step.states().items():
         assert set(states) == all_keys(seqs), (layer, op)

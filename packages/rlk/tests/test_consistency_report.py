@@ -20,56 +20,141 @@ from rlk.app.consistency import run
 def _chain(drift: float, layers: int = 3, n: int = 3) -> dict:
     """One chain's part of a report; ``drift`` 0 means bitwise equal everywhere."""
     equal = drift == 0
-    per_layer = [{"layer": i, "max_abs": drift * (i + 1), "mean_abs": drift * (i + 1) / 10,
-                  "first_op": None if equal else "q_proj", "equal": equal, "out_max_abs": drift,
-                  "out_mean_abs": drift / 10} for i in range(layers)]
-    agg = {"tokens": 12, "equal_tokens": 12 if equal else 5, "equal_sequences": n if equal else 1, "sequences": n,
-           "max_abs": drift, "mean_abs": drift / 3, "bitwise": equal}
-    grads = {"equal_sequences": n if equal else 0, "sequences": n, "max_abs": drift * 4, "max_rel_l2": drift,
-             "bitwise": equal}
-    seqs = [{"index": i, "prompt_len": 5 + i, "response_len": 4, "rollout_vs_training_max_abs": drift,
-             "rollout_vs_training_equal": equal, "rollout_vs_training_equal_tokens": 4 if equal else 2,
-             "split_a_vs_b_max_abs": drift, "split_a_vs_b_equal": equal, "grad_equal": equal,
-             "grad_max_abs": drift * 4, "grad_rel_l2": drift, "rollout_vs_reference_max_abs": 1e-6,
-             "training_vs_reference_max_abs": 1e-6} for i in range(n)]
-    return {"enabled": equal, "responses": [[1, 2, 3, 4]] * n, "response_lengths": [4] * n,
-            "rollout_vs_training": agg, "split_a_vs_b": dict(agg), "gradients": grads,
-            "probe": {"first_divergent": None if equal else [0, "q_proj"], "per_layer": per_layer, "per_op": {},
-                      "tokens": 20, "ops": []},
-            "timings": {"rollout_s": 0.5, "rollout_tokens": 30, "rollout_tokens_per_s": 50.0 if equal else 60.0,
-                        "training_forward_s": 0.1, "training_tokens": 33, "training_tokens_per_s": 330.0},
-            "rlk_calls": 100 if equal else 0, "sequences": seqs}
+    per_layer = [
+        {
+            "layer": i,
+            "max_abs": drift * (i + 1),
+            "mean_abs": drift * (i + 1) / 10,
+            "first_op": None if equal else "q_proj",
+            "equal": equal,
+            "out_max_abs": drift,
+            "out_mean_abs": drift / 10,
+        }
+        for i in range(layers)
+    ]
+    agg = {
+        "tokens": 12,
+        "equal_tokens": 12 if equal else 5,
+        "equal_sequences": n if equal else 1,
+        "sequences": n,
+        "max_abs": drift,
+        "mean_abs": drift / 3,
+        "bitwise": equal,
+    }
+    grads = {
+        "equal_sequences": n if equal else 0,
+        "sequences": n,
+        "max_abs": drift * 4,
+        "max_rel_l2": drift,
+        "bitwise": equal,
+    }
+    seqs = [
+        {
+            "index": i,
+            "prompt_len": 5 + i,
+            "response_len": 4,
+            "rollout_vs_training_max_abs": drift,
+            "rollout_vs_training_equal": equal,
+            "rollout_vs_training_equal_tokens": 4 if equal else 2,
+            "split_a_vs_b_max_abs": drift,
+            "split_a_vs_b_equal": equal,
+            "grad_equal": equal,
+            "grad_max_abs": drift * 4,
+            "grad_rel_l2": drift,
+            "rollout_vs_reference_max_abs": 1e-6,
+            "training_vs_reference_max_abs": 1e-6,
+        }
+        for i in range(n)
+    ]
+    return {
+        "enabled": equal,
+        "responses": [[1, 2, 3, 4]] * n,
+        "response_lengths": [4] * n,
+        "rollout_vs_training": agg,
+        "split_a_vs_b": dict(agg),
+        "gradients": grads,
+        "probe": {
+            "first_divergent": None if equal else [0, "q_proj"],
+            "per_layer": per_layer,
+            "per_op": {},
+            "tokens": 20,
+            "ops": [],
+        },
+        "timings": {
+            "rollout_s": 0.5,
+            "rollout_tokens": 30,
+            "rollout_tokens_per_s": 50.0 if equal else 60.0,
+            "training_forward_s": 0.1,
+            "training_tokens": 33,
+            "training_tokens_per_s": 330.0,
+        },
+        "rlk_calls": 100 if equal else 0,
+        "sequences": seqs,
+    }
 
 
 def synthetic_report(on_drift: float = 0.0, off_drift: float = 3e-7, device: str = "cpu") -> dict:
     off, on = _chain(off_drift), _chain(on_drift)
-    contract = {"op": "selected_logprob", "dtype": "float32", "atol": 2e-5, "rtol": 2e-6, "scale": "1 + |ref|",
-                "judged": True, "ok": True,
-                "paths": {f"{c}.{p}": {"worst": 1e-6, "allowed": 2e-5, "ratio": 0.05, "ok": True, "max_abs": 1e-6,
-                                       "mean_abs": 1e-7} for c in ("off", "on") for p in ("rollout", "training")}}
+    contract = {
+        "op": "selected_logprob",
+        "dtype": "float32",
+        "atol": 2e-5,
+        "rtol": 2e-6,
+        "scale": "1 + |ref|",
+        "judged": True,
+        "ok": True,
+        "paths": {
+            f"{c}.{p}": {"worst": 1e-6, "allowed": 2e-5, "ratio": 0.05, "ok": True, "max_abs": 1e-6, "mean_abs": 1e-7}
+            for c in ("off", "on")
+            for p in ("rollout", "training")
+        },
+    }
     dev = torch.device(device)
     verdicts = run._verdicts(off, on, contract, dev)
     failed = [v["name"] for v in verdicts if v["gates_exit"] and v["status"] == "fail"]
     d_off = torch.tensor([0.0] * 5 + [off_drift] * 7, dtype=torch.float64)
     d_on = torch.tensor([0.0] * 7 + [on_drift] * 5, dtype=torch.float64)
     return {
-        "report": "rlk consistency", "schema": 1, "created": "2026-01-01T00:00:00+00:00",
-        "model": {"name": "tiny", "class": "Qwen3ForCausalLM", "model_type": "qwen3", "parameters": 123456,
-                  "config": {"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 512}},
+        "report": "rlk consistency",
+        "schema": 1,
+        "created": "2026-01-01T00:00:00+00:00",
+        "model": {
+            "name": "tiny",
+            "class": "Qwen3ForCausalLM",
+            "model_type": "qwen3",
+            "parameters": 123456,
+            "config": {"hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 512},
+        },
         "device": {"device": device, "name": "test", "chain_backend": "test"},
-        "dtype": "float32", "versions": {"torch": torch.__version__, "rlk": "0"},
+        "dtype": "float32",
+        "versions": {"torch": torch.__version__, "rlk": "0"},
         "seeds": {"weights": 0, "prompts": 0, "sampling": 0},
-        "settings": {"prompts": 3, "max_new_tokens": 4, "prefill_chunk": 8, "temperature": 1.0, "scoring": "t=1",
-                     "split_a": run.SPLIT_A_NAME, "split_b": run.SPLIT_B_NAME, "split_b_micro_batches": [[0], [1, 2]]},
+        "settings": {
+            "prompts": 3,
+            "max_new_tokens": 4,
+            "prefill_chunk": 8,
+            "temperature": 1.0,
+            "scoring": "t=1",
+            "split_a": run.SPLIT_A_NAME,
+            "split_b": run.SPLIT_B_NAME,
+            "split_b_micro_batches": [[0], [1, 2]],
+        },
         "prompt_lengths": [5, 6, 7],
         "reference": {"dtype": "float64", "how": "alone"},
         "contract": contract,
-        "histogram": {"what": "|rollout lp - training lp|", "edges": [None if math.isinf(e) else e
-                                                                      for e in run.HIST_EDGES],
-                      "labels": run.histogram_labels(), "off": run.histogram(d_off), "on": run.histogram(d_on)},
+        "histogram": {
+            "what": "|rollout lp - training lp|",
+            "edges": [None if math.isinf(e) else e for e in run.HIST_EDGES],
+            "labels": run.histogram_labels(),
+            "off": run.histogram(d_off),
+            "on": run.histogram(d_on),
+        },
         "chains": {"off": off, "on": on},
         "throughput": run._throughput({"off": off, "on": on}),
-        "verdicts": verdicts, "failed": failed, "passed": not failed, "seconds": 1.0,
+        "verdicts": verdicts,
+        "failed": failed,
+        "passed": not failed,
+        "seconds": 1.0,
         "notes": ["a note with <html> & characters"],
     }
 
@@ -103,8 +188,11 @@ def test_table_shows_both_chains_and_the_verdicts():
 def test_a_failing_on_claim_fails_the_report():
     r = synthetic_report(on_drift=1e-7)
     assert not r["passed"]
-    assert set(r["failed"]) >= {"on.rollout_equals_training", "on.split_invariant_logprobs",
-                                "on.split_invariant_gradients"}
+    assert set(r["failed"]) >= {
+        "on.rollout_equals_training",
+        "on.split_invariant_logprobs",
+        "on.split_invariant_gradients",
+    }
     assert "FAILED: on.rollout_equals_training" in rep.format_table(r)
 
 
@@ -200,11 +288,16 @@ def test_end_to_end_tiny_model_on_cpu(tmp_path):
     else:
         pytest.importorskip("transformers")
     out = tmp_path / "cons"
-    r = run.run_consistency("tiny", device="cpu", prompts=3, max_new_tokens=4, out=str(out), progress=False,
-                            timing=False, print_table=False)
+    r = run.run_consistency(
+        "tiny", device="cpu", prompts=3, max_new_tokens=4, out=str(out), progress=False, timing=False, print_table=False
+    )
     verdicts = {v["name"]: v for v in r["verdicts"]}
-    for name in ("on.rollout_equals_training", "on.split_invariant_logprobs", "on.split_invariant_gradients",
-                 "on.rlk_kernels_ran"):
+    for name in (
+        "on.rollout_equals_training",
+        "on.split_invariant_logprobs",
+        "on.split_invariant_gradients",
+        "on.rlk_kernels_ran",
+    ):
         assert verdicts[name]["status"] == "pass", verdicts[name]
     assert r["passed"] and r["chains"]["on"]["probe"]["first_divergent"] is None
     assert r["contract"]["op"] == "selected_logprob" and r["contract"]["dtype"] == "float32"

@@ -70,8 +70,9 @@ def test_results_beyond_the_dtype_range_are_exact_when_correctly_rounded():
     scale = torch.ones(3, dtype=torch.float64)
     assert contract.compare_outputs(e, "x", torch.tensor([float("inf"), -float("inf"), 2.0]), truth, scale).ok
     assert not contract.compare_outputs(e, "x", torch.tensor([-float("inf"), -float("inf"), 2.0]), truth, scale).ok
-    assert not contract.compare_outputs(e, "x", torch.tensor([float("inf"), -float("inf"), float("inf")]), truth,
-                                        scale).ok
+    assert not contract.compare_outputs(
+        e, "x", torch.tensor([float("inf"), -float("inf"), float("inf")]), truth, scale
+    ).ok
     g = contract.entry("selected_logprob", "float16")
     big = torch.tensor([1e6, 1.0], dtype=torch.float64)  # 1e6 is beyond float16's 65504
     assert contract.compare_grad(g, "g", torch.tensor([float("inf"), 1.0], dtype=torch.float16), big, 1.0).ok

@@ -75,16 +75,26 @@ def _case_embedding(gen):
 def _case_attention(gen):
     q, k, v = _leaf(9, 4, 16, gen=gen), _leaf(9, 2, 16, gen=gen), _leaf(9, 2, 16, gen=gen)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    return (q, k, v), lambda: rlk.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5,
-                                            max_seqlen_k=5, return_lse=True)
+    return (q, k, v), lambda: rlk.attention(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5, return_lse=True
+    )
 
 
 def _case_prefix_attention(gen):
     q, k, v = _leaf(12, 4, 16, gen=gen), _leaf(12, 2, 16, gen=gen), _leaf(12, 2, 16, gen=gen)
     cu = torch.tensor([0, 4, 9, 12], dtype=torch.int32)
     prefix_index = torch.tensor([-1, 0, 0], dtype=torch.int32)
-    return (q, k, v), lambda: rlk.prefix_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5,
-                                                   max_seqlen_k=5, prefix_index=prefix_index, return_lse=True)
+    return (q, k, v), lambda: rlk.prefix_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=5,
+        max_seqlen_k=5,
+        prefix_index=prefix_index,
+        return_lse=True,
+    )
 
 
 def _case_selected_logprob(gen):
@@ -115,11 +125,15 @@ def _case_advantages(gen):
     scores = torch.randn(8, generator=gen)
     rewards, values = torch.randn(2, 6, generator=gen), torch.randn(2, 6, generator=gen)
     mask = torch.rand(2, 6, generator=gen) < 0.8
-    return (), lambda: (rlk.group_advantages(scores, group_size=4), rlk.masked_whiten(values, mask),
-                        rlk.discounted_returns(rewards, mask, 0.9), rlk.gae(rewards, values, mask, gamma=0.9, lam=0.8))
+    return (), lambda: (
+        rlk.group_advantages(scores, group_size=4),
+        rlk.masked_whiten(values, mask),
+        rlk.discounted_returns(rewards, mask, 0.9),
+        rlk.gae(rewards, values, mask, gamma=0.9, lam=0.8),
+    )
 
 
-CASES = {name[len("_case_"):]: fn for name, fn in globals().items() if name.startswith("_case_")}
+CASES = {name[len("_case_") :]: fn for name, fn in globals().items() if name.startswith("_case_")}
 
 
 def _flat(out) -> list[torch.Tensor]:
@@ -177,8 +191,9 @@ def test_double_backward_is_refused_with_the_op_name(name, through_dispatcher, b
         total = sum(o.float().sum() for o in outputs if o.requires_grad)
         with pytest.raises(custom_op.DoubleBackwardError, match=r"rlk\.\w+: double backward is not supported"):
             torch.autograd.grad(total, leaves, create_graph=True, allow_unused=True)
-        grads = torch.autograd.grad(sum(o.float().sum() for o in _flat(fn()) if o.requires_grad), leaves,
-                                    allow_unused=True)
+        grads = torch.autograd.grad(
+            sum(o.float().sum() for o in _flat(fn()) if o.requires_grad), leaves, allow_unused=True
+        )
     assert any(g is not None for g in grads)
 
 
@@ -200,8 +215,18 @@ def _norm_op():
 
 
 def test_every_primitive_is_an_op():
-    for module in ("advantages", "attention", "embedding", "logprob", "losses", "matmul", "norm", "policy_loss",
-                   "rope", "softmax"):
+    for module in (
+        "advantages",
+        "attention",
+        "embedding",
+        "logprob",
+        "losses",
+        "matmul",
+        "norm",
+        "policy_loss",
+        "rope",
+        "softmax",
+    ):
         mod = importlib.import_module(f"rlk.ops.{module}")
         ops = [v for k, v in vars(mod).items() if k.endswith(("_fwd", "_bwd")) and k.startswith("_")]
         assert ops, module
@@ -253,10 +278,12 @@ def test_profiler_ranges_name_every_primitive_call(profiler_ranges, through_disp
     call paths; NVTX gets one range per primitive call, pushed and popped in pairs."""
     x, w = torch.randn(3, 8, requires_grad=True), torch.randn(8, requires_grad=True)
     pushed = []
-    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
-            mock.patch.object(torch.cuda.nvtx, "range_push", side_effect=pushed.append), \
-            mock.patch.object(torch.cuda.nvtx, "range_pop", side_effect=lambda: pushed.append("pop")), \
-            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with (
+        mock.patch.object(torch.cuda, "is_available", return_value=True),
+        mock.patch.object(torch.cuda.nvtx, "range_push", side_effect=pushed.append),
+        mock.patch.object(torch.cuda.nvtx, "range_pop", side_effect=lambda: pushed.append("pop")),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+    ):
         if through_dispatcher:
             with _PassThrough():
                 rlk.rms_norm(x, w).sum().backward()
@@ -270,8 +297,10 @@ def test_profiler_ranges_name_every_primitive_call(profiler_ranges, through_disp
 
 def test_profiler_ranges_are_off_by_default_and_take_a_bool():
     x, w = torch.randn(3, 8), torch.randn(8)
-    with mock.patch.object(torch.cuda.nvtx, "range_push", side_effect=AssertionError("range pushed")), \
-            torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with (
+        mock.patch.object(torch.cuda.nvtx, "range_push", side_effect=AssertionError("range pushed")),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+    ):
         rlk.rms_norm(x, w)
     assert not any(e.name.startswith("rlk::") for e in prof.events())
     with pytest.raises(TypeError, match="enabled: expected a bool"):

@@ -38,9 +38,13 @@ def _recording_backend(name: str, calls: list, **overrides) -> Backend:
         return run
 
     fields = dict(
-        name=name, version="9.9", abi_version=abi.ABI_VERSION,
-        primitives={p: wrap(p) for p in abi.PRIMITIVES}, probe=lambda: None,
-        device_types=lambda: ("cpu",), batch_invariant=True,
+        name=name,
+        version="9.9",
+        abi_version=abi.ABI_VERSION,
+        primitives={p: wrap(p) for p in abi.PRIMITIVES},
+        probe=lambda: None,
+        device_types=lambda: ("cpu",),
+        batch_invariant=True,
     )
     fields.update(overrides)
     return Backend(**fields)
@@ -125,8 +129,9 @@ def test_entry_point_backends_are_loaded(monkeypatch, tmp_path):
         dispatch.metadata.EntryPoint(name=n, value=f"rlk_fake_ep:{n}", group=dispatch.ENTRY_POINT_GROUP)
         for n in ("good", "broken", "old", "noprobe", "notabackend")
     ]
-    monkeypatch.setattr(dispatch.metadata, "entry_points", lambda group: eps if group == dispatch.ENTRY_POINT_GROUP
-                        else [])
+    monkeypatch.setattr(
+        dispatch.metadata, "entry_points", lambda group: eps if group == dispatch.ENTRY_POINT_GROUP else []
+    )
     dispatch.refresh()
     found = dispatch.discover()
     assert found["good"].available
@@ -159,8 +164,9 @@ def test_chain_picks_first_backend_that_serves(monkeypatch):
 
 def test_fallback_is_logged_once_and_correct(monkeypatch, caplog):
     calls = []
-    slow = _recording_backend("slow", calls, supports=lambda p, d, t: "float32 declined for the test"
-                              if t == torch.float32 else None)
+    slow = _recording_backend(
+        "slow", calls, supports=lambda p, d, t: "float32 declined for the test" if t == torch.float32 else None
+    )
     _install(monkeypatch, slow, chain=("slow", "reference"))
     logits, targets = _inputs()
     with caplog.at_level(logging.WARNING, logger="rlk"):
@@ -177,8 +183,9 @@ def test_fallback_is_logged_once_and_correct(monkeypatch, caplog):
 def test_missing_primitive_falls_back(monkeypatch):
     calls = []
     partial = _recording_backend("partial", calls)
-    partial = Backend(**{**partial.__dict__, "primitives": {"selected_logprob_fwd": partial.primitives[
-        "selected_logprob_fwd"]}})
+    partial = Backend(
+        **{**partial.__dict__, "primitives": {"selected_logprob_fwd": partial.primitives["selected_logprob_fwd"]}}
+    )
     _install(monkeypatch, partial, chain=("partial", "reference"))
     decision = rlk.explain("selected_logprob", *_inputs())
     assert decision.backend == "reference"

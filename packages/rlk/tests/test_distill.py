@@ -39,8 +39,9 @@ def _plain(hs, ws, ht, wt, targets, divergence, beta=0.5, temperature=1.0, reduc
         rows = torch.where(q > 0, q * (log_q - log_p), 0.0).sum(-1)
     else:
         log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1 - beta))
-        rows = (beta * torch.where(p > 0, p * (log_p - log_m), 0.0).sum(-1)
-                + (1 - beta) * torch.where(q > 0, q * (log_q - log_m), 0.0).sum(-1))
+        rows = beta * torch.where(p > 0, p * (log_p - log_m), 0.0).sum(-1) + (1 - beta) * torch.where(
+            q > 0, q * (log_q - log_m), 0.0
+        ).sum(-1)
     valid = torch.ones(lead, dtype=torch.bool) if targets is None else targets != ignore_index
     rows = torch.where(valid, rows, 0.0)
     if reduction == "sum":
@@ -110,8 +111,7 @@ def _run(inputs, targets, **kwargs):
 def test_matches_the_plain_formula_and_its_autograd(dtype, divergence, reduction):
     *inputs, targets = _case(dtype=dtype)
     temperature = torch.tensor([[0.7], [1.6]])  # one per sequence of [2, 9]
-    loss, grads = _run(inputs, targets, divergence=divergence, beta=0.3, temperature=temperature,
-                       reduction=reduction)
+    loss, grads = _run(inputs, targets, divergence=divergence, beta=0.3, temperature=temperature, reduction=reduction)
     assert loss.dtype == torch.float32 and loss.shape == (targets.shape if reduction == "none" else ())
     _check(dtype, loss, grads, inputs, targets, divergence, 0.3, temperature, reduction)
     assert bool((grads[0][targets == IGNORE] == 0).all())
@@ -136,8 +136,11 @@ def test_fp64_matches_autograd_tightly_and_passes_gradcheck(divergence):
         hs, ws = (x.clone().requires_grad_(True) for x in inputs[:2])
         assert torch.autograd.gradcheck(
             lambda h, w, reduction=reduction: rlk.fused_linear_kl(
-                h, w, *inputs[2:], targets, divergence=divergence, beta=0.3, temperature=t, reduction=reduction),
-            (hs, ws), fast_mode=True)
+                h, w, *inputs[2:], targets, divergence=divergence, beta=0.3, temperature=t, reduction=reduction
+            ),
+            (hs, ws),
+            fast_mode=True,
+        )
 
 
 def test_targets_none_counts_every_row_and_int32_targets_work():
@@ -148,8 +151,7 @@ def test_targets_none_counts_every_row_and_int32_targets_work():
     assert torch.equal(masked, torch.where(targets != IGNORE, everything, 0.0))
     mean = rlk.fused_linear_kl(*inputs, None)
     torch.testing.assert_close(mean, everything.sum() / everything.numel())
-    torch.testing.assert_close(rlk.fused_linear_kl(*inputs, targets),
-                               masked.sum() / (targets != IGNORE).sum())
+    torch.testing.assert_close(rlk.fused_linear_kl(*inputs, targets), masked.sum() / (targets != IGNORE).sum())
 
 
 def test_custom_ignore_index():
@@ -168,12 +170,15 @@ def test_jsd_beta_ends_are_the_kls():
     """``beta = 0``: forward KL, ``beta = 1``: reverse KL (bit for bit: the same computation); in between the JSD
     goes to 0 at both ends (it is ~ beta KL(p || q) near 0 and ~ (1 - beta) KL(q || p) near 1)."""
     *inputs, targets = _case(dtype=torch.float64, logit_std=1.0)
-    kl = {d: rlk.fused_linear_kl(*inputs, targets, divergence=d, reduction="none")
-          for d in ("forward_kl", "reverse_kl")}
-    assert torch.equal(rlk.fused_linear_kl(*inputs, targets, divergence="jsd", beta=0.0, reduction="none"),
-                       kl["forward_kl"])
-    assert torch.equal(rlk.fused_linear_kl(*inputs, targets, divergence="jsd", beta=1, reduction="none"),
-                       kl["reverse_kl"])
+    kl = {
+        d: rlk.fused_linear_kl(*inputs, targets, divergence=d, reduction="none") for d in ("forward_kl", "reverse_kl")
+    }
+    assert torch.equal(
+        rlk.fused_linear_kl(*inputs, targets, divergence="jsd", beta=0.0, reduction="none"), kl["forward_kl"]
+    )
+    assert torch.equal(
+        rlk.fused_linear_kl(*inputs, targets, divergence="jsd", beta=1, reduction="none"), kl["reverse_kl"]
+    )
     small = 1e-9  # the next terms are ~ small * chi^2(p || q) (chi^2(q || p) near 1): moderate logits keep it small
     near0 = rlk.fused_linear_kl(*inputs, targets, divergence="jsd", beta=small, reduction="none")
     near1 = rlk.fused_linear_kl(*inputs, targets, divergence="jsd", beta=1 - small, reduction="none")
@@ -199,9 +204,21 @@ def test_temperature_divides_both_logits():
         torch.testing.assert_close(with_t, folded, rtol=1e-12, atol=1e-14)
         t = torch.tensor([0.5, 1.0, 2.0, 3.0, 0.7, 1.3], dtype=torch.float64)
         per_row = rlk.fused_linear_kl(sh, sw, th, tw, targets, divergence=d, temperature=t, reduction="none")
-        one_by_one = torch.stack([
-            rlk.fused_linear_kl(sh[i:i + 1], sw, th[i:i + 1], tw, targets[i:i + 1], divergence=d,
-                                temperature=float(t[i]), reduction="none")[0] for i in range(6)])
+        one_by_one = torch.stack(
+            [
+                rlk.fused_linear_kl(
+                    sh[i : i + 1],
+                    sw,
+                    th[i : i + 1],
+                    tw,
+                    targets[i : i + 1],
+                    divergence=d,
+                    temperature=float(t[i]),
+                    reduction="none",
+                )[0]
+                for i in range(6)
+            ]
+        )
         torch.testing.assert_close(per_row, one_by_one, rtol=1e-12, atol=1e-14)
 
 
@@ -310,8 +327,9 @@ def test_every_row_ignored(reduction):
 def test_empty_batch(lead, reduction):
     hs = torch.randn(*lead, 4, requires_grad=True)
     ws = torch.randn(5, 4, requires_grad=True)
-    loss = rlk.fused_linear_kl(hs, ws, torch.randn(*lead, 3), torch.randn(5, 3), torch.zeros(lead, dtype=torch.long),
-                               reduction=reduction)
+    loss = rlk.fused_linear_kl(
+        hs, ws, torch.randn(*lead, 3), torch.randn(5, 3), torch.zeros(lead, dtype=torch.long), reduction=reduction
+    )
     assert loss.shape == (lead if reduction == "none" else ())
     assert bool((loss == 0).all())
     loss.sum().backward()
@@ -346,8 +364,9 @@ def test_minus_inf_teacher_logits(divergence):
     tw[:7, 0] = -math.inf  # teacher logits of the first 7 tokens: -inf in every row
     loss, grads = _run([sh, sw, th, tw], targets, divergence=divergence, reduction="none")
     assert bool(torch.isfinite(loss).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
-    _check(torch.float32, loss.float(), [g.float() for g in grads], [sh, sw, th, tw], targets, divergence, 0.5, 1.0,
-           "none")
+    _check(
+        torch.float32, loss.float(), [g.float() for g in grads], [sh, sw, th, tw], targets, divergence, 0.5, 1.0, "none"
+    )
     reverse = rlk.fused_linear_kl(sh, sw, th, tw, targets, divergence="reverse_kl", reduction="none")
     assert bool((reverse[targets != IGNORE] == math.inf).all())
 
@@ -383,10 +402,12 @@ def test_reference_memory_is_bounded_by_its_tiles(monkeypatch, divergence):
     gh, gw = torch.empty_like(sh), torch.empty_like(sw)
     inv_t, coef = torch.ones(n), torch.ones(n)
     with _LargestTensor() as mode:
-        reference_distill.fused_linear_kl_fwd(sh, sw, th, tw, targets, inv_t, IGNORE, divergence, 0.5, loss, stats,
-                                              coef, gh, gw)
-        reference_distill.fused_linear_kl_bwd(sh, sw, th, tw, targets, inv_t, stats, coef, IGNORE, divergence, 0.5,
-                                              gh, gw)
+        reference_distill.fused_linear_kl_fwd(
+            sh, sw, th, tw, targets, inv_t, IGNORE, divergence, 0.5, loss, stats, coef, gh, gw
+        )
+        reference_distill.fused_linear_kl_bwd(
+            sh, sw, th, tw, targets, inv_t, stats, coef, IGNORE, divergence, 0.5, gh, gw
+        )
     assert mode.largest <= max(v * h, 8 * 32), mode.largest
     assert v * h < n * v
 
@@ -398,8 +419,7 @@ def test_reference_memory_is_bounded_by_its_tiles(monkeypatch, divergence):
 
 def _args(**changes):
     sh, sw, th, tw, targets = _case(lead=(3,), hs=4, ht=5, v=6)
-    args = {"student_hidden": sh, "student_weight": sw, "teacher_hidden": th, "teacher_weight": tw,
-            "targets": targets}
+    args = {"student_hidden": sh, "student_weight": sw, "teacher_hidden": th, "teacher_weight": tw, "targets": targets}
     kwargs = {k: changes.pop(k) for k in list(changes) if k not in args}
     args.update(changes)
     return lambda: rlk.fused_linear_kl(*args.values(), **kwargs)
@@ -412,15 +432,24 @@ def _args(**changes):
         (_args(student_hidden=[1.0]), TypeError, "student_hidden: expected a torch.Tensor"),
         (_args(teacher_weight=torch.ones(6, 5, dtype=torch.int32)), TypeError, "teacher_weight: expected dtype"),
         (_args(student_hidden=torch.randn(3, 0)), ValueError, r"student_hidden: expected shape \[..., Hs\]"),
-        (_args(student_weight=torch.randn(6, 5)), ValueError,
-         r"student_weight: expected shape \[V, Hs\] with V >= 1 and Hs = 4"),
+        (
+            _args(student_weight=torch.randn(6, 5)),
+            ValueError,
+            r"student_weight: expected shape \[V, Hs\] with V >= 1 and Hs = 4",
+        ),
         (_args(student_weight=torch.randn(0, 4)), ValueError, r"student_weight: expected shape \[V, Hs\]"),
-        (_args(teacher_hidden=torch.randn(2, 5)), ValueError,
-         r"teacher_hidden: expected shape \[3, Ht\] \(student_hidden's leading shape\)"),
+        (
+            _args(teacher_hidden=torch.randn(2, 5)),
+            ValueError,
+            r"teacher_hidden: expected shape \[3, Ht\] \(student_hidden's leading shape\)",
+        ),
         (_args(teacher_weight=torch.randn(7, 5)), ValueError, r"teacher_weight: expected shape \[V, Ht\] = \[6, 5\]"),
         (_args(teacher_weight=torch.randn(6, 4)), ValueError, r"teacher_weight: expected shape \[V, Ht\] = \[6, 5\]"),
-        (_args(teacher_hidden=torch.randn(3, 5).double()), TypeError,
-         r"teacher_hidden: expected the dtype of student_hidden \(torch.float32\)"),
+        (
+            _args(teacher_hidden=torch.randn(3, 5).double()),
+            TypeError,
+            r"teacher_hidden: expected the dtype of student_hidden \(torch.float32\)",
+        ),
         (_args(student_weight=torch.randn(6, 4).half()), TypeError, "student_weight: expected the dtype"),
         (_args(teacher_weight=torch.randn(6, 5, device="meta")), ValueError, "teacher_weight: expected device cpu"),
         (_args(targets=torch.zeros(4, dtype=torch.long)), ValueError, r"targets: expected shape \(3,\)"),
@@ -433,8 +462,11 @@ def _args(**changes):
         (_args(beta="half"), TypeError, "beta: expected a number"),
         (_args(ignore_index=1.5), TypeError, "ignore_index: expected an integer"),
         (_args(temperature=0.0), ValueError, "temperature: must be a finite number > 0"),
-        (_args(temperature=torch.tensor([1.0, -1.0, 1.0])), ValueError,
-         "temperature: must be finite and > 0; found -1.0 at flat position 1"),
+        (
+            _args(temperature=torch.tensor([1.0, -1.0, 1.0])),
+            ValueError,
+            "temperature: must be finite and > 0; found -1.0 at flat position 1",
+        ),
         (_args(temperature=torch.ones(2)), ValueError, r"temperature: shape \(2,\) does not broadcast"),
     ],
 )
@@ -451,19 +483,39 @@ def test_bad_input_gets_a_clear_error(call, error, message):
 def test_opcheck_custom_ops():
     sh, sw, th, tw, targets = _case(lead=(6,), hs=8, ht=5, v=40)
     inv_t = torch.rand(6, generator=torch.Generator().manual_seed(5)) + 0.5
-    for divergence, reduction, tg in (("forward_kl", "mean", targets), ("reverse_kl", "none", None),
-                                      ("jsd", "sum", None), ("jsd", "none", targets)):
+    for divergence, reduction, tg in (
+        ("forward_kl", "mean", targets),
+        ("reverse_kl", "none", None),
+        ("jsd", "sum", None),
+        ("jsd", "none", targets),
+    ):
         torch.library.opcheck(
             torch.ops.rlk.fused_linear_kl_fwd.default,
-            (sh.clone().requires_grad_(), sw.clone().requires_grad_(), th, tw, tg, inv_t, IGNORE, divergence, 0.3,
-             reduction, True, True, True))
+            (
+                sh.clone().requires_grad_(),
+                sw.clone().requires_grad_(),
+                th,
+                tw,
+                tg,
+                inv_t,
+                IGNORE,
+                divergence,
+                0.3,
+                reduction,
+                True,
+                True,
+                True,
+            ),
+        )
     stats = torch.empty(3, 6)
     loss = torch.empty(6)
-    reference_distill.fused_linear_kl_fwd(sh, sw, th, tw, targets, inv_t, IGNORE, "jsd", 0.3, loss, stats, None, None,
-                                          None)
-    torch.library.opcheck(torch.ops.rlk.fused_linear_kl_bwd.default,
-                          (sh, sw, th, tw, targets, inv_t, stats, torch.randn(6), IGNORE, "jsd", 0.3, True, True,
-                           "reference"))
+    reference_distill.fused_linear_kl_fwd(
+        sh, sw, th, tw, targets, inv_t, IGNORE, "jsd", 0.3, loss, stats, None, None, None
+    )
+    torch.library.opcheck(
+        torch.ops.rlk.fused_linear_kl_bwd.default,
+        (sh, sw, th, tw, targets, inv_t, stats, torch.randn(6), IGNORE, "jsd", 0.3, True, True, "reference"),
+    )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -472,8 +524,9 @@ def test_torch_compile_fullgraph_matches_eager(reduction):
     temperature = torch.tensor([[0.8], [1.2]])
 
     def loss_fn(h, w):
-        loss = rlk.fused_linear_kl(h, w, th, tw, targets, divergence="jsd", beta=0.4, temperature=temperature,
-                                   reduction=reduction)
+        loss = rlk.fused_linear_kl(
+            h, w, th, tw, targets, divergence="jsd", beta=0.4, temperature=temperature, reduction=reduction
+        )
         return loss.sum() * 1.5
 
     assert_compiled_matches_eager(loss_fn, (sh, sw), backend="aot_eager")
@@ -503,9 +556,24 @@ def test_gpu_backend_under_compile_and_opcheck(divergence):
     inv_t = torch.full((33,), 1 / 0.7, device="cuda")
     for backend in backends:
         with dispatch.use_backend(backend):
-            torch.library.opcheck(torch.ops.rlk.fused_linear_kl_fwd.default,
-                                  (sh.reshape(33, 64).requires_grad_(), sw.requires_grad_(), th.reshape(33, 96), tw,
-                                   targets.reshape(-1), inv_t, IGNORE, divergence, 0.5, "mean", True, True, False))
+            torch.library.opcheck(
+                torch.ops.rlk.fused_linear_kl_fwd.default,
+                (
+                    sh.reshape(33, 64).requires_grad_(),
+                    sw.requires_grad_(),
+                    th.reshape(33, 96),
+                    tw,
+                    targets.reshape(-1),
+                    inv_t,
+                    IGNORE,
+                    divergence,
+                    0.5,
+                    "mean",
+                    True,
+                    True,
+                    False,
+                ),
+            )
 
             def loss_fn(h, w):
                 return rlk.fused_linear_kl(h, w, th, tw, targets, divergence=divergence, temperature=0.7)

@@ -77,8 +77,14 @@ def _targets(ids: torch.Tensor, n_seqs: int) -> torch.Tensor:
 
 
 def _trainable(params):
-    return {k: ([t.detach().clone().requires_grad_() for t in v] if isinstance(v, list)
-                else v.detach().clone().requires_grad_()) for k, v in params.items()}
+    return {
+        k: (
+            [t.detach().clone().requires_grad_() for t in v]
+            if isinstance(v, list)
+            else v.detach().clone().requires_grad_()
+        )
+        for k, v in params.items()
+    }
 
 
 def _grads(params) -> dict[str, torch.Tensor]:
@@ -91,8 +97,9 @@ def _loss(out, coef):
 
 def _forward(params, ids, targets, n_seqs, mode, group=None, with_logits=True):
     cu, positions = _packed(n_seqs)
-    return decoder.forward(CONFIG, params, ids, cu, SEQ, positions, targets, mode=mode, group=group,
-                           with_logits=with_logits)
+    return decoder.forward(
+        CONFIG, params, ids, cu, SEQ, positions, targets, mode=mode, group=group, with_logits=with_logits
+    )
 
 
 def _gather_shards(grads: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:
@@ -142,8 +149,12 @@ def _tp_worker(rank: int, world: int) -> None:
             full = _trainable(params)
             single = _forward(full, ids, targets, 4, "single")
             _loss(single, coef).backward()
-            truth = [({k: single[k].detach() for k in ("logits", "logprob", "entropy")},
-                      {k: g.detach() for k, g in _grads(full).items()})]
+            truth = [
+                (
+                    {k: single[k].detach() for k in ("logits", "logprob", "entropy")},
+                    {k: g.detach() for k, g in _grads(full).items()},
+                )
+            ]
         dist.broadcast_object_list(truth, src=0)
         single, single_grads = truth[0]
     _assert_equal({k: out[k].detach() for k in single}, single, f"TP={world} vs TP=1")
@@ -166,8 +177,9 @@ def _rollout(rank: int, world: int, params):
         for _ in range(2):
             n = seqs.shape[1]
             cu = torch.arange(0, 3 * n, n, dtype=torch.int32)
-            logits = decoder.forward(CONFIG, shards, seqs.reshape(-1), cu, n, torch.arange(n).repeat(2),
-                                     mode="tp", with_logits=True)["logits"]
+            logits = decoder.forward(
+                CONFIG, shards, seqs.reshape(-1), cu, n, torch.arange(n).repeat(2), mode="tp", with_logits=True
+            )["logits"]
             probs = torch.softmax(logits.view(2, n, -1)[:, -1], dim=-1)
             states: list = [None] * world
             dist.all_gather_object(states, sampler.get_state())
@@ -208,8 +220,15 @@ def _micro_grads(params, i: int, norms):
     ids, targets, mask, old_noise, adv = _micro_batch(i)
     out = _forward(params, ids, targets, 1, "single", with_logits=False)
     lp = out["logprob"].view(1, SEQ)
-    loss, _ = rlk.policy_loss(lp, lp.detach() + 0.05 * old_noise, adv, mask, loss="ppo", agg="token-mean",
-                              global_tokens=norms["global_tokens"])
+    loss, _ = rlk.policy_loss(
+        lp,
+        lp.detach() + 0.05 * old_noise,
+        adv,
+        mask,
+        loss="ppo",
+        agg="token-mean",
+        global_tokens=norms["global_tokens"],
+    )
     return list(torch.autograd.grad(loss, list(params.values())))
 
 
@@ -281,8 +300,9 @@ def test_tensor_parallel_chain_simulated(monkeypatch):
             _loss(out, coef).backward()
             for k in ("logits", "logprob", "entropy"):
                 assert torch.equal(out[k], single[k]), (world, k)
-            per_rank = [{k: (v[r].grad if isinstance(v, list) else v.grad) for k, v in shards.items()}
-                        for r in range(world)]
+            per_rank = [
+                {k: (v[r].grad if isinstance(v, list) else v.grad) for k, v in shards.items()} for r in range(world)
+            ]
             _assert_equal(decoder.unshard(CONFIG, per_rank), _grads(full), f"simulated TP={world}")
 
 
@@ -302,24 +322,62 @@ def test_drift_report_in_the_consistency_schema(monkeypatch, tmp_path):
             p = _trainable(params if mode == "single" else decoder.shard(CONFIG, params, world, [0, 1]))
             trace: list = []
             cu, positions = _packed(4)
-            out = decoder.forward(CONFIG, p, ids, cu, SEQ, positions, targets, mode=mode,
-                                  group=None if mode == "single" else rd.SimulatedGroup(world), trace=trace)
+            out = decoder.forward(
+                CONFIG,
+                p,
+                ids,
+                cu,
+                SEQ,
+                positions,
+                targets,
+                mode=mode,
+                group=None if mode == "single" else rd.SimulatedGroup(world),
+                trace=trace,
+            )
             _loss(out, coef).backward()
-            grads = ({k: v.grad for k, v in p.items()} if mode == "single" else decoder.unshard(
-                CONFIG, [{k: (v[r].grad if isinstance(v, list) else v.grad) for k, v in p.items()} for r in (0, 1)]))
+            grads = (
+                {k: v.grad for k, v in p.items()}
+                if mode == "single"
+                else decoder.unshard(
+                    CONFIG, [{k: (v[r].grad if isinstance(v, list) else v.grad) for k, v in p.items()} for r in (0, 1)]
+                )
+            )
             runs[name] = (list(out["logprob"].detach().view(4, SEQ)), grads, trace)
-        halves = [_forward(params, ids[r * 2 * SEQ:(r + 1) * 2 * SEQ], targets[r * 2 * SEQ:(r + 1) * 2 * SEQ], 2,
-                           "single", with_logits=False)["logprob"].detach() for r in (0, 1)]
+        halves = [
+            _forward(
+                params,
+                ids[r * 2 * SEQ : (r + 1) * 2 * SEQ],
+                targets[r * 2 * SEQ : (r + 1) * 2 * SEQ],
+                2,
+                "single",
+                with_logits=False,
+            )["logprob"].detach()
+            for r in (0, 1)
+        ]
     training = list(torch.cat(halves).view(4, SEQ))
     single_lp, single_grads, single_trace = runs["single"]
-    chains = {k: drift.chain_entry(runs[k][0], training, single_lp, runs[k][1], single_grads, runs[k][2], single_trace)
-              for k in ("on", "off")}
-    parallel = {"rollout": {"name": "TP=2", "tp": 2}, "training_a": {"name": "TP=1 DP=2", "tp": 1, "dp": 2},
-                "training_b": {"name": "TP=1 DP=1", "tp": 1, "dp": 1}}
+    chains = {
+        k: drift.chain_entry(runs[k][0], training, single_lp, runs[k][1], single_grads, runs[k][2], single_trace)
+        for k in ("on", "off")
+    }
+    parallel = {
+        "rollout": {"name": "TP=2", "tp": 2},
+        "training_a": {"name": "TP=1 DP=2", "tp": 1, "dp": 2},
+        "training_b": {"name": "TP=1 DP=1", "tp": 1, "dp": 1},
+    }
     report = drift.parallel_report(
-        model="tiny", config=CONFIG, device=torch.device("cpu"), dtype=torch.float32, parallel=parallel, chains=chains,
-        seeds={"weights": 0, "prompts": 1, "sampling": 0}, lengths=[SEQ] * 4,
-        histograms={k: drift.histogram(runs[k][0], training) for k in ("on", "off")}, notes=[], seconds=0.0)
+        model="tiny",
+        config=CONFIG,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        parallel=parallel,
+        chains=chains,
+        seeds={"weights": 0, "prompts": 1, "sampling": 0},
+        lengths=[SEQ] * 4,
+        histograms={k: drift.histogram(runs[k][0], training) for k in ("on", "off")},
+        notes=[],
+        seconds=0.0,
+    )
     assert report["passed"], report["failed"]
     assert chains["on"]["rollout_vs_training"]["bitwise"] and chains["on"]["gradients"]["bitwise"]
     assert chains["on"]["probe"]["first_divergent"] is None
@@ -353,13 +411,24 @@ def test_tensor_parallel_chain_simulated_gpu():
         _loss(single, coef).backward()
         for world in (2, 4, 8):
             shards = _trainable(decoder.shard(config, params, world, list(range(world))))
-            out = decoder.forward(config, shards, ids, cu, seq, positions, targets, mode="tp",
-                                  group=rd.SimulatedGroup(world), with_logits=True)
+            out = decoder.forward(
+                config,
+                shards,
+                ids,
+                cu,
+                seq,
+                positions,
+                targets,
+                mode="tp",
+                group=rd.SimulatedGroup(world),
+                with_logits=True,
+            )
             _loss(out, coef).backward()
             for k in ("logits", "logprob", "entropy"):
                 assert torch.equal(out[k], single[k]), (world, k)
-            per_rank = [{k: (v[r].grad if isinstance(v, list) else v.grad) for k, v in shards.items()}
-                        for r in range(world)]
+            per_rank = [
+                {k: (v[r].grad if isinstance(v, list) else v.grad) for k, v in shards.items()} for r in range(world)
+            ]
             got = decoder.unshard(config, per_rank)
             for name, grad in {k: v.grad for k, v in full.items()}.items():
                 assert torch.equal(got[name], grad), (world, name)

@@ -37,10 +37,24 @@ BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.triton_interpr
 # Small Triton tiles: vocab splits of 32 and backward chunks of 24 columns against leaves of 13 or 37 columns
 # (a split longer than, or cut short by, a leaf), 16-row/column tiles against 8-column shards.
 _LOGPROB_TILES = {
-    "linear_fwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_SPLIT": 32, "GROUP_N": 2,
-                   "num_warps": 4, "num_stages": 1},
-    "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "VOCAB_CHUNK": 24, "GROUP_N": 2,
-                   "num_warps": 4, "num_stages": 1},
+    "linear_fwd": {
+        "BLOCK_N": 16,
+        "BLOCK_V": 16,
+        "BLOCK_K": 16,
+        "VOCAB_SPLIT": 32,
+        "GROUP_N": 2,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
+    "linear_bwd": {
+        "BLOCK_N": 16,
+        "BLOCK_V": 16,
+        "BLOCK_K": 16,
+        "VOCAB_CHUNK": 24,
+        "GROUP_N": 2,
+        "num_warps": 4,
+        "num_stages": 1,
+    },
 }
 _MATMUL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
 #: K segments of at least 8 (instead of 128), so that tiny K and N still split into 8 segments.
@@ -161,10 +175,10 @@ def test_tree_shape_is_the_same_everywhere():
     for size in (1, 7, 8, 12, 96, 256, 151936, 128256, 32000, 50257, 4096, 12288):
         for min_leaf in (1, 128):
             assert ref_matmul.tree_leaves(size, 8, min_leaf) == tk_matmul.tree_leaves(size, 8, min_leaf)
-    assert ref_matmul.tree_leaves(151936, 8) == 8          # 8 x 18992
-    assert ref_matmul.tree_leaves(50257, 8) == 1           # odd: one leaf
+    assert ref_matmul.tree_leaves(151936, 8) == 8  # 8 x 18992
+    assert ref_matmul.tree_leaves(50257, 8) == 1  # odd: one leaf
     assert ref_matmul.tree_leaves(4096, 8, 128) == 8
-    assert ref_matmul.tree_leaves(128, 8, 128) == 1        # a head dim stays one segment
+    assert ref_matmul.tree_leaves(128, 8, 128) == 1  # a head dim stays one segment
     assert ref_matmul.tree_leaves(12, 8) == 4
 
 
@@ -182,8 +196,9 @@ def test_vocab_parallel_simulated(kernels, vocab):
     lp, ent, gh, gw = single_logprob(*case)
     for p in degrees(kernels):
         h, shards = leaf(hidden), [leaf(s) for s in weight.chunk(p)]
-        lp2, ent2 = rd.vocab_parallel_linear_logprob(h, shards, targets, group=rd.SimulatedGroup(p),
-                                                     temperature=temperature, return_entropy=True)
+        lp2, ent2 = rd.vocab_parallel_linear_logprob(
+            h, shards, targets, group=rd.SimulatedGroup(p), temperature=temperature, return_entropy=True
+        )
         ((lp2 * coef[0]) + ent2 * coef[1]).sum().backward()
         assert torch.equal(lp2, lp) and torch.equal(ent2, ent), p
         assert torch.equal(h.grad, gh), p
@@ -251,11 +266,13 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(TypeError, match="weight_shard: with SimulatedGroup"):
         rd.vocab_parallel_linear_logprob(hidden, weight, targets, group=group)
     with pytest.raises(ValueError, match=r"weight_shard\[1\]: expected shape"):
-        rd.vocab_parallel_linear_logprob(hidden, [weight[:26], weight[:25], weight[:26], weight[:26]], targets,
-                                         group=group)
+        rd.vocab_parallel_linear_logprob(
+            hidden, [weight[:26], weight[:25], weight[:26], weight[:26]], targets, group=group
+        )
     with pytest.raises(ValueError, match="group: a vocab-parallel degree of 3"):
-        rd.vocab_parallel_linear_logprob(hidden, list(weight[:96].chunk(3)), targets.clamp(max=95),
-                                         group=rd.SimulatedGroup(3))
+        rd.vocab_parallel_linear_logprob(
+            hidden, list(weight[:96].chunk(3)), targets.clamp(max=95), group=rd.SimulatedGroup(3)
+        )
     with pytest.raises(ValueError, match="targets: values must lie in"):
         rd.vocab_parallel_linear_logprob(hidden, list(weight.chunk(4)), targets + 200, group=group)
     with pytest.raises(TypeError, match="return_entropy: expected a bool"):
@@ -266,9 +283,10 @@ def test_argument_errors_name_the_argument():
             rd.row_parallel_linear(list(x.chunk(8, dim=-1)), list(w.chunk(8, dim=1)), group=rd.SimulatedGroup(8))
     assert not rlk.is_tensor_parallel_invariant()  # the default, restored after the block
     x2, w2, _, _ = linear_case((2,), 256, 16)
-    for call in (lambda: rd.row_parallel_linear(list(x2.chunk(2, dim=-1)), list(w2.chunk(2, dim=1)),
-                                                group=rd.SimulatedGroup(2)),
-                 lambda: rd.column_parallel_linear(x2, list(w2.chunk(2)), group=rd.SimulatedGroup(2))):
+    for call in (
+        lambda: rd.row_parallel_linear(list(x2.chunk(2, dim=-1)), list(w2.chunk(2, dim=1)), group=rd.SimulatedGroup(2)),
+        lambda: rd.column_parallel_linear(x2, list(w2.chunk(2)), group=rd.SimulatedGroup(2)),
+    ):
         with pytest.raises(RuntimeError, match=r"order, which is off: call rlk.set_tensor_parallel_invariant\(True\)"):
             with rlk.use_backend("reference"):
                 call()
@@ -299,8 +317,9 @@ def test_single_process_group_none_is_one_rank():
     hidden, weight, targets, temperature, _ = case
     with rlk.use_backend("reference"):
         lp = rlk.linear_logprob(hidden, weight, targets, temperature=temperature)
-        assert torch.equal(rd.vocab_parallel_linear_logprob(hidden, weight, targets, group=None,
-                                                            temperature=temperature), lp)
+        assert torch.equal(
+            rd.vocab_parallel_linear_logprob(hidden, weight, targets, group=None, temperature=temperature), lp
+        )
     grads = [torch.randn(3, 5, generator=torch.Generator().manual_seed(i)) * 10.0**i for i in range(6)]
     tree = rd.GradientTree(6)
     for i in (4, 1, 5, 0, 3, 2):
@@ -335,8 +354,9 @@ def _check_logprob(rank, world):
         hidden, weight, targets, temperature, coef = case
         lp, ent, gh, gw = single_logprob(*case)
         h, shard = leaf(hidden), leaf(weight.chunk(world)[rank])
-        lp2, ent2 = rd.vocab_parallel_linear_logprob(h, shard, targets, group=None, temperature=temperature,
-                                                     return_entropy=True)
+        lp2, ent2 = rd.vocab_parallel_linear_logprob(
+            h, shard, targets, group=None, temperature=temperature, return_entropy=True
+        )
         ((lp2 * coef[0]) + ent2 * coef[1]).sum().backward()
         assert torch.equal(lp2, lp) and torch.equal(ent2, ent), (rank, vocab)
         assert torch.equal(h.grad, gh), (rank, vocab)
@@ -372,8 +392,16 @@ def _check_context_parallel(rank, world):
     grad_out, grad_lse = torch.randn(total, n_heads, dim, generator=g), torch.randn(n_heads, total, generator=g)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q1, k1, v1 = leaf(q), leaf(k), leaf(v)
-    out, lse = rlk.attention(q1, k1, v1, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
-                             max_seqlen_k=max(lengths), return_lse=True)
+    out, lse = rlk.attention(
+        q1,
+        k1,
+        v1,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=max(lengths),
+        max_seqlen_k=max(lengths),
+        return_lse=True,
+    )
     ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
     rows, local = [], [0]
     for b, n in enumerate(lengths):
@@ -382,8 +410,9 @@ def _check_context_parallel(rank, world):
         local.append(local[-1] + hi - lo)
     rows = torch.cat(rows)
     q2, k2, v2 = leaf(q[rows]), leaf(k[rows]), leaf(v[rows])
-    out2, lse2 = rd.context_parallel_attention(q2, k2, v2, cu_seqlens=torch.tensor(local, dtype=torch.int32),
-                                               group=None, return_lse=True)
+    out2, lse2 = rd.context_parallel_attention(
+        q2, k2, v2, cu_seqlens=torch.tensor(local, dtype=torch.int32), group=None, return_lse=True
+    )
     ((out2 * grad_out[rows]).sum() + (lse2 * grad_lse[:, rows]).sum()).backward()
     assert torch.equal(out2, out[rows]) and torch.equal(lse2, lse[:, rows]), rank
     assert torch.equal(q2.grad, q1.grad[rows]), rank
@@ -392,10 +421,17 @@ def _check_context_parallel(rank, world):
     again = [leaf(q[rows]), leaf(k[rows]), leaf(v[rows])]
     out3 = rd.context_parallel_attention(*again, cu_seqlens=torch.tensor(local, dtype=torch.int32), group=None)
     (out3 * grad_out[rows]).sum().backward()
-    out4 = rd.context_parallel_attention(q2.detach(), k2.detach(), v2.detach(),
-                                         cu_seqlens=torch.tensor(local, dtype=torch.int32), group=None, causal=False)
-    full = rlk.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
-                         max_seqlen_k=max(lengths), causal=False)
+    out4 = rd.context_parallel_attention(
+        q2.detach(),
+        k2.detach(),
+        v2.detach(),
+        cu_seqlens=torch.tensor(local, dtype=torch.int32),
+        group=None,
+        causal=False,
+    )
+    full = rlk.attention(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), causal=False
+    )
     assert torch.equal(out4, full[rows])
 
 
@@ -411,8 +447,7 @@ def _check_reductions(rank, world):
     grads = [[torch.randn(5, 3, generator=torch.Generator().manual_seed(i)) * 4.0**i, None] for i in range(n)]
     truth = rd.tree_sum([gr[0] for gr in grads])
     per = n // world
-    splits = {"aligned": [i * per for i in range(world + 1)],
-              "uneven": [0, 3, 8] if world == 2 else [0, 1, 4, 6, 8]}
+    splits = {"aligned": [i * per for i in range(world + 1)], "uneven": [0, 3, 8] if world == 2 else [0, 1, 4, 6, 8]}
     for name, bounds in splits.items():
         tree = rd.GradientTree(n)
         for i in reversed(range(bounds[rank], bounds[rank + 1])):
@@ -425,7 +460,7 @@ def _check_reductions(rank, world):
     assert not torch.equal(stock, truth)
 
     mask = torch.zeros(3, 6, dtype=torch.bool)
-    mask[0, :rank + 1] = True
+    mask[0, : rank + 1] = True
     mask[2, 2] = rank == 0
     norms = rd.global_normalizers([mask, mask[:1]])
     tokens = sum(2 * (r + 1) + (r == 0) for r in range(world))

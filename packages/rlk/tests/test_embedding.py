@@ -100,8 +100,13 @@ def test_duplicates_heavy_ids():
     _, grad = _grad(weight, ids, grad_out)
     assert torch.equal(grad, loop_grad_weight(grad_out, ids, 20))
     truth, scale = truth_grad_weight(grad_out, ids, 20)
-    dev = contract.compare_outputs(contract.entry("embedding", torch.float32), "grad_weight", grad.reshape(-1),
-                                   truth.reshape(-1), scale.reshape(-1))
+    dev = contract.compare_outputs(
+        contract.entry("embedding", torch.float32),
+        "grad_weight",
+        grad.reshape(-1),
+        truth.reshape(-1),
+        scale.reshape(-1),
+    )
     assert dev.ok, dev
 
 
@@ -189,21 +194,39 @@ def test_value_checks_can_be_switched_off(monkeypatch):
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: embedding(torch.tensor([0, 5, 1]), torch.randn(5, 3)), ValueError,
-         r"ids: values must lie in \[0, 5\); found 5 at flat position 1"),
-        (lambda: embedding(torch.tensor([[0, 1], [-1, 2]]), torch.randn(5, 3)), ValueError,
-         "found -1 at flat position 2"),
-        (lambda: embedding(torch.tensor([0.0, 1.0]), torch.randn(5, 3)), TypeError,
-         "ids: expected dtype int32 or int64, got torch.float32"),
+        (
+            lambda: embedding(torch.tensor([0, 5, 1]), torch.randn(5, 3)),
+            ValueError,
+            r"ids: values must lie in \[0, 5\); found 5 at flat position 1",
+        ),
+        (
+            lambda: embedding(torch.tensor([[0, 1], [-1, 2]]), torch.randn(5, 3)),
+            ValueError,
+            "found -1 at flat position 2",
+        ),
+        (
+            lambda: embedding(torch.tensor([0.0, 1.0]), torch.randn(5, 3)),
+            TypeError,
+            "ids: expected dtype int32 or int64, got torch.float32",
+        ),
         (lambda: embedding([0, 1], torch.randn(5, 3)), TypeError, "ids: expected a torch.Tensor"),
         (lambda: embedding(torch.tensor([0, 1]), torch.randn(5, 3).long()), TypeError, "weight: expected dtype"),
-        (lambda: embedding(torch.tensor([0, 1]), torch.randn(5, 3, 2)), ValueError,
-         r"weight: expected shape \[V, H\], got \(5, 3, 2\)"),
-        (lambda: embedding(torch.tensor([0, 1]), torch.randn(5, 3), padding_idx=5), ValueError,
-         r"padding_idx: expected None or an int in \[-5, 5\)"),
+        (
+            lambda: embedding(torch.tensor([0, 1]), torch.randn(5, 3, 2)),
+            ValueError,
+            r"weight: expected shape \[V, H\], got \(5, 3, 2\)",
+        ),
+        (
+            lambda: embedding(torch.tensor([0, 1]), torch.randn(5, 3), padding_idx=5),
+            ValueError,
+            r"padding_idx: expected None or an int in \[-5, 5\)",
+        ),
         (lambda: embedding(torch.tensor([0, 1]), torch.randn(5, 3), padding_idx=-6), ValueError, "padding_idx"),
-        (lambda: embedding(torch.tensor([0, 1], device="meta"), torch.randn(5, 3)), ValueError,
-         "ids: expected device cpu"),
+        (
+            lambda: embedding(torch.tensor([0, 1], device="meta"), torch.randn(5, 3)),
+            ValueError,
+            "ids: expected device cpu",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_error(call, error, message):

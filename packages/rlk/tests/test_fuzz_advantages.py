@@ -98,9 +98,16 @@ def group_cases(draw, backend: str, one_group: bool = False) -> GroupCase:
     dtype = draw(st.sampled_from(ALL_DTYPES))
     kinds = ["binary", "normal", "equal"] + ([] if dtype == "float16" else ["offset", "wide"])
     modes = [m for m in abi.GROUP_MODES if not (one_group and m == "gpg")]
-    return GroupCase(groups=groups, seed=draw(seeds), mode=draw(st.sampled_from(modes)), by_index=by_index,
-                     eps=draw(st.sampled_from([1e-6, 1e-4, 1.0])), dtype=dtype, scores=draw(st.sampled_from(kinds)),
-                     zero_lengths=draw(st.booleans()))
+    return GroupCase(
+        groups=groups,
+        seed=draw(seeds),
+        mode=draw(st.sampled_from(modes)),
+        by_index=by_index,
+        eps=draw(st.sampled_from([1e-6, 1e-4, 1.0])),
+        dtype=dtype,
+        scores=draw(st.sampled_from(kinds)),
+        zero_lengths=draw(st.booleans()),
+    )
 
 
 def group_inputs(case: GroupCase) -> dict[str, torch.Tensor]:
@@ -194,8 +201,12 @@ def test_group_advantages_matches_reference(backend):
 
 @pytest.mark.parametrize("backend", backends("group_advantages", invariant_only=True))
 def test_group_advantages_batch_invariance(backend):
-    fuzz_run(check_group_advantages_batch_invariance, backend,
-             rows_in_batch(group_cases(backend, one_group=True), limit(backend, 9, 300), 3), ci=5)
+    fuzz_run(
+        check_group_advantages_batch_invariance,
+        backend,
+        rows_in_batch(group_cases(backend, one_group=True), limit(backend, 9, 300), 3),
+        ci=5,
+    )
 
 
 # =============================================================================================
@@ -226,13 +237,21 @@ class WhitenCase:
 @st.composite
 def whiten_cases(draw, backend: str) -> WhitenCase:
     dtype = draw(st.sampled_from(ALL_DTYPES))
-    return WhitenCase(rows=draw(sizes(0, limit(backend, 9, 64))), cols=draw(sizes(0, limit(backend, 300, 4097))),
-                      seed=draw(seeds), layout=draw(st.sampled_from(["2d", "flat", "lead"])),
-                      mask=draw(st.sampled_from(MASK_KINDS)), float_mask=draw(st.booleans()),
-                      unbiased=draw(st.booleans()), eps=draw(st.sampled_from([1e-8, 1e-5, 1.0])),
-                      eps_mode=draw(st.sampled_from(["add", "clamp"])), shift_mean=draw(st.booleans()), dtype=dtype,
-                      offset=draw(st.sampled_from([0.0, 20.0] + ([] if dtype == "float16" else [1e6]))),
-                      scale=draw(st.sampled_from([1.0, 1e-3, 100.0])))
+    return WhitenCase(
+        rows=draw(sizes(0, limit(backend, 9, 64))),
+        cols=draw(sizes(0, limit(backend, 300, 4097))),
+        seed=draw(seeds),
+        layout=draw(st.sampled_from(["2d", "flat", "lead"])),
+        mask=draw(st.sampled_from(MASK_KINDS)),
+        float_mask=draw(st.booleans()),
+        unbiased=draw(st.booleans()),
+        eps=draw(st.sampled_from([1e-8, 1e-5, 1.0])),
+        eps_mode=draw(st.sampled_from(["add", "clamp"])),
+        shift_mean=draw(st.booleans()),
+        dtype=dtype,
+        offset=draw(st.sampled_from([0.0, 20.0] + ([] if dtype == "float16" else [1e6]))),
+        scale=draw(st.sampled_from([1.0, 1e-3, 100.0])),
+    )
 
 
 def whiten_inputs(case: WhitenCase) -> dict[str, torch.Tensor]:
@@ -245,8 +264,9 @@ def whiten_inputs(case: WhitenCase) -> dict[str, torch.Tensor]:
 
 
 def whiten_call(x: dict[str, torch.Tensor], case: WhitenCase) -> torch.Tensor:
-    return rlk.masked_whiten(x["x"], x["mask"], unbiased=case.unbiased, eps=case.eps, shift_mean=case.shift_mean,
-                             eps_mode=case.eps_mode)
+    return rlk.masked_whiten(
+        x["x"], x["mask"], unbiased=case.unbiased, eps=case.eps, shift_mean=case.shift_mean, eps_mode=case.eps_mode
+    )
 
 
 def check_masked_whiten_matches_reference(backend: str, case: WhitenCase) -> None:
@@ -313,14 +333,19 @@ class ReturnsCase:
 @st.composite
 def returns_cases(draw, backend: str, gae: bool, one_row: bool = False) -> ReturnsCase:
     gammas = st.sampled_from([1.0, 0.99, 0.0, 0.95, 1 - 2**-7]) | st.floats(0.0, 1.0)
-    return ReturnsCase(b=1 if one_row else draw(sizes(0, limit(backend, 3, 64))),
-                       t=draw(sizes(1 if one_row else 0, limit(backend, 129, 4097))), seed=draw(seeds),
-                       gamma=draw(gammas), lam=draw(gammas) if gae else 1.0,
-                       mask_mode=None if gae else draw(st.sampled_from(abi.RETURN_MASK_MODES)),
-                       mask=draw(st.sampled_from(MASK_KINDS)), float_mask=draw(st.booleans()),
-                       dtype=draw(st.sampled_from(ALL_DTYPES)),
-                       rewards=draw(st.sampled_from(["terminal", "normal", "large"])),
-                       lead=False if one_row else draw(st.booleans()))
+    return ReturnsCase(
+        b=1 if one_row else draw(sizes(0, limit(backend, 3, 64))),
+        t=draw(sizes(1 if one_row else 0, limit(backend, 129, 4097))),
+        seed=draw(seeds),
+        gamma=draw(gammas),
+        lam=draw(gammas) if gae else 1.0,
+        mask_mode=None if gae else draw(st.sampled_from(abi.RETURN_MASK_MODES)),
+        mask=draw(st.sampled_from(MASK_KINDS)),
+        float_mask=draw(st.booleans()),
+        dtype=draw(st.sampled_from(ALL_DTYPES)),
+        rewards=draw(st.sampled_from(["terminal", "normal", "large"])),
+        lead=False if one_row else draw(st.booleans()),
+    )
 
 
 def returns_inputs(case: ReturnsCase) -> dict[str, torch.Tensor]:
@@ -410,7 +435,7 @@ def check_returns_batch_invariance(backend: str, case: RowInBatch) -> None:
         alone = returns_call(x, probe)
         inside = returns_call(batch, probe)
     for name, value, want in zip(_names(probe), inside, alone):
-        check_equal(f"{name} of the row", value[case.position:case.position + 1, :probe.t], want)
+        check_equal(f"{name} of the row", value[case.position : case.position + 1, : probe.t], want)
 
 
 @pytest.mark.parametrize("backend", backends("discounted_returns"))
@@ -425,9 +450,12 @@ def test_discounted_returns_masked_positions_never_matter(backend):
 
 @pytest.mark.parametrize("backend", backends("discounted_returns", invariant_only=True))
 def test_discounted_returns_batch_invariance(backend):
-    fuzz_run(check_returns_batch_invariance, backend,
-             rows_in_batch(returns_cases(backend, gae=False, one_row=True), limit(backend, 2, 64),
-                           limit(backend, 33, 300)), ci=3)
+    fuzz_run(
+        check_returns_batch_invariance,
+        backend,
+        rows_in_batch(returns_cases(backend, gae=False, one_row=True), limit(backend, 2, 64), limit(backend, 33, 300)),
+        ci=3,
+    )
 
 
 @pytest.mark.parametrize("backend", backends("gae"))
@@ -442,6 +470,9 @@ def test_gae_masked_positions_never_matter(backend):
 
 @pytest.mark.parametrize("backend", backends("gae", invariant_only=True))
 def test_gae_batch_invariance(backend):
-    fuzz_run(check_returns_batch_invariance, backend,
-             rows_in_batch(returns_cases(backend, gae=True, one_row=True), limit(backend, 2, 64),
-                           limit(backend, 33, 300)), ci=3)
+    fuzz_run(
+        check_returns_batch_invariance,
+        backend,
+        rows_in_batch(returns_cases(backend, gae=True, one_row=True), limit(backend, 2, 64), limit(backend, 33, 300)),
+        ci=3,
+    )

@@ -72,14 +72,23 @@ def grads(leaf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def low_and_exact(x: dict[str, torch.Tensor], dtype: str, keep: tuple[str, ...] = ()) -> tuple[dict, dict]:
     """The inputs cast to ``dtype`` on the device (``keep``: left as they are, e.g. fp32 tables) and fp64 copies
     of those values (the ground truth's inputs: the input rounding is not charged to the op)."""
-    low = {name: (v.to(DEVICE, DTYPES[dtype]) if v.is_floating_point() and name not in keep else v.to(DEVICE))
-           for name, v in x.items()}
+    low = {
+        name: (v.to(DEVICE, DTYPES[dtype]) if v.is_floating_point() and name not in keep else v.to(DEVICE))
+        for name, v in x.items()
+    }
     exact = {name: (v.double() if v.is_floating_point() else v) for name, v in low.items()}
     return low, exact
 
 
-def check_against_truth(op: str, dtype: str, got: tuple[dict, dict], truth: tuple[dict, dict], scales: dict,
-                        grad_scale: float = 0.0, magnitudes: dict | None = None) -> None:
+def check_against_truth(
+    op: str,
+    dtype: str,
+    got: tuple[dict, dict],
+    truth: tuple[dict, dict],
+    scales: dict,
+    grad_scale: float = 0.0,
+    magnitudes: dict | None = None,
+) -> None:
     """Every output (``scales[name]``) and gradient (relative L2, ``max_scale = grad_scale``; ``magnitudes[name]``:
     the gradient's terms by absolute value, where they may cancel) under the contract."""
     entry = contract.entry(op, DTYPES[dtype])
@@ -117,19 +126,29 @@ class NormCase:
 @st.composite
 def norm_cases(draw, backend: str, one_row: bool = False) -> NormCase:
     eps = draw(st.sampled_from([1e-6, 1e-5, 0.0, 1.0]))
-    return NormCase(rows=1 if one_row else draw(sizes(0, limit(backend, 9, 512))),
-                    h=draw(sizes(1, limit(backend, 300, 8192))), seed=draw(seeds),
-                    dtype=draw(st.sampled_from(dtype_names(backend, "rms_norm"))), weight_fp32=draw(st.booleans()),
-                    residual=draw(st.booleans()), gemma=draw(st.booleans()), eps=eps,
-                    scale=draw(st.sampled_from([1.0, 1e-3, 100.0])), zero_row=eps > 0 and draw(st.booleans()),
-                    lead=False if one_row else draw(st.booleans()))
+    return NormCase(
+        rows=1 if one_row else draw(sizes(0, limit(backend, 9, 512))),
+        h=draw(sizes(1, limit(backend, 300, 8192))),
+        seed=draw(seeds),
+        dtype=draw(st.sampled_from(dtype_names(backend, "rms_norm"))),
+        weight_fp32=draw(st.booleans()),
+        residual=draw(st.booleans()),
+        gemma=draw(st.booleans()),
+        eps=eps,
+        scale=draw(st.sampled_from([1.0, 1e-3, 100.0])),
+        zero_row=eps > 0 and draw(st.booleans()),
+        lead=False if one_row else draw(st.booleans()),
+    )
 
 
 def norm_inputs(case: NormCase) -> tuple[dict, dict]:
     g = generator(case.seed)
     shape = (2, case.rows, case.h) if case.lead else (case.rows, case.h)
-    x = {"x": randn(g, *shape) * case.scale, "weight": (0.0 if case.gemma else 1.0) + 0.3 * randn(g, case.h),
-         "cot_y": randn(g, *shape)}
+    x = {
+        "x": randn(g, *shape) * case.scale,
+        "weight": (0.0 if case.gemma else 1.0) + 0.3 * randn(g, case.h),
+        "cot_y": randn(g, *shape),
+    }
     if case.zero_row and case.rows:
         x["x"][..., 0, :] = 0.0
     if case.residual:
@@ -191,8 +210,10 @@ def check_rms_norm_batch_invariance(backend: str, case) -> None:
     rows."""
     probe, x = case.probe, norm_inputs(case.probe)[0]
     others = norm_inputs(replace(probe, rows=case.others, seed=case.seed, zero_row=False))[0]
-    batch = {name: (v if name == "weight" else torch.cat([others[name][:case.position], v,
-                                                          others[name][case.position:]])) for name, v in x.items()}
+    batch = {
+        name: (v if name == "weight" else torch.cat([others[name][: case.position], v, others[name][case.position :]]))
+        for name, v in x.items()
+    }
     with on_backend(backend):
         alone = norm_call(x, probe)
         inside = norm_call(batch, probe)
@@ -227,8 +248,12 @@ def test_rms_norm_matches_reference(backend):
 
 @pytest.mark.parametrize("backend", backends("rms_norm", invariant_only=True))
 def test_rms_norm_batch_invariance(backend):
-    fuzz_run(check_rms_norm_batch_invariance, backend,
-             chain_rows_in_batch(norm_cases(backend, one_row=True), limit(backend, 9, 512)), ci=3)
+    fuzz_run(
+        check_rms_norm_batch_invariance,
+        backend,
+        chain_rows_in_batch(norm_cases(backend, one_row=True), limit(backend, 9, 512)),
+        ci=3,
+    )
 
 
 # =============================================================================================
@@ -257,12 +282,19 @@ class MatmulCase:
 @st.composite
 def matmul_cases(draw, backend: str, one_row: bool = False) -> MatmulCase:
     form = "linear" if one_row else draw(st.sampled_from(["linear", "matmul", "bmm"]))
-    return MatmulCase(form=form, m=1 if one_row else draw(sizes(0, limit(backend, 33, 512))),
-                      k=draw(sizes(0, limit(backend, 65, 2048))), n=draw(sizes(0, limit(backend, 65, 2048))),
-                      seed=draw(seeds), dtype=draw(st.sampled_from(dtype_names(backend, "matmul"))),
-                      batch=draw(sizes(1, 3)) if form == "bmm" else 1, bias=form == "linear" and draw(st.booleans()),
-                      lead=form == "linear" and not one_row and draw(st.booleans()),
-                      column_major=draw(st.booleans()), scale=draw(st.sampled_from([1.0, 1e-3, 30.0])))
+    return MatmulCase(
+        form=form,
+        m=1 if one_row else draw(sizes(0, limit(backend, 33, 512))),
+        k=draw(sizes(0, limit(backend, 65, 2048))),
+        n=draw(sizes(0, limit(backend, 65, 2048))),
+        seed=draw(seeds),
+        dtype=draw(st.sampled_from(dtype_names(backend, "matmul"))),
+        batch=draw(sizes(1, 3)) if form == "bmm" else 1,
+        bias=form == "linear" and draw(st.booleans()),
+        lead=form == "linear" and not one_row and draw(st.booleans()),
+        column_major=draw(st.booleans()),
+        scale=draw(st.sampled_from([1.0, 1e-3, 30.0])),
+    )
 
 
 def matmul_inputs(case: MatmulCase) -> tuple[dict, dict]:
@@ -270,14 +302,20 @@ def matmul_inputs(case: MatmulCase) -> tuple[dict, dict]:
     m, k, n = case.m, case.k, case.n
     if case.form == "linear":
         a_shape = (2, m, k) if case.lead else (m, k)
-        x = {"a": randn(g, *a_shape) * case.scale, "b": randn(g, n, k) / math.sqrt(max(k, 1)),
-             "cot": randn(g, *a_shape[:-1], n)}
+        x = {
+            "a": randn(g, *a_shape) * case.scale,
+            "b": randn(g, n, k) / math.sqrt(max(k, 1)),
+            "cot": randn(g, *a_shape[:-1], n),
+        }
         if case.bias:
             x["bias"] = randn(g, n)
     else:
         lead = (case.batch,) if case.form == "bmm" else ()
-        x = {"a": randn(g, *lead, m, k) * case.scale, "b": randn(g, *lead, k, n) / math.sqrt(max(k, 1)),
-             "cot": randn(g, *lead, m, n)}
+        x = {
+            "a": randn(g, *lead, m, k) * case.scale,
+            "b": randn(g, *lead, k, n) / math.sqrt(max(k, 1)),
+            "cot": randn(g, *lead, m, n),
+        }
     low, exact = low_and_exact(x, case.dtype)
     if case.column_major:  # the same values, column-major storage
         for pair in (low, exact):
@@ -325,8 +363,12 @@ def check_linear_batch_invariance(backend: str, case: ChainRowInBatch) -> None:
     input-gradient rows."""
     probe, x = case.probe, matmul_inputs(case.probe)[0]
     others = matmul_inputs(replace(probe, m=case.others, seed=case.seed))[0]
-    batch = {name: (v if name in ("b", "bias") else torch.cat([others[name][:case.position], v,
-                                                               others[name][case.position:]])) for name, v in x.items()}
+    batch = {
+        name: (
+            v if name in ("b", "bias") else torch.cat([others[name][: case.position], v, others[name][case.position :]])
+        )
+        for name, v in x.items()
+    }
     with on_backend(backend):
         alone = matmul_call(x, probe)
         inside = matmul_call(batch, probe)
@@ -342,8 +384,12 @@ def test_matmul_and_linear_match_reference(backend):
 
 @pytest.mark.parametrize("backend", backends("matmul", invariant_only=True))
 def test_linear_batch_invariance(backend):
-    fuzz_run(check_linear_batch_invariance, backend,
-             chain_rows_in_batch(matmul_cases(backend, one_row=True), limit(backend, 33, 512)), ci=3)
+    fuzz_run(
+        check_linear_batch_invariance,
+        backend,
+        chain_rows_in_batch(matmul_cases(backend, one_row=True), limit(backend, 33, 512)),
+        ci=3,
+    )
 
 
 # =============================================================================================
@@ -388,12 +434,19 @@ def attention_cases(draw, backend: str, prefill: bool = False) -> AttentionCase:
             lengths_q = tuple(draw(st.integers(min(1, n), n)) for n in lengths_k)
         else:
             lengths_q = tuple(draw(sizes(0, n_max)) for _ in lengths_k)
-    return AttentionCase(lengths_q=lengths_q, lengths_k=lengths_k, hkv=draw(st.sampled_from([1, 2, 3])),
-                         group=draw(st.sampled_from([1, 2, 4])), d=draw(sizes(1, limit(backend, 64, 256))),
-                         seed=draw(seeds), dtype=draw(st.sampled_from(dtype_names(backend, "attention"))),
-                         causal=True if prefill else draw(st.booleans()),
-                         softmax_scale=draw(st.sampled_from([None, 0.05, 1.0])),
-                         score=draw(st.sampled_from([1.0, 0.1, 2.0])), slack=draw(st.sampled_from([0, 3])))
+    return AttentionCase(
+        lengths_q=lengths_q,
+        lengths_k=lengths_k,
+        hkv=draw(st.sampled_from([1, 2, 3])),
+        group=draw(st.sampled_from([1, 2, 4])),
+        d=draw(sizes(1, limit(backend, 64, 256))),
+        seed=draw(seeds),
+        dtype=draw(st.sampled_from(dtype_names(backend, "attention"))),
+        causal=True if prefill else draw(st.booleans()),
+        softmax_scale=draw(st.sampled_from([None, 0.05, 1.0])),
+        score=draw(st.sampled_from([1.0, 0.1, 2.0])),
+        slack=draw(st.sampled_from([0, 3])),
+    )
 
 
 def cu_seqlens(lengths: tuple[int, ...]) -> torch.Tensor:
@@ -403,9 +456,15 @@ def cu_seqlens(lengths: tuple[int, ...]) -> torch.Tensor:
 def attention_inputs(case: AttentionCase) -> tuple[dict, dict]:
     g = generator(case.seed)
     tq, tk = sum(case.lengths_q), sum(case.lengths_k)
-    x = {"q": randn(g, tq, case.hq, case.d) * case.score, "k": randn(g, tk, case.hkv, case.d) * case.score,
-         "v": randn(g, tk, case.hkv, case.d), "cot_out": randn(g, tq, case.hq, case.d),
-         "cot_lse": randn(g, case.hq, tq), "cu_q": cu_seqlens(case.lengths_q), "cu_k": cu_seqlens(case.lengths_k)}
+    x = {
+        "q": randn(g, tq, case.hq, case.d) * case.score,
+        "k": randn(g, tk, case.hkv, case.d) * case.score,
+        "v": randn(g, tk, case.hkv, case.d),
+        "cot_out": randn(g, tq, case.hq, case.d),
+        "cot_lse": randn(g, case.hq, tq),
+        "cu_q": cu_seqlens(case.lengths_q),
+        "cu_k": cu_seqlens(case.lengths_k),
+    }
     return low_and_exact(x, case.dtype)
 
 
@@ -413,10 +472,18 @@ def attention_call(x: dict, case: AttentionCase) -> tuple[dict, dict]:
     """Forward and backward of ``sum(cot_out * out) + sum(cot_lse * lse)`` (rows that see no key have
     ``lse = -inf``: their ``cot_lse`` term is left out)."""
     leaf = leaves(x, ("q", "k", "v"))
-    out, lse = rlk.attention(leaf["q"], leaf["k"], leaf["v"], cu_seqlens_q=x["cu_q"], cu_seqlens_k=x["cu_k"],
-                             max_seqlen_q=max(case.lengths_q, default=0) + case.slack,
-                             max_seqlen_k=max(case.lengths_k, default=0) + case.slack, causal=case.causal,
-                             softmax_scale=case.softmax_scale, return_lse=True)
+    out, lse = rlk.attention(
+        leaf["q"],
+        leaf["k"],
+        leaf["v"],
+        cu_seqlens_q=x["cu_q"],
+        cu_seqlens_k=x["cu_k"],
+        max_seqlen_q=max(case.lengths_q, default=0) + case.slack,
+        max_seqlen_k=max(case.lengths_k, default=0) + case.slack,
+        causal=case.causal,
+        softmax_scale=case.softmax_scale,
+        return_lse=True,
+    )
     seen = torch.isfinite(lse.detach())
     loss = (x["cot_out"].to(out.dtype) * out).sum() + torch.where(seen, x["cot_lse"].to(lse.dtype) * lse, 0.0).sum()
     loss.backward()
@@ -430,8 +497,8 @@ def attention_scale(exact: dict, case: AttentionCase) -> torch.Tensor:
     cu_q, cu_k = cu_seqlens(case.lengths_q).tolist(), cu_seqlens(case.lengths_k).tolist()
     for b in range(len(case.lengths_k)):
         if cu_k[b + 1] > cu_k[b] and cu_q[b + 1] > cu_q[b]:
-            per_head = v[cu_k[b]:cu_k[b + 1]].amax(dim=(0, 2)).repeat_interleave(case.group)
-            scale[cu_q[b]:cu_q[b + 1], :, 0] += per_head[None, :]
+            per_head = v[cu_k[b] : cu_k[b + 1]].amax(dim=(0, 2)).repeat_interleave(case.group)
+            scale[cu_q[b] : cu_q[b + 1], :, 0] += per_head[None, :]
     return scale.expand(-1, -1, case.d)
 
 
@@ -478,12 +545,21 @@ class AttentionInBatch:
 def attention_in_batch(draw, backend: str) -> AttentionInBatch:
     probe = draw(attention_cases(backend, prefill=True))
     others = draw(attention_cases(backend))
-    others = replace(others, hkv=probe.hkv, group=probe.group, d=probe.d, dtype=probe.dtype, causal=True,
-                     softmax_scale=probe.softmax_scale, lengths_q=others.lengths_k)
+    others = replace(
+        others,
+        hkv=probe.hkv,
+        group=probe.group,
+        d=probe.d,
+        dtype=probe.dtype,
+        causal=True,
+        softmax_scale=probe.softmax_scale,
+        lengths_q=others.lengths_k,
+    )
     n = probe.lengths_q[0]
     end = draw(st.integers(1, n))
-    return AttentionInBatch(probe, others, draw(st.integers(0, len(others.lengths_k))), draw(st.integers(0, end - 1)),
-                            end)
+    return AttentionInBatch(
+        probe, others, draw(st.integers(0, len(others.lengths_k))), draw(st.integers(0, end - 1)), end
+    )
 
 
 def check_attention_batch_invariance(backend: str, case: AttentionInBatch) -> None:
@@ -502,9 +578,15 @@ def check_attention_batch_invariance(backend: str, case: AttentionInBatch) -> No
     packed["cu_q"] = packed["cu_k"] = cu_seqlens(lengths).to(DEVICE)
     a, b = case.chunk_start, case.chunk_end
     chunk_case = replace(probe, lengths_q=(b - a,), lengths_k=(b,))
-    chunk = {"q": x["q"][a:b], "k": x["k"][:b], "v": x["v"][:b], "cot_out": x["cot_out"][a:b],
-             "cot_lse": x["cot_lse"][:, a:b], "cu_q": cu_seqlens((b - a,)).to(DEVICE),
-             "cu_k": cu_seqlens((b,)).to(DEVICE)}
+    chunk = {
+        "q": x["q"][a:b],
+        "k": x["k"][:b],
+        "v": x["v"][:b],
+        "cot_out": x["cot_out"][a:b],
+        "cot_lse": x["cot_lse"][:, a:b],
+        "cu_q": cu_seqlens((b - a,)).to(DEVICE),
+        "cu_k": cu_seqlens((b,)).to(DEVICE),
+    }
     with on_backend(backend):
         alone = attention_call(x, probe)
         inside = attention_call(packed, packed_case)
@@ -557,14 +639,21 @@ class RopeCase:
 @st.composite
 def rope_cases(draw, backend: str, one_token: bool = False) -> RopeCase:
     d = 2 * draw(sizes(1, limit(backend, 32, 128)))
-    return RopeCase(layout="packed" if one_token else draw(st.sampled_from(["packed", "bhsd", "bshd"])),
-                    b=1 if one_token else draw(sizes(0, limit(backend, 3, 8))),
-                    s=1 if one_token else draw(sizes(0, limit(backend, 17, 512))),
-                    hq=draw(sizes(1, limit(backend, 4, 32))), hk=draw(sizes(1, limit(backend, 4, 8))), d=d,
-                    rotary=2 * draw(st.integers(1, d // 2)), seed=draw(seeds),
-                    dtype=draw(st.sampled_from(dtype_names(backend, "rope"))), interleaved=draw(st.booleans()),
-                    tables_fp32=draw(st.booleans()), tables=draw(st.sampled_from(["batch", "shared", "one"])),
-                    base=draw(st.sampled_from([10000.0, 1e6])))
+    return RopeCase(
+        layout="packed" if one_token else draw(st.sampled_from(["packed", "bhsd", "bshd"])),
+        b=1 if one_token else draw(sizes(0, limit(backend, 3, 8))),
+        s=1 if one_token else draw(sizes(0, limit(backend, 17, 512))),
+        hq=draw(sizes(1, limit(backend, 4, 32))),
+        hk=draw(sizes(1, limit(backend, 4, 8))),
+        d=d,
+        rotary=2 * draw(st.integers(1, d // 2)),
+        seed=draw(seeds),
+        dtype=draw(st.sampled_from(dtype_names(backend, "rope"))),
+        interleaved=draw(st.booleans()),
+        tables_fp32=draw(st.booleans()),
+        tables=draw(st.sampled_from(["batch", "shared", "one"])),
+        base=draw(st.sampled_from([10000.0, 1e6])),
+    )
 
 
 def rope_inputs(case: RopeCase) -> tuple[dict, dict, dict]:
@@ -576,8 +665,12 @@ def rope_inputs(case: RopeCase) -> tuple[dict, dict, dict]:
     inv_freq = 1.0 / (case.base ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
     angles = positions[..., None] * inv_freq
     angles = angles.repeat_interleave(2, dim=-1) if case.interleaved else torch.cat([angles, angles], dim=-1)
-    bshd = {"q": randn(g, b, s, case.hq, case.d), "k": randn(g, b, s, case.hk, case.d),
-            "cot_q": randn(g, b, s, case.hq, case.d), "cot_k": randn(g, b, s, case.hk, case.d)}
+    bshd = {
+        "q": randn(g, b, s, case.hq, case.d),
+        "k": randn(g, b, s, case.hk, case.d),
+        "cot_q": randn(g, b, s, case.hq, case.d),
+        "cot_k": randn(g, b, s, case.hk, case.d),
+    }
     cos, sin = angles.cos(), angles.sin()  # [b, s, R]
     packed = {name: v.reshape(b * s, *v.shape[2:]) for name, v in bshd.items()}
     packed |= {"cos": cos.reshape(b * s, r), "sin": sin.reshape(b * s, r)}
@@ -604,15 +697,23 @@ def rope_inputs(case: RopeCase) -> tuple[dict, dict, dict]:
     else:
         for name in ("cos", "sin"):
             packed[name] = packed[name].to(DTYPES[case.dtype]).double()
-    packed = {name: v.to(DEVICE, DTYPES[case.dtype]).double() if name in ("q", "k") else v.to(DEVICE)
-              for name, v in packed.items()}
+    packed = {
+        name: v.to(DEVICE, DTYPES[case.dtype]).double() if name in ("q", "k") else v.to(DEVICE)
+        for name, v in packed.items()
+    }
     return low, exact, packed
 
 
 def rope_call(x: dict, case: RopeCase) -> tuple[dict, dict]:
     leaf = leaves(x, ("q", "k"))
-    q_out, k_out = rlk.apply_rope(leaf["q"], leaf["k"], x["cos"], x["sin"], interleaved=case.interleaved,
-                                  unsqueeze_dim=2 if case.layout == "bshd" else 1)
+    q_out, k_out = rlk.apply_rope(
+        leaf["q"],
+        leaf["k"],
+        x["cos"],
+        x["sin"],
+        interleaved=case.interleaved,
+        unsqueeze_dim=2 if case.layout == "bshd" else 1,
+    )
     ((x["cot_q"].to(q_out.dtype) * q_out).sum() + (x["cot_k"].to(k_out.dtype) * k_out).sum()).backward()
     return {"q": q_out.detach(), "k": k_out.detach()}, grads(leaf)
 
@@ -633,8 +734,10 @@ def check_rope_matches_reference(backend: str, case: RopeCase) -> None:
         got = rope_call(low, case)
     with on_reference():
         truth = rope_call(exact, case)
-    scales = {name: to_layout(ref_rope.error_scale(packed[name], packed["cos"], packed["sin"], case.interleaved),
-                              case) for name in ("q", "k")}
+    scales = {
+        name: to_layout(ref_rope.error_scale(packed[name], packed["cos"], packed["sin"], case.interleaved), case)
+        for name in ("q", "k")
+    }
     check_against_truth("rope", case.dtype, got, truth, scales)
 
 
@@ -644,7 +747,9 @@ def check_rope_batch_invariance(backend: str, case: ChainRowInBatch) -> None:
     probe = case.probe
     x = rope_inputs(probe)[0]
     others = rope_inputs(replace(probe, s=case.others, seed=case.seed))[0]
-    batch = {name: torch.cat([others[name][:case.position], v, others[name][case.position:]]) for name, v in x.items()}
+    batch = {
+        name: torch.cat([others[name][: case.position], v, others[name][case.position :]]) for name, v in x.items()
+    }
     with on_backend(backend):
         alone = rope_call(x, probe)
         inside = rope_call(batch, probe)
@@ -661,8 +766,12 @@ def test_rope_matches_reference(backend):
 
 @pytest.mark.parametrize("backend", backends("rope", invariant_only=True))
 def test_rope_batch_invariance(backend):
-    fuzz_run(check_rope_batch_invariance, backend,
-             chain_rows_in_batch(rope_cases(backend, one_token=True), limit(backend, 17, 512)), ci=3)
+    fuzz_run(
+        check_rope_batch_invariance,
+        backend,
+        chain_rows_in_batch(rope_cases(backend, one_token=True), limit(backend, 17, 512)),
+        ci=3,
+    )
 
 
 # =============================================================================================
@@ -689,15 +798,25 @@ def softmax_cases(draw, backend: str, one_row: bool = False) -> SoftmaxCase:
     if one_row:
         shape = (1, draw(sizes(1, limit(backend, 300, 40000))))
     else:
-        shape = draw(st.sampled_from([(), (1,)]) | st.tuples(sizes(0, limit(backend, 300, 40000)))
-                     | st.tuples(sizes(0, limit(backend, 9, 64)), sizes(0, limit(backend, 300, 4097)))
-                     | st.tuples(sizes(0, 5), sizes(0, 9), sizes(0, 33)))
+        shape = draw(
+            st.sampled_from([(), (1,)])
+            | st.tuples(sizes(0, limit(backend, 300, 40000)))
+            | st.tuples(sizes(0, limit(backend, 9, 64)), sizes(0, limit(backend, 300, 4097)))
+            | st.tuples(sizes(0, 5), sizes(0, 9), sizes(0, 33))
+        )
     dim = -1 if one_row or not shape else draw(st.integers(-len(shape), len(shape) - 1))
     dtype = draw(st.sampled_from(dtype_names(backend, "softmax")))
     largest = 1e3 if dtype == "float16" else 1e4  # fp16 overflows at 65504
-    return SoftmaxCase(log=draw(st.booleans()), shape=shape, dim=dim, seed=draw(seeds), dtype=dtype,
-                       scale=draw(st.sampled_from([3.0, 1e-3, 30.0, largest])), neg_inf=draw(st.booleans()),
-                       transposed=not one_row and len(shape) >= 2 and draw(st.booleans()))
+    return SoftmaxCase(
+        log=draw(st.booleans()),
+        shape=shape,
+        dim=dim,
+        seed=draw(seeds),
+        dtype=dtype,
+        scale=draw(st.sampled_from([3.0, 1e-3, 30.0, largest])),
+        neg_inf=draw(st.booleans()),
+        transposed=not one_row and len(shape) >= 2 and draw(st.booleans()),
+    )
 
 
 def softmax_inputs(case: SoftmaxCase) -> tuple[dict, dict]:
@@ -748,9 +867,15 @@ def check_softmax_matches_reference(backend: str, case: SoftmaxCase) -> None:
     ref = truth[0]["y"]
     scale = 1.0 + ref.abs() + (exact["x"].abs() if case.log else 0.0)
     finite_scale = scale[torch.isfinite(scale)]
-    check_against_truth("softmax", case.dtype, got, truth, {"y": scale},
-                        float(finite_scale.max()) if finite_scale.numel() else 0.0,
-                        {"grad_x": softmax_grad_magnitude(exact, ref, case)})
+    check_against_truth(
+        "softmax",
+        case.dtype,
+        got,
+        truth,
+        {"y": scale},
+        float(finite_scale.max()) if finite_scale.numel() else 0.0,
+        {"grad_x": softmax_grad_magnitude(exact, ref, case)},
+    )
     y = got[0]["y"]
     if case.log:
         assert bool((y <= 0).all()), f"log_softmax > 0: max {y.max().item()!r}"
@@ -762,9 +887,12 @@ def check_softmax_batch_invariance(backend: str, case: ChainRowInBatch) -> None:
     """A row alone versus at a random position among other rows: bitwise equal output and gradient rows."""
     probe = case.probe
     x = softmax_inputs(probe)[0]
-    others = softmax_inputs(replace(probe, shape=(case.others, probe.shape[1]), seed=case.seed,
-                                    scale=probe.scale * 2))[0]
-    batch = {name: torch.cat([others[name][:case.position], v, others[name][case.position:]]) for name, v in x.items()}
+    others = softmax_inputs(replace(probe, shape=(case.others, probe.shape[1]), seed=case.seed, scale=probe.scale * 2))[
+        0
+    ]
+    batch = {
+        name: torch.cat([others[name][: case.position], v, others[name][case.position :]]) for name, v in x.items()
+    }
     with on_backend(backend):
         alone = softmax_call(x, probe)
         inside = softmax_call(batch, probe)
@@ -780,8 +908,12 @@ def test_softmax_matches_reference(backend):
 
 @pytest.mark.parametrize("backend", backends("softmax", invariant_only=True))
 def test_softmax_batch_invariance(backend):
-    fuzz_run(check_softmax_batch_invariance, backend,
-             chain_rows_in_batch(softmax_cases(backend, one_row=True), limit(backend, 9, 512)), ci=3)
+    fuzz_run(
+        check_softmax_batch_invariance,
+        backend,
+        chain_rows_in_batch(softmax_cases(backend, one_row=True), limit(backend, 9, 512)),
+        ci=3,
+    )
 
 
 # =============================================================================================
@@ -809,9 +941,16 @@ def embedding_cases(draw, backend: str) -> EmbeddingCase:
     n = limit(backend, 65, 4097)
     ids_shape = draw(st.sampled_from([(), (1,)]) | st.tuples(sizes(0, n)) | st.tuples(sizes(0, 5), sizes(0, 17)))
     padding = draw(st.sampled_from([None, 0, -1]) | st.integers(-v, v - 1))
-    return EmbeddingCase(ids_shape=ids_shape, v=v, h=draw(sizes(1, limit(backend, 65, 1024))), seed=draw(seeds),
-                         dtype=draw(st.sampled_from(dtype_names(backend, "embedding"))), padding_idx=padding,
-                         repeated=draw(st.booleans()), int32=draw(st.booleans()))
+    return EmbeddingCase(
+        ids_shape=ids_shape,
+        v=v,
+        h=draw(sizes(1, limit(backend, 65, 1024))),
+        seed=draw(seeds),
+        dtype=draw(st.sampled_from(dtype_names(backend, "embedding"))),
+        padding_idx=padding,
+        repeated=draw(st.booleans()),
+        int32=draw(st.booleans()),
+    )
 
 
 def embedding_inputs(case: EmbeddingCase) -> tuple[dict, dict]:
@@ -820,8 +959,11 @@ def embedding_inputs(case: EmbeddingCase) -> tuple[dict, dict]:
     if case.repeated and ids.numel():
         flat = ids.view(-1)
         flat[: max(1, flat.numel() // 4)] = flat[0]
-    x = {"ids": ids.to(torch.int32 if case.int32 else torch.int64), "weight": randn(g, case.v, case.h),
-         "cot": randn(g, *case.ids_shape, case.h)}
+    x = {
+        "ids": ids.to(torch.int32 if case.int32 else torch.int64),
+        "weight": randn(g, case.v, case.h),
+        "cot": randn(g, *case.ids_shape, case.h),
+    }
     return low_and_exact(x, case.dtype)
 
 

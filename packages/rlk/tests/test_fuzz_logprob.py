@@ -71,13 +71,17 @@ class LogprobCase:
 def logprob_cases(draw, backend: str, op: str, one_row: bool = False) -> LogprobCase:
     kinds = ["normal", "large", "shifted"] + (["neg_inf"] if op == "selected_logprob" else [])
     return LogprobCase(
-        op=op, n=1 if one_row else draw(sizes(0, limit(backend, 17, 512))),
+        op=op,
+        n=1 if one_row else draw(sizes(0, limit(backend, 17, 512))),
         v=draw(sizes(1, limit(backend, 300, 40000))),
-        h=draw(sizes(1, limit(backend, 33, 512))) if op == "linear_logprob" else 0, seed=draw(seeds),
+        h=draw(sizes(1, limit(backend, 33, 512))) if op == "linear_logprob" else 0,
+        seed=draw(seeds),
         dtype=draw(st.sampled_from(dtype_names(backend, op))),
         temperature=draw(st.sampled_from([1.0, "row", 0.05, 0.7, 2.0])),
-        ignored=0.0 if one_row else draw(st.sampled_from([0.2, 0.0, 1.0])), logits=draw(st.sampled_from(kinds)),
-        entropy=draw(st.booleans()))
+        ignored=0.0 if one_row else draw(st.sampled_from([0.2, 0.0, 1.0])),
+        logits=draw(st.sampled_from(kinds)),
+        entropy=draw(st.booleans()),
+    )
 
 
 def logprob_inputs(case: LogprobCase) -> parity_cases.Inputs:
@@ -110,8 +114,9 @@ def logprob_inputs(case: LogprobCase) -> parity_cases.Inputs:
         temperature = 0.05 + 1.95 * torch.rand(n, generator=g)
     else:
         temperature = float(case.temperature)
-    return parity_cases.Inputs(x, weight, targets, temperature, torch.randn(n, generator=g),
-                               torch.randn(n, generator=g))
+    return parity_cases.Inputs(
+        x, weight, targets, temperature, torch.randn(n, generator=g), torch.randn(n, generator=g)
+    )
 
 
 def check_logprob_matches_reference(backend: str, case: LogprobCase) -> None:
@@ -154,10 +159,12 @@ def check_logprob_ignored_rows(backend: str, case: LogprobCase) -> None:
     ignored = (low.targets == IGNORE)[:, None].expand_as(low.x)
     pick = torch.randint(0, 3, low.x.shape, generator=generator(case.seed + 1)).to(DEVICE)
     bad_values = torch.tensor([math.nan, math.inf, -math.inf], dtype=low.x.dtype, device=DEVICE)[pick]
-    bad = parity_cases.Inputs(torch.where(ignored, bad_values, low.x), low.weight, low.targets, low.temperature,
-                              low.c1, low.c2)
-    clean = parity_cases.Inputs(low.x.masked_fill(ignored, 0.0), low.weight, low.targets, low.temperature, low.c1,
-                                low.c2)
+    bad = parity_cases.Inputs(
+        torch.where(ignored, bad_values, low.x), low.weight, low.targets, low.temperature, low.c1, low.c2
+    )
+    clean = parity_cases.Inputs(
+        low.x.masked_fill(ignored, 0.0), low.weight, low.targets, low.temperature, low.c1, low.c2
+    )
     with on_backend(backend):
         a = parity_run.forward_backward(case.op, bad, case.entropy)
         b = parity_run.forward_backward(case.op, clean, case.entropy)
@@ -189,13 +196,15 @@ def check_logprob_batch_invariance(backend: str, case: LogprobRowInBatch) -> Non
     batch's rows have their own scale and per-row temperature, about a quarter ignored)."""
     probe = logprob_inputs(case.probe)
     if not isinstance(probe.temperature, torch.Tensor):
-        probe = parity_cases.Inputs(probe.x, probe.weight, probe.targets, torch.full((1,), probe.temperature),
-                                    probe.c1, probe.c2)
+        probe = parity_cases.Inputs(
+            probe.x, probe.weight, probe.targets, torch.full((1,), probe.temperature), probe.c1, probe.c2
+        )
     g = generator(case.seed)
     others = logprob_inputs(replace(case.probe, n=case.others, seed=case.seed, temperature="row", ignored=0.25))
     scale = 0.5 + 3.5 * torch.rand(case.others, 1, generator=g)
-    others = parity_cases.Inputs(others.x * scale, probe.weight, others.targets, others.temperature, others.c1,
-                                 others.c2)
+    others = parity_cases.Inputs(
+        others.x * scale, probe.weight, others.targets, others.temperature, others.c1, others.c2
+    )
     batch = parity_cases.embed_probe(probe, others, case.others + 1, case.position)
     dtype = DTYPES[case.probe.dtype]
     with on_backend(backend):

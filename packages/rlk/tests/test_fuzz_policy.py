@@ -154,16 +154,21 @@ def policy_kwargs(draw, invariant: bool = False) -> dict:
 
 
 @st.composite
-def policy_cases(draw, backend: str, invariant: bool = False, one_row: bool = False,
-                 extreme: bool = False) -> PolicyCase:
+def policy_cases(
+    draw, backend: str, invariant: bool = False, one_row: bool = False, extreme: bool = False
+) -> PolicyCase:
     """A ``policy_loss`` case (``one_row``: a single row of at least one position, the probe of an invariance
     check; ``extreme``: log-ratios of magnitude 90 or 100, unclamped for the bounded losses and clamped at most at 60
     for the others, 50 with ``kl_unbiased``)."""
     kw = draw(policy_kwargs(invariant))
     tensors = tuple(name for name in OPTIONAL if draw(st.booleans()))
     if "ref_logprob" in tensors:
-        kw |= {"kl": draw(st.sampled_from(KL_NAMES)), "kl_coef": draw(st.sampled_from([0.1, 0.0, 1.0])),
-               "kl_k3_clamp": draw(st.booleans()), "kl_unbiased": draw(st.booleans())}
+        kw |= {
+            "kl": draw(st.sampled_from(KL_NAMES)),
+            "kl_coef": draw(st.sampled_from([0.1, 0.0, 1.0])),
+            "kl_k3_clamp": draw(st.booleans()),
+            "kl_unbiased": draw(st.booleans()),
+        }
         kl_clamp = draw(st.sampled_from([None, 10.0, 0.5]))
         if kl_clamp is not None:
             kw["kl_clamp"] = kl_clamp
@@ -187,13 +192,20 @@ def policy_cases(draw, backend: str, invariant: bool = False, one_row: bool = Fa
         kl_extremes.append(100.0)
     b = 1 if one_row else draw(sizes(0, limit(backend, 2, 64)))
     return PolicyCase(
-        b=b, t=draw(sizes(1 if one_row else 0, limit(backend, 129, 300))), seed=draw(seeds),
+        b=b,
+        t=draw(sizes(1 if one_row else 0, limit(backend, 129, 300))),
+        seed=draw(seeds),
         kwargs=tuple(sorted(kw.items())),
         dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
         adv=draw(st.sampled_from(["token", "seq", "seq1"])),
-        mask=draw(st.sampled_from(MASK_KINDS)), float_mask=draw(st.booleans()), on_policy=draw(st.booleans()),
-        tensors=tensors, norm_tensors=draw(st.booleans()), spread=draw(st.sampled_from([0.3, 1e-5, 2.0])),
-        extreme=draw(st.sampled_from(extremes)), kl_extreme=draw(st.sampled_from(kl_extremes)),
+        mask=draw(st.sampled_from(MASK_KINDS)),
+        float_mask=draw(st.booleans()),
+        on_policy=draw(st.booleans()),
+        tensors=tensors,
+        norm_tensors=draw(st.booleans()),
+        spread=draw(st.sampled_from([0.3, 1e-5, 2.0])),
+        extreme=draw(st.sampled_from(extremes)),
+        kl_extreme=draw(st.sampled_from(kl_extremes)),
     )
 
 
@@ -203,8 +215,11 @@ def policy_inputs(case: PolicyCase) -> dict[str, torch.Tensor]:
     b, t = case.b, case.t
     lp = -torch.rand(b, t, generator=g) * 4 - 0.05
     log_ratio = sprinkle(case.spread * torch.randn(b, t, generator=g), case.extreme, g)
-    adv = {"token": torch.randn(b, t, generator=g), "seq": torch.randn(b, generator=g),
-           "seq1": torch.randn(b, 1, generator=g)}[case.adv]
+    adv = {
+        "token": torch.randn(b, t, generator=g),
+        "seq": torch.randn(b, generator=g),
+        "seq1": torch.randn(b, 1, generator=g),
+    }[case.adv]
     adv = torch.where(torch.rand(adv.shape, generator=g) < 0.1, 0.0, adv)  # some exact zeros (sign-aware losses)
     mask = make_mask(b, t, case.mask, g)
     x = {"logprob": lp, "advantages": adv, "mask": mask.float() if case.float_mask else mask}
@@ -275,8 +290,9 @@ def mask_rounding_boundaries(x: dict[str, torch.Tensor], kw: dict) -> dict[str, 
         else:
             guard = ref_pl.DPPO_KL_GUARD
             b, log_term = ref_pl.dppo_binary_kl(lp, old)
-            terms = (q * (old - lp)).abs() + (1.0 - q) * (log_term.abs() + p / (1.0 - p + guard)
-                                                          + q / (1.0 - q + guard))
+            terms = (q * (old - lp)).abs() + (1.0 - q) * (
+                log_term.abs() + p / (1.0 - p + guard) + q / (1.0 - q + guard)
+            )
             near |= (b - eps).abs() <= unit * (1.0 + terms)
     mask = x["mask"]
     keep = (~near).to(mask.device)
@@ -306,13 +322,13 @@ def policy_call(x: dict[str, torch.Tensor], kw: dict, fused: bool) -> PolicyOut:
     entropy_grad = entropy is not None and kw.get("entropy_coef", 0.0) != 0.0
     optional = {name: x[name] for name in ("importance_weights", "ref_logprob") if name in x}
     if fused:
-        out = rlk.policy_loss_and_grad(x["logprob"], x.get("old_logprob"), x["advantages"], x["mask"],
-                                       entropy=entropy, **optional, **kw)
+        out = rlk.policy_loss_and_grad(
+            x["logprob"], x.get("old_logprob"), x["advantages"], x["mask"], entropy=entropy, **optional, **kw
+        )
         return PolicyOut(out.loss, out.metrics, out.grad_logprob, out.grad_entropy)
     lp = x["logprob"].detach().clone().requires_grad_()
     ent = entropy.detach().clone().requires_grad_() if entropy_grad else entropy
-    loss, metrics = rlk.policy_loss(lp, x.get("old_logprob"), x["advantages"], x["mask"], entropy=ent, **optional,
-                                    **kw)
+    loss, metrics = rlk.policy_loss(lp, x.get("old_logprob"), x["advantages"], x["mask"], entropy=ent, **optional, **kw)
     loss.backward()
     return PolicyOut(loss.detach(), metrics, grad_or_zeros(lp), grad_or_zeros(ent) if entropy_grad else None)
 
@@ -325,12 +341,24 @@ def policy_attrs(kw: dict) -> dict:
     clip_high = kw.get("clip_high", clip_low)
     tau_pos, tau_neg = kw.get("sapo_tau", (1.0, 1.05))
     kl_clamp = kw.get("kl_clamp")
-    return {"loss": kw["loss"], "cispo_upper": kw.get("cispo_form") == "upper", "clip_low": clip_low,
-            "clip_high": clip_high, "dual_clip": kw.get("dual_clip") or 0.0, "clamp_low": clamp_low,
-            "clamp_high": clamp_high, "tau_pos": tau_pos, "tau_neg": tau_neg, "kl": kl,
-            "kl_coef": kw.get("kl_coef", 0.0), "kl_k3_clamp": kw.get("kl_k3_clamp", True),
-            "kl_clamp": math.inf if kl_clamp is None else kl_clamp, "kl_straight_through": straight,
-            "kl_unbiased": kw.get("kl_unbiased", False), "entropy_coef": kw.get("entropy_coef", 0.0)}
+    return {
+        "loss": kw["loss"],
+        "cispo_upper": kw.get("cispo_form") == "upper",
+        "clip_low": clip_low,
+        "clip_high": clip_high,
+        "dual_clip": kw.get("dual_clip") or 0.0,
+        "clamp_low": clamp_low,
+        "clamp_high": clamp_high,
+        "tau_pos": tau_pos,
+        "tau_neg": tau_neg,
+        "kl": kl,
+        "kl_coef": kw.get("kl_coef", 0.0),
+        "kl_k3_clamp": kw.get("kl_k3_clamp", True),
+        "kl_clamp": math.inf if kl_clamp is None else kl_clamp,
+        "kl_straight_through": straight,
+        "kl_unbiased": kw.get("kl_unbiased", False),
+        "entropy_coef": kw.get("entropy_coef", 0.0),
+    }
 
 
 def ratio_overflows(x64: dict[str, torch.Tensor], kw: dict) -> bool:
@@ -359,9 +387,17 @@ def check_policy_against_truth(x: dict[str, torch.Tensor], kw: dict, got: Policy
     row_weight = aggregation.row_weights(mask, kw["agg"], dtype=torch.float64, **agg_kw)
     adv = x64["advantages"]
     adv = adv[:, None] if adv.dim() == 1 else adv
-    s = ref_pl.contract_scale(x64["logprob"], x64.get("old_logprob", x64["logprob"]), adv, mask, row_weight,
-                              x64.get("importance_weights"), x64.get("ref_logprob"), x64.get("entropy"),
-                              **policy_attrs(kw))
+    s = ref_pl.contract_scale(
+        x64["logprob"],
+        x64.get("old_logprob", x64["logprob"]),
+        adv,
+        mask,
+        row_weight,
+        x64.get("importance_weights"),
+        x64.get("ref_logprob"),
+        x64.get("entropy"),
+        **policy_attrs(kw),
+    )
     check_finite("loss", got.loss)
     check_value(entry, "loss", got.loss, truth.loss, 1.0 + truth.loss.abs() + s["loss"])
     assert set(got.metrics) == set(truth.metrics)
@@ -374,8 +410,9 @@ def check_policy_against_truth(x: dict[str, torch.Tensor], kw: dict, got: Policy
         check_value(entry, name, got.metrics[name], value, scale)
     check_finite("grad_logprob", got.grad_logprob)
     # vespo's gradient carries phi's relative error (``grad_max_scale``); 1 for the other losses
-    check_grad(entry, "grad_logprob", got.grad_logprob, truth.grad_logprob, float(s["grad_max_scale"]),
-               s["grad_magnitude"])
+    check_grad(
+        entry, "grad_logprob", got.grad_logprob, truth.grad_logprob, float(s["grad_max_scale"]), s["grad_magnitude"]
+    )
     if truth.grad_entropy is not None:
         check_finite("grad_entropy", got.grad_entropy)
         check_grad(entry, "grad_entropy", got.grad_entropy, truth.grad_entropy, 1.0)
@@ -401,8 +438,12 @@ def check_policy_loss_matches_reference(backend: str, case: PolicyCase) -> None:
         fused = policy_call(x, kw, fused=True)
         exact = policy_call(as32(x), kw, fused=False)
     low = DTYPES[case.dtype]
-    lowered = PolicyOut(exact.loss, exact.metrics, exact.grad_logprob.to(low),
-                        None if exact.grad_entropy is None else exact.grad_entropy.to(low))
+    lowered = PolicyOut(
+        exact.loss,
+        exact.metrics,
+        exact.grad_logprob.to(low),
+        None if exact.grad_entropy is None else exact.grad_entropy.to(low),
+    )
     check_policy_same("policy_loss_and_grad vs policy_loss + backward on the fp32 upcast", fused, lowered)
     check_policy_against_truth(as32(x), kw, exact)
 
@@ -416,8 +457,9 @@ def check_policy_loss_masked_positions(backend: str, case: PolicyCase) -> None:
     bad = {name: (poisoned(v, masked, g) if name != "mask" and v.shape == masked.shape else v) for name, v in x.items()}
     clean = {name: (zeroed(v, masked) if name != "mask" and v.shape == masked.shape else v) for name, v in x.items()}
     with on_backend(backend):
-        check_policy_same("NaN/inf vs 0 at masked positions", policy_call(bad, kw, fused=True),
-                          policy_call(clean, kw, fused=True))
+        check_policy_same(
+            "NaN/inf vs 0 at masked positions", policy_call(bad, kw, fused=True), policy_call(clean, kw, fused=True)
+        )
 
 
 def check_policy_loss_batch_invariance(backend: str, case: RowInBatch) -> None:
@@ -432,10 +474,13 @@ def check_policy_loss_batch_invariance(backend: str, case: RowInBatch) -> None:
     with on_backend(backend):
         alone = policy_call(x, kw, fused=True)
         inside = policy_call(batch, kw, fused=True)
-    check_equal("grad_logprob of the row", inside.grad_logprob[case.position:case.position + 1, :t], alone.grad_logprob)
+    check_equal(
+        "grad_logprob of the row", inside.grad_logprob[case.position : case.position + 1, :t], alone.grad_logprob
+    )
     if alone.grad_entropy is not None:
-        check_equal("grad_entropy of the row", inside.grad_entropy[case.position:case.position + 1, :t],
-                    alone.grad_entropy)
+        check_equal(
+            "grad_entropy of the row", inside.grad_entropy[case.position : case.position + 1, :t], alone.grad_entropy
+        )
 
 
 @pytest.mark.parametrize("backend", backends("policy_loss"))
@@ -450,10 +495,22 @@ def test_policy_loss_matches_reference_at_extreme_log_ratios(backend):
 
 #: Found by the long profile on the H200: TRL's cispo cap ``clip_high = 1.0`` counts ``exp(d) > 1``, which fp32
 #: rounds to 1 for ``|d| < 2^-24``, so ``clip_fraction`` was one token apart from the fp64 truth.
-CISPO_CAP_AT_ONE = PolicyCase(b=3, t=63, seed=3, kwargs=(("agg", "token-mean"), ("cispo_form", "upper"),
-                                                         ("clip_high", 1.0), ("clip_low", 0.2), ("loss", "cispo")),
-                              dtype="float32", adv="token", mask="scattered", float_mask=False, on_policy=False,
-                              tensors=(), norm_tensors=False, spread=1e-05, extreme=90.0, kl_extreme=0.0)
+CISPO_CAP_AT_ONE = PolicyCase(
+    b=3,
+    t=63,
+    seed=3,
+    kwargs=(("agg", "token-mean"), ("cispo_form", "upper"), ("clip_high", 1.0), ("clip_low", 0.2), ("loss", "cispo")),
+    dtype="float32",
+    adv="token",
+    mask="scattered",
+    float_mask=False,
+    on_policy=False,
+    tensors=(),
+    norm_tensors=False,
+    spread=1e-05,
+    extreme=90.0,
+    kl_extreme=0.0,
+)
 
 
 @pytest.mark.parametrize("backend", backends("policy_loss"))
@@ -474,16 +531,38 @@ def test_policy_loss_masked_positions_never_matter(backend):
 @pytest.mark.parametrize("backend", backends("policy_loss", invariant_only=True))
 def test_policy_loss_batch_invariance(backend):
     probe = policy_cases(backend, invariant=True, one_row=True)
-    fuzz_run(check_policy_loss_batch_invariance, backend, rows_in_batch(probe, limit(backend, 2, 64),
-                                                                       limit(backend, 17, 300)), ci=3)
+    fuzz_run(
+        check_policy_loss_batch_invariance,
+        backend,
+        rows_in_batch(probe, limit(backend, 2, 64), limit(backend, 17, 300)),
+        ci=3,
+    )
 
 
 #: The long profile's example on an H200: one geo_mean row (T = 16, token advantages, 8 of its 16 gradients
 #: nonzero) alone and padded to 17 in a batch of two were 2 ulps apart.
-PADDED_ROW = RowInBatch(probe=PolicyCase(
-    b=1, t=16, seed=1, kwargs=(("agg", "token-mean"), ("clip_low", 0.2), ("global_tokens", 37.0), ("loss", "geo_mean")),
-    dtype="float32", adv="token", mask="holes", float_mask=False, on_policy=False, tensors=(), norm_tensors=False,
-    spread=0.3, extreme=0.0, kl_extreme=0.0), others=1, position=0, pad=1, seed=0)
+PADDED_ROW = RowInBatch(
+    probe=PolicyCase(
+        b=1,
+        t=16,
+        seed=1,
+        kwargs=(("agg", "token-mean"), ("clip_low", 0.2), ("global_tokens", 37.0), ("loss", "geo_mean")),
+        dtype="float32",
+        adv="token",
+        mask="holes",
+        float_mask=False,
+        on_policy=False,
+        tensors=(),
+        norm_tensors=False,
+        spread=0.3,
+        extreme=0.0,
+        kl_extreme=0.0,
+    ),
+    others=1,
+    position=0,
+    pad=1,
+    seed=0,
+)
 
 
 @pytest.mark.gpu
@@ -494,8 +573,9 @@ def test_policy_loss_row_padded_to_another_length_gpu(loss, pad):
     kernels do not specialize on ``T`` (its divisibility picks the loads' vector width, which sets ``tl.sum``'s
     order)."""
     kwargs = tuple((k, loss if k == "loss" else v) for k, v in PADDED_ROW.probe.kwargs)
-    check_policy_loss_batch_invariance("triton", replace(PADDED_ROW, probe=replace(PADDED_ROW.probe, kwargs=kwargs),
-                                                         pad=pad))
+    check_policy_loss_batch_invariance(
+        "triton", replace(PADDED_ROW, probe=replace(PADDED_ROW.probe, kwargs=kwargs), pad=pad)
+    )
 
 
 @pytest.mark.gpu
@@ -539,20 +619,33 @@ def kl_cases(draw, backend: str, one_row: bool = False) -> KlCase:
     k3_clamp = draw(st.booleans())
     plain_k3 = _kl_spec("estimator", estimator)[0] == "k3" and not k3_clamp
     n = limit(backend, 65, 4097)
-    shape = (draw(sizes(1, n)),) if one_row else draw(st.sampled_from([(), (0,), (1,)]) | st.tuples(sizes(0, n))
-                                                         | st.tuples(sizes(0, 5), sizes(0, 33)))
-    return KlCase(shape=shape, seed=draw(seeds), estimator=estimator, straight_through=draw(st.booleans()),
-                  clamp=draw(st.sampled_from([None, 10.0, 0.5])), k3_clamp=k3_clamp, unbiased=draw(st.booleans()),
-                  dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
-                  extreme=draw(st.sampled_from([0.0, 20.0] if plain_k3 else [0.0, 20.0, 100.0])),
-                  ratio_extreme=draw(st.sampled_from([0.0, 5.0, 20.0])))
+    shape = (
+        (draw(sizes(1, n)),)
+        if one_row
+        else draw(st.sampled_from([(), (0,), (1,)]) | st.tuples(sizes(0, n)) | st.tuples(sizes(0, 5), sizes(0, 33)))
+    )
+    return KlCase(
+        shape=shape,
+        seed=draw(seeds),
+        estimator=estimator,
+        straight_through=draw(st.booleans()),
+        clamp=draw(st.sampled_from([None, 10.0, 0.5])),
+        k3_clamp=k3_clamp,
+        unbiased=draw(st.booleans()),
+        dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+        extreme=draw(st.sampled_from([0.0, 20.0] if plain_k3 else [0.0, 20.0, 100.0])),
+        ratio_extreme=draw(st.sampled_from([0.0, 5.0, 20.0])),
+    )
 
 
 def kl_inputs(case: KlCase) -> dict[str, torch.Tensor]:
     g = generator(case.seed)
     lp = -torch.rand(case.shape, generator=g) * 4
-    x = {"logprob": lp, "ref_logprob": lp - sprinkle(0.7 * torch.randn(case.shape, generator=g), case.extreme, g),
-         "c": torch.randn(case.shape, generator=g)}
+    x = {
+        "logprob": lp,
+        "ref_logprob": lp - sprinkle(0.7 * torch.randn(case.shape, generator=g), case.extreme, g),
+        "c": torch.randn(case.shape, generator=g),
+    }
     if case.unbiased:
         x["old_logprob"] = lp - sprinkle(0.3 * torch.randn(case.shape, generator=g), case.ratio_extreme, g)
     return cast(x, case.dtype)
@@ -561,8 +654,15 @@ def kl_inputs(case: KlCase) -> dict[str, torch.Tensor]:
 def kl_call(x: dict[str, torch.Tensor], case: KlCase) -> tuple[torch.Tensor, torch.Tensor]:
     """``kl_penalty`` and the gradient of ``sum(c * kl)`` on the pinned backend."""
     lp = x["logprob"].detach().clone().requires_grad_()
-    kl = rlk.kl_penalty(lp, x["ref_logprob"], case.estimator, straight_through=case.straight_through,
-                        clamp=case.clamp, k3_clamp=case.k3_clamp, old_logprob=x.get("old_logprob"))
+    kl = rlk.kl_penalty(
+        lp,
+        x["ref_logprob"],
+        case.estimator,
+        straight_through=case.straight_through,
+        clamp=case.clamp,
+        k3_clamp=case.k3_clamp,
+        old_logprob=x.get("old_logprob"),
+    )
     (x["c"].to(kl.dtype) * kl).sum().backward()
     return kl.detach(), grad_or_zeros(lp)
 
@@ -582,8 +682,12 @@ def check_kl_penalty_matches_reference(backend: str, case: KlCase) -> None:
     entry = contract.entry("kl_penalty", torch.float32)
     x64 = as64(x)
     value_scale, grad_magnitude = ref_pl.kl_contract_scale(
-        x64["logprob"], x64["ref_logprob"], x64.get("old_logprob"), estimator=_kl_spec("estimator", case.estimator)[0],
-        k3_clamp=case.k3_clamp)
+        x64["logprob"],
+        x64["ref_logprob"],
+        x64.get("old_logprob"),
+        estimator=_kl_spec("estimator", case.estimator)[0],
+        k3_clamp=case.k3_clamp,
+    )
     check_finite("kl", exact[0])
     check_value(entry, "kl", exact[0], truth_kl, value_scale)
     check_finite("grad_logprob", exact[1])
@@ -602,8 +706,8 @@ def check_kl_penalty_batch_invariance(backend: str, case: RowInBatch) -> None:
     with on_backend(backend):
         alone = kl_call(x, probe)
         inside = kl_call(batch, probe)
-    check_equal("kl of the run", inside[0][case.position:case.position + n], alone[0])
-    check_equal("gradient of the run", inside[1][case.position:case.position + n], alone[1])
+    check_equal("kl of the run", inside[0][case.position : case.position + n], alone[0])
+    check_equal("gradient of the run", inside[1][case.position : case.position + n], alone[1])
 
 
 @pytest.mark.parametrize("backend", backends("kl_penalty"))
@@ -613,8 +717,12 @@ def test_kl_penalty_matches_reference(backend):
 
 @pytest.mark.parametrize("backend", backends("kl_penalty", invariant_only=True))
 def test_kl_penalty_batch_invariance(backend):
-    fuzz_run(check_kl_penalty_batch_invariance, backend,
-             rows_in_batch(kl_cases(backend, one_row=True), limit(backend, 65, 4097), limit(backend, 65, 4097)), ci=4)
+    fuzz_run(
+        check_kl_penalty_batch_invariance,
+        backend,
+        rows_in_batch(kl_cases(backend, one_row=True), limit(backend, 65, 4097), limit(backend, 65, 4097)),
+        ci=4,
+    )
 
 
 # =============================================================================================
@@ -642,19 +750,28 @@ def value_cases(draw, backend: str, invariant: bool = False, one_row: bool = Fal
     kw = draw(policy_kwargs(invariant))
     kw = {name: kw[name] for name in ("agg", "global_tokens", "global_seqs", "loss_scale") if name in kw}
     kw["clip"] = draw(st.sampled_from([0.5, None, 0.0, 0.2, 10.0]))
-    return ValueCase(b=1 if one_row else draw(sizes(0, limit(backend, 5, 64))),
-                     t=draw(sizes(1 if one_row else 0, limit(backend, 129, 300))), seed=draw(seeds),
-                     kwargs=tuple(sorted(kw.items())), dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
-                     mask=draw(st.sampled_from(MASK_KINDS)), float_mask=draw(st.booleans()),
-                     no_old=kw["clip"] is None and draw(st.booleans()), scale=draw(st.sampled_from([1.0, 1e-3, 300.0])))
+    return ValueCase(
+        b=1 if one_row else draw(sizes(0, limit(backend, 5, 64))),
+        t=draw(sizes(1 if one_row else 0, limit(backend, 129, 300))),
+        seed=draw(seeds),
+        kwargs=tuple(sorted(kw.items())),
+        dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+        mask=draw(st.sampled_from(MASK_KINDS)),
+        float_mask=draw(st.booleans()),
+        no_old=kw["clip"] is None and draw(st.booleans()),
+        scale=draw(st.sampled_from([1.0, 1e-3, 300.0])),
+    )
 
 
 def value_inputs(case: ValueCase) -> dict[str, torch.Tensor]:
     g = generator(case.seed)
     b, t = case.b, case.t
     values = torch.randn(b, t, generator=g) * 2 * case.scale
-    x = {"values": values, "returns": torch.randn(b, t, generator=g) * 2 * case.scale,
-         "mask": make_mask(b, t, case.mask, g)}
+    x = {
+        "values": values,
+        "returns": torch.randn(b, t, generator=g) * 2 * case.scale,
+        "mask": make_mask(b, t, case.mask, g),
+    }
     if case.float_mask:
         x["mask"] = x["mask"].float()
     if not case.no_old:
@@ -725,7 +842,7 @@ def check_value_loss_batch_invariance(backend: str, case: RowInBatch) -> None:
     with on_backend(backend):
         alone = value_call(x, kw)
         inside = value_call(batch, kw)
-    check_equal("grad_values of the row", inside[2][case.position:case.position + 1, :probe.t], alone[2])
+    check_equal("grad_values of the row", inside[2][case.position : case.position + 1, : probe.t], alone[2])
 
 
 @pytest.mark.parametrize("backend", backends("value_loss"))
@@ -741,8 +858,12 @@ def test_value_loss_masked_positions_never_matter(backend):
 @pytest.mark.parametrize("backend", backends("value_loss", invariant_only=True))
 def test_value_loss_batch_invariance(backend):
     probe = value_cases(backend, invariant=True, one_row=True)
-    fuzz_run(check_value_loss_batch_invariance, backend,
-             rows_in_batch(probe, limit(backend, 5, 64), limit(backend, 33, 300)), ci=4)
+    fuzz_run(
+        check_value_loss_batch_invariance,
+        backend,
+        rows_in_batch(probe, limit(backend, 5, 64), limit(backend, 33, 300)),
+        ci=4,
+    )
 
 
 # =============================================================================================
@@ -769,12 +890,17 @@ class DpoCase:
 def dpo_cases(draw, backend: str, one_row: bool = False) -> DpoCase:
     loss = draw(st.sampled_from(("sigmoid", "hinge", "ipo", "robust")))
     smoothing = {"sigmoid": [0.0, 0.1, 0.5], "robust": [0.0, 0.1, 0.4]}.get(loss, [0.0])
-    return DpoCase(p=draw(sizes(1, 17)) if one_row else draw(sizes(0, limit(backend, 65, 4097))), seed=draw(seeds),
-                   loss=loss, beta=draw(st.sampled_from([0.1, 0.5, 1e-3, 10.0])),
-                   label_smoothing=draw(st.sampled_from(smoothing)),
-                   reduction="none" if one_row else draw(st.sampled_from(["mean", "sum", "none"])),
-                   dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
-                   scale=draw(st.sampled_from([1.0, 0.01, 20.0])), zero_lengths=draw(st.booleans()))
+    return DpoCase(
+        p=draw(sizes(1, 17)) if one_row else draw(sizes(0, limit(backend, 65, 4097))),
+        seed=draw(seeds),
+        loss=loss,
+        beta=draw(st.sampled_from([0.1, 0.5, 1e-3, 10.0])),
+        label_smoothing=draw(st.sampled_from(smoothing)),
+        reduction="none" if one_row else draw(st.sampled_from(["mean", "sum", "none"])),
+        dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+        scale=draw(st.sampled_from([1.0, 0.01, 20.0])),
+        zero_lengths=draw(st.booleans()),
+    )
 
 
 def dpo_inputs(case: DpoCase) -> dict[str, torch.Tensor]:
@@ -786,9 +912,15 @@ def dpo_inputs(case: DpoCase) -> dict[str, torch.Tensor]:
     len_r = torch.randint(low, 500, (p,), generator=g).float()
     lc = -len_c * (0.2 + torch.rand(p, generator=g)) * case.scale
     lr = -len_r * (0.2 + torch.rand(p, generator=g)) * case.scale
-    x = {"chosen": lc, "rejected": lr, "ref_chosen": lc + 10 * case.scale * torch.randn(p, generator=g),
-         "ref_rejected": lr + 10 * case.scale * torch.randn(p, generator=g), "len_chosen": len_c,
-         "len_rejected": len_r, "c": torch.randn(p, generator=g)}
+    x = {
+        "chosen": lc,
+        "rejected": lr,
+        "ref_chosen": lc + 10 * case.scale * torch.randn(p, generator=g),
+        "ref_rejected": lr + 10 * case.scale * torch.randn(p, generator=g),
+        "len_chosen": len_c,
+        "len_rejected": len_r,
+        "c": torch.randn(p, generator=g),
+    }
     out = cast(x, case.dtype)
     out["len_chosen"], out["len_rejected"] = len_c.to(DEVICE), len_r.to(DEVICE)
     return out
@@ -798,8 +930,17 @@ def dpo_call(x: dict[str, torch.Tensor], case: DpoCase) -> tuple[torch.Tensor, d
     """``dpo_loss`` and its backward (of ``sum(c * losses)`` for reduction ``none``): (loss, metrics, grads)."""
     lc, lr = x["chosen"].detach().clone().requires_grad_(), x["rejected"].detach().clone().requires_grad_()
     lengths = {"chosen_length": x["len_chosen"], "rejected_length": x["len_rejected"]} if case.loss == "ipo" else {}
-    loss, metrics = rlk.dpo_loss(lc, lr, x["ref_chosen"], x["ref_rejected"], beta=case.beta, loss=case.loss,
-                                 label_smoothing=case.label_smoothing, reduction=case.reduction, **lengths)
+    loss, metrics = rlk.dpo_loss(
+        lc,
+        lr,
+        x["ref_chosen"],
+        x["ref_rejected"],
+        beta=case.beta,
+        loss=case.loss,
+        label_smoothing=case.label_smoothing,
+        reduction=case.reduction,
+        **lengths,
+    )
     (loss if case.reduction != "none" else (x["c"].to(loss.dtype) * loss).sum()).backward()
     return loss.detach(), metrics, grad_or_zeros(lc), grad_or_zeros(lr)
 
@@ -821,9 +962,15 @@ def check_dpo_loss_matches_reference(backend: str, case: DpoCase) -> None:
     x64 = as64(x)
     with on_reference():
         truth = dpo_call(x64, case)
-        losses, _ = rlk.dpo_loss(*(x64[k] for k in ("chosen", "rejected", "ref_chosen", "ref_rejected")),
-                                 beta=case.beta, loss=case.loss, label_smoothing=case.label_smoothing, reduction="none",
-                                 chosen_length=x64["len_chosen"], rejected_length=x64["len_rejected"])
+        losses, _ = rlk.dpo_loss(
+            *(x64[k] for k in ("chosen", "rejected", "ref_chosen", "ref_rejected")),
+            beta=case.beta,
+            loss=case.loss,
+            label_smoothing=case.label_smoothing,
+            reduction="none",
+            chosen_length=x64["len_chosen"],
+            rejected_length=x64["len_rejected"],
+        )
     if case.p == 0:  # documented: no pairs give a loss of 0 and metrics of 0
         check_equal("loss", exact[0], torch.zeros_like(exact[0]))
         for name, value in exact[1].items():
@@ -848,9 +995,17 @@ def dpo_grad_magnitude(x: dict[str, torch.Tensor], case: DpoCase) -> torch.Tenso
     """Per pair, the terms of ``d loss / d chosen`` by absolute value (fp64): the smoothed sigmoid loss's
     ``beta (-(1 - eps) sigmoid(-u) + eps sigmoid(u))`` cancels near ``u = 0`` at ``eps = 0.5``; ``dl/dx`` otherwise;
     times the upstream weight (``c``, or ``1 / P`` for the mean) and ``|dx / d chosen|``."""
-    loss, dl_dx, dx_dc, *_ = ref_losses._dpo_terms(x["chosen"], x["rejected"], x["ref_chosen"], x["ref_rejected"],
-                                                   x["len_chosen"], x["len_rejected"], case.beta, case.loss,
-                                                   case.label_smoothing)
+    loss, dl_dx, dx_dc, *_ = ref_losses._dpo_terms(
+        x["chosen"],
+        x["rejected"],
+        x["ref_chosen"],
+        x["ref_rejected"],
+        x["len_chosen"],
+        x["len_rejected"],
+        case.beta,
+        case.loss,
+        case.label_smoothing,
+    )
     terms = dl_dx.abs()
     if case.loss == "sigmoid":
         lc, lr, lc_ref, lr_ref = (x[k] for k in ("chosen", "rejected", "ref_chosen", "ref_rejected"))
@@ -883,8 +1038,12 @@ def test_dpo_loss_matches_reference(backend):
 
 @pytest.mark.parametrize("backend", backends("dpo_loss", invariant_only=True))
 def test_dpo_loss_batch_invariance(backend):
-    fuzz_run(check_dpo_loss_batch_invariance, backend,
-             rows_in_batch(dpo_cases(backend, one_row=True), limit(backend, 33, 4097), 0), ci=4)
+    fuzz_run(
+        check_dpo_loss_batch_invariance,
+        backend,
+        rows_in_batch(dpo_cases(backend, one_row=True), limit(backend, 33, 4097), 0),
+        ci=4,
+    )
 
 
 # =============================================================================================
@@ -923,15 +1082,22 @@ def fused_cases(draw, backend: str) -> FusedCase:
         kw["entropy_coef"] = draw(st.sampled_from([0.01, -0.5]))
     one_sequence = draw(st.booleans())
     b = 1 if one_sequence else draw(sizes(1, limit(backend, 1, 8)))
-    return FusedCase(b=b, t=draw(sizes(1, limit(backend, 17, 129))),
-                     h=draw(sizes(1, limit(backend, 17, 256))), v=draw(sizes(1, limit(backend, 129, 4097))),
-                     seed=draw(seeds), kwargs=tuple(sorted(kw.items())),
-                     dtype=draw(st.sampled_from(dtype_names(backend, "linear_logprob"))),
-                     temperature=draw(st.sampled_from([1.0, 0.05, 0.7, 2.0])),
-                     ignored=draw(st.sampled_from([0.2, 0.0, 1.0])), return_entropy=draw(st.booleans()),
-                     one_sequence=one_sequence, tensors=tensors,
-                     mode=draw(st.sampled_from(["lean", "one_pass"])),
-                     chunk_tokens=draw(st.sampled_from([1, 7, 64, 2048])))
+    return FusedCase(
+        b=b,
+        t=draw(sizes(1, limit(backend, 17, 129))),
+        h=draw(sizes(1, limit(backend, 17, 256))),
+        v=draw(sizes(1, limit(backend, 129, 4097))),
+        seed=draw(seeds),
+        kwargs=tuple(sorted(kw.items())),
+        dtype=draw(st.sampled_from(dtype_names(backend, "linear_logprob"))),
+        temperature=draw(st.sampled_from([1.0, 0.05, 0.7, 2.0])),
+        ignored=draw(st.sampled_from([0.2, 0.0, 1.0])),
+        return_entropy=draw(st.booleans()),
+        one_sequence=one_sequence,
+        tensors=tensors,
+        mode=draw(st.sampled_from(["lean", "one_pass"])),
+        chunk_tokens=draw(st.sampled_from([1, 7, 64, 2048])),
+    )
 
 
 def fused_inputs(case: FusedCase) -> dict[str, torch.Tensor]:
@@ -941,9 +1107,14 @@ def fused_inputs(case: FusedCase) -> dict[str, torch.Tensor]:
     weight = torch.randn(case.v, case.h, generator=g) * (3 / math.sqrt(case.h))
     targets = torch.randint(0, case.v, (b, t), generator=g)
     targets[torch.rand(b, t, generator=g) < case.ignored] = -100
-    x = {"hidden": hidden.to(DTYPES[case.dtype]), "weight": weight.to(DTYPES[case.dtype]), "targets": targets,
-         "old_logprob": -torch.rand(b, t, generator=g) * 6, "advantages": torch.randn(b, t, generator=g),
-         "mask": make_mask(b, t, "holes", g)}
+    x = {
+        "hidden": hidden.to(DTYPES[case.dtype]),
+        "weight": weight.to(DTYPES[case.dtype]),
+        "targets": targets,
+        "old_logprob": -torch.rand(b, t, generator=g) * 6,
+        "advantages": torch.randn(b, t, generator=g),
+        "mask": make_mask(b, t, "holes", g),
+    }
     if "ref_logprob" in case.tensors:
         x["ref_logprob"] = -torch.rand(b, t, generator=g) * 6
     if case.one_sequence:
@@ -967,14 +1138,31 @@ def fused_call(x: dict[str, torch.Tensor], case: FusedCase, composed: bool, mode
         def rows(t):
             return t.unsqueeze(0) if case.one_sequence and t is not None else t
 
-        loss, metrics = rlk.policy_loss(rows(lp), rows(x["old_logprob"]), rows(x["advantages"]), rows(valid),
-                                        ref_logprob=rows(ref), entropy=rows(ent), **kw)
+        loss, metrics = rlk.policy_loss(
+            rows(lp),
+            rows(x["old_logprob"]),
+            rows(x["advantages"]),
+            rows(valid),
+            ref_logprob=rows(ref),
+            entropy=rows(ent),
+            **kw,
+        )
         entropy = ent.detach() if case.return_entropy else None
     else:
-        out = rlk.fused_linear_policy_loss(h, w, x["targets"], x["old_logprob"], x["advantages"], x["mask"],
-                                           temperature=case.temperature, ref_logprob=ref,
-                                           return_entropy=case.return_entropy, mode=mode or case.mode,
-                                           chunk_tokens=case.chunk_tokens, **kw)
+        out = rlk.fused_linear_policy_loss(
+            h,
+            w,
+            x["targets"],
+            x["old_logprob"],
+            x["advantages"],
+            x["mask"],
+            temperature=case.temperature,
+            ref_logprob=ref,
+            return_entropy=case.return_entropy,
+            mode=mode or case.mode,
+            chunk_tokens=case.chunk_tokens,
+            **kw,
+        )
         loss, metrics = out[:2]
         entropy = out[2] if case.return_entropy else None
     loss.backward()

@@ -28,6 +28,7 @@ def _example():
 def _transformers():
     if os.environ.get("RLK_REQUIRE_TRANSFORMERS") == "1":
         import transformers  # noqa: F401
+
         return
     pytest.importorskip("transformers")
 
@@ -65,8 +66,7 @@ def _count_group_logprobs(monkeypatch):
     calls, real = [], hf.group_logprobs
 
     def counted(model, prompts, responses, **kwargs):
-        calls.append(([list(p) for p in prompts], [len(r) for r in responses],
-                      [len(x) for r in responses for x in r]))
+        calls.append(([list(p) for p in prompts], [len(r) for r in responses], [len(x) for r in responses for x in r]))
         return real(model, prompts, responses, **kwargs)
 
     monkeypatch.setattr(hf, "group_logprobs", counted)
@@ -85,8 +85,11 @@ def test_rlk_on_the_first_micro_step_ratio_is_exactly_one(tmp_path, monkeypatch)
     monkeypatch.setattr(grpo, "training_batch", no_padded_batch)
     seen_prompts = []
     real_rollout = grpo.rollout
-    monkeypatch.setattr(grpo, "rollout", lambda model, prompts, *a, **k: seen_prompts.append(prompts)
-                        or real_rollout(model, prompts, *a, **k))
+    monkeypatch.setattr(
+        grpo,
+        "rollout",
+        lambda model, prompts, *a, **k: seen_prompts.append(prompts) or real_rollout(model, prompts, *a, **k),
+    )
     log = grpo.main([*SMALL, "--steps", "2", "--device", "cpu", "--out", str(tmp_path)])
     assert [r["step"] for r in log] == [0, 1]
     # training went through group_logprobs: 2 steps x 2 micro-batches, each one group (prompt once) of 2 responses
@@ -108,8 +111,11 @@ def test_stock_runs_the_same_loop(monkeypatch):
     calls = _count_group_logprobs(monkeypatch)
     rows = []
     real = grpo.training_batch
-    monkeypatch.setattr(grpo, "training_batch", lambda prompts, responses, r, device: rows.append(list(r))
-                        or real(prompts, responses, r, device))
+    monkeypatch.setattr(
+        grpo,
+        "training_batch",
+        lambda prompts, responses, r, device: rows.append(list(r)) or real(prompts, responses, r, device),
+    )
     log = grpo.main([*SMALL, "--steps", "2", "--device", "cpu", "--stock"])
     assert len(log) == 2 and all(0.0 <= r["reward"] <= 1.0 for r in log)
     # right-padded micro-batches of whole groups (2 groups of 2 over 2 micro-batches), no group_logprobs
@@ -120,8 +126,26 @@ def test_stock_runs_the_same_loop(monkeypatch):
 def test_on_the_gpu_rlk_gives_ratio_one_and_stock_bf16_does_not():
     _transformers()
     grpo = _example()
-    args = ["--steps", "1", "--device", "cuda", "--dtype", "bfloat16", "--model", "qwen3-8b-shape", "--layers", "2",
-            "--prompts", "8", "--group", "8", "--max-new-tokens", "16", "--prompt-len", "32"]
+    args = [
+        "--steps",
+        "1",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--model",
+        "qwen3-8b-shape",
+        "--layers",
+        "2",
+        "--prompts",
+        "8",
+        "--group",
+        "8",
+        "--max-new-tokens",
+        "16",
+        "--prompt-len",
+        "32",
+    ]
     on = grpo.main(args)
     stock = grpo.main([*args, "--stock"])
     assert on[0]["max_abs_delta"] == 0.0

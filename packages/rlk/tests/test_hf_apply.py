@@ -63,9 +63,17 @@ def tiny_model(kind: str, dtype=torch.float32, hidden=32, layers=2, heads=4, kv_
     config_cls, model_cls = classes[kind.removesuffix("-tied")]
     extra.setdefault("tie_word_embeddings", kind.endswith("-tied") or kind.startswith("gemma"))
     extra.setdefault("attn_implementation", "eager" if kind == "gemma2" else "sdpa")
-    config = config_cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-                        vocab_size=vocab, max_position_embeddings=256, **extra)
+    config = config_cls(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        **extra,
+    )
     torch.manual_seed(0)
     model = model_cls(config)
     with torch.no_grad():
@@ -80,7 +88,7 @@ def next_token_targets(ids, mask, prompt: int = 0, ignore_index: int = -100):
     next token is padding, and at the positions predicting prompt tokens (``t + 1 < prompt``)."""
     targets = F.pad(ids[:, 1:], (0, 1), value=ignore_index)
     valid = F.pad(mask[:, 1:], (0, 1), value=0).bool()
-    valid[:, :max(prompt - 1, 0)] = False
+    valid[:, : max(prompt - 1, 0)] = False
     return targets.masked_fill(~valid, ignore_index)
 
 
@@ -239,8 +247,9 @@ def test_stock_path_is_unchanged_and_unapply_restores_it():
     assert clone.forward.__self__ is clone
     with torch.no_grad():
         clone.get_output_embeddings().weight.mul_(2)
-        assert not torch.equal(clone(ids, logprob_targets=targets).logprobs, model(ids, logprob_targets=targets)
-                               .logprobs)
+        assert not torch.equal(
+            clone(ids, logprob_targets=targets).logprobs, model(ids, logprob_targets=targets).logprobs
+        )
     with pytest.raises(TypeError, match="return_entropy: an option of the log-prob path"):
         model(ids, return_entropy=True)
     assert unapply(model) is model and unapply(model) is model
@@ -321,8 +330,9 @@ def test_trl_fused_head_maps_onto_the_aligned_targets():
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     with torch.no_grad():
         out = model(ids, attention_mask=mask, logprob_targets=targets)
-        kept = model(ids, attention_mask=mask, logprob_targets=targets[:, -completion - 1:],
-                     logits_to_keep=completion + 1)
+        kept = model(
+            ids, attention_mask=mask, logprob_targets=targets[:, -completion - 1 :], logits_to_keep=completion + 1
+        )
         lse = _truth(model(ids, attention_mask=mask).logits, targets, 0.8)[2]
     # TRL computes in fp32: its numbers against rlk's fp64 ones under the fp32 contract
     valid = targets[:, :-1] != -100
@@ -330,7 +340,7 @@ def test_trl_fused_head_maps_onto_the_aligned_targets():
     assert _within_contract("logprob", trl_out.log_probs, ref_lp, ref_lp, lse)
     assert _within_contract("entropy", trl_out.entropy, out.entropy[:, :-1] * valid, ref_lp, lse)
     assert torch.equal(trl_out.log_probs == 0, ~valid)
-    torch.testing.assert_close(kept.logprobs[:, :-1], out.logprobs[:, -completion - 1:-1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(kept.logprobs[:, :-1], out.logprobs[:, -completion - 1 : -1], rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------
@@ -338,11 +348,17 @@ def test_trl_fused_head_maps_onto_the_aligned_targets():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "message"), [
-    ("gemma2", r"Gemma2ForCausalLM \(model_type 'gemma2'\) has a final logit soft-cap \(final_logit_softcapping=30"),
-    ("cohere", r"CohereForCausalLM \(model_type 'cohere'\) has a logit scale \(logit_scale=0.0625\)"),
-    ("granite", r"GraniteForCausalLM \(model_type 'granite'\) has a logit scaling \(logits_scaling=1.0\)"),
-])
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        (
+            "gemma2",
+            r"Gemma2ForCausalLM \(model_type 'gemma2'\) has a final logit soft-cap \(final_logit_softcapping=30",
+        ),
+        ("cohere", r"CohereForCausalLM \(model_type 'cohere'\) has a logit scale \(logit_scale=0.0625\)"),
+        ("granite", r"GraniteForCausalLM \(model_type 'granite'\) has a logit scaling \(logits_scaling=1.0\)"),
+    ],
+)
 def test_heads_with_a_logit_transform_are_refused(kind, message):
     model = tiny_model(kind, layers=1)
     with pytest.raises(ValueError, match=message):
@@ -366,15 +382,30 @@ def test_other_unsupported_models_are_refused():
         apply(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         apply("llama")
-    text = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=VOCAB)
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=4, image_size=16, patch_size=8)
+    text = dict(
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=8,
+    )
     llava = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(text_config=text, vision_config=vision))
     with pytest.raises(ValueError, match=r"\(model_type 'llava'\) is a multimodal model"):
         apply(llava)
-    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2,
-                                                                       d_kv=8, vocab_size=50))
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=50)
+    )
     with pytest.raises(ValueError, match=r"\(model_type 't5'\) is an encoder-decoder model"):
         apply(t5)
 
@@ -412,8 +443,11 @@ def test_a_forward_that_changes_the_logits_is_caught_at_call_time():
             self.lm_head(out.hidden_states[-1])
             return out
 
-    for cls, error in ((Scaled, "changes the LM head's output"), (InPlace, "changes the LM head's output"),
-                       (Twice, "called its LM head more than once")):
+    for cls, error in (
+        (Scaled, "changes the LM head's output"),
+        (InPlace, "changes the LM head's output"),
+        (Twice, "called its LM head more than once"),
+    ):
         model = cls(base.config).to(DEVICE)
         model.load_state_dict(base.state_dict())
         apply(model)

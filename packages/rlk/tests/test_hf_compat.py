@@ -25,9 +25,16 @@ def _transformers():
 
 def _tiny_qwen3():
     transformers = _transformers()
-    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                      max_position_embeddings=64)
+    config = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return transformers.Qwen3ForCausalLM(config).eval()
 
@@ -52,7 +59,7 @@ def test_cached_decode_equals_the_full_forward():
         out = compat.cached_forward(model, cache, input_ids=ids[:, :5])
         steps = [out.logits[:, -1]]
         for t in range(5, 8):
-            steps.append(compat.cached_forward(model, cache, input_ids=ids[:, t:t + 1]).logits[:, -1])
+            steps.append(compat.cached_forward(model, cache, input_ids=ids[:, t : t + 1]).logits[:, -1])
     assert cache.get_seq_length() == 8
     for k, logits in enumerate(steps):
         torch.testing.assert_close(logits, full[:, 4 + k], rtol=1e-4, atol=1e-5)
@@ -70,8 +77,12 @@ def test_a_cache_that_does_not_advance_is_an_error():
     broken = type("Forgetful", (type(model),), {"forward": forgetful})
     model.__class__ = broken
     ids = torch.randint(0, 64, (1, 4))
-    with torch.no_grad(), pytest.raises(compat.UnsupportedTransformers,
-                                        match=r"the KV cache did not advance .*rlk supports transformers"):
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            compat.UnsupportedTransformers, match=r"the KV cache did not advance .*rlk supports transformers"
+        ),
+    ):
         compat.cached_forward(model, compat.new_cache(model), input_ids=ids)
 
 
@@ -80,16 +91,21 @@ def test_a_forward_without_a_cache_keyword_is_an_error():
         def forward(self, input_ids, attention_mask=None):
             return input_ids
 
-    with pytest.raises(compat.UnsupportedTransformers, match=r"NoCache.forward takes its KV cache neither as "
-                                                             r"cache= nor as past_key_values="):
+    with pytest.raises(
+        compat.UnsupportedTransformers,
+        match=r"NoCache.forward takes its KV cache neither as "
+        r"cache= nor as past_key_values=",
+    ):
         compat.cache_keyword(NoCache())
 
 
 def test_an_older_transformers_is_refused_with_the_range(monkeypatch):
     transformers = _transformers()
     monkeypatch.setattr(transformers, "__version__", "4.46.3")
-    with pytest.raises(compat.UnsupportedTransformers,
-                       match=r"older than rlk supports \(transformers 4\.46\.3; rlk supports transformers >=4\.57"):
+    with pytest.raises(
+        compat.UnsupportedTransformers,
+        match=r"older than rlk supports \(transformers 4\.46\.3; rlk supports transformers >=4\.57",
+    ):
         compat.check_version()
 
 

@@ -58,9 +58,9 @@ def _alone(model, prompt, response):
     """The response's log-probs from ``prompt + response`` scored alone (positions P-1 .. P+R-2)."""
     ids = torch.tensor([prompt + response], device=DEVICE)
     targets = torch.full_like(ids, -100)
-    targets[0, len(prompt) - 1:-1] = torch.tensor(response, device=DEVICE)
+    targets[0, len(prompt) - 1 : -1] = torch.tensor(response, device=DEVICE)
     out = model(input_ids=ids, logprob_targets=targets, use_cache=False)
-    return out.logprobs[0, len(prompt) - 1:-1]
+    return out.logprobs[0, len(prompt) - 1 : -1]
 
 
 @routed
@@ -75,8 +75,9 @@ def test_bitwise_equal_to_each_sequence_alone(kind):
                 assert torch.equal(grouped[g][j], _alone(model, prompt, response)), (g, j)
         # negative control: the packed row without the layout (responses attend to each other) differs
         batch = group_batch(PROMPTS, RESPONSES, device=DEVICE)
-        plain = model(input_ids=batch.input_ids, position_ids=batch.position_ids, logprob_targets=batch.targets,
-                      use_cache=False).logprobs[0]
+        plain = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, logprob_targets=batch.targets, use_cache=False
+        ).logprobs[0]
         a, b = batch.spans[0][1]
         assert not torch.equal(plain[a:b], grouped[0][1])
 
@@ -132,5 +133,9 @@ def test_layout_mismatch_is_refused():
     model = apply(tiny_model("qwen3").to(DEVICE), batch_invariant=True)
     batch = group_batch(PROMPTS, RESPONSES, device=DEVICE)
     with pytest.raises(ValueError, match=LAYOUT_KEYWORD), torch.no_grad():
-        model(input_ids=batch.input_ids[:, :-1], position_ids=batch.position_ids[:, :-1], use_cache=False,
-              **{LAYOUT_KEYWORD: batch.layout})
+        model(
+            input_ids=batch.input_ids[:, :-1],
+            position_ids=batch.position_ids[:, :-1],
+            use_cache=False,
+            **{LAYOUT_KEYWORD: batch.layout},
+        )

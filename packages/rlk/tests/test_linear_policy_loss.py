@@ -21,19 +21,23 @@ def _inputs(seed=0, b=3, t=7, h=16, v=300):
     return hidden, weight, targets, old, advantages, mask
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(loss="ppo", dual_clip=3.0, agg="token-mean"),
-    dict(loss="gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
-    dict(loss="ppo", agg="token-sum", entropy_coef=0.01),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(loss="ppo", dual_clip=3.0, agg="token-mean"),
+        dict(loss="gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"),
+        dict(loss="ppo", agg="token-sum", entropy_coef=0.01),
+    ],
+)
 def test_equals_the_composition(kwargs):
     hidden, weight, targets, old, advantages, mask = _inputs()
     results = []
     for fused in (True, False):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         if fused:
-            loss, metrics = rlk.fused_linear_policy_loss(h, w, targets, old, advantages, mask, temperature=0.8,
-                                                         **kwargs)
+            loss, metrics = rlk.fused_linear_policy_loss(
+                h, w, targets, old, advantages, mask, temperature=0.8, **kwargs
+            )
         else:
             lp, ent = rlk.linear_logprob(h, w, targets, temperature=0.8, return_entropy=True)
             valid = mask & (targets != -100)
@@ -49,8 +53,9 @@ def test_equals_the_composition(kwargs):
 def test_ignored_targets_never_enter_the_loss_and_one_sequence_works():
     hidden, weight, targets, old, advantages, mask = _inputs(b=1)
     mask[:] = True
-    loss, _, entropy = rlk.fused_linear_policy_loss(hidden[0], weight, targets[0], old[0], advantages[0], mask[0],
-                                                    agg="token-sum", return_entropy=True)
+    loss, _, entropy = rlk.fused_linear_policy_loss(
+        hidden[0], weight, targets[0], old[0], advantages[0], mask[0], agg="token-sum", return_entropy=True
+    )
     keep = targets[0] != -100
     lp = rlk.linear_logprob(hidden[0], weight, targets[0])
     expected, _ = rlk.policy_loss(lp[None], old, advantages, keep[None], agg="token-sum")
@@ -104,9 +109,16 @@ def _batch(seed=0, b=3, t=8, h=32, v=150, ignored=True, dtype=torch.float32):
     if ignored:
         targets[0, :2] = -100
     old = -torch.rand(b, t, generator=g) * 5
-    x = {"hidden": hidden.to(dtype), "weight": weight.to(dtype), "targets": targets, "old": old,
-         "advantages": torch.randn(b, t, generator=g), "mask": torch.rand(b, t, generator=g) < 0.8,
-         "ref": old + 0.3 * torch.randn(b, t, generator=g), "iw": torch.rand(b, t, generator=g) + 0.5}
+    x = {
+        "hidden": hidden.to(dtype),
+        "weight": weight.to(dtype),
+        "targets": targets,
+        "old": old,
+        "advantages": torch.randn(b, t, generator=g),
+        "mask": torch.rand(b, t, generator=g) < 0.8,
+        "ref": old + 0.3 * torch.randn(b, t, generator=g),
+        "iw": torch.rand(b, t, generator=g) + 0.5,
+    }
     return {k: v.to(DEVICE) for k, v in x.items()}
 
 
@@ -120,9 +132,19 @@ def _run(x, mode, backend=None, chunk_tokens=5, temperature=1.0, return_entropy=
     if kw.pop("with_iw", False):
         kw["importance_weights"] = x["iw"]
     with rlk.use_backend(backend):
-        out = rlk.fused_linear_policy_loss(h, w, x["targets"], kw.pop("old", x["old"]), x["advantages"], x["mask"],
-                                           temperature=temperature, return_entropy=return_entropy, mode=mode,
-                                           chunk_tokens=chunk_tokens, **kw)
+        out = rlk.fused_linear_policy_loss(
+            h,
+            w,
+            x["targets"],
+            kw.pop("old", x["old"]),
+            x["advantages"],
+            x["mask"],
+            temperature=temperature,
+            return_entropy=return_entropy,
+            mode=mode,
+            chunk_tokens=chunk_tokens,
+            **kw,
+        )
     out[0].backward()
     entropy = out[2] if return_entropy else None
     return out[0].detach(), out[1], entropy, h.grad, w.grad
@@ -140,8 +162,11 @@ def _fp64_truth(x, temperature=1.0, **kw):
 def _max_row_scale(x, temperature=1.0) -> float:
     """The contract's largest row scale 1 + |lse| + |z_target| (fp64), over the non-ignored rows."""
     h, w, t = x["hidden"].double().flatten(0, -2), x["weight"].double(), x["targets"].flatten()
-    inv_t = (1.0 / temperature.double().expand(x["targets"].shape).flatten()) if isinstance(temperature, torch.Tensor) \
+    inv_t = (
+        (1.0 / temperature.double().expand(x["targets"].shape).flatten())
+        if isinstance(temperature, torch.Tensor)
         else torch.full_like(t, 1.0 / temperature, dtype=torch.float64)
+    )
     z = (h @ w.T) * inv_t[:, None]
     keep = t != -100
     lse = torch.logsumexp(z[keep], dim=-1)
@@ -296,8 +321,9 @@ def test_one_pass_under_torch_compile():
     x = _batch(seed=7, b=2, t=4, h=16, v=40)
 
     def step(h, w):
-        loss, metrics = rlk.fused_linear_policy_loss(h, w, x["targets"], x["old"], x["advantages"], x["mask"],
-                                                     mode="one_pass", chunk_tokens=3, agg="token-sum")
+        loss, metrics = rlk.fused_linear_policy_loss(
+            h, w, x["targets"], x["old"], x["advantages"], x["mask"], mode="one_pass", chunk_tokens=3, agg="token-sum"
+        )
         return loss, metrics["clip_fraction"]
 
     compiled = torch.compile(step, fullgraph=True)
@@ -326,10 +352,24 @@ def small_tiles(monkeypatch):
     from rlk_triton import policy_loss as tp
 
     tiles = {
-        "linear_fwd": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 32, "VOCAB_SPLIT": 32, "GROUP_N": 2,
-                       "num_warps": 4, "num_stages": 1},
-        "linear_bwd": {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 32, "VOCAB_CHUNK": 48, "GROUP_N": 2,
-                       "num_warps": 4, "num_stages": 1},
+        "linear_fwd": {
+            "BLOCK_N": 16,
+            "BLOCK_V": 16,
+            "BLOCK_K": 32,
+            "VOCAB_SPLIT": 32,
+            "GROUP_N": 2,
+            "num_warps": 4,
+            "num_stages": 1,
+        },
+        "linear_bwd": {
+            "BLOCK_N": 16,
+            "BLOCK_V": 32,
+            "BLOCK_K": 32,
+            "VOCAB_CHUNK": 48,
+            "GROUP_N": 2,
+            "num_warps": 4,
+            "num_stages": 1,
+        },
         "stored_grad": {"BLOCK_V": 64, "num_warps": 4},
     }
     for family, cfg in tiles.items():
@@ -338,8 +378,13 @@ def small_tiles(monkeypatch):
     gemm = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
     for dtype in list(tm.BACKWARD_TILE_CONFIGS):
         monkeypatch.setitem(tm.BACKWARD_TILE_CONFIGS, dtype, dict(gemm))
-    for name, value in (("BLOCK_T", 8), ("COUNT_ELEMENTS", 16), ("COUNT_PROGRAMS", 2), ("COMBINE_BLOCK", 4),
-                        ("PARTS_BLOCK", 2)):
+    for name, value in (
+        ("BLOCK_T", 8),
+        ("COUNT_ELEMENTS", 16),
+        ("COUNT_PROGRAMS", 2),
+        ("COMBINE_BLOCK", 4),
+        ("PARTS_BLOCK", 2),
+    ):
         monkeypatch.setattr(tp, name, value)
 
 
@@ -359,8 +404,9 @@ TRITON_CASES = [pytest.param(kw, torch.float32, id=kw["loss"]) for kw in TRITON_
 
 @on_triton
 @pytest.mark.parametrize(("kwargs", "dtype"), TRITON_CASES)
-def test_one_pass_on_triton_is_lean_bit_for_bit_with_gradients_under_the_contract(small_tiles, kwargs, dtype,
-                                                                                   monkeypatch):
+def test_one_pass_on_triton_is_lean_bit_for_bit_with_gradients_under_the_contract(
+    small_tiles, kwargs, dtype, monkeypatch
+):
     """``auto`` picks one pass on a backend of ONE_PASS_BACKENDS (triton, as shipped; lean on a backend not in it).
     Loss, every metric and the entropy are the lean mode's bits; gradients within the contract of fp64 and of the
     lean mode's."""
@@ -369,12 +415,20 @@ def test_one_pass_on_triton_is_lean_bit_for_bit_with_gradients_under_the_contrac
     h = x["hidden"].clone().requires_grad_()
     assert rlk.ops.linear_policy_loss.ONE_PASS_BACKENDS == ("triton",)
     with rlk.use_backend("triton"):
-        assert rlk.ops.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], loss=kwargs["loss"],
-                                                  chunk_tokens=10).mode == "one_pass"
+        assert (
+            rlk.ops.linear_policy_loss.decide_mode(
+                h, x["weight"], x["targets"], loss=kwargs["loss"], chunk_tokens=10
+            ).mode
+            == "one_pass"
+        )
         with monkeypatch.context() as patched:
             patched.setattr(rlk.ops.linear_policy_loss, "ONE_PASS_BACKENDS", ())
-            assert rlk.ops.linear_policy_loss.decide_mode(h, x["weight"], x["targets"], loss=kwargs["loss"],
-                                                      chunk_tokens=10).mode == "lean"
+            assert (
+                rlk.ops.linear_policy_loss.decide_mode(
+                    h, x["weight"], x["targets"], loss=kwargs["loss"], chunk_tokens=10
+                ).mode
+                == "lean"
+            )
     one = _run(x, "auto", "triton", chunk_tokens=10, temperature=temperature, **kwargs)
     lean = _run(x, "lean", "triton", temperature=temperature, **kwargs)
     assert torch.equal(one[0], lean[0])
@@ -396,8 +450,18 @@ def test_one_pass_on_triton_rollout_log_probs_give_a_ratio_of_exactly_one(small_
     x = _batch(seed=9)
     with rlk.use_backend("triton"):
         old = rlk.linear_logprob(x["hidden"], x["weight"], x["targets"], temperature=0.9)
-    loss, metrics, *_ = _run(x, "one_pass", "triton", chunk_tokens=7, temperature=0.9, old=old, return_entropy=False,
-                             loss="ppo", clamp_log_ratio=20.0, agg="token-mean")
+    loss, metrics, *_ = _run(
+        x,
+        "one_pass",
+        "triton",
+        chunk_tokens=7,
+        temperature=0.9,
+        old=old,
+        return_entropy=False,
+        loss="ppo",
+        clamp_log_ratio=20.0,
+        agg="token-mean",
+    )
     assert float(metrics["ratio_mean"]) == 1.0 and float(metrics["ratio_max"]) == 1.0
     assert float(metrics["approx_kl"]) == 0.0 and float(metrics["clip_fraction"]) == 0.0
     valid = x["mask"] & (x["targets"] != -100)
@@ -447,8 +511,9 @@ def test_one_pass_headline_shape_gpu():
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         with rlk.use_backend("triton"):
-            loss, metrics, entropy = rlk.fused_linear_policy_loss(hh, ww, targets, old, advantages, mask, mode=mode,
-                                                                  return_entropy=True, **kw)
+            loss, metrics, entropy = rlk.fused_linear_policy_loss(
+                hh, ww, targets, old, advantages, mask, mode=mode, return_entropy=True, **kw
+            )
         loss.backward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before

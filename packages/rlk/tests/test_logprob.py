@@ -90,9 +90,16 @@ def test_extreme_and_minus_inf_logits():
 
 # Logits far from 0 (the offset) with an O(1) spread: entropy = lse - E_p[z] would subtract two numbers of
 # size |z|. float16 cannot hold the 1e6 and 3e38 offsets (6e4 stands in for them).
-LARGE_LOGITS = [(torch.float32, 30.0, 0.05), (torch.float32, 1e6, 1.0), (torch.float32, 3e38, 1.0),
-                (torch.bfloat16, 30.0, 0.05), (torch.bfloat16, 1e6, 1.0), (torch.bfloat16, 3e38, 1.0),
-                (torch.float16, 30.0, 0.05), (torch.float16, 6e4, 1.0)]
+LARGE_LOGITS = [
+    (torch.float32, 30.0, 0.05),
+    (torch.float32, 1e6, 1.0),
+    (torch.float32, 3e38, 1.0),
+    (torch.bfloat16, 30.0, 0.05),
+    (torch.bfloat16, 1e6, 1.0),
+    (torch.bfloat16, 3e38, 1.0),
+    (torch.float16, 30.0, 0.05),
+    (torch.float16, 6e4, 1.0),
+]
 
 
 def _large_logits(offset, temperature, dtype, n=24, v=1000, seed=8):
@@ -186,11 +193,13 @@ def test_fp64_gradcheck_both_ops():
     targets[2] = -100
     t = torch.rand(6, generator=g, dtype=torch.float64) + 0.5
     assert torch.autograd.gradcheck(
-        lambda x: rlk.selected_logprob(x, targets, temperature=t, return_entropy=True), (logits,))
+        lambda x: rlk.selected_logprob(x, targets, temperature=t, return_entropy=True), (logits,)
+    )
     hidden = torch.randn(6, 8, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda h, w: rlk.linear_logprob(h, w, targets, temperature=t, return_entropy=True), (hidden, weight))
+        lambda h, w: rlk.linear_logprob(h, w, targets, temperature=t, return_entropy=True), (hidden, weight)
+    )
 
 
 def test_only_entropy_used_and_only_one_input_needs_grad():
@@ -218,8 +227,9 @@ def test_non_contiguous_and_int32_targets():
 
 
 def test_empty_batch():
-    lp, ent = rlk.selected_logprob(torch.randn(0, 5, requires_grad=True), torch.zeros(0, dtype=torch.long),
-                                   return_entropy=True)
+    lp, ent = rlk.selected_logprob(
+        torch.randn(0, 5, requires_grad=True), torch.zeros(0, dtype=torch.long), return_entropy=True
+    )
     assert lp.shape == ent.shape == (0,)
     hidden = torch.randn(2, 0, 4, requires_grad=True)
     weight = torch.randn(5, 4, requires_grad=True)
@@ -232,34 +242,71 @@ def test_empty_batch():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: rlk.selected_logprob(torch.randn(3, 5), torch.zeros(4, dtype=torch.long)), ValueError,
-         r"targets: expected shape \(3,\)"),
-        (lambda: rlk.selected_logprob(torch.randn(3, 5), torch.zeros(3)), TypeError,
-         "targets: expected dtype int32 or int64, got torch.float32"),
-        (lambda: rlk.selected_logprob(torch.randn(3, 5).long(), torch.zeros(3, dtype=torch.long)), TypeError,
-         "logits: expected dtype"),
-        (lambda: rlk.selected_logprob(torch.randn(3, 0), torch.zeros(3, dtype=torch.long)), ValueError,
-         "V >= 1"),
-        (lambda: rlk.selected_logprob(torch.randn(3, 5), torch.tensor([0, 5, 1])), ValueError,
-         r"targets: values must lie in \[0, 5\) or equal ignore_index=-100; found 5 at flat position 1"),
-        (lambda: rlk.selected_logprob(torch.randn(3, 5), torch.tensor([0, -1, 1])), ValueError,
-         "found -1 at flat position 1"),
-        (lambda: rlk.selected_logprob(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), temperature=0.0),
-         ValueError, "temperature: must be a finite number > 0, got 0.0"),
-        (lambda: rlk.selected_logprob(torch.randn(3, 5), torch.zeros(3, dtype=torch.long),
-                                      temperature=torch.tensor([1.0, -2.0, 1.0])),
-         ValueError, "temperature: must be finite and > 0; found -2.0 at flat position 1"),
-        (lambda: rlk.selected_logprob(torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long),
-                                      temperature=torch.ones(2)),
-         ValueError, r"temperature: shape \(2,\) does not broadcast"),
-        (lambda: rlk.selected_logprob(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), temperature="hot"),
-         TypeError, "temperature: expected a float or a tensor"),
-        (lambda: rlk.linear_logprob(torch.randn(3, 4), torch.randn(5, 6), torch.zeros(3, dtype=torch.long)),
-         ValueError, r"weight: expected shape \[V, H\] with V >= 1 and H = 4"),
-        (lambda: rlk.linear_logprob(torch.randn(3, 4), torch.randn(5, 4).half(), torch.zeros(3, dtype=torch.long)),
-         TypeError, "weight: expected the dtype of hidden"),
-        (lambda: rlk.linear_logprob(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long)),
-         ValueError, r"targets: expected shape \(3,\) \(hidden without its last dim\)"),
+        (
+            lambda: rlk.selected_logprob(torch.randn(3, 5), torch.zeros(4, dtype=torch.long)),
+            ValueError,
+            r"targets: expected shape \(3,\)",
+        ),
+        (
+            lambda: rlk.selected_logprob(torch.randn(3, 5), torch.zeros(3)),
+            TypeError,
+            "targets: expected dtype int32 or int64, got torch.float32",
+        ),
+        (
+            lambda: rlk.selected_logprob(torch.randn(3, 5).long(), torch.zeros(3, dtype=torch.long)),
+            TypeError,
+            "logits: expected dtype",
+        ),
+        (lambda: rlk.selected_logprob(torch.randn(3, 0), torch.zeros(3, dtype=torch.long)), ValueError, "V >= 1"),
+        (
+            lambda: rlk.selected_logprob(torch.randn(3, 5), torch.tensor([0, 5, 1])),
+            ValueError,
+            r"targets: values must lie in \[0, 5\) or equal ignore_index=-100; found 5 at flat position 1",
+        ),
+        (
+            lambda: rlk.selected_logprob(torch.randn(3, 5), torch.tensor([0, -1, 1])),
+            ValueError,
+            "found -1 at flat position 1",
+        ),
+        (
+            lambda: rlk.selected_logprob(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), temperature=0.0),
+            ValueError,
+            "temperature: must be a finite number > 0, got 0.0",
+        ),
+        (
+            lambda: rlk.selected_logprob(
+                torch.randn(3, 5), torch.zeros(3, dtype=torch.long), temperature=torch.tensor([1.0, -2.0, 1.0])
+            ),
+            ValueError,
+            "temperature: must be finite and > 0; found -2.0 at flat position 1",
+        ),
+        (
+            lambda: rlk.selected_logprob(
+                torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), temperature=torch.ones(2)
+            ),
+            ValueError,
+            r"temperature: shape \(2,\) does not broadcast",
+        ),
+        (
+            lambda: rlk.selected_logprob(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), temperature="hot"),
+            TypeError,
+            "temperature: expected a float or a tensor",
+        ),
+        (
+            lambda: rlk.linear_logprob(torch.randn(3, 4), torch.randn(5, 6), torch.zeros(3, dtype=torch.long)),
+            ValueError,
+            r"weight: expected shape \[V, H\] with V >= 1 and H = 4",
+        ),
+        (
+            lambda: rlk.linear_logprob(torch.randn(3, 4), torch.randn(5, 4).half(), torch.zeros(3, dtype=torch.long)),
+            TypeError,
+            "weight: expected the dtype of hidden",
+        ),
+        (
+            lambda: rlk.linear_logprob(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(2, dtype=torch.long)),
+            ValueError,
+            r"targets: expected shape \(3,\) \(hidden without its last dim\)",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_error(call, error, message):
@@ -297,16 +344,20 @@ def test_opcheck_all_custom_ops():
     hidden = torch.randn(6, 8, generator=g, requires_grad=True)
     weight = torch.randn(40, 8, generator=g, requires_grad=True)
     for with_entropy in (False, True):
-        torch.library.opcheck(torch.ops.rlk.linear_logprob_fwd.default,
-                              (hidden, weight, targets, inv_t, -100, with_entropy))
+        torch.library.opcheck(
+            torch.ops.rlk.linear_logprob_fwd.default, (hidden, weight, targets, inv_t, -100, with_entropy)
+        )
     lse = torch.logsumexp(logits.detach() * inv_t[:, None], -1)
     ent = torch.rand(6, generator=g)
     grad = torch.randn(6, generator=g)
-    torch.library.opcheck(torch.ops.rlk.selected_logprob_bwd.default,
-                          (logits.detach(), targets, inv_t, lse, ent, grad, grad, -100, "reference"))
-    torch.library.opcheck(torch.ops.rlk.linear_logprob_bwd.default,
-                          (hidden.detach(), weight.detach(), targets, inv_t, lse, ent, grad, grad, -100,
-                           True, True, "reference"))
+    torch.library.opcheck(
+        torch.ops.rlk.selected_logprob_bwd.default,
+        (logits.detach(), targets, inv_t, lse, ent, grad, grad, -100, "reference"),
+    )
+    torch.library.opcheck(
+        torch.ops.rlk.linear_logprob_bwd.default,
+        (hidden.detach(), weight.detach(), targets, inv_t, lse, ent, grad, grad, -100, True, True, "reference"),
+    )
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -336,9 +387,10 @@ def test_compile_and_opcheck_on_the_gpu_backend(dtype):
     targets[0, :4] = -100
     assert rlk.explain("linear_logprob", hidden, weight, targets).backend != "reference"
     inv_t = torch.full((33,), 1 / 0.7, device="cuda")
-    torch.library.opcheck(torch.ops.rlk.linear_logprob_fwd.default,
-                          (hidden.reshape(33, 64).requires_grad_(), weight.requires_grad_(), targets.reshape(-1),
-                           inv_t, -100, True))
+    torch.library.opcheck(
+        torch.ops.rlk.linear_logprob_fwd.default,
+        (hidden.reshape(33, 64).requires_grad_(), weight.requires_grad_(), targets.reshape(-1), inv_t, -100, True),
+    )
 
     logits = (hidden.float() @ weight.float().T).to(dtype)
 

@@ -123,8 +123,11 @@ def _check_value(loss, metrics, truth, values, mask, dtype=F32):
     ref_loss, ref_frac, ref_mean = truth
     one = torch.ones(1, dtype=torch.float64)
     v_abs = torch.where(mask, values.double().abs(), 0.0).sum() / mask.sum().clamp(min=1)
-    for name, got, ref, scale in (("loss", loss, ref_loss, 1 + ref_loss.abs()), ("vf_clip_fraction", metrics[
-            "vf_clip_fraction"], ref_frac, one), ("values_mean", metrics["values_mean"], ref_mean, 1 + v_abs)):
+    for name, got, ref, scale in (
+        ("loss", loss, ref_loss, 1 + ref_loss.abs()),
+        ("vf_clip_fraction", metrics["vf_clip_fraction"], ref_frac, one),
+        ("values_mean", metrics["values_mean"], ref_mean, 1 + v_abs),
+    ):
         assert got.dtype == F32 and got.shape == ()
         dev = contract.compare_outputs(e, name, got.reshape(1), ref.reshape(1), scale.reshape(1))
         assert dev.ok, dev
@@ -163,8 +166,9 @@ def test_value_loss_defaults_are_verls():
     values, old_values, returns, mask = _value_inputs(seed=1)
     loss, _ = rlk.value_loss(values, old_values, returns, mask)
     truth = _verl_value_loss(values, old_values, returns, mask, 0.5, "token-mean")
-    assert contract.compare_outputs(contract.entry("value_loss", F32), "loss", loss.reshape(1),
-                                    truth[0].reshape(1), 1 + truth[0].abs().reshape(1)).ok
+    assert contract.compare_outputs(
+        contract.entry("value_loss", F32), "loss", loss.reshape(1), truth[0].reshape(1), 1 + truth[0].abs().reshape(1)
+    ).ok
 
 
 @pytest.mark.parametrize("clip", [0.5, None])
@@ -178,8 +182,9 @@ def test_value_loss_matches_openrlhf(clip):
     ref = _openrlhf_value_loss(v64, old_values, returns, mask, clip)
     ref.backward()
     e = contract.entry("value_loss", F32)
-    assert contract.compare_outputs(e, "loss", loss.reshape(1), ref.detach().reshape(1),
-                                    1 + ref.detach().abs().reshape(1)).ok
+    assert contract.compare_outputs(
+        e, "loss", loss.reshape(1), ref.detach().reshape(1), 1 + ref.detach().abs().reshape(1)
+    ).ok
     _check_value_grad(v.grad, v64.grad)
 
 
@@ -210,26 +215,36 @@ def test_value_loss_micro_batches_add_up_with_global_normalizers(agg):
         total = total + loss.double()
         grads.append(torch.autograd.grad(loss, part)[0])
     e = contract.entry("value_loss", F32)
-    assert contract.compare_outputs(e, "loss", total.reshape(1), full.double().reshape(1),
-                                    1 + full.double().abs().reshape(1)).ok
+    assert contract.compare_outputs(
+        e, "loss", total.reshape(1), full.double().reshape(1), 1 + full.double().abs().reshape(1)
+    ).ok
     _check_value_grad(torch.cat(grads), full_grad.double())
     # without global normalizers the local micro-batch is the whole batch: the sum differs for the mean modes
     if agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        local = sum(float(rlk.value_loss(values[r], old_values[r], returns[r], mask[r], agg=agg)[0])
-                    for r in (slice(0, 2), slice(2, 3), slice(3, 9)))
+        local = sum(
+            float(rlk.value_loss(values[r], old_values[r], returns[r], mask[r], agg=agg)[0])
+            for r in (slice(0, 2), slice(2, 3), slice(3, 9))
+        )
         assert abs(local - float(full.detach())) > 1e-3
 
 
 def test_value_loss_tensor_normalizers():
     values, old_values, returns, mask = _value_inputs(seed=5)
     as_int = rlk.value_loss(values, old_values, returns, mask, agg="token-mean", global_tokens=100)[0]
-    as_tensor = rlk.value_loss(values, old_values, returns, mask, agg="token-mean",
-                               global_tokens=torch.tensor(100))[0]
+    as_tensor = rlk.value_loss(values, old_values, returns, mask, agg="token-mean", global_tokens=torch.tensor(100))[0]
     assert torch.equal(as_int, as_tensor)
-    norm_int = rlk.value_loss(values, old_values, returns, mask, agg="seq-mean-token-sum-norm", global_seqs=8,
-                              loss_scale=64)[0]
-    norm_tensor = rlk.value_loss(values, old_values, returns, mask, agg="seq-mean-token-sum-norm",
-                                 global_seqs=torch.tensor([8.0]), loss_scale=torch.tensor(64))[0]
+    norm_int = rlk.value_loss(
+        values, old_values, returns, mask, agg="seq-mean-token-sum-norm", global_seqs=8, loss_scale=64
+    )[0]
+    norm_tensor = rlk.value_loss(
+        values,
+        old_values,
+        returns,
+        mask,
+        agg="seq-mean-token-sum-norm",
+        global_seqs=torch.tensor([8.0]),
+        loss_scale=torch.tensor(64),
+    )[0]
     torch.testing.assert_close(norm_int, norm_tensor, rtol=1e-6, atol=0)
 
 
@@ -310,7 +325,8 @@ def test_value_loss_fp64_gradcheck():
     for agg in ("token-mean", "seq-mean-token-mean"):
         assert torch.autograd.gradcheck(
             lambda v, agg=agg: rlk.value_loss(v, old_values, returns, mask, clip=0.3, agg=agg)[0],
-            (values.requires_grad_(True),))
+            (values.requires_grad_(True),),
+        )
 
 
 _V = torch.randn(3, 4)
@@ -336,8 +352,12 @@ _B = torch.ones(3, 4, dtype=torch.bool)
         (dict(loss_scale=10), ValueError, "loss_scale: only agg='seq-mean-token-sum-norm' uses it"),
         (dict(global_tokens=0), ValueError, "global_tokens: must be a finite number > 0, got 0"),
         (dict(global_seqs=True), TypeError, "global_seqs: expected a number or a one-element tensor"),
-        (dict(global_tokens=torch.ones(2)), ValueError, r"global_tokens: expected a number or a one-element tensor, "
-                                                        r"got shape \(2,\)"),
+        (
+            dict(global_tokens=torch.ones(2)),
+            ValueError,
+            r"global_tokens: expected a number or a one-element tensor, "
+            r"got shape \(2,\)",
+        ),
         (dict(global_tokens=torch.ones((), device="meta")), ValueError, "global_tokens: expected device cpu"),
     ],
 )
@@ -365,8 +385,9 @@ def test_aggregation_weights_match_the_formulas():
             w = aggregation.token_weights(mask, agg, dtype=torch.float64, **norms)
             expected = _agg_truth(torch.where(mask, loss, 0.0), mask, agg, **norms)
             torch.testing.assert_close((w * loss).sum(), expected, rtol=1e-14, atol=1e-14)
-            torch.testing.assert_close(aggregation.aggregate(loss, mask, agg, **norms), expected, rtol=1e-14,
-                                       atol=1e-14)
+            torch.testing.assert_close(
+                aggregation.aggregate(loss, mask, agg, **norms), expected, rtol=1e-14, atol=1e-14
+            )
             assert bool((w[~mask] == 0).all()) and w.dtype == torch.float64
             c = aggregation.row_weights(mask, agg, dtype=torch.float64, **norms)
             assert c.shape == (5,) and torch.equal(w, torch.where(mask, c[:, None], 0.0))
@@ -420,8 +441,9 @@ def test_dpo_matches_trl(loss_type, smoothing, reduction):
     beta = 0.1 if loss_type != "hinge" else 0.05
     a, b = lc.clone().requires_grad_(True), lr.clone().requires_grad_(True)
     lengths = {"chosen_length": len_c, "rejected_length": len_r} if loss_type == "ipo" else {}
-    loss, metrics = rlk.dpo_loss(a, b, lc_ref, lr_ref, beta=beta, loss=loss_type, label_smoothing=smoothing,
-                                 reduction=reduction, **lengths)
+    loss, metrics = rlk.dpo_loss(
+        a, b, lc_ref, lr_ref, beta=beta, loss=loss_type, label_smoothing=smoothing, reduction=reduction, **lengths
+    )
     weights = torch.randn(lc.shape, generator=_gen(11)) if reduction == "none" else torch.ones(())
     (loss * weights).sum().backward()
 
@@ -432,8 +454,11 @@ def test_dpo_matches_trl(loss_type, smoothing, reduction):
     ref_loss, ref_scale = reduce(losses), reduce(per_pair)
     assert loss.dtype == F32 and loss.shape == ref_loss.shape
     assert contract.compare_outputs(e, "loss", loss.reshape(-1), ref_loss.reshape(-1), ref_scale.reshape(-1)).ok
-    for name, ref in (("rewards_chosen", r_c.mean()), ("rewards_rejected", r_r.mean()),
-                      ("reward_margin", (r_c - r_r).mean())):
+    for name, ref in (
+        ("rewards_chosen", r_c.mean()),
+        ("rewards_rejected", r_r.mean()),
+        ("reward_margin", (r_c - r_r).mean()),
+    ):
         dev = contract.compare_outputs(e, name, metrics[name].reshape(1), ref.reshape(1), reward_scale.reshape(1))
         assert dev.ok, dev
     assert float(metrics["reward_accuracy"]) == pytest.approx(float((r_c > r_r).double().mean()), abs=e.atol)
@@ -477,8 +502,9 @@ def test_dpo_extreme_margins_are_finite():
     zeros = torch.zeros(4)
     for loss_type in ("sigmoid", "robust", "hinge"):
         a = lc.clone().requires_grad_(True)
-        losses, _ = rlk.dpo_loss(a, lr, zeros, zeros, loss=loss_type, reduction="none",
-                                 label_smoothing=0.1 if loss_type != "hinge" else 0.0)
+        losses, _ = rlk.dpo_loss(
+            a, lr, zeros, zeros, loss=loss_type, reduction="none", label_smoothing=0.1 if loss_type != "hinge" else 0.0
+        )
         losses.sum().backward()
         assert bool(torch.isfinite(losses).all()) and bool(torch.isfinite(a.grad).all())
     losses, _ = rlk.dpo_loss(lc, lr, zeros, zeros, reduction="none")
@@ -490,12 +516,24 @@ def test_dpo_extreme_margins_are_finite():
 def test_dpo_ipo_lengths_below_one_count_as_one_and_16_bit_inputs():
     lc, lr, lc_ref, lr_ref, len_c, len_r = _dpo_inputs(p=5, seed=13)
     len_r[0] = 0
-    got, _ = rlk.dpo_loss(lc, lr, lc_ref, lr_ref, loss="ipo", chosen_length=len_c, rejected_length=len_r,
-                          reduction="none")
+    got, _ = rlk.dpo_loss(
+        lc, lr, lc_ref, lr_ref, loss="ipo", chosen_length=len_c, rejected_length=len_r, reduction="none"
+    )
     ones = len_r.clone()
     ones[0] = 1
-    assert torch.equal(got, rlk.dpo_loss(lc, lr, lc_ref, lr_ref, loss="ipo", chosen_length=len_c.float(),
-                                         rejected_length=ones.float(), reduction="none")[0])
+    assert torch.equal(
+        got,
+        rlk.dpo_loss(
+            lc,
+            lr,
+            lc_ref,
+            lr_ref,
+            loss="ipo",
+            chosen_length=len_c.float(),
+            rejected_length=ones.float(),
+            reduction="none",
+        )[0],
+    )
     a = lc.to(torch.bfloat16).requires_grad_(True)
     loss, metrics = rlk.dpo_loss(a, lr.to(torch.bfloat16), lc_ref, lr_ref)
     loss.backward()
@@ -536,9 +574,11 @@ def test_dpo_fp64_gradcheck():
     lengths = {"chosen_length": len_c, "rejected_length": len_r}
     for loss_type, eps in (("sigmoid", 0.1), ("ipo", 0.0), ("robust", 0.2), ("hinge", 0.0)):
         assert torch.autograd.gradcheck(
-            lambda a, b, t=loss_type, e=eps: rlk.dpo_loss(a, b, lc_ref, lr_ref, loss=t, label_smoothing=e,
-                                                          reduction="none", **lengths)[0],
-            (lc.clone().requires_grad_(True), lr.clone().requires_grad_(True)))
+            lambda a, b, t=loss_type, e=eps: rlk.dpo_loss(
+                a, b, lc_ref, lr_ref, loss=t, label_smoothing=e, reduction="none", **lengths
+            )[0],
+            (lc.clone().requires_grad_(True), lr.clone().requires_grad_(True)),
+        )
 
 
 _P = torch.randn(4)
@@ -560,10 +600,16 @@ _P = torch.randn(4)
         (dict(loss="hinge", label_smoothing=0.1), ValueError, "label_smoothing: loss='hinge' has no label smoothing"),
         (dict(loss="ipo"), ValueError, "chosen_length and rejected_length: loss='ipo' normalizes"),
         (dict(loss="ipo", chosen_length=torch.ones(4)), ValueError, "^rejected_length: loss='ipo'"),
-        (dict(loss="ipo", chosen_length=torch.ones(3), rejected_length=torch.ones(4)), ValueError,
-         r"chosen_length: expected shape \(4,\)"),
-        (dict(loss="ipo", chosen_length=[1, 2, 3, 4], rejected_length=torch.ones(4)), TypeError,
-         "chosen_length: expected a torch.Tensor"),
+        (
+            dict(loss="ipo", chosen_length=torch.ones(3), rejected_length=torch.ones(4)),
+            ValueError,
+            r"chosen_length: expected shape \(4,\)",
+        ),
+        (
+            dict(loss="ipo", chosen_length=[1, 2, 3, 4], rejected_length=torch.ones(4)),
+            TypeError,
+            "chosen_length: expected a torch.Tensor",
+        ),
         (dict(reduction="avg"), ValueError, "reduction: expected one of 'mean', 'sum', 'none', got 'avg'"),
     ],
 )
@@ -586,18 +632,25 @@ def test_opcheck_loss_custom_ops():
     v = values.requires_grad_(True)
     for clip in (0.4, None):
         torch.library.opcheck(torch.ops.rlk.value_loss_fwd.default, (v, old_values, returns, mask, weights, clip, ""))
-        torch.library.opcheck(torch.ops.rlk.value_loss_bwd.default,
-                              (values.detach(), old_values, returns, mask, weights, clip, torch.tensor(1.5),
-                               "reference"))
+        torch.library.opcheck(
+            torch.ops.rlk.value_loss_bwd.default,
+            (values.detach(), old_values, returns, mask, weights, clip, torch.tensor(1.5), "reference"),
+        )
     lc, lr, lc_ref, lr_ref, len_c, len_r = _dpo_inputs(p=6, seed=17)
     a, b = lc.requires_grad_(True), lr.requires_grad_(True)
     for loss_type, lengths in (("sigmoid", (None, None)), ("ipo", (len_c.float(), len_r.float()))):
         for mean in (True, False):
             args = (a, b, lc_ref, lr_ref, *lengths, 0.1, loss_type, 0.0, mean)
             torch.library.opcheck(torch.ops.rlk.dpo_loss_fwd.default, args)
-            torch.library.opcheck(torch.ops.rlk.dpo_loss_bwd.default,
-                                  (*(t.detach() if isinstance(t, torch.Tensor) else t for t in args),
-                                   torch.randn(6), torch.tensor(2.0), "reference"))
+            torch.library.opcheck(
+                torch.ops.rlk.dpo_loss_bwd.default,
+                (
+                    *(t.detach() if isinstance(t, torch.Tensor) else t for t in args),
+                    torch.randn(6),
+                    torch.tensor(2.0),
+                    "reference",
+                ),
+            )
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -605,8 +658,9 @@ def test_torch_compile_fullgraph_matches_eager():
     lc, lr, lc_ref, lr_ref, len_c, len_r = _dpo_inputs(p=6, seed=19)
 
     def step(v, a, b):
-        vl, vm = rlk.value_loss(v, old_values, returns, mask, agg="seq-mean-token-sum-norm", loss_scale=11,
-                                global_seqs=torch.tensor(4))
+        vl, vm = rlk.value_loss(
+            v, old_values, returns, mask, agg="seq-mean-token-sum-norm", loss_scale=11, global_seqs=torch.tensor(4)
+        )
         dl, dm = rlk.dpo_loss(a, b, lc_ref, lr_ref, loss="ipo", chosen_length=len_c, rejected_length=len_r)
         sl, _ = rlk.dpo_loss(a, b, lc_ref, lr_ref, label_smoothing=0.1, reduction="none")
         return vl + dl + sl.sum() + 0 * (vm["vf_clip_fraction"] + dm["reward_accuracy"])

@@ -21,8 +21,9 @@ def _rand(*shape, seed=0, dtype=torch.float32, device="cpu"):
 
 
 def _check_value(dtype, name, got, truth, scale):
-    dev = contract.compare_outputs(contract.entry("matmul", dtype), name, got.reshape(-1), truth.reshape(-1),
-                                   scale.reshape(-1))
+    dev = contract.compare_outputs(
+        contract.entry("matmul", dtype), name, got.reshape(-1), truth.reshape(-1), scale.reshape(-1)
+    )
     assert dev.ok, dev
 
 
@@ -67,8 +68,11 @@ def test_linear_matches_fp64_torch(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_and_bmm_match_fp64_torch(dtype):
-    a, b, bb = _rand(4, 6, 24, seed=1, dtype=dtype), _rand(24, 10, seed=2, dtype=dtype), _rand(4, 24, 10, seed=3,
-                                                                                            dtype=dtype)
+    a, b, bb = (
+        _rand(4, 6, 24, seed=1, dtype=dtype),
+        _rand(24, 10, seed=2, dtype=dtype),
+        _rand(4, 24, 10, seed=3, dtype=dtype),
+    )
     for rhs, ref_fn in ((b, torch.matmul), (bb, torch.bmm)):
         la, lb = a.clone().requires_grad_(True), rhs.clone().requires_grad_(True)
         out = matmul(la, lb)
@@ -181,12 +185,17 @@ def test_one_dim_x_in_linear_like_torch():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: matmul(torch.randn(3, 4), torch.randn(5, 6)), ValueError,
-         r"b: expected shape \[K, N\] with K = 4 \(a's last dim\), got \(5, 6\)"),
-        (lambda: matmul(torch.randn(3, 4), torch.randn(4, 6).half()), TypeError,
-         "b: expected the dtype of a"),
-        (lambda: matmul(torch.randn(3, 4).long(), torch.randn(4, 6).long()), TypeError,
-         "a: expected dtype bfloat16, float16 or float32"),
+        (
+            lambda: matmul(torch.randn(3, 4), torch.randn(5, 6)),
+            ValueError,
+            r"b: expected shape \[K, N\] with K = 4 \(a's last dim\), got \(5, 6\)",
+        ),
+        (lambda: matmul(torch.randn(3, 4), torch.randn(4, 6).half()), TypeError, "b: expected the dtype of a"),
+        (
+            lambda: matmul(torch.randn(3, 4).long(), torch.randn(4, 6).long()),
+            TypeError,
+            "a: expected dtype bfloat16, float16 or float32",
+        ),
         (lambda: matmul(torch.randn(3, 4), torch.randint(0, 3, (4, 6))), TypeError, "b: expected dtype"),
         (lambda: matmul(torch.randn(4), torch.randn(4, 6)), ValueError, r"a: expected shape \[..., M, K\]"),
         (lambda: matmul(torch.randn(3, 4), torch.randn(4)), ValueError, r"b: expected shape \[K, N\] or \[B, K, N\]"),
@@ -194,15 +203,27 @@ def test_one_dim_x_in_linear_like_torch():
         (lambda: matmul(torch.randn(3, 4), torch.randn(2, 4, 6)), ValueError, r"a: expected shape \[B, M, K\]"),
         (lambda: matmul(torch.randn(2, 3, 4), torch.randn(3, 4, 6)), ValueError, "with B = 2 and K = 4"),
         (lambda: matmul([[1.0]], torch.randn(1, 1)), TypeError, "a: expected a torch.Tensor"),
-        (lambda: linear(torch.randn(3, 4), torch.randn(5, 6)), ValueError,
-         r"weight: expected shape \[N, K\] with K = 4 \(x's last dim\), got \(5, 6\)"),
+        (
+            lambda: linear(torch.randn(3, 4), torch.randn(5, 6)),
+            ValueError,
+            r"weight: expected shape \[N, K\] with K = 4 \(x's last dim\), got \(5, 6\)",
+        ),
         (lambda: linear(torch.randn(3, 4), torch.randn(4)), ValueError, r"weight: expected shape \[N, K\]"),
-        (lambda: linear(torch.randn(3, 4), torch.randn(5, 4), torch.randn(4)), ValueError,
-         r"bias: expected shape \(5,\)"),
-        (lambda: linear(torch.randn(3, 4), torch.randn(5, 4), torch.randn(5).double()), TypeError,
-         "bias: expected the dtype of x"),
-        (lambda: linear(torch.randn(3, 4).bfloat16(), torch.randn(5, 4)), TypeError,
-         r"weight: expected the dtype of x \(torch.bfloat16\)"),
+        (
+            lambda: linear(torch.randn(3, 4), torch.randn(5, 4), torch.randn(4)),
+            ValueError,
+            r"bias: expected shape \(5,\)",
+        ),
+        (
+            lambda: linear(torch.randn(3, 4), torch.randn(5, 4), torch.randn(5).double()),
+            TypeError,
+            "bias: expected the dtype of x",
+        ),
+        (
+            lambda: linear(torch.randn(3, 4).bfloat16(), torch.randn(5, 4)),
+            TypeError,
+            r"weight: expected the dtype of x \(torch.bfloat16\)",
+        ),
         (lambda: linear(torch.randn(3, 4).int(), torch.randn(5, 4).int()), TypeError, "x: expected dtype"),
         (lambda: linear(torch.tensor(1.0), torch.randn(5, 4)), ValueError, r"x: expected shape \[..., K\]"),
     ],
@@ -236,8 +257,9 @@ def test_opcheck_custom_ops():
     g = _rand(6, 5, seed=7)
     for need in ((True, True, True), (True, False, False), (False, True, False), (False, False, True)):
         torch.library.opcheck(torch.ops.rlk.matmul_bwd.default, (g, a, w_t, *need, "reference"))
-    torch.library.opcheck(torch.ops.rlk.matmul_bwd.default, (_rand(2, 6, 5, seed=8), a3, bb, True, True, False,
-                                                             "reference"))
+    torch.library.opcheck(
+        torch.ops.rlk.matmul_bwd.default, (_rand(2, 6, 5, seed=8), a3, bb, True, True, False, "reference")
+    )
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -262,8 +284,10 @@ def test_gpu_backend_compile_opcheck_and_values(dtype):
     w = (_rand(384, 256, seed=2, dtype=torch.float32, device="cuda") / 16).to(dtype)
     bias = _rand(384, seed=3, dtype=dtype, device="cuda")
     assert rlk.explain("matmul", x, w).backend != "reference"
-    torch.library.opcheck(torch.ops.rlk.matmul_fwd.default,
-                          tuple(t.detach().clone().requires_grad_(True) for t in (x.reshape(150, 256), w.T, bias)))
+    torch.library.opcheck(
+        torch.ops.rlk.matmul_fwd.default,
+        tuple(t.detach().clone().requires_grad_(True) for t in (x.reshape(150, 256), w.T, bias)),
+    )
 
     def fn(x, w, bias):
         return linear(x, w, bias)

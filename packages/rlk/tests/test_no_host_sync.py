@@ -53,8 +53,9 @@ def _with_grads(out, inputs: Inputs, wrt: tuple[str, ...]) -> list[torch.Tensor]
     return [t.detach() for t in tensors]
 
 
-def check_no_sync_and_graph_replay(make: Callable[[int], Inputs], op: Callable[[Inputs], object],
-                                   wrt: tuple[str, ...] = ()) -> None:
+def check_no_sync_and_graph_replay(
+    make: Callable[[int], Inputs], op: Callable[[Inputs], object], wrt: tuple[str, ...] = ()
+) -> None:
     """``make(seed)`` builds the inputs (those named in ``wrt`` require grad); ``op(inputs)`` calls the op."""
     static = make(1)
 
@@ -120,8 +121,16 @@ def token_inputs(seed: int, b: int = 64, t: int = 1024, grad: tuple[str, ...] = 
 @pytest.mark.parametrize("loss", ["ppo", "gspo"])
 def test_policy_loss_gpu(loss, agg):
     def op(x):
-        return rlk.policy_loss(x["logprob"], x["old_logprob"], x["advantages"], x["mask"], loss=loss, agg=agg,
-                               ref_logprob=x["ref_logprob"], kl_coef=0.05)
+        return rlk.policy_loss(
+            x["logprob"],
+            x["old_logprob"],
+            x["advantages"],
+            x["mask"],
+            loss=loss,
+            agg=agg,
+            ref_logprob=x["ref_logprob"],
+            kl_coef=0.05,
+        )
 
     check_no_sync_and_graph_replay(lambda s: token_inputs(s, grad=("logprob",)), op, wrt=("logprob",))
 
@@ -130,9 +139,17 @@ def test_policy_loss_gpu(loss, agg):
 def test_policy_loss_and_grad_gpu(loss, agg):
     """At [512, 8192], the kernel chains of one call (count -> token pass -> finish; count -> partial sums -> token
     pass -> finish), chained by programmatic dependent launch on compute capability 9.0 and later."""
+
     def op(x):
-        out = rlk.policy_loss_and_grad(x["logprob"], x["old_logprob"], x["advantages"], x["mask"], loss=loss,
-                                       agg=agg, dual_clip=3.0 if loss == "ppo" else None)
+        out = rlk.policy_loss_and_grad(
+            x["logprob"],
+            x["old_logprob"],
+            x["advantages"],
+            x["mask"],
+            loss=loss,
+            agg=agg,
+            dual_clip=3.0 if loss == "ppo" else None,
+        )
         return out.loss, out.grad_logprob, out.metrics
 
     check_no_sync_and_graph_replay(lambda s: token_inputs(s, b=512, t=8192), op)
@@ -148,9 +165,17 @@ def test_kl_penalty_gpu():
 @pytest.mark.parametrize("level,mode", [("token", "truncate"), ("sequence", "mask")])
 def test_rollout_correction_gpu(level, mode):
     """At [512, 8192]: the chain chunk sums (sequence level) -> token pass -> per-row merge -> merge over rows."""
+
     def op(x):
-        return rlk.rollout_correction(x["old_logprob"], x["logprob"], x["mask"], level=level, mode=mode, upper=2.0,
-                                      lower=None if mode == "truncate" else 0.5)
+        return rlk.rollout_correction(
+            x["old_logprob"],
+            x["logprob"],
+            x["mask"],
+            level=level,
+            mode=mode,
+            upper=2.0,
+            lower=None if mode == "truncate" else 0.5,
+        )
 
     check_no_sync_and_graph_replay(lambda s: token_inputs(s, b=512, t=8192), op)
 
@@ -164,8 +189,10 @@ def test_value_loss_gpu():
 
 def test_gae_and_discounted_returns_gpu():
     def op(x):
-        return (rlk.gae(x["rewards"], x["values"], x["mask"], gamma=0.99, lam=0.95),
-                rlk.discounted_returns(x["rewards"], x["mask"], 0.99))
+        return (
+            rlk.gae(x["rewards"], x["values"], x["mask"], gamma=0.99, lam=0.95),
+            rlk.discounted_returns(x["rewards"], x["mask"], 0.99),
+        )
 
     check_no_sync_and_graph_replay(token_inputs, op)
 
@@ -194,8 +221,10 @@ def test_group_advantages_gpu(mode, monkeypatch):
 
     def op(x):
         lengths = x["lengths"] if mode == "opo" else None
-        return (rlk.group_advantages(x["scores"], group_size=8, mode=mode, lengths=lengths),
-                rlk.group_advantages(x["scores"], group_index=x["group_index"], mode=mode, lengths=lengths))
+        return (
+            rlk.group_advantages(x["scores"], group_size=8, mode=mode, lengths=lengths),
+            rlk.group_advantages(x["scores"], group_index=x["group_index"], mode=mode, lengths=lengths),
+        )
 
     check_no_sync_and_graph_replay(score_inputs, op)
 
@@ -228,8 +257,9 @@ def test_fused_linear_policy_loss_gpu(monkeypatch):
         return x
 
     def op(x):
-        return rlk.fused_linear_policy_loss(x["hidden"], x["weight"], x["targets"], x["old_logprob"],
-                                            x["advantages"], x["mask"])
+        return rlk.fused_linear_policy_loss(
+            x["hidden"], x["weight"], x["targets"], x["old_logprob"], x["advantages"], x["mask"]
+        )
 
     check_no_sync_and_graph_replay(make, op, wrt=("hidden", "weight"))
 
@@ -246,7 +276,8 @@ def test_fused_linear_kl_gpu(reduction):
         targets[::7] = -100
         return {
             "student_hidden": torch.randn(n, hs, generator=g, device="cuda").to(torch.bfloat16).requires_grad_(),
-            "student_weight": (torch.randn(v, hs, generator=g, device="cuda") * 0.08).to(torch.bfloat16)
+            "student_weight": (torch.randn(v, hs, generator=g, device="cuda") * 0.08)
+            .to(torch.bfloat16)
             .requires_grad_(),
             "teacher_hidden": torch.randn(n, ht, generator=g, device="cuda").to(torch.bfloat16),
             "teacher_weight": (torch.randn(v, ht, generator=g, device="cuda") * 0.07).to(torch.bfloat16),
@@ -254,8 +285,16 @@ def test_fused_linear_kl_gpu(reduction):
         }
 
     def op(x):
-        return rlk.fused_linear_kl(x["student_hidden"], x["student_weight"], x["teacher_hidden"], x["teacher_weight"],
-                                   x["targets"], divergence="jsd", temperature=0.7, reduction=reduction)
+        return rlk.fused_linear_kl(
+            x["student_hidden"],
+            x["student_weight"],
+            x["teacher_hidden"],
+            x["teacher_weight"],
+            x["targets"],
+            divergence="jsd",
+            temperature=0.7,
+            reduction=reduction,
+        )
 
     check_no_sync_and_graph_replay(make, op, wrt=("student_hidden", "student_weight"))
 
@@ -273,8 +312,11 @@ def _randn(g: torch.Generator, *shape: int, scale: float = 1.0, dtype=torch.bflo
 def test_rms_norm_gpu():
     def make(seed):
         g = _gen(seed)
-        return {"x": _randn(g, 64, 1024, grad=True), "residual": _randn(g, 64, 1024, grad=True),
-                "weight": _randn(g, 1024, scale=0.1, grad=True)}
+        return {
+            "x": _randn(g, 64, 1024, grad=True),
+            "residual": _randn(g, 64, 1024, grad=True),
+            "weight": _randn(g, 1024, scale=0.1, grad=True),
+        }
 
     def op(x):
         return (rlk.rms_norm(x["x"], x["weight"]), rlk.rms_norm(x["x"], x["weight"], residual=x["residual"]))
@@ -285,8 +327,11 @@ def test_rms_norm_gpu():
 def test_linear_and_matmul_gpu():
     def make(seed):
         g = _gen(seed)
-        return {"x": _randn(g, 96, 512, grad=True), "weight": _randn(g, 384, 512, scale=0.05, grad=True),
-                "bias": _randn(g, 384, grad=True)}
+        return {
+            "x": _randn(g, 96, 512, grad=True),
+            "weight": _randn(g, 384, 512, scale=0.05, grad=True),
+            "bias": _randn(g, 384, grad=True),
+        }
 
     def op(x):
         return rlk.linear(x["x"], x["weight"], x["bias"]), rlk.matmul(x["x"], x["weight"].t())
@@ -302,12 +347,23 @@ def test_attention_gpu(monkeypatch):
 
     def make(seed):
         g = _gen(seed)
-        return {"q": _randn(g, total, 8, 64, grad=True), "k": _randn(g, total, 2, 64, grad=True),
-                "v": _randn(g, total, 2, 64, grad=True)}
+        return {
+            "q": _randn(g, total, 8, 64, grad=True),
+            "k": _randn(g, total, 2, 64, grad=True),
+            "v": _randn(g, total, 2, 64, grad=True),
+        }
 
     def op(x):
-        return rlk.attention(x["q"], x["k"], x["v"], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
-                             max_seqlen_k=max(lengths), return_lse=True)
+        return rlk.attention(
+            x["q"],
+            x["k"],
+            x["v"],
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=max(lengths),
+            max_seqlen_k=max(lengths),
+            return_lse=True,
+        )
 
     check_no_sync_and_graph_replay(make, op, wrt=("q", "k", "v"))
 
@@ -321,13 +377,24 @@ def test_prefix_attention_gpu(monkeypatch):
 
     def make(seed):
         g = _gen(seed)
-        return {"q": _randn(g, total, 8, 64, grad=True), "k": _randn(g, total, 2, 64, grad=True),
-                "v": _randn(g, total, 2, 64, grad=True)}
+        return {
+            "q": _randn(g, total, 8, 64, grad=True),
+            "k": _randn(g, total, 2, 64, grad=True),
+            "v": _randn(g, total, 2, 64, grad=True),
+        }
 
     def op(x):
-        return rlk.prefix_attention(x["q"], x["k"], x["v"], cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                    max_seqlen_q=max(lengths), max_seqlen_k=max(lengths), prefix_index=prefix_index,
-                                    return_lse=True)
+        return rlk.prefix_attention(
+            x["q"],
+            x["k"],
+            x["v"],
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=max(lengths),
+            max_seqlen_k=max(lengths),
+            prefix_index=prefix_index,
+            return_lse=True,
+        )
 
     check_no_sync_and_graph_replay(make, op, wrt=("q", "k", "v"))
 
@@ -337,8 +404,12 @@ def test_apply_rope_gpu():
         g = _gen(seed)
         angles = torch.rand(2, 96, 32, generator=g, device="cuda") * 6
         angles = torch.cat([angles, angles], dim=-1)
-        return {"q": _randn(g, 2, 8, 96, 64, grad=True), "k": _randn(g, 2, 2, 96, 64, grad=True),
-                "cos": angles.cos().to(torch.bfloat16), "sin": angles.sin().to(torch.bfloat16)}
+        return {
+            "q": _randn(g, 2, 8, 96, 64, grad=True),
+            "k": _randn(g, 2, 2, 96, 64, grad=True),
+            "cos": angles.cos().to(torch.bfloat16),
+            "sin": angles.sin().to(torch.bfloat16),
+        }
 
     def op(x):
         return rlk.apply_rope(x["q"], x["k"], x["cos"], x["sin"])
@@ -358,8 +429,10 @@ def test_embedding_gpu(monkeypatch):
 
     def make(seed):
         g = _gen(seed)
-        return {"ids": torch.randint(0, 1000, (4, 64), generator=g, device="cuda"),
-                "weight": _randn(g, 1000, 256, grad=True)}
+        return {
+            "ids": torch.randint(0, 1000, (4, 64), generator=g, device="cuda"),
+            "weight": _randn(g, 1000, 256, grad=True),
+        }
 
     check_no_sync_and_graph_replay(make, lambda x: rlk.embedding(x["ids"], x["weight"]), wrt=("weight",))
 
@@ -372,12 +445,18 @@ def test_logprob_ops_gpu(monkeypatch):
         g = _gen(seed)
         targets = torch.randint(0, v, (n,), generator=g, device="cuda")
         targets[::17] = -100
-        return {"logits": _randn(g, n, v, scale=2.0, grad=True), "hidden": _randn(g, n, h, grad=True),
-                "weight": _randn(g, v, h, scale=0.05, grad=True), "targets": targets}
+        return {
+            "logits": _randn(g, n, v, scale=2.0, grad=True),
+            "hidden": _randn(g, n, h, grad=True),
+            "weight": _randn(g, v, h, scale=0.05, grad=True),
+            "targets": targets,
+        }
 
     def op(x):
-        return (rlk.selected_logprob(x["logits"], x["targets"], return_entropy=True),
-                rlk.linear_logprob(x["hidden"], x["weight"], x["targets"], return_entropy=True))
+        return (
+            rlk.selected_logprob(x["logits"], x["targets"], return_entropy=True),
+            rlk.linear_logprob(x["hidden"], x["weight"], x["targets"], return_entropy=True),
+        )
 
     check_no_sync_and_graph_replay(make, op, wrt=("logits", "hidden", "weight"))
 
@@ -397,8 +476,12 @@ def test_patched_attention_with_a_padding_mask_gpu(monkeypatch):
         g = _gen(seed)
         lengths = torch.randint(1, seq_k + 1, (batch,), generator=g, device="cuda")
         mask = (torch.arange(seq_k, device="cuda")[None, :] >= seq_k - lengths[:, None]).long()
-        return {"q": _randn(g, batch, 8, 1, 64), "k": _randn(g, batch, 2, seq_k, 64),
-                "v": _randn(g, batch, 2, seq_k, 64), "mask": mask}
+        return {
+            "q": _randn(g, batch, 8, 1, 64),
+            "k": _randn(g, batch, 2, seq_k, 64),
+            "v": _randn(g, batch, 2, seq_k, 64),
+            "mask": mask,
+        }
 
     def op(x):
         hf._last_layout.clear()  # the layout is computed (and captured) on every call

@@ -209,15 +209,21 @@ def test_opcheck_custom_ops():
     x, w, r = _inputs(shape=(6, 24))
     for residual in (None, r):
         for gemma in (False, True):
-            args = (x.clone().requires_grad_(True), w.clone().requires_grad_(True),
-                    None if residual is None else residual.clone().requires_grad_(True), EPS, gemma)
+            args = (
+                x.clone().requires_grad_(True),
+                w.clone().requires_grad_(True),
+                None if residual is None else residual.clone().requires_grad_(True),
+                EPS,
+                gemma,
+            )
             torch.library.opcheck(torch.ops.rlk.rms_norm_fwd.default, args)
     rstd = torch.rsqrt(x.pow(2).mean(-1) + EPS)
     gy = torch.randn(6, 24, generator=torch.Generator().manual_seed(4))
     for grad_residual in (None, gy * 0.5):
         for need_w in (False, True):
-            torch.library.opcheck(torch.ops.rlk.rms_norm_bwd.default,
-                                  (gy, x, w, rstd, grad_residual, False, need_w, "reference"))
+            torch.library.opcheck(
+                torch.ops.rlk.rms_norm_bwd.default, (gy, x, w, rstd, grad_residual, False, need_w, "reference")
+            )
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -241,16 +247,24 @@ def test_torch_compile_fullgraph_matches_eager():
     [
         (lambda: rms_norm(torch.randn(3, 8), torch.randn(7)), ValueError, r"weight: expected shape \(8,\)"),
         (lambda: rms_norm(torch.randn(3, 8), torch.randn(1, 8)), ValueError, r"weight: expected shape \(8,\)"),
-        (lambda: rms_norm(torch.randn(3, 8), torch.randn(8), residual=torch.randn(3, 7)), ValueError,
-         r"residual: expected shape \(3, 8\)"),
+        (
+            lambda: rms_norm(torch.randn(3, 8), torch.randn(8), residual=torch.randn(3, 7)),
+            ValueError,
+            r"residual: expected shape \(3, 8\)",
+        ),
         (lambda: rms_norm(torch.randn(3, 8).long(), torch.randn(8)), TypeError, "x: expected dtype"),
         (lambda: rms_norm(torch.randn(3, 8), torch.randn(8).int()), TypeError, "weight: expected dtype"),
-        (lambda: rms_norm(torch.randn(3, 8), torch.randn(8).half()), TypeError,
-         "weight: expected the dtype of x"),
-        (lambda: rms_norm(torch.randn(3, 8), torch.randn(8), residual=torch.randn(3, 8).half()), TypeError,
-         "residual: expected the dtype of x"),
-        (lambda: rms_norm(torch.randn(3, 8), torch.randn(8), eps=-1e-6), ValueError,
-         "eps: must be a finite number >= 0"),
+        (lambda: rms_norm(torch.randn(3, 8), torch.randn(8).half()), TypeError, "weight: expected the dtype of x"),
+        (
+            lambda: rms_norm(torch.randn(3, 8), torch.randn(8), residual=torch.randn(3, 8).half()),
+            TypeError,
+            "residual: expected the dtype of x",
+        ),
+        (
+            lambda: rms_norm(torch.randn(3, 8), torch.randn(8), eps=-1e-6),
+            ValueError,
+            "eps: must be a finite number >= 0",
+        ),
         (lambda: rms_norm(torch.randn(3, 8), torch.randn(8), eps=float("nan")), ValueError, "eps: must be"),
         (lambda: rms_norm(torch.randn(3, 8), torch.randn(8), eps="small"), TypeError, "eps: expected a number"),
         (lambda: rms_norm(torch.randn(3, 0), torch.randn(0)), ValueError, "H >= 1"),
@@ -280,9 +294,16 @@ def test_device_mismatch_is_named():
 def test_compile_and_opcheck_on_the_gpu_backend(dtype):
     x, w, r = (t.cuda() for t in _inputs(shape=(3, 11, 256), dtype=dtype))
     assert rlk.explain("rms_norm", x).backend != "reference"
-    torch.library.opcheck(torch.ops.rlk.rms_norm_fwd.default,
-                          (x.reshape(33, 256).requires_grad_(), w.clone().requires_grad_(),
-                           r.reshape(33, 256).requires_grad_(), EPS, False))
+    torch.library.opcheck(
+        torch.ops.rlk.rms_norm_fwd.default,
+        (
+            x.reshape(33, 256).requires_grad_(),
+            w.clone().requires_grad_(),
+            r.reshape(33, 256).requires_grad_(),
+            EPS,
+            False,
+        ),
+    )
 
     def loss_fn(a, b, c):
         y, s = rms_norm(a, b, EPS, residual=c)

@@ -24,8 +24,10 @@ def _available(name: str) -> bool:
     return dispatch.why_not(name, abi.OPS["pack"], DEVICE, torch.float32) is None
 
 
-BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(not _available("triton"),
-                                                                          reason="triton backend unavailable"))]
+BACKENDS = [
+    "reference",
+    pytest.param("triton", marks=pytest.mark.skipif(not _available("triton"), reason="triton backend unavailable")),
+]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -144,13 +146,13 @@ def test_a_rows_packed_values_do_not_depend_on_the_other_rows(backend):
     x = _data((3, 5, 4), torch.float32, seed=11)
     packed, cu, _ = rlk.pack(x, mask)
     for b in range(3):
-        alone, alone_cu, _ = rlk.pack(x[b:b + 1], mask[b:b + 1])
-        assert torch.equal(packed[cu[b]:cu[b + 1]], alone)
+        alone, alone_cu, _ = rlk.pack(x[b : b + 1], mask[b : b + 1])
+        assert torch.equal(packed[cu[b] : cu[b + 1]], alone)
     other = x.clone()
     other[0] += 1.0  # changes row 0 only
     packed_other, _, _ = rlk.pack(other, mask)
-    assert torch.equal(packed_other[cu[1]:], packed[cu[1]:])
-    assert not torch.equal(packed_other[:cu[1]], packed[:cu[1]])  # negative control: the check can fail
+    assert torch.equal(packed_other[cu[1] :], packed[cu[1] :])
+    assert not torch.equal(packed_other[: cu[1]], packed[: cu[1]])  # negative control: the check can fail
 
 
 def test_total_argument_and_value_checks(backend, monkeypatch):
@@ -216,33 +218,74 @@ def test_torch_compile_fullgraph_matches_eager(backend):
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: rlk.pack(torch.randn(2, 3), torch.ones(2, 3, 1, dtype=torch.int64)), ValueError,
-         r"attention_mask: expected shape \[B, T\], got \(2, 3, 1\)"),
-        (lambda: rlk.pack(torch.randn(2, 3), torch.ones(2, 3)), TypeError,
-         "attention_mask: expected dtype bool or an integer dtype"),
-        (lambda: rlk.pack(torch.randn(2, 3), [[1, 1, 1], [1, 1, 1]]), TypeError,
-         "attention_mask: expected a torch.Tensor"),
-        (lambda: rlk.pack(torch.randn(2, 3), torch.tensor([[1, 2, 0], [1, 1, 1]])), ValueError,
-         r"attention_mask: values must be 0 or 1 \(or bool\); found 2 at \[0, 1\]"),
-        (lambda: rlk.pack(torch.randn(3, 3, 4), torch.ones(2, 3, dtype=torch.bool)), ValueError,
-         r"x: expected shape \[B, T, \*trailing\] with \[B, T\] = \[2, 3\]"),
+        (
+            lambda: rlk.pack(torch.randn(2, 3), torch.ones(2, 3, 1, dtype=torch.int64)),
+            ValueError,
+            r"attention_mask: expected shape \[B, T\], got \(2, 3, 1\)",
+        ),
+        (
+            lambda: rlk.pack(torch.randn(2, 3), torch.ones(2, 3)),
+            TypeError,
+            "attention_mask: expected dtype bool or an integer dtype",
+        ),
+        (
+            lambda: rlk.pack(torch.randn(2, 3), [[1, 1, 1], [1, 1, 1]]),
+            TypeError,
+            "attention_mask: expected a torch.Tensor",
+        ),
+        (
+            lambda: rlk.pack(torch.randn(2, 3), torch.tensor([[1, 2, 0], [1, 1, 1]])),
+            ValueError,
+            r"attention_mask: values must be 0 or 1 \(or bool\); found 2 at \[0, 1\]",
+        ),
+        (
+            lambda: rlk.pack(torch.randn(3, 3, 4), torch.ones(2, 3, dtype=torch.bool)),
+            ValueError,
+            r"x: expected shape \[B, T, \*trailing\] with \[B, T\] = \[2, 3\]",
+        ),
         (lambda: rlk.pack(torch.randn(6), torch.ones(2, 3, dtype=torch.bool)), ValueError, "x: expected shape"),
-        (lambda: rlk.pack(torch.ones(2, 3, dtype=torch.int8), torch.ones(2, 3, dtype=torch.bool)), TypeError,
-         "x: expected dtype float32, float16, bfloat16, float64, int32 or int64, got torch.int8"),
-        (lambda: rlk.pack(torch.randn(2, 3, device="meta"), torch.ones(2, 3, dtype=torch.bool)), ValueError,
-         "x: expected device cpu"),
-        (lambda: rlk.pack(torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool), total=-1), ValueError,
-         "total: expected an int >= 0"),
-        (lambda: rlk.unpack(torch.randn(5, 2), torch.ones(2, 3, dtype=torch.bool)), ValueError,
-         r"packed: expected 6 rows \(the valid tokens of attention_mask\), got 5"),
-        (lambda: rlk.unpack(torch.tensor(1.0), torch.ones(1, 1, dtype=torch.bool)), ValueError,
-         r"packed: expected shape \[total, \*trailing\]"),
-        (lambda: rlk.unpack(torch.ones(6, dtype=torch.int64), torch.ones(2, 3, dtype=torch.bool),
-                            padding_value=0.5), ValueError, "padding_value: expected an integer"),
-        (lambda: rlk.unpack(torch.ones(6), torch.ones(2, 3, dtype=torch.bool), padding_value=None), TypeError,
-         "padding_value: expected an int or a float"),
-        (lambda: rlk.unpack(torch.ones(6, dtype=torch.int32), torch.ones(2, 3, dtype=torch.bool),
-                            padding_value=2**40), ValueError, "padding_value: 1099511627776 does not fit"),
+        (
+            lambda: rlk.pack(torch.ones(2, 3, dtype=torch.int8), torch.ones(2, 3, dtype=torch.bool)),
+            TypeError,
+            "x: expected dtype float32, float16, bfloat16, float64, int32 or int64, got torch.int8",
+        ),
+        (
+            lambda: rlk.pack(torch.randn(2, 3, device="meta"), torch.ones(2, 3, dtype=torch.bool)),
+            ValueError,
+            "x: expected device cpu",
+        ),
+        (
+            lambda: rlk.pack(torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool), total=-1),
+            ValueError,
+            "total: expected an int >= 0",
+        ),
+        (
+            lambda: rlk.unpack(torch.randn(5, 2), torch.ones(2, 3, dtype=torch.bool)),
+            ValueError,
+            r"packed: expected 6 rows \(the valid tokens of attention_mask\), got 5",
+        ),
+        (
+            lambda: rlk.unpack(torch.tensor(1.0), torch.ones(1, 1, dtype=torch.bool)),
+            ValueError,
+            r"packed: expected shape \[total, \*trailing\]",
+        ),
+        (
+            lambda: rlk.unpack(torch.ones(6, dtype=torch.int64), torch.ones(2, 3, dtype=torch.bool), padding_value=0.5),
+            ValueError,
+            "padding_value: expected an integer",
+        ),
+        (
+            lambda: rlk.unpack(torch.ones(6), torch.ones(2, 3, dtype=torch.bool), padding_value=None),
+            TypeError,
+            "padding_value: expected an int or a float",
+        ),
+        (
+            lambda: rlk.unpack(
+                torch.ones(6, dtype=torch.int32), torch.ones(2, 3, dtype=torch.bool), padding_value=2**40
+            ),
+            ValueError,
+            "padding_value: 1099511627776 does not fit",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_error(call, error, message):

@@ -17,9 +17,13 @@ import tomllib
 import rlk
 
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGES = {"rlk": ROOT / "packages/rlk", "rlk-triton": ROOT / "packages/rlk-triton",
-            "rlk-cuda": ROOT / "packages/rlk-cuda", "rlk-rocm": ROOT / "packages/rlk-rocm",
-            "rlk-domestic": ROOT / "packages/rlk-domestic"}
+PACKAGES = {
+    "rlk": ROOT / "packages/rlk",
+    "rlk-triton": ROOT / "packages/rlk-triton",
+    "rlk-cuda": ROOT / "packages/rlk-cuda",
+    "rlk-rocm": ROOT / "packages/rlk-rocm",
+    "rlk-domestic": ROOT / "packages/rlk-domestic",
+}
 #: The native backends: (package folder key, import name, ABI version literal's module).
 NATIVE = {"rlk-cuda": "rlk_cuda", "rlk-rocm": "rlk_rocm"}
 
@@ -34,8 +38,9 @@ def test_every_distribution_ships_the_license():
     for name, folder in PACKAGES.items():
         assert (folder / "LICENSE").read_text() == text, name
         project = _project(name)
-        assert project["authors"] and any(c.startswith("Programming Language :: Python :: 3") for c in
-                                          project["classifiers"]), name
+        assert project["authors"] and any(
+            c.startswith("Programming Language :: Python :: 3") for c in project["classifiers"]
+        ), name
 
 
 def test_versions_agree():
@@ -79,8 +84,22 @@ def test_wheel_metadata(name, tmp_path):
     and carry the SPDX license, the license file and the classifiers."""
     source = tmp_path / "source"
     shutil.copytree(PACKAGES[name], source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
-                    "-w", str(tmp_path / "dist")], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(source),
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     with zipfile.ZipFile(wheel) as z:
         meta_name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))

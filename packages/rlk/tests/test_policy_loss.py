@@ -57,8 +57,9 @@ def check_grad(name: str, got: torch.Tensor, truth: torch.Tensor, entry=ENTRY, t
 # ----------------------------------------------------------------------------------------------
 
 
-def make_batch(b: int = 6, t: int = 13, seed: int = 0, per_seq_adv: bool = True, ragged: bool = True,
-               extreme: bool = False) -> dict:
+def make_batch(
+    b: int = 6, t: int = 13, seed: int = 0, per_seq_adv: bool = True, ragged: bool = True, extreme: bool = False
+) -> dict:
     """fp32 inputs: right-padded rows of 1..t tokens (row 0 full), mixed-sign advantages, ratios spread
     around 1 with some far outside the clip ranges (r ~ 4.5 and ~ 0.2) and one row almost on-policy.
     ``extreme``: also log-ratios of +25 and -25 (past the +-20 clamps of verl and OpenRLHF)."""
@@ -95,8 +96,14 @@ def run_rlk(batch: dict, *, with_entropy_grad: bool = False, **kwargs):
     ent = batch["entropy"].detach().clone().requires_grad_(True) if with_entropy_grad else kwargs.pop("entropy", None)
     if with_entropy_grad:
         kwargs.pop("entropy", None)
-    loss, metrics = rlk.policy_loss(lp, kwargs.pop("old", batch["old"]), kwargs.pop("adv", batch["adv"]),
-                                    kwargs.pop("mask", batch["mask"]), entropy=ent, **kwargs)
+    loss, metrics = rlk.policy_loss(
+        lp,
+        kwargs.pop("old", batch["old"]),
+        kwargs.pop("adv", batch["adv"]),
+        kwargs.pop("mask", batch["mask"]),
+        entropy=ent,
+        **kwargs,
+    )
     loss.backward()
     return loss.detach(), metrics, lp.grad, (ent.grad if with_entropy_grad else None)
 
@@ -151,8 +158,12 @@ def verl_vanilla(lp, old, adv, clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0):
     l3 = -adv * clip_ratio_c
     clip2 = torch.min(l3, clip1)
     losses = torch.where(adv < 0, clip2, clip1)
-    return losses, {"clipfrac": torch.gt(l2, l1), "ppo_kl": -neg_kl, "lower": torch.gt(clip1, l3) & (adv < 0),
-                    "ratio": ratio}
+    return losses, {
+        "clipfrac": torch.gt(l2, l1),
+        "ppo_kl": -neg_kl,
+        "lower": torch.gt(clip1, l3) & (adv < 0),
+        "ratio": ratio,
+    }
 
 
 def verl_gspo(lp, old, adv, m, clip_low, clip_high):
@@ -256,12 +267,23 @@ def test_verl_ppo_defaults_with_kl_entropy_and_metrics():
     m = truth["mask"].double()
     token_losses, stats = verl_vanilla(truth["lp"], truth["old"], adv_bt(truth))
     kl = verl_kl_penalty(truth["lp"], truth["ref"], "low_var_kl")
-    expected = (verl_agg(token_losses, m, "token-mean") - 0.001 * verl_agg(truth["entropy"], m, "token-mean")
-                + 0.001 * verl_agg(kl, m, "token-mean"))
+    expected = (
+        verl_agg(token_losses, m, "token-mean")
+        - 0.001 * verl_agg(truth["entropy"], m, "token-mean")
+        + 0.001 * verl_agg(kl, m, "token-mean")
+    )
     expected.backward()
     loss, metrics, grad, grad_ent = run_rlk(
-        batch, dual_clip=3.0, clamp_log_ratio=20.0, ref_logprob=batch["ref"], kl="low_var_kl", kl_coef=0.001,
-        entropy=batch["entropy"], entropy_coef=0.001, with_entropy_grad=True)
+        batch,
+        dual_clip=3.0,
+        clamp_log_ratio=20.0,
+        ref_logprob=batch["ref"],
+        kl="low_var_kl",
+        kl_coef=0.001,
+        entropy=batch["entropy"],
+        entropy_coef=0.001,
+        with_entropy_grad=True,
+    )
     check_value("verl objective", loss, expected)
     check_grad("verl grad_logprob", grad, truth["lp"].grad)
     check_grad("verl grad_entropy", grad_ent, truth["entropy"].grad)
@@ -285,8 +307,14 @@ def test_verl_geo_mean(clip_low, clip_high):
     expected = verl_geo_mean(truth["lp"], truth["old"], a, m, clip_low, clip_high)
     expected.backward()
     # verl's torch.mean counts every row: global_seqs = B.
-    loss, metrics, grad, _ = run_rlk(batch, loss="geo_mean", clip_low=clip_low, clip_high=clip_high,
-                                     agg="seq-mean-token-mean", global_seqs=batch["lp"].shape[0])
+    loss, metrics, grad, _ = run_rlk(
+        batch,
+        loss="geo_mean",
+        clip_low=clip_low,
+        clip_high=clip_high,
+        agg="seq-mean-token-mean",
+        global_seqs=batch["lp"].shape[0],
+    )
     check_value("verl geo_mean loss", loss, expected)
     check_grad("verl geo_mean grad", grad, truth["lp"].grad)
     clipped = ((a > 0) & (d > clip_high)) | ((a < 0) & (d < -clip_low))
@@ -315,8 +343,22 @@ def test_verl_gspo_metrics():
 # ----------------------------------------------------------------------------------------------
 
 
-def trl_loss(lp, old, adv, m, *, loss_type, eps_low=0.2, eps_high=0.2, delta=None, beta=0.0, ref=None,
-             level="token", max_completion_length=None, num_items_in_batch=None):
+def trl_loss(
+    lp,
+    old,
+    adv,
+    m,
+    *,
+    loss_type,
+    eps_low=0.2,
+    eps_high=0.2,
+    delta=None,
+    beta=0.0,
+    ref=None,
+    level="token",
+    max_completion_length=None,
+    num_items_in_batch=None,
+):
     m = m.to(lp.dtype)
     log_ratio = lp - old
     if level == "sequence":
@@ -364,10 +406,16 @@ TRL_CASES = [
     ("dapo", {"eps_high": 0.28}, {"clip_high": 0.28}),
     ("grpo", {"beta": 0.04}, {"kl": "k3", "kl_k3_clamp": False, "kl_coef": 0.04}),
     ("dapo", {"delta": 4.0}, {"dual_clip": 4.0}),
-    ("grpo", {"level": "sequence", "eps_low": 3e-4, "eps_high": 4e-4}, {"loss": "gspo", "clip_low": 3e-4,
-                                                                         "clip_high": 4e-4}),
-    ("dapo", {"level": "sequence", "eps_low": 3e-4, "eps_high": 4e-4}, {"loss": "gspo", "clip_low": 3e-4,
-                                                                         "clip_high": 4e-4}),
+    (
+        "grpo",
+        {"level": "sequence", "eps_low": 3e-4, "eps_high": 4e-4},
+        {"loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4},
+    ),
+    (
+        "dapo",
+        {"level": "sequence", "eps_low": 3e-4, "eps_high": 4e-4},
+        {"loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4},
+    ),
     ("cispo", {"eps_high": 5.0}, {"loss": "cispo", "cispo_form": "upper", "clip_high": 5.0}),
     ("sapo", {}, {"loss": "sapo"}),
 ]
@@ -381,8 +429,17 @@ def test_trl(loss_type, trl_kwargs, rlk_kwargs):
     truth = f64(batch)
     b, t = batch["lp"].shape
     n_items = 2 * int(batch["mask"].sum())
-    expected = trl_loss(truth["lp"], truth["old"], truth["adv"], truth["mask"], loss_type=loss_type,
-                        ref=truth["ref"], max_completion_length=t, num_items_in_batch=n_items, **trl_kwargs)
+    expected = trl_loss(
+        truth["lp"],
+        truth["old"],
+        truth["adv"],
+        truth["mask"],
+        loss_type=loss_type,
+        ref=truth["ref"],
+        max_completion_length=t,
+        num_items_in_batch=n_items,
+        **trl_kwargs,
+    )
     expected.backward()
     ref = batch["ref"] if "kl_coef" in rlk_kwargs else None
     loss, _, grad, _ = run_rlk(batch, ref_logprob=ref, **rlk_for_trl(loss_type, b, t, n_items), **rlk_kwargs)
@@ -416,8 +473,9 @@ def openrlhf_masked_mean(x, m, dim=None):
     return (x * m).sum(dim) / m.sum(dim)
 
 
-def openrlhf_policy_loss(lp, old, adv, m, *, clip_low=0.2, clip_high=0.2, dual_clip=None, token_level_loss=True,
-                         policy_loss_type="ppo"):
+def openrlhf_policy_loss(
+    lp, old, adv, m, *, clip_low=0.2, clip_high=0.2, dual_clip=None, token_level_loss=True, policy_loss_type="ppo"
+):
     m = m.to(lp.dtype)
     if policy_loss_type == "ppo":
         ratio = torch.clamp(lp - old, min=-20.0, max=20.0).exp()
@@ -456,19 +514,27 @@ def test_openrlhf(case, token_level_loss):
     agg = "token-mean" if token_level_loss else "seq-mean-token-mean"
     kwargs = {"agg": agg, "clamp_log_ratio": 20.0}
     if case == "gspo":
-        expected = openrlhf_policy_loss(truth["lp"], truth["old"], a, m, policy_loss_type="gspo",
-                                        token_level_loss=token_level_loss)
+        expected = openrlhf_policy_loss(
+            truth["lp"], truth["old"], a, m, policy_loss_type="gspo", token_level_loss=token_level_loss
+        )
         kwargs = {"agg": agg, "loss": "gspo"}
     else:
-        expected = openrlhf_policy_loss(truth["lp"], truth["old"], a, m, token_level_loss=token_level_loss,
-                                        dual_clip=3.0 if case == "dual_clip" else None)
+        expected = openrlhf_policy_loss(
+            truth["lp"],
+            truth["old"],
+            a,
+            m,
+            token_level_loss=token_level_loss,
+            dual_clip=3.0 if case == "dual_clip" else None,
+        )
     if case == "dual_clip":
         kwargs["dual_clip"] = 3.0
     if case.startswith("kl_"):
         estimator = case[3:]
         kl = openrlhf_approx_kl(truth["lp"], truth["ref"], estimator)
-        expected = expected + 0.01 * (openrlhf_masked_mean(kl, m) if token_level_loss
-                                      else openrlhf_masked_mean(kl, m, dim=-1).mean())
+        expected = expected + 0.01 * (
+            openrlhf_masked_mean(kl, m) if token_level_loss else openrlhf_masked_mean(kl, m, dim=-1).mean()
+        )
         kwargs.update(ref_logprob=batch["ref"], kl=estimator, kl_coef=0.01, kl_clamp=10.0, kl_k3_clamp=False)
     expected.backward()
     loss, _, grad, _ = run_rlk(batch, **kwargs)
@@ -492,8 +558,16 @@ def test_slime_cispo_and_unbiased_kl():
     kl = torch.exp(lp - old).detach() * verl_low_var_kl(lp, truth["ref"])
     expected = (pg * m).sum() / m.sum() + 0.01 * (kl * m).sum() / m.sum()
     expected.backward()
-    loss, metrics, grad, _ = run_rlk(batch, loss="cispo", clip_low=1.0, clip_high=4.0, ref_logprob=batch["ref"],
-                                     kl="low_var_kl", kl_coef=0.01, kl_unbiased=True)
+    loss, metrics, grad, _ = run_rlk(
+        batch,
+        loss="cispo",
+        clip_low=1.0,
+        clip_high=4.0,
+        ref_logprob=batch["ref"],
+        kl="low_var_kl",
+        kl_coef=0.01,
+        kl_unbiased=True,
+    )
     check_value("slime cispo loss", loss, expected)
     check_grad("slime cispo grad", grad, lp.grad)
     check_value("slime kl_mean", metrics["kl_mean"], (kl * m).sum() / m.sum())
@@ -536,9 +610,21 @@ def test_fp64_gradcheck(loss):
     ent = batch["entropy"].double().requires_grad_(True)
 
     def fn(x, h):
-        return rlk.policy_loss(x, old, adv, mask, loss=loss, dual_clip=3.0 if loss == "ppo" else None,
-                               importance_weights=iw, agg="seq-mean-token-mean", ref_logprob=ref, kl="k3",
-                               kl_coef=0.1, entropy=h, entropy_coef=0.01)[0]
+        return rlk.policy_loss(
+            x,
+            old,
+            adv,
+            mask,
+            loss=loss,
+            dual_clip=3.0 if loss == "ppo" else None,
+            importance_weights=iw,
+            agg="seq-mean-token-mean",
+            ref_logprob=ref,
+            kl="k3",
+            kl_coef=0.1,
+            entropy=h,
+            entropy_coef=0.01,
+        )[0]
 
     assert torch.autograd.gradcheck(fn, (lp, ent))
 
@@ -557,15 +643,23 @@ def test_micro_batches_add_up_to_the_full_batch(loss, agg):
     batch["mask"][4] = False  # an empty sequence: counted by neither normalizer
     tokens = int(batch["mask"].sum())
     seqs = int(batch["mask"].any(dim=1).sum())
-    kwargs = {"loss": loss, "agg": agg, "global_tokens": tokens, "global_seqs": torch.tensor(float(seqs)),
-              "ref_logprob": None, "kl_coef": 0.05, "entropy_coef": 0.01}
+    kwargs = {
+        "loss": loss,
+        "agg": agg,
+        "global_tokens": tokens,
+        "global_seqs": torch.tensor(float(seqs)),
+        "ref_logprob": None,
+        "kl_coef": 0.05,
+        "entropy_coef": 0.01,
+    }
     if agg == "seq-mean-token-sum-norm":
         kwargs["loss_scale"] = 12.0
 
     def run(rows):
         part = {k: v[rows] for k, v in batch.items()}
-        return run_rlk(part, **{**kwargs, "ref_logprob": part["ref"], "entropy": part["entropy"]},
-                       with_entropy_grad=True)
+        return run_rlk(
+            part, **{**kwargs, "ref_logprob": part["ref"], "entropy": part["entropy"]}, with_entropy_grad=True
+        )
 
     full_loss, _, full_grad, full_ent_grad = run(slice(0, 9))
     pieces = [run(rows) for rows in (slice(0, 2), slice(2, 7), slice(7, 9))]
@@ -574,8 +668,9 @@ def test_micro_batches_add_up_to_the_full_batch(loss, agg):
     check_grad(f"{loss} {agg} micro grad_entropy", torch.cat([p[3] for p in pieces]), full_ent_grad)
     # without global normalizers the micro-batch is the whole batch: the one-piece "split" is the full batch
     local = run_rlk(batch, loss=loss, agg=agg, loss_scale=kwargs.get("loss_scale"))
-    global_ = run_rlk(batch, loss=loss, agg=agg, loss_scale=kwargs.get("loss_scale"), global_tokens=tokens,
-                      global_seqs=seqs)
+    global_ = run_rlk(
+        batch, loss=loss, agg=agg, loss_scale=kwargs.get("loss_scale"), global_tokens=tokens, global_seqs=seqs
+    )
     assert torch.equal(local[0], global_[0]) and torch.equal(local[2], global_[2])
 
 
@@ -589,8 +684,15 @@ def test_micro_batches_add_up_to_the_full_batch(loss, agg):
 def test_empty_mask_gives_zero_loss_and_gradient(loss, agg):
     batch = make_batch(b=4, t=6, seed=12)
     batch["mask"][:] = False
-    kwargs = {"loss": loss, "agg": agg, "ref_logprob": batch["ref"], "kl_coef": 0.1, "entropy": batch["entropy"],
-              "entropy_coef": 0.1, "loss_scale": 6 if agg == "seq-mean-token-sum-norm" else None}
+    kwargs = {
+        "loss": loss,
+        "agg": agg,
+        "ref_logprob": batch["ref"],
+        "kl_coef": 0.1,
+        "entropy": batch["entropy"],
+        "entropy_coef": 0.1,
+        "loss_scale": 6 if agg == "seq-mean-token-sum-norm" else None,
+    }
     value, metrics, grad, grad_ent = run_rlk(batch, with_entropy_grad=True, **kwargs)
     assert float(value) == 0.0 and torch.all(grad == 0) and torch.all(grad_ent == 0)
     assert all(float(v) == 0.0 for v in metrics.values())
@@ -616,8 +718,9 @@ def test_empty_batch():
     for shape in ((0, 5), (3, 0)):
         lp = torch.zeros(shape, requires_grad=True)
         ent = torch.zeros(shape, requires_grad=True)
-        value, metrics = rlk.policy_loss(lp, lp.detach(), torch.zeros(shape[0]), torch.zeros(shape, dtype=torch.bool),
-                                         entropy=ent, entropy_coef=0.1)
+        value, metrics = rlk.policy_loss(
+            lp, lp.detach(), torch.zeros(shape[0]), torch.zeros(shape, dtype=torch.bool), entropy=ent, entropy_coef=0.1
+        )
         value.backward()
         assert float(value.detach()) == 0.0 and lp.grad.shape == shape and ent.grad.shape == shape
         assert all(float(v) == 0.0 for v in metrics.values())
@@ -669,8 +772,11 @@ def test_log_ratios_beyond_the_fp32_range_of_exp_give_no_nan(loss, d):
     batch["ref"] = batch["lp"] + d
     batch["iw"][:, ::2] = 0.0
     for adv in (torch.zeros(4), batch["adv"].abs() + 0.1, -batch["adv"].abs() - 0.1):
-        for extra in ({}, {"importance_weights": batch["iw"]},
-                      {"ref_logprob": batch["ref"], "kl_coef": 0.1, "kl_unbiased": True}):
+        for extra in (
+            {},
+            {"importance_weights": batch["iw"]},
+            {"ref_logprob": batch["ref"], "kl_coef": 0.1, "kl_unbiased": True},
+        ):
             value, metrics, grad, _ = run_rlk(batch, loss=loss, adv=adv, **extra)
             what = (loss, d, float(adv[0]), list(extra))
             assert not bool(value.isnan()), what
@@ -687,8 +793,14 @@ def test_log_ratios_beyond_the_fp32_range_of_exp_give_no_nan(loss, d):
 def test_minus_inf_at_masked_positions(loss, agg):
     """-inf log-probs (and NaN entropies) where the mask is off change nothing, bit for bit, and make no NaN."""
     batch = make_batch(b=5, t=9, seed=15, per_seq_adv=False)
-    kwargs = {"loss": loss, "agg": agg, "importance_weights": batch["iw"], "kl_coef": 0.1,
-              "entropy_coef": 0.01, "loss_scale": 9 if agg == "seq-mean-token-sum-norm" else None}
+    kwargs = {
+        "loss": loss,
+        "agg": agg,
+        "importance_weights": batch["iw"],
+        "kl_coef": 0.1,
+        "entropy_coef": 0.01,
+        "loss_scale": 9 if agg == "seq-mean-token-sum-norm" else None,
+    }
     off = ~batch["mask"]
     clean = run_rlk(batch, ref_logprob=batch["ref"], entropy=batch["entropy"], with_entropy_grad=True, **kwargs)
     poisoned = {k: v.clone() for k, v in batch.items()}
@@ -698,8 +810,9 @@ def test_minus_inf_at_masked_positions(loss, agg):
     poisoned["iw"][off] = math.inf
     poisoned["adv"][off] = math.nan
     kwargs["importance_weights"] = poisoned["iw"]
-    dirty = run_rlk(poisoned, ref_logprob=poisoned["ref"], entropy=poisoned["entropy"], with_entropy_grad=True,
-                    **kwargs)
+    dirty = run_rlk(
+        poisoned, ref_logprob=poisoned["ref"], entropy=poisoned["entropy"], with_entropy_grad=True, **kwargs
+    )
     assert torch.equal(clean[0], dirty[0])
     assert torch.equal(clean[2], dirty[2]) and torch.equal(clean[3], dirty[3])
     assert all(torch.equal(clean[1][k], dirty[1][k]) for k in clean[1])
@@ -811,12 +924,21 @@ def _pl(*args, **kwargs):
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: _pl(_B["lp"][0], _B["old"][0], _B["adv"], _B["mask"][0]), ValueError,
-         r"logprob: expected shape \[B, T\]"),
-        (lambda: _pl(_B["lp"], _B["old"][:, :3], _B["adv"], _B["mask"]), ValueError,
-         r"old_logprob: expected shape \(3, 4\), got \(3, 3\)"),
-        (lambda: _pl(_B["lp"], _B["old"], torch.zeros(4), _B["mask"]), ValueError,
-         r"advantages: expected shape \(3, 4\) or \(3,\) or \(3, 1\), got \(4,\)"),
+        (
+            lambda: _pl(_B["lp"][0], _B["old"][0], _B["adv"], _B["mask"][0]),
+            ValueError,
+            r"logprob: expected shape \[B, T\]",
+        ),
+        (
+            lambda: _pl(_B["lp"], _B["old"][:, :3], _B["adv"], _B["mask"]),
+            ValueError,
+            r"old_logprob: expected shape \(3, 4\), got \(3, 3\)",
+        ),
+        (
+            lambda: _pl(_B["lp"], _B["old"], torch.zeros(4), _B["mask"]),
+            ValueError,
+            r"advantages: expected shape \(3, 4\) or \(3,\) or \(3, 1\), got \(4,\)",
+        ),
         (lambda: _pl(_B["lp"], _B["old"], _B["adv"], _B["mask"][:2]), ValueError, "mask: expected shape"),
         (lambda: _pl(_B["lp"].long(), _B["old"], _B["adv"], _B["mask"]), TypeError, "logprob: expected dtype"),
         (lambda: _pl(importance_weights=torch.ones(3, 5)), ValueError, "importance_weights: expected shape"),
@@ -842,10 +964,16 @@ def _pl(*args, **kwargs):
         (lambda: _pl(clip_low="0.2"), TypeError, "clip_low: expected a number"),
         (lambda: rlk.kl_penalty(_B["lp"], _B["ref"], "k5"), ValueError, "estimator: expected one of"),
         (lambda: rlk.kl_penalty(_B["lp"], _B["ref"][:2], "k3"), ValueError, "ref_logprob: expected shape"),
-        (lambda: rlk.kl_penalty(_B["lp"], _B["ref"], "k3", clamp=-1.0), ValueError,
-         "clamp: must be a finite number > 0"),
-        (lambda: rlk.kl_penalty(_B["lp"], _B["ref"], "k3", old_logprob=_B["old"][0]), ValueError,
-         "old_logprob: expected shape"),
+        (
+            lambda: rlk.kl_penalty(_B["lp"], _B["ref"], "k3", clamp=-1.0),
+            ValueError,
+            "clamp: must be a finite number > 0",
+        ),
+        (
+            lambda: rlk.kl_penalty(_B["lp"], _B["ref"], "k3", old_logprob=_B["old"][0]),
+            ValueError,
+            "old_logprob: expected shape",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_error(call, error, message):
@@ -868,11 +996,42 @@ def test_device_mismatch_is_named():
 def _fwd_args(batch, loss="ppo", iw=True, ref=True, ent=True, with_entropy_grad=True, global_seqs=None):
     lp = batch["lp"].clone().requires_grad_(True)
     entropy = batch["entropy"].clone().requires_grad_(with_entropy_grad) if ent else None
-    return (lp, batch["old"], batch["adv"][:, None], batch["mask"], batch["iw"] if iw else None,
-            batch["ref"] if ref else None, entropy, ent and with_entropy_grad, None, global_seqs, None,
-            "seq-mean-token-mean", loss, "k3", [False, True, False, False],
-            [0.2, 0.28, 3.0 if loss == "ppo" else 0.0, -20.0, 20.0, 1.0, 1.05, 0.1, math.inf, 0.01, 2.0, 3.0, 3.0, 2.0,
-             math.nan, math.nan, math.nan])
+    return (
+        lp,
+        batch["old"],
+        batch["adv"][:, None],
+        batch["mask"],
+        batch["iw"] if iw else None,
+        batch["ref"] if ref else None,
+        entropy,
+        ent and with_entropy_grad,
+        None,
+        global_seqs,
+        None,
+        "seq-mean-token-mean",
+        loss,
+        "k3",
+        [False, True, False, False],
+        [
+            0.2,
+            0.28,
+            3.0 if loss == "ppo" else 0.0,
+            -20.0,
+            20.0,
+            1.0,
+            1.05,
+            0.1,
+            math.inf,
+            0.01,
+            2.0,
+            3.0,
+            3.0,
+            2.0,
+            math.nan,
+            math.nan,
+            math.nan,
+        ],
+    )
 
 
 def test_opcheck_all_custom_ops():
@@ -898,9 +1057,20 @@ def test_torch_compile_fullgraph_matches_eager(loss):
 
     def objective(lp, ent):
         value, metrics = rlk.policy_loss(
-            lp, batch["old"], batch["adv"], batch["mask"], loss=loss, agg="seq-mean-token-mean",
-            importance_weights=batch["iw"], ref_logprob=batch["ref"], kl="k3+", kl_coef=0.1, entropy=ent,
-            entropy_coef=0.01, global_seqs=torch.tensor(4.0))
+            lp,
+            batch["old"],
+            batch["adv"],
+            batch["mask"],
+            loss=loss,
+            agg="seq-mean-token-mean",
+            importance_weights=batch["iw"],
+            ref_logprob=batch["ref"],
+            kl="k3+",
+            kl_coef=0.1,
+            entropy=ent,
+            entropy_coef=0.01,
+            global_seqs=torch.tensor(4.0),
+        )
         kl = rlk.kl_penalty(lp, batch["ref"], "low_var_kl", old_logprob=batch["old"])
         return value + 0.1 * kl.sum(), metrics
 
@@ -922,17 +1092,19 @@ def test_batch_invariance_of_the_gradient(loss):
     row for the sequence sums of gspo and geo_mean)."""
     probe = make_batch(b=1, t=12, seed=21)
     kwargs = {"loss": loss, "agg": "token-sum", "kl_coef": 0.1, "entropy_coef": 0.01}
-    _, _, alone, alone_ent = run_rlk(probe, ref_logprob=probe["ref"], entropy=probe["entropy"],
-                                     with_entropy_grad=True, **kwargs)
+    _, _, alone, alone_ent = run_rlk(
+        probe, ref_logprob=probe["ref"], entropy=probe["entropy"], with_entropy_grad=True, **kwargs
+    )
     for b in (2, 5, 9):
         for pos in sorted({0, b // 2, b - 1}):
             batch = make_batch(b=b, t=12, seed=100 + b)
             for k in batch:
                 batch[k][pos] = probe[k][0]
-            _, _, grad, grad_ent = run_rlk(batch, ref_logprob=batch["ref"], entropy=batch["entropy"],
-                                           with_entropy_grad=True, **kwargs)
-            assert torch.equal(grad[pos:pos + 1], alone), (b, pos)
-            assert torch.equal(grad_ent[pos:pos + 1], alone_ent), (b, pos)
+            _, _, grad, grad_ent = run_rlk(
+                batch, ref_logprob=batch["ref"], entropy=batch["entropy"], with_entropy_grad=True, **kwargs
+            )
+            assert torch.equal(grad[pos : pos + 1], alone), (b, pos)
+            assert torch.equal(grad_ent[pos : pos + 1], alone_ent), (b, pos)
 
 
 def test_backward_fills_no_zero_gradients_for_the_auxiliary_outputs():
@@ -974,14 +1146,30 @@ def test_backward_fills_no_zero_gradients_for_the_auxiliary_outputs():
 
 
 def _call(batch, **kwargs):
-    return rlk.policy_loss(batch["lp"], batch["old"], batch["adv"], batch["mask"], ref_logprob=batch["ref"],
-                           entropy=batch["entropy"], **kwargs)
+    return rlk.policy_loss(
+        batch["lp"],
+        batch["old"],
+        batch["adv"],
+        batch["mask"],
+        ref_logprob=batch["ref"],
+        entropy=batch["entropy"],
+        **kwargs,
+    )
 
 
 def test_a_config_gives_the_results_of_its_keywords_and_keywords_override_its_fields():
     batch = make_batch(seed=41)
-    options = dict(loss="ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0, clamp_log_ratio=20.0,
-                   agg="seq-mean-token-mean", kl="low_var_kl", kl_coef=0.05, entropy_coef=0.01)
+    options = dict(
+        loss="ppo",
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=3.0,
+        clamp_log_ratio=20.0,
+        agg="seq-mean-token-mean",
+        kl="low_var_kl",
+        kl_coef=0.05,
+        entropy_coef=0.01,
+    )
     want, want_metrics = _call(batch, **options)
     config = rlk.PolicyLossConfig(**options)
     got, got_metrics = _call(batch, config=config)
@@ -996,14 +1184,17 @@ def test_a_config_gives_the_results_of_its_keywords_and_keywords_override_its_fi
         config.clip_high = 0.4
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    ({"loss": "ppo2"}, ValueError, "loss: expected one of"),
-    ({"clip_low": -0.1}, ValueError, "clip_low"),
-    ({"agg": "mean"}, ValueError, "agg: expected one of"),
-    ({"kl": "k9"}, ValueError, "kl: expected one of"),
-    ({"sapo_tau": (1.0,)}, ValueError, "sapo_tau: expected a pair"),
-    ({"loss": "gspo", "dual_clip": 3.0}, ValueError, "dual_clip: only loss='ppo'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"loss": "ppo2"}, ValueError, "loss: expected one of"),
+        ({"clip_low": -0.1}, ValueError, "clip_low"),
+        ({"agg": "mean"}, ValueError, "agg: expected one of"),
+        ({"kl": "k9"}, ValueError, "kl: expected one of"),
+        ({"sapo_tau": (1.0,)}, ValueError, "sapo_tau: expected a pair"),
+        ({"loss": "gspo", "dual_clip": 3.0}, ValueError, "dual_clip: only loss='ppo'"),
+    ],
+)
 def test_a_config_is_checked_when_it_is_made(kwargs, error, message):
     with pytest.raises(error, match=message):
         rlk.PolicyLossConfig(**kwargs)
@@ -1031,9 +1222,17 @@ def test_policy_loss_and_grad_is_policy_loss_with_its_backward(loss, agg):
     """Loss, metrics and gradients (log-prob and entropy) bit for bit equal to policy_loss + backward(), with the
     KL and entropy terms and importance weights; nothing recorded for autograd."""
     batch = make_batch(b=5, t=11, seed=30, per_seq_adv=False)
-    kwargs = {"loss": loss, "agg": agg, "importance_weights": batch["iw"], "ref_logprob": batch["ref"], "kl_coef": 0.1,
-              "entropy_coef": 0.01, "loss_scale": 11.0 if agg == "seq-mean-token-sum-norm" else None,
-              "dual_clip": 3.0 if loss == "ppo" else None, "clamp_log_ratio": 20.0}
+    kwargs = {
+        "loss": loss,
+        "agg": agg,
+        "importance_weights": batch["iw"],
+        "ref_logprob": batch["ref"],
+        "kl_coef": 0.1,
+        "entropy_coef": 0.01,
+        "loss_scale": 11.0 if agg == "seq-mean-token-sum-norm" else None,
+        "dual_clip": 3.0 if loss == "ppo" else None,
+        "clamp_log_ratio": 20.0,
+    }
     value, metrics, grad, grad_ent = run_rlk(batch, with_entropy_grad=True, **kwargs)
     lp = batch["lp"].clone().requires_grad_(True)
     ent = batch["entropy"].clone().requires_grad_(True)
@@ -1070,8 +1269,9 @@ def test_policy_loss_and_grad_feeds_backward_of_the_logprobs():
 def test_policy_loss_and_grad_edge_cases():
     for shape in ((0, 5), (3, 0)):
         lp, ent = torch.zeros(shape), torch.zeros(shape)
-        out = rlk.policy_loss_and_grad(lp, lp, torch.zeros(shape[0]), torch.zeros(shape, dtype=torch.bool),
-                                       entropy=ent, entropy_coef=0.1)
+        out = rlk.policy_loss_and_grad(
+            lp, lp, torch.zeros(shape[0]), torch.zeros(shape, dtype=torch.bool), entropy=ent, entropy_coef=0.1
+        )
         assert float(out.loss) == 0.0 and out.grad_logprob.shape == shape and out.grad_entropy.shape == shape
     batch = make_batch(b=3, t=4, seed=32)
     batch["mask"][:] = False
@@ -1111,8 +1311,15 @@ def test_dppo_matches_verls_formulas(variant, eps, agg):
     losses, parts = verl_dppo(truth["lp"], truth["old"], adv_bt(truth), variant, *eps, 2.0)
     expected = verl_agg(losses, truth["mask"], agg)
     expected.backward()
-    loss, metrics, grad, _ = run_rlk(batch, loss=variant, clip_low=eps[0], clip_high=eps[1], dual_clip=2.0,
-                                     clamp_log_ratio=20.0, **verl_agg_kwargs(agg, batch["lp"].shape[1]))
+    loss, metrics, grad, _ = run_rlk(
+        batch,
+        loss=variant,
+        clip_low=eps[0],
+        clip_high=eps[1],
+        dual_clip=2.0,
+        clamp_log_ratio=20.0,
+        **verl_agg_kwargs(agg, batch["lp"].shape[1]),
+    )
     check_value(f"{variant} {agg} loss", loss, expected)
     check_grad(f"{variant} {agg} grad", grad, truth["lp"].grad)
     m = truth["mask"].double()
@@ -1151,7 +1358,7 @@ def vespo_token_losses(lp, old, adv, m, iw=None, k=(2.0, 3.0), lam=(3.0, 2.0)):
     w = torch.exp(torch.clamp(log_w, math.log(1e-8), 20.0)).detach()
     k_t = torch.where(adv >= 0, k[0], k[1]).to(lp.dtype)
     lam_t = torch.where(adv >= 0, lam[0], lam[1]).to(lp.dtype)
-    phi = w ** k_t * torch.exp(lam_t * (1.0 - w))
+    phi = w**k_t * torch.exp(lam_t * (1.0 - w))
     return -phi * adv * lp, w
 
 
@@ -1173,8 +1380,13 @@ def test_vespo_matches_the_paper_formula(agg, iw, per_seq_adv):
     """rlk fp32 against the re-derivation in fp64 with autograd: loss, gradient (phi detached) and the ratio
     metrics (of w); the importance weights in the sequence ratio, not a factor of the loss."""
     batch = vespo_batch(seed=40, per_seq_adv=per_seq_adv)
-    kwargs = {"loss": "vespo", "agg": agg, "clamp_log_ratio": 20.0, "importance_weights": batch["iw"] if iw else None,
-              "global_tokens": 50.0 if agg == "token-mean" else None}
+    kwargs = {
+        "loss": "vespo",
+        "agg": agg,
+        "clamp_log_ratio": 20.0,
+        "importance_weights": batch["iw"] if iw else None,
+        "global_tokens": 50.0 if agg == "token-mean" else None,
+    }
     value, metrics, grad, _ = run_rlk(batch, **kwargs)
     t = f64(batch)
     m = t["mask"]
@@ -1196,8 +1408,9 @@ def test_vespo_on_policy_is_gpg():
     batch = make_batch(seed=41)
     for agg in AGGS:
         scale = 13 if agg == "seq-mean-token-sum-norm" else None
-        vespo = run_rlk(batch, loss="vespo", old=None, agg=agg, loss_scale=scale, vespo_k=(1.5, 4.0),
-                        vespo_lambda=(0.7, 5.0))
+        vespo = run_rlk(
+            batch, loss="vespo", old=None, agg=agg, loss_scale=scale, vespo_k=(1.5, 4.0), vespo_lambda=(0.7, 5.0)
+        )
         gpg = run_rlk(batch, loss="gpg", old=None, agg=agg, loss_scale=scale)
         assert torch.equal(vespo[0], gpg[0]) and torch.equal(vespo[2], gpg[2]), agg
 

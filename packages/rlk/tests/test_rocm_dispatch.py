@@ -36,8 +36,15 @@ def hip(monkeypatch):
 
 def _gpu_backend(name: str, **overrides) -> Backend:
     """An available backend of every primitive (the reference's) that serves the "cuda" device type."""
-    fields = dict(name=name, version="9.9", abi_version=abi.ABI_VERSION, primitives=reference.backend().primitives,
-                  probe=lambda: None, device_types=lambda: ("cuda",), batch_invariant=True)
+    fields = dict(
+        name=name,
+        version="9.9",
+        abi_version=abi.ABI_VERSION,
+        primitives=reference.backend().primitives,
+        probe=lambda: None,
+        device_types=lambda: ("cuda",),
+        batch_invariant=True,
+    )
     fields.update(overrides)
     return Backend(**fields)
 
@@ -72,15 +79,22 @@ def test_an_absent_rocm_backend_is_skipped_and_triton_serves(monkeypatch, hip):
     assert "chain rocm -> triton -> reference" in str(decision) and "skip rocm: not installed" in str(decision)
 
 
-@pytest.mark.parametrize("rocm, reason", [
-    (_gpu_backend("rocm", probe=lambda: "no ROCm GPU visible"), "unavailable: no ROCm GPU visible"),
-    (_gpu_backend("rocm", abi_version=abi.ABI_VERSION + 1),
-     f"unavailable: built for rlk ABI {abi.ABI_VERSION + 1}, this rlk speaks ABI {abi.ABI_VERSION}"),
-    (_gpu_backend("rocm", device_types=lambda: ("cpu",)), "does not serve device type 'cuda' (serves: cpu)"),
-    (_gpu_backend("rocm", primitives={}), "does not implement selected_logprob_fwd, selected_logprob_bwd"),
-    (_gpu_backend("rocm", supports=lambda p, d, t: "bfloat16 declined" if t == torch.bfloat16 else None),
-     "bfloat16 declined"),
-])
+@pytest.mark.parametrize(
+    "rocm, reason",
+    [
+        (_gpu_backend("rocm", probe=lambda: "no ROCm GPU visible"), "unavailable: no ROCm GPU visible"),
+        (
+            _gpu_backend("rocm", abi_version=abi.ABI_VERSION + 1),
+            f"unavailable: built for rlk ABI {abi.ABI_VERSION + 1}, this rlk speaks ABI {abi.ABI_VERSION}",
+        ),
+        (_gpu_backend("rocm", device_types=lambda: ("cpu",)), "does not serve device type 'cuda' (serves: cpu)"),
+        (_gpu_backend("rocm", primitives={}), "does not implement selected_logprob_fwd, selected_logprob_bwd"),
+        (
+            _gpu_backend("rocm", supports=lambda p, d, t: "bfloat16 declined" if t == torch.bfloat16 else None),
+            "bfloat16 declined",
+        ),
+    ],
+)
 def test_a_rocm_backend_that_cannot_serve_is_skipped_with_its_reason(monkeypatch, caplog, hip, rocm, reason):
     _install(monkeypatch, _status(rocm), _status(_gpu_backend("triton")))
     decision = dispatch.decide("selected_logprob", GPU, torch.bfloat16)

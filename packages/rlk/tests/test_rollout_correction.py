@@ -71,9 +71,13 @@ def primitive_attrs(setting: dict) -> dict:
     """The primitive's attributes of a public-op setting (None bounds as the sentinels)."""
     upper, lower = setting.get("upper", 2.0), setting.get("lower")
     clamp = setting.get("clamp_log_ratio", 20.0)
-    return {"level": setting.get("level", "token"), "mode": setting.get("mode", "truncate"),
-            "upper": INF if upper is None else upper, "lower": 0.0 if lower is None else lower,
-            "clamp": INF if clamp is None else clamp}
+    return {
+        "level": setting.get("level", "token"),
+        "mode": setting.get("mode", "truncate"),
+        "upper": INF if upper is None else upper,
+        "lower": 0.0 if lower is None else lower,
+        "clamp": INF if clamp is None else clamp,
+    }
 
 
 def run(x: dict, setting: dict, dtype=torch.float32):
@@ -85,12 +89,14 @@ def check_contract(x: dict, setting: dict, weights: torch.Tensor, metrics: dict)
     """fp32 outputs against the fp64 reference on the same values, under the contract."""
     truth_w, truth_m = run(x, setting, torch.float64)
     scale = ref.contract_scale(x["old"].double(), x["roll"].double(), x["mask"], **primitive_attrs(setting))
-    dev = contract.compare_outputs(ENTRY, "weights", weights.reshape(-1), truth_w.reshape(-1),
-                                   scale["weights"].reshape(-1))
+    dev = contract.compare_outputs(
+        ENTRY, "weights", weights.reshape(-1), truth_w.reshape(-1), scale["weights"].reshape(-1)
+    )
     assert dev.ok, dev
     for i, name in enumerate(abi.CORRECTION_METRICS):
-        dev = contract.compare_outputs(ENTRY, name, metrics[name].reshape(1), truth_m[name].reshape(1),
-                                       scale["metrics"][i].reshape(1))
+        dev = contract.compare_outputs(
+            ENTRY, name, metrics[name].reshape(1), truth_m[name].reshape(1), scale["metrics"][i].reshape(1)
+        )
         assert dev.ok, dev
 
 
@@ -158,26 +164,43 @@ def rederive(old, roll, mask, *, level="token", mode="truncate", upper=2.0, lowe
     w, r = tok["w"], tok["r"]
     mean_sq = mean([x * x for x in w])
     metrics = {
-        "weight_mean": mean(w), "weight_max": max(w, default=0.0), "weight_min": min(w, default=0.0),
-        "weight_std": std(w, 0), "ess": mean(w) ** 2 / mean_sq if mean_sq > 0 else 0.0,
-        "ratio_max": max(r, default=0.0), "ratio_min": min(r, default=0.0),
-        "fraction_high": mean([float(x > hi) for x in r]), "fraction_low": mean([float(x < low_threshold) for x in r]),
-        "clipped_fraction": mean(tok["clipped"]), "abs_log_ratio_mean": mean(tok["abs"]),
-        "abs_log_ratio_max": max(tok["abs"], default=0.0), "kl": -mean(tok["d"]), "k3_kl": mean(tok["k3"]),
-        "chi2_token": mean(tok["chi2"]), "tokens": float(len(w)),
+        "weight_mean": mean(w),
+        "weight_max": max(w, default=0.0),
+        "weight_min": min(w, default=0.0),
+        "weight_std": std(w, 0),
+        "ess": mean(w) ** 2 / mean_sq if mean_sq > 0 else 0.0,
+        "ratio_max": max(r, default=0.0),
+        "ratio_min": min(r, default=0.0),
+        "fraction_high": mean([float(x > hi) for x in r]),
+        "fraction_low": mean([float(x < low_threshold) for x in r]),
+        "clipped_fraction": mean(tok["clipped"]),
+        "abs_log_ratio_mean": mean(tok["abs"]),
+        "abs_log_ratio_max": max(tok["abs"], default=0.0),
+        "kl": -mean(tok["d"]),
+        "k3_kl": mean(tok["k3"]),
+        "chi2_token": mean(tok["chi2"]),
+        "tokens": float(len(w)),
     }
     sw, lo_, ld = rows["w"], rows["log_old"], rows["log_diff"]
     metrics |= {
-        "seq_weight_mean": mean(sw), "seq_weight_max": max(sw, default=0.0), "seq_weight_min": min(sw, default=0.0),
-        "seq_weight_std": std(sw, 1), "seq_weight_max_deviation": max((abs(x - 1.0) for x in sw), default=0.0),
+        "seq_weight_mean": mean(sw),
+        "seq_weight_max": max(sw, default=0.0),
+        "seq_weight_min": min(sw, default=0.0),
+        "seq_weight_std": std(sw, 1),
+        "seq_weight_max_deviation": max((abs(x - 1.0) for x in sw), default=0.0),
         "seq_fraction_high": mean([float(x > hi) for x in rows["r"]]),
         "seq_fraction_low": mean([float(x < low_threshold) for x in rows["r"]]),
-        "seq_clipped_fraction": mean(rows["clipped"]), "chi2_seq": mean(rows["chi2"]),
-        "training_ppl": mean([math.exp(-x) for x in lo_]), "training_log_ppl": mean([-x for x in lo_]),
+        "seq_clipped_fraction": mean(rows["clipped"]),
+        "chi2_seq": mean(rows["chi2"]),
+        "training_ppl": mean([math.exp(-x) for x in lo_]),
+        "training_log_ppl": mean([-x for x in lo_]),
         "rollout_ppl": mean([math.exp(b - a) for a, b in zip(lo_, ld)]),
-        "rollout_log_ppl": mean([b - a for a, b in zip(lo_, ld)]), "log_ppl_diff": mean([-x for x in ld]),
-        "log_ppl_abs_diff": mean([abs(x) for x in ld]), "log_ppl_diff_max": max((-x for x in ld), default=0.0),
-        "log_ppl_diff_min": min((-x for x in ld), default=0.0), "ppl_ratio": mean([math.exp(-x) for x in ld]),
+        "rollout_log_ppl": mean([b - a for a, b in zip(lo_, ld)]),
+        "log_ppl_diff": mean([-x for x in ld]),
+        "log_ppl_abs_diff": mean([abs(x) for x in ld]),
+        "log_ppl_diff_max": max((-x for x in ld), default=0.0),
+        "log_ppl_diff_min": min((-x for x in ld), default=0.0),
+        "ppl_ratio": mean([math.exp(-x) for x in ld]),
         "sequences": float(len(sw)),
     }
     return weights, metrics
@@ -192,8 +215,7 @@ def test_matches_rederivation_fp64(setting, shape):
     torch.testing.assert_close(weights, torch.tensor(want_w, dtype=torch.float64), **TIGHT)
     assert set(metrics) == set(abi.CORRECTION_METRICS) == set(want_m)
     for name in abi.CORRECTION_METRICS:
-        torch.testing.assert_close(metrics[name], torch.tensor(want_m[name], dtype=torch.float64), **TIGHT,
-                                   msg=name)
+        torch.testing.assert_close(metrics[name], torch.tensor(want_m[name], dtype=torch.float64), **TIGHT, msg=name)
 
 
 def test_the_cases_are_not_trivial():
@@ -243,8 +265,13 @@ class FakeTRLTrainer:
         b = old.shape[0]
         self.accelerator = _IdentityAccelerator()
         self.model = types.SimpleNamespace(training=True, is_gradient_checkpointing=False)
-        self.args = types.SimpleNamespace(steps_per_generation=1, num_iterations=1, gradient_accumulation_steps=1,
-                                          per_device_train_batch_size=b, gradient_checkpointing_kwargs=None)
+        self.args = types.SimpleNamespace(
+            steps_per_generation=1,
+            num_iterations=1,
+            gradient_accumulation_steps=1,
+            per_device_train_batch_size=b,
+            gradient_checkpointing_kwargs=None,
+        )
         self.environment_factories, self.tools, self.environments = None, [], []
         self._tokenizer = types.SimpleNamespace(pad_token_id=0)
         self.pad_to_multiple_of, self.mask_truncated_completions, self.log_multimodal = None, False, False
@@ -255,16 +282,23 @@ class FakeTRLTrainer:
         self.multi_objective_aggregation, self.scale_rewards = "sum_then_normalize", "group"
         self.reward_weights, self.reward_func_names = torch.ones(1), ["reward"]
         self._metrics = {"train": collections.defaultdict(list)}
-        self._logs = {"prompt": [], "completion": [], "rewards": collections.defaultdict(list), "advantages": [],
-                      "extra": collections.defaultdict(list), "images": []}
+        self._logs = {
+            "prompt": [],
+            "completion": [],
+            "rewards": collections.defaultdict(list),
+            "advantages": [],
+            "extra": collections.defaultdict(list),
+            "images": [],
+        }
         self._pending_extra_logs, self._pending_metrics = {}, {}
         # completions: each row up to its last mask token; the holes before it become TRL's tool mask
         self._lengths = [int(row.nonzero().max()) + 1 if bool(row.any()) else 0 for row in mask]
         self._old, self._roll, self._mask = old, roll, mask
 
     def _generate(self, prompts):
-        logps = [[None if math.isnan(v) else v for v in self._roll[i, :n].tolist()]
-                 for i, n in enumerate(self._lengths)]
+        logps = [
+            [None if math.isnan(v) else v for v in self._roll[i, :n].tolist()] for i, n in enumerate(self._lengths)
+        ]
         tool_mask = [self._mask[i, :n].long().tolist() for i, n in enumerate(self._lengths)]
         completions = [[1] * n for n in self._lengths]
         b = len(prompts)
@@ -304,15 +338,23 @@ def run_trl(x: dict, mode: str, clip_max, clip_min) -> tuple[torch.Tensor, dict]
     width = out["completion_mask"].shape[1]
     ratio = torch.ones(b, t, dtype=torch.float64)
     ratio[:, :width] = out["importance_sampling_ratio"].expand(b, width)
-    metrics = {k.removeprefix("sampling/"): v[-1] for k, v in fake._metrics["train"].items()
-               if k.startswith("sampling/")}
+    metrics = {
+        k.removeprefix("sampling/"): v[-1] for k, v in fake._metrics["train"].items() if k.startswith("sampling/")
+    }
     return ratio, metrics
 
 
 #: TRL's modes, with its (clip_max, clip_min).
-TRL_CASES = [("token_truncate", 3.0, None), ("token_truncate", 1.2, 0.9), ("token_mask", 1.3, 0.8),
-             ("token_mask", None, 0.8), ("sequence_truncate", 2.0, 0.5), ("sequence_truncate", 1.5, None),
-             ("sequence_mask", 3.0, 0.5), ("sequence_mask", 1.2, None)]
+TRL_CASES = [
+    ("token_truncate", 3.0, None),
+    ("token_truncate", 1.2, 0.9),
+    ("token_mask", 1.3, 0.8),
+    ("token_mask", None, 0.8),
+    ("sequence_truncate", 2.0, 0.5),
+    ("sequence_truncate", 1.5, None),
+    ("sequence_mask", 3.0, 0.5),
+    ("sequence_mask", 1.2, None),
+]
 
 
 def trl_setting(mode: str, clip_max, clip_min) -> dict:
@@ -336,17 +378,22 @@ def _check_trl(x: dict, case: tuple, dtype: torch.dtype) -> None:
     assert torch.equal(weights[~m], torch.zeros_like(weights[~m]))
     rows = m.any(dim=1)
     pre = "" if mode.startswith("token") else "seq_"
-    ours = {"sampling_logp_difference/mean": "abs_log_ratio_mean", "sampling_logp_difference/max": "abs_log_ratio_max",
-            "importance_sampling_ratio/min": pre + "weight_min", "importance_sampling_ratio/mean": pre + "weight_mean",
-            "importance_sampling_ratio/max": pre + "weight_max"}
+    ours = {
+        "sampling_logp_difference/mean": "abs_log_ratio_mean",
+        "sampling_logp_difference/max": "abs_log_ratio_max",
+        "importance_sampling_ratio/min": pre + "weight_min",
+        "importance_sampling_ratio/mean": pre + "weight_mean",
+        "importance_sampling_ratio/max": pre + "weight_max",
+    }
     assert set(trl_metrics) == set(ours)
     if dtype == torch.float64:
         torch.testing.assert_close(weights[m], trl_ratio[m], **TIGHT)
         for theirs, name in ours.items():
             if pre and name.endswith("_mean") and not bool(rows.all()):
                 continue  # TRL's sequence mean counts the empty rows: test_trl_sequence_metrics_count_empty_rows
-            torch.testing.assert_close(metrics[name], torch.tensor(trl_metrics[theirs], dtype=torch.float64),
-                                       **TIGHT, msg=name)
+            torch.testing.assert_close(
+                metrics[name], torch.tensor(trl_metrics[theirs], dtype=torch.float64), **TIGHT, msg=name
+            )
     else:  # float32 rlk against TRL in float64 on the same values, under the contract
         scale = ref.contract_scale(x["old"].double(), x["roll"].double(), m, **primitive_attrs(setting))
         dev = contract.compare_outputs(ENTRY, "weights", weights[m], trl_ratio[m], scale["weights"][m])
@@ -409,21 +456,42 @@ VERL_CASES = [
 ]
 #: verl's metric names (without ``rollout_corr/``) that are rlk's under another name; the others are the same.
 VERL_NAMES = {
-    "rollout_is_mean": "weight_mean", "rollout_is_max": "weight_max", "rollout_is_min": "weight_min",
-    "rollout_is_std": "weight_std", "rollout_is_eff_sample_size": "ess", "rollout_is_oob_ratio": "clipped_fraction",
-    "rollout_is_ratio_fraction_high": "fraction_high", "rollout_is_ratio_fraction_low": "fraction_low",
-    "rollout_is_seq_mean": "seq_weight_mean", "rollout_is_seq_std": "seq_weight_std",
-    "rollout_is_seq_max": "seq_weight_max", "rollout_is_seq_min": "seq_weight_min",
-    "rollout_is_seq_max_deviation": "seq_weight_max_deviation", "rollout_is_seq_fraction_high": "seq_fraction_high",
+    "rollout_is_mean": "weight_mean",
+    "rollout_is_max": "weight_max",
+    "rollout_is_min": "weight_min",
+    "rollout_is_std": "weight_std",
+    "rollout_is_eff_sample_size": "ess",
+    "rollout_is_oob_ratio": "clipped_fraction",
+    "rollout_is_ratio_fraction_high": "fraction_high",
+    "rollout_is_ratio_fraction_low": "fraction_low",
+    "rollout_is_seq_mean": "seq_weight_mean",
+    "rollout_is_seq_std": "seq_weight_std",
+    "rollout_is_seq_max": "seq_weight_max",
+    "rollout_is_seq_min": "seq_weight_min",
+    "rollout_is_seq_max_deviation": "seq_weight_max_deviation",
+    "rollout_is_seq_fraction_high": "seq_fraction_high",
     "rollout_is_seq_fraction_low": "seq_fraction_low",
 }
 #: At the sequence level verl's max / min and fractions are of the raw sequence ratio over the rows.
-VERL_SEQUENCE_NAMES = {"rollout_is_max": "ratio_max", "rollout_is_min": "ratio_min",
-                       "rollout_is_ratio_fraction_high": "seq_fraction_high",
-                       "rollout_is_ratio_fraction_low": "seq_fraction_low"}
+VERL_SEQUENCE_NAMES = {
+    "rollout_is_max": "ratio_max",
+    "rollout_is_min": "ratio_min",
+    "rollout_is_ratio_fraction_high": "seq_fraction_high",
+    "rollout_is_ratio_fraction_low": "seq_fraction_low",
+}
 #: verl metrics that average over rows (verl counts empty rows in them, rlk does not).
-VERL_ROW_METRICS = {"chi2_seq", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
-                    "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio"}
+VERL_ROW_METRICS = {
+    "chi2_seq",
+    "training_ppl",
+    "training_log_ppl",
+    "rollout_ppl",
+    "rollout_log_ppl",
+    "log_ppl_diff",
+    "log_ppl_abs_diff",
+    "log_ppl_diff_max",
+    "log_ppl_diff_min",
+    "ppl_ratio",
+}
 #: verl's masked means divide by (count + 1e-8), its ess by (mean + 1e-8)^2: relative differences up to ~1e-8 / mean.
 VERL_TOL = {"rtol": 1e-7, "atol": 1e-12}
 
@@ -431,8 +499,8 @@ VERL_TOL = {"rtol": 1e-7, "atol": 1e-12}
 def run_verl(x: dict, rollout_is: str, threshold) -> tuple[torch.Tensor, dict]:
     helper = _verl()
     proto, mask, metrics = helper.compute_rollout_correction_and_rejection_mask(
-        x["old"].double(), x["roll"].double(), x["mask"].double(), rollout_is=rollout_is,
-        rollout_is_threshold=threshold)
+        x["old"].double(), x["roll"].double(), x["mask"].double(), rollout_is=rollout_is, rollout_is_threshold=threshold
+    )
     assert torch.equal(mask, x["mask"].double())  # no rejection sampling
     return proto.batch["rollout_is_weights"], {k.removeprefix("rollout_corr/"): v for k, v in metrics.items()}
 
@@ -458,8 +526,11 @@ def test_verl_rollout_correction(case, empty_row):
     for theirs, value in verl_m.items():
         name = _verl_name(theirs, rollout_is)
         assert name in metrics, f"verl's {theirs} has no rlk counterpart"
-        row_level = name in VERL_ROW_METRICS or name.startswith("seq_") or (rollout_is == "sequence" and (
-            name.startswith("ratio_")))
+        row_level = (
+            name in VERL_ROW_METRICS
+            or name.startswith("seq_")
+            or (rollout_is == "sequence" and (name.startswith("ratio_")))
+        )
         if empty_row and row_level:
             continue
         torch.testing.assert_close(metrics[name], torch.tensor(value, dtype=torch.float64), **VERL_TOL, msg=theirs)
@@ -483,8 +554,9 @@ def test_verl_float32_under_the_contract():
     verl_w, _ = run_verl(x, rollout_is, threshold)
     weights, metrics = run(x, setting)
     scale = ref.contract_scale(x["old"].double(), x["roll"].double(), x["mask"], **primitive_attrs(setting))
-    dev = contract.compare_outputs(ENTRY, "weights", weights.reshape(-1), verl_w.reshape(-1),
-                                   scale["weights"].reshape(-1))
+    dev = contract.compare_outputs(
+        ENTRY, "weights", weights.reshape(-1), verl_w.reshape(-1), scale["weights"].reshape(-1)
+    )
     assert dev.ok, dev
 
 
@@ -636,34 +708,62 @@ _X = torch.zeros(2, 5)
 _M = torch.ones(2, 5, dtype=torch.bool)
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda: rlk.rollout_correction(_X[0], _X[0], _M[0]), ValueError, r"old_logprob: expected shape \[B, T\]"),
-    (lambda: rlk.rollout_correction(_X, torch.zeros(2, 4), _M), ValueError,
-     r"rollout_logprob: expected shape \(2, 5\) \(the shape of old_logprob\)"),
-    (lambda: rlk.rollout_correction(_X, _X, _M[:, :3]), ValueError, r"mask: expected shape \(2, 5\)"),
-    (lambda: rlk.rollout_correction(_X.long(), _X, _M), TypeError, "old_logprob: expected dtype"),
-    (lambda: rlk.rollout_correction(_X, [0.0], _M), TypeError, "rollout_logprob: expected a torch.Tensor"),
-    (lambda: rlk.rollout_correction(_X, _X.double(), _M), TypeError,
-     "rollout_logprob: expected float64 exactly when old_logprob is float64"),
-    (lambda: rlk.rollout_correction(_X, _X, _M.tolist()), TypeError, "mask: expected a torch.Tensor"),
-    (lambda: rlk.rollout_correction(_X, _X, torch.ones(2, 5, dtype=torch.complex64)), TypeError, "mask: expected"),
-    (lambda: rlk.rollout_correction(_X, _X, torch.ones(2, 5, dtype=torch.bool, device="meta")), ValueError,
-     "mask: expected device cpu"),
-    (lambda: rlk.rollout_correction(_X, _X, _M, level="geometric"), ValueError,
-     "level: expected one of 'token', 'sequence', got 'geometric'"),
-    (lambda: rlk.rollout_correction(_X, _X, _M, mode="clip"), ValueError, "mode: expected one of 'truncate', 'mask'"),
-    (lambda: rlk.rollout_correction(_X, _X, _M, upper=0.0), ValueError, "upper: must be a finite number > 0"),
-    (lambda: rlk.rollout_correction(_X, _X, _M, upper=math.inf), ValueError, "upper: must be a finite number"),
-    (lambda: rlk.rollout_correction(_X, _X, _M, upper=1e39), ValueError, "upper: 1e[+]?39 overflows"),
-    (lambda: rlk.rollout_correction(_X, _X, _M, lower=-1.0), ValueError, "lower: must be a finite number > 0"),
-    (lambda: rlk.rollout_correction(_X, _X, _M, lower="0.5"), TypeError, "lower: expected a number"),
-    (lambda: rlk.rollout_correction(_X, _X, _M, upper=1.0, lower=2.0), ValueError,
-     "lower: must be <= upper, got lower=2 and upper=1"),
-    (lambda: rlk.rollout_correction(_X, _X, _M, clamp_log_ratio=0.0), ValueError,
-     "clamp_log_ratio: must be a finite number > 0"),
-    (lambda: rlk.rollout_correction(_X, _X, _M, clamp_log_ratio=True), TypeError,
-     "clamp_log_ratio: expected a number"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: rlk.rollout_correction(_X[0], _X[0], _M[0]), ValueError, r"old_logprob: expected shape \[B, T\]"),
+        (
+            lambda: rlk.rollout_correction(_X, torch.zeros(2, 4), _M),
+            ValueError,
+            r"rollout_logprob: expected shape \(2, 5\) \(the shape of old_logprob\)",
+        ),
+        (lambda: rlk.rollout_correction(_X, _X, _M[:, :3]), ValueError, r"mask: expected shape \(2, 5\)"),
+        (lambda: rlk.rollout_correction(_X.long(), _X, _M), TypeError, "old_logprob: expected dtype"),
+        (lambda: rlk.rollout_correction(_X, [0.0], _M), TypeError, "rollout_logprob: expected a torch.Tensor"),
+        (
+            lambda: rlk.rollout_correction(_X, _X.double(), _M),
+            TypeError,
+            "rollout_logprob: expected float64 exactly when old_logprob is float64",
+        ),
+        (lambda: rlk.rollout_correction(_X, _X, _M.tolist()), TypeError, "mask: expected a torch.Tensor"),
+        (lambda: rlk.rollout_correction(_X, _X, torch.ones(2, 5, dtype=torch.complex64)), TypeError, "mask: expected"),
+        (
+            lambda: rlk.rollout_correction(_X, _X, torch.ones(2, 5, dtype=torch.bool, device="meta")),
+            ValueError,
+            "mask: expected device cpu",
+        ),
+        (
+            lambda: rlk.rollout_correction(_X, _X, _M, level="geometric"),
+            ValueError,
+            "level: expected one of 'token', 'sequence', got 'geometric'",
+        ),
+        (
+            lambda: rlk.rollout_correction(_X, _X, _M, mode="clip"),
+            ValueError,
+            "mode: expected one of 'truncate', 'mask'",
+        ),
+        (lambda: rlk.rollout_correction(_X, _X, _M, upper=0.0), ValueError, "upper: must be a finite number > 0"),
+        (lambda: rlk.rollout_correction(_X, _X, _M, upper=math.inf), ValueError, "upper: must be a finite number"),
+        (lambda: rlk.rollout_correction(_X, _X, _M, upper=1e39), ValueError, "upper: 1e[+]?39 overflows"),
+        (lambda: rlk.rollout_correction(_X, _X, _M, lower=-1.0), ValueError, "lower: must be a finite number > 0"),
+        (lambda: rlk.rollout_correction(_X, _X, _M, lower="0.5"), TypeError, "lower: expected a number"),
+        (
+            lambda: rlk.rollout_correction(_X, _X, _M, upper=1.0, lower=2.0),
+            ValueError,
+            "lower: must be <= upper, got lower=2 and upper=1",
+        ),
+        (
+            lambda: rlk.rollout_correction(_X, _X, _M, clamp_log_ratio=0.0),
+            ValueError,
+            "clamp_log_ratio: must be a finite number > 0",
+        ),
+        (
+            lambda: rlk.rollout_correction(_X, _X, _M, clamp_log_ratio=True),
+            TypeError,
+            "clamp_log_ratio: expected a number",
+        ),
+    ],
+)
 def test_bad_input_gets_a_clear_error(call, error, message):
     with pytest.raises(error, match=message):
         call()
@@ -677,8 +777,9 @@ def test_bad_input_gets_a_clear_error(call, error, message):
 def test_opcheck():
     x = make_inputs(3, 8, seed=12)
     for level, mode, params in (("token", "truncate", [2.0, 0.0, 20.0]), ("sequence", "mask", [3.0, 0.5, INF])):
-        torch.library.opcheck(torch.ops.rlk.rollout_correction_fwd.default,
-                              (x["old"], x["roll"], x["mask"], level, mode, params))
+        torch.library.opcheck(
+            torch.ops.rlk.rollout_correction_fwd.default, (x["old"], x["roll"], x["mask"], level, mode, params)
+        )
 
 
 def test_meta_tensors_run_the_fake_implementation():
@@ -691,8 +792,7 @@ def test_torch_compile_fullgraph_matches_eager():
     x = make_inputs(4, 10, seed=13)
 
     def weighted(old, roll, mask):
-        weights, metrics = rlk.rollout_correction(old, roll, mask, level="sequence", mode="mask", lower=0.5,
-                                                  upper=3.0)
+        weights, metrics = rlk.rollout_correction(old, roll, mask, level="sequence", mode="mask", lower=0.5, upper=3.0)
         return weights * 2.0, metrics["weight_mean"] + metrics["seq_weight_std"]
 
     eager = weighted(x["old"], x["roll"], x["mask"])

@@ -21,7 +21,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def rotate_half(x):
     """Hugging Face's ``rotate_half``: ``cat(-x2, x1)`` over the two halves of the last dim."""
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -72,8 +72,9 @@ def _positions(b, s, seed=1):
 
 
 def _check_values(dtype, got, truth, scale, name):
-    dev = contract.compare_outputs(contract.entry("rope", dtype), name, got.reshape(-1), truth.reshape(-1),
-                                   scale.reshape(-1))
+    dev = contract.compare_outputs(
+        contract.entry("rope", dtype), name, got.reshape(-1), truth.reshape(-1), scale.reshape(-1)
+    )
     assert dev.ok, dev
     return dev
 
@@ -95,13 +96,15 @@ def test_matches_hf_formula_all_layouts_fp64(interleaved, rotary_dim):
     torch.testing.assert_close(got_k, want_k, rtol=1e-15, atol=1e-15)
     assert got_q.is_contiguous() and got_k.is_contiguous()
     # [B, S, H, D] with unsqueeze_dim=2
-    got_q2, got_k2 = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, interleaved=interleaved,
-                                unsqueeze_dim=2)
+    got_q2, got_k2 = apply_rope(
+        q.transpose(1, 2), k.transpose(1, 2), cos, sin, interleaved=interleaved, unsqueeze_dim=2
+    )
     assert torch.equal(got_q2, got_q.transpose(1, 2)) and torch.equal(got_k2, got_k.transpose(1, 2))
     # packed [T, H, D] with cos [T, R]
     packed = [x.transpose(1, 2).reshape(18, x.shape[1], 16) for x in (q, k)]
-    got_qp, got_kp = apply_rope(*packed, cos.reshape(18, rotary_dim), sin.reshape(18, rotary_dim),
-                                interleaved=interleaved)
+    got_qp, got_kp = apply_rope(
+        *packed, cos.reshape(18, rotary_dim), sin.reshape(18, rotary_dim), interleaved=interleaved
+    )
     assert torch.equal(got_qp, got_q2.reshape(18, 4, 16)) and torch.equal(got_kp, got_k2.reshape(18, 2, 16))
 
 
@@ -130,7 +133,7 @@ def test_rotation_preserves_pair_norms_and_position_zero_is_identity():
     positions[:, 0] = 0
     cos, sin = tables(positions, 16, dtype=torch.float64)
     qe, _ = apply_rope(q, k, cos, sin)
-    pair_norm = (q[..., :8] ** 2 + q[..., 8:] ** 2)
+    pair_norm = q[..., :8] ** 2 + q[..., 8:] ** 2
     torch.testing.assert_close(qe[..., :8] ** 2 + qe[..., 8:] ** 2, pair_norm, rtol=1e-12, atol=0)
     assert torch.equal(qe[:, :, 0], q[:, :, 0])
 
@@ -287,41 +290,106 @@ def test_torch_compile_fullgraph_matches_eager():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: apply_rope(torch.randn(2, 3, 4, 7), torch.randn(2, 3, 4, 7), torch.randn(4, 7), torch.randn(4, 7)),
-         ValueError, r"cos: the last dim is the rotary dim R, which must be even.*got R = 7"),
-        (lambda: apply_rope(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8), torch.randn(4, 10), torch.randn(4, 10)),
-         ValueError, r"<= the head dim D = 8; got R = 10"),
-        (lambda: apply_rope(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8), torch.randn(5, 8), torch.randn(5, 8)),
-         ValueError, r"cos: expected shape \[S, R\] or \[B, S, R\] with B = 2, S = 4, got \(5, 8\)"),
-        (lambda: apply_rope(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8), torch.randn(4, 8), torch.randn(3, 8)),
-         ValueError, r"sin: expected the shape of cos \(4, 8\)"),
-        (lambda: apply_rope(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 5, 8), torch.randn(4, 8), torch.randn(4, 8)),
-         ValueError, r"k: expected batch 2 and sequence length 4"),
-        (lambda: apply_rope(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 6), torch.randn(4, 8), torch.randn(4, 8)),
-         ValueError, r"k: expected 4 dims and head dim D = 8"),
-        (lambda: apply_rope(torch.randn(3, 8), torch.randn(3, 8), torch.randn(3, 8), torch.randn(3, 8)),
-         ValueError, r"q: expected shape \[B, H, S, D\]"),
-        (lambda: apply_rope(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8), torch.randn(4, 8), torch.randn(4, 8),
-                            unsqueeze_dim=3), ValueError, "unsqueeze_dim: expected 1 or 2"),
-        (lambda: apply_rope(torch.randn(5, 3, 8), torch.randn(5, 3, 8), torch.randn(5, 8), torch.randn(5, 8),
-                            unsqueeze_dim=2), ValueError, "1 for packed"),
-        (lambda: apply_rope(torch.randn(5, 3, 8), torch.randn(4, 3, 8), torch.randn(5, 8), torch.randn(5, 8)),
-         ValueError, "k: expected 5 tokens like q"),
-        (lambda: apply_rope(torch.randn(5, 3, 8), torch.randn(5, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)),
-         ValueError, r"cos: expected shape \[T, R\] with T = 5 for packed q"),
-        (lambda: apply_rope(torch.randn(5, 3, 8).long(), torch.randn(5, 3, 8), torch.randn(5, 8), torch.randn(5, 8)),
-         TypeError, "q: expected dtype"),
-        (lambda: apply_rope(torch.randn(5, 3, 8).half(), torch.randn(5, 3, 8), torch.randn(5, 8), torch.randn(5, 8)),
-         TypeError, r"k: expected the dtype of q \(torch.float16\)"),
-        (lambda: apply_rope(torch.randn(5, 3, 8).half(), torch.randn(5, 3, 8).half(), torch.randn(5, 8).bfloat16(),
-                            torch.randn(5, 8).bfloat16()),
-         TypeError, r"cos: expected dtype float32 or the dtype of q \(torch.float16\), got torch.bfloat16"),
-        (lambda: apply_rope(torch.randn(5, 3, 8), torch.randn(5, 3, 8), torch.randn(5, 8), torch.randn(5, 8).half()),
-         TypeError, "sin: expected the dtype of cos"),
-        (lambda: apply_rope(torch.randn(5, 3, 8), torch.randn(5, 3, 8, device="meta"), torch.randn(5, 8),
-                            torch.randn(5, 8)), ValueError, "k: expected device cpu"),
-        (lambda: apply_rope(torch.randn(5, 3, 8), torch.randn(5, 3, 8), torch.randn(5, 8, device="meta"),
-                            torch.randn(5, 8)), ValueError, "cos: expected device cpu"),
+        (
+            lambda: apply_rope(torch.randn(2, 3, 4, 7), torch.randn(2, 3, 4, 7), torch.randn(4, 7), torch.randn(4, 7)),
+            ValueError,
+            r"cos: the last dim is the rotary dim R, which must be even.*got R = 7",
+        ),
+        (
+            lambda: apply_rope(
+                torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8), torch.randn(4, 10), torch.randn(4, 10)
+            ),
+            ValueError,
+            r"<= the head dim D = 8; got R = 10",
+        ),
+        (
+            lambda: apply_rope(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8), torch.randn(5, 8), torch.randn(5, 8)),
+            ValueError,
+            r"cos: expected shape \[S, R\] or \[B, S, R\] with B = 2, S = 4, got \(5, 8\)",
+        ),
+        (
+            lambda: apply_rope(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8), torch.randn(4, 8), torch.randn(3, 8)),
+            ValueError,
+            r"sin: expected the shape of cos \(4, 8\)",
+        ),
+        (
+            lambda: apply_rope(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 5, 8), torch.randn(4, 8), torch.randn(4, 8)),
+            ValueError,
+            r"k: expected batch 2 and sequence length 4",
+        ),
+        (
+            lambda: apply_rope(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 6), torch.randn(4, 8), torch.randn(4, 8)),
+            ValueError,
+            r"k: expected 4 dims and head dim D = 8",
+        ),
+        (
+            lambda: apply_rope(torch.randn(3, 8), torch.randn(3, 8), torch.randn(3, 8), torch.randn(3, 8)),
+            ValueError,
+            r"q: expected shape \[B, H, S, D\]",
+        ),
+        (
+            lambda: apply_rope(
+                torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8), torch.randn(4, 8), torch.randn(4, 8), unsqueeze_dim=3
+            ),
+            ValueError,
+            "unsqueeze_dim: expected 1 or 2",
+        ),
+        (
+            lambda: apply_rope(
+                torch.randn(5, 3, 8), torch.randn(5, 3, 8), torch.randn(5, 8), torch.randn(5, 8), unsqueeze_dim=2
+            ),
+            ValueError,
+            "1 for packed",
+        ),
+        (
+            lambda: apply_rope(torch.randn(5, 3, 8), torch.randn(4, 3, 8), torch.randn(5, 8), torch.randn(5, 8)),
+            ValueError,
+            "k: expected 5 tokens like q",
+        ),
+        (
+            lambda: apply_rope(torch.randn(5, 3, 8), torch.randn(5, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8)),
+            ValueError,
+            r"cos: expected shape \[T, R\] with T = 5 for packed q",
+        ),
+        (
+            lambda: apply_rope(torch.randn(5, 3, 8).long(), torch.randn(5, 3, 8), torch.randn(5, 8), torch.randn(5, 8)),
+            TypeError,
+            "q: expected dtype",
+        ),
+        (
+            lambda: apply_rope(torch.randn(5, 3, 8).half(), torch.randn(5, 3, 8), torch.randn(5, 8), torch.randn(5, 8)),
+            TypeError,
+            r"k: expected the dtype of q \(torch.float16\)",
+        ),
+        (
+            lambda: apply_rope(
+                torch.randn(5, 3, 8).half(),
+                torch.randn(5, 3, 8).half(),
+                torch.randn(5, 8).bfloat16(),
+                torch.randn(5, 8).bfloat16(),
+            ),
+            TypeError,
+            r"cos: expected dtype float32 or the dtype of q \(torch.float16\), got torch.bfloat16",
+        ),
+        (
+            lambda: apply_rope(torch.randn(5, 3, 8), torch.randn(5, 3, 8), torch.randn(5, 8), torch.randn(5, 8).half()),
+            TypeError,
+            "sin: expected the dtype of cos",
+        ),
+        (
+            lambda: apply_rope(
+                torch.randn(5, 3, 8), torch.randn(5, 3, 8, device="meta"), torch.randn(5, 8), torch.randn(5, 8)
+            ),
+            ValueError,
+            "k: expected device cpu",
+        ),
+        (
+            lambda: apply_rope(
+                torch.randn(5, 3, 8), torch.randn(5, 3, 8), torch.randn(5, 8, device="meta"), torch.randn(5, 8)
+            ),
+            ValueError,
+            "cos: expected device cpu",
+        ),
     ],
 )
 def test_bad_input_gets_a_clear_error(call, error, message):
@@ -350,8 +418,9 @@ def test_gpu_backend_values_opcheck_and_compile(dtype):
     for name, x, got in (("q", q, got_q), ("k", k, got_k)):
         truth = hf_rope(x.double(), cos.double(), sin.double())
         _check_values(dtype, got, truth, term_scale(x, cos, sin), name)
-    torch.library.opcheck(torch.ops.rlk.rope_fwd.default,
-                          (q[0].transpose(0, 1).contiguous().requires_grad_(), cos[0], sin[0], False))
+    torch.library.opcheck(
+        torch.ops.rlk.rope_fwd.default, (q[0].transpose(0, 1).contiguous().requires_grad_(), cos[0], sin[0], False)
+    )
 
     def fn(a, c):
         out_q, out_k = apply_rope(a, c, cos, sin)

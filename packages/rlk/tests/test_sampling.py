@@ -21,8 +21,15 @@ from rlk.core import abi, dispatch
 from rlk.reference import sampling as ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-FILTERS = [dict(), dict(temperature=0.7), dict(top_k=7), dict(top_p=0.8), dict(min_p=0.05),
-           dict(temperature=1.3, top_k=40, top_p=0.9, min_p=0.02), dict(temperature=0.0)]
+FILTERS = [
+    dict(),
+    dict(temperature=0.7),
+    dict(top_k=7),
+    dict(top_p=0.8),
+    dict(min_p=0.05),
+    dict(temperature=1.3, top_k=40, top_p=0.9, min_p=0.02),
+    dict(temperature=0.0),
+]
 
 
 def _triton_ok(dtype):
@@ -36,10 +43,14 @@ def _backends(dtype):
 def _inputs(rows=6, vocab=1500, dtype=torch.float32, seed=0, scale=3.0):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, vocab, generator=g) * scale).to(dtype).to(DEVICE)
-    seeds = torch.tensor([0, 1, -5, 2**40 + 3, 7, 2**62, -(2**63), 11][:rows] + list(range(100, 100 + rows - 8)),
-                         dtype=torch.int64, device=DEVICE)
-    steps = torch.tensor([0, 3, 2**33, 9, 1, -1, 5, 2**63 - 1][:rows] + list(range(rows - 8)), dtype=torch.int64,
-                         device=DEVICE)
+    seeds = torch.tensor(
+        [0, 1, -5, 2**40 + 3, 7, 2**62, -(2**63), 11][:rows] + list(range(100, 100 + rows - 8)),
+        dtype=torch.int64,
+        device=DEVICE,
+    )
+    steps = torch.tensor(
+        [0, 3, 2**33, 9, 1, -1, 5, 2**63 - 1][:rows] + list(range(rows - 8)), dtype=torch.int64, device=DEVICE
+    )
     return x, seeds[:rows], steps[:rows]
 
 
@@ -51,12 +62,18 @@ def _sample(backend, *args, **kw):
 # --------------------------------------------------------------------------- Philox
 
 
-@pytest.mark.parametrize("key,ctr,want", [
-    ((0, 0), (0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 2, (0xFFFFFFFF,) * 4, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0xA4093822, 0x299F31D0), (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
-])
+@pytest.mark.parametrize(
+    "key,ctr,want",
+    [
+        ((0, 0), (0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 2, (0xFFFFFFFF,) * 4, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0xA4093822, 0x299F31D0),
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ],
+)
 def test_philox_known_answers(key, ctr, want):
     """Random123's published Philox4x32-10 known-answer vectors."""
     t = [torch.tensor([v], dtype=torch.int64) for v in (*ctr, *key)]
@@ -108,8 +125,8 @@ def test_batch_invariance(backend, kw):
     x, seed, step = _inputs(rows=7, vocab=1100)
     tokens, logprobs = _sample(backend, x, seed, step, **kw)
     for i in range(7):
-        t1, l1 = _sample(backend, x[i:i + 1], seed[i:i + 1], step[i:i + 1], **kw)
-        assert torch.equal(t1, tokens[i:i + 1]) and torch.equal(l1, logprobs[i:i + 1])
+        t1, l1 = _sample(backend, x[i : i + 1], seed[i : i + 1], step[i : i + 1], **kw)
+        assert torch.equal(t1, tokens[i : i + 1]) and torch.equal(l1, logprobs[i : i + 1])
     perm = torch.tensor([3, 6, 0, 5, 1, 4, 2], device=DEVICE)
     tp, lp = _sample(backend, x[perm], seed[perm], step[perm], **kw)
     assert torch.equal(tp, tokens[perm]) and torch.equal(lp, logprobs[perm])
@@ -156,7 +173,7 @@ def _expected(kw):
     p = torch.softmax(PROBS.log() / kw.get("temperature", 1.0), dim=0)
     keep = torch.ones(8, dtype=torch.bool)
     if kw.get("top_k", 0):
-        keep[kw["top_k"]:] = False
+        keep[kw["top_k"] :] = False
     if kw.get("top_p", 1.0) < 1.0:
         cum = torch.cumsum(p * keep, 0) / (p * keep).sum()
         n = int((cum < kw["top_p"]).sum()) + 1
@@ -167,9 +184,18 @@ def _expected(kw):
     return q / q.sum()
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.6), dict(top_k=3), dict(top_p=0.6), dict(min_p=0.3),
-                                dict(top_k=5, top_p=0.7, temperature=1.5)],
-                         ids=["plain", "temperature", "top_k", "top_p", "min_p", "combined"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(temperature=0.6),
+        dict(top_k=3),
+        dict(top_p=0.6),
+        dict(min_p=0.3),
+        dict(top_k=5, top_p=0.7, temperature=1.5),
+    ],
+    ids=["plain", "temperature", "top_k", "top_p", "min_p", "combined"],
+)
 def test_chi_square(kw):
     """20000 draws (distinct steps, one seed) of a known V = 8 distribution, on the reference (bitwise the Triton
     kernel's draws, above): the counts fit the filtered, renormalized distribution (p-value > 1e-3)."""
@@ -204,8 +230,13 @@ def test_greedy_and_ties(backend):
     assert tokens.tolist() == [1, 0]
     assert torch.equal(logprobs, torch.log_softmax(x.double(), -1).gather(1, tokens[:, None])[:, 0].float())
     # top_k = 1 keeps every token tied with the largest value: only those two / three are ever drawn
-    tk, _ = _sample(backend, x.expand(1, 2, 4).reshape(2, 4).repeat(50, 1), torch.arange(100, device=DEVICE),
-                    torch.zeros(100, dtype=torch.int64, device=DEVICE), top_k=1)
+    tk, _ = _sample(
+        backend,
+        x.expand(1, 2, 4).reshape(2, 4).repeat(50, 1),
+        torch.arange(100, device=DEVICE),
+        torch.zeros(100, dtype=torch.int64, device=DEVICE),
+        top_k=1,
+    )
     assert set(tk[0::2].tolist()) == {1, 2} and set(tk[1::2].tolist()) == {0, 2, 3}
 
 
@@ -226,8 +257,11 @@ def test_top_p_one_and_large_k_are_off():
 
 
 def test_empty_batch():
-    t, lp = rlk.sample(torch.zeros(0, 5, device=DEVICE), torch.zeros(0, dtype=torch.int64, device=DEVICE),
-                       torch.zeros(0, dtype=torch.int64, device=DEVICE))
+    t, lp = rlk.sample(
+        torch.zeros(0, 5, device=DEVICE),
+        torch.zeros(0, dtype=torch.int64, device=DEVICE),
+        torch.zeros(0, dtype=torch.int64, device=DEVICE),
+    )
     assert t.shape == (0,) and t.dtype == torch.int64 and lp.shape == (0,) and lp.dtype == torch.float32
 
 

@@ -30,8 +30,9 @@ def test_matches_fp64_torch(op, truth, dtype, dim):
     y = op(x, dim)
     assert y.dtype == dtype and y.shape == x.shape
     ref = truth(x.double(), dim)
-    dev = contract.compare_outputs(contract.entry("softmax", dtype), "out", y.reshape(-1), ref.reshape(-1),
-                                   _scale(ref).reshape(-1))
+    dev = contract.compare_outputs(
+        contract.entry("softmax", dtype), "out", y.reshape(-1), ref.reshape(-1), _scale(ref).reshape(-1)
+    )
     assert dev.ok, dev
 
 
@@ -46,8 +47,9 @@ def test_gradient_matches_fp64_autograd(op, truth, dtype):
     ref = truth(x64, -1)
     (ref * g).sum().backward()
     assert xr.grad.dtype == dtype
-    dev = contract.compare_grad(contract.entry("softmax", dtype), "grad_x", xr.grad, x64.grad,
-                                float(_scale(ref.detach()).max()))
+    dev = contract.compare_grad(
+        contract.entry("softmax", dtype), "grad_x", xr.grad, x64.grad, float(_scale(ref.detach()).max())
+    )
     assert dev.ok, dev
 
 
@@ -66,8 +68,13 @@ def test_minus_inf_entries_and_extreme_values():
     for op, truth in OPS:
         y, ref = op(x, -1), truth(x.double(), -1)
         assert torch.isnan(y[2]).all() and torch.isnan(ref[2]).all()
-        dev = contract.compare_outputs(contract.entry("softmax", torch.float32), "out", y[[0, 1, 3]].reshape(-1),
-                                       ref[[0, 1, 3]].reshape(-1), _scale(ref[[0, 1, 3]]).reshape(-1))
+        dev = contract.compare_outputs(
+            contract.entry("softmax", torch.float32),
+            "out",
+            y[[0, 1, 3]].reshape(-1),
+            ref[[0, 1, 3]].reshape(-1),
+            _scale(ref[[0, 1, 3]]).reshape(-1),
+        )
         assert dev.ok, dev
     assert torch.all(softmax(x, -1)[0, ::3] == 0) and torch.all(log_softmax(x, -1)[0, ::3] == -torch.inf)
 

@@ -62,10 +62,10 @@ try:
     from rlk.integrations import trl as rlk_trl
 except ImportError as err:  # pragma: no cover - depends on the environment
     if os.environ.get("RLK_REQUIRE_TRL", "0") not in ("", "0"):
-        raise ImportError(f"RLK_REQUIRE_TRL is set but trl cannot be imported ({err}); "
-                          "install the pins of ci/requirements-dev.txt") from err
-    pytest.skip(f"trl is not installed ({err}); set RLK_REQUIRE_TRL=1 to make this an error",
-                allow_module_level=True)
+        raise ImportError(
+            f"RLK_REQUIRE_TRL is set but trl cannot be imported ({err}); install the pins of ci/requirements-dev.txt"
+        ) from err
+    pytest.skip(f"trl is not installed ({err}); set RLK_REQUIRE_TRL=1 to make this an error", allow_module_level=True)
 
 ENTRY = contract.entry("policy_loss", torch.float32)
 #: float64 against float64: both sides compute the same sums in another order.
@@ -132,8 +132,11 @@ class Case:
         return self.eps_low if self.epsilon_high is None else self.epsilon_high
 
     def __str__(self) -> str:
-        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                  if f.name != "loss_type" and getattr(self, f.name) != f.default]
+        fields = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if f.name != "loss_type" and getattr(self, f.name) != f.default
+        ]
         return "-".join([self.loss_type, *fields])
 
 
@@ -168,23 +171,40 @@ class FakeTrainer:
         self.accelerator = IdentityAccelerator(case.num_processes)
         self._metrics = collections.defaultdict(lambda: collections.defaultdict(list))
         k_pos, lambda_pos, k_neg, lambda_neg = case.vespo or (
-            _TRL_DEFAULTS["vespo_k_pos"], _TRL_DEFAULTS["vespo_lambda_pos"], _TRL_DEFAULTS["vespo_k_neg"],
-            _TRL_DEFAULTS["vespo_lambda_neg"])
+            _TRL_DEFAULTS["vespo_k_pos"],
+            _TRL_DEFAULTS["vespo_lambda_pos"],
+            _TRL_DEFAULTS["vespo_k_neg"],
+            _TRL_DEFAULTS["vespo_lambda_neg"],
+        )
         self.args = types.SimpleNamespace(
             delta=case.delta,
             use_bias_correction_kl=case.bias_correction_kl,
             sapo_temperature_pos=_TRL_DEFAULTS["sapo_temperature_pos"],
             sapo_temperature_neg=_TRL_DEFAULTS["sapo_temperature_neg"],
-            vespo_k_pos=k_pos, vespo_lambda_pos=lambda_pos, vespo_k_neg=k_neg, vespo_lambda_neg=lambda_neg,
+            vespo_k_pos=k_pos,
+            vespo_lambda_pos=lambda_pos,
+            vespo_k_neg=k_neg,
+            vespo_lambda_neg=lambda_neg,
             steps_per_generation=case.steps_per_generation,
-            entropy_target=0.9, entropy_coef_delta=0.02, entropy_coef_min=0.0, entropy_coef_max=0.05,
+            entropy_target=0.9,
+            entropy_coef_delta=0.02,
+            entropy_coef_min=0.0,
+            entropy_coef_max=0.05,
         )
 
     def feed(self, logprob: torch.Tensor, entropy: torch.Tensor) -> None:
         self._logprob, self._entropy = logprob, entropy
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         assert logits_to_keep == self._logprob.shape[1] and compute_entropy and not compute_aux_loss
         assert all(value is None for value in multimodal.values())
         return self._logprob, self._entropy, None
@@ -239,8 +259,7 @@ def run(loss_fn, case: Case, data: dict, dtype: torch.dtype, trainer: FakeTraine
     mode = "train" if case.training else "eval"
     metrics = {name: values[-1] for name, values in trainer._metrics[mode].items()}
     grad_ent = ent.grad if ent.grad is not None else torch.zeros_like(ent)
-    return {"loss": loss.detach(), "grad": lp.grad, "grad_entropy": grad_ent, "metrics": metrics,
-            "trainer": trainer}
+    return {"loss": loss.detach(), "grad": lp.grad, "grad_entropy": grad_ent, "metrics": metrics, "trainer": trainer}
 
 
 def run_trl(case: Case, data: dict, dtype: torch.dtype, trainer: FakeTrainer | None = None) -> dict:
@@ -257,8 +276,16 @@ def run_rlk(case: Case, data: dict, dtype: torch.dtype, trainer: FakeTrainer | N
 # ----------------------------------------------------------------------------------------------
 
 
-def make_data(b: int = 6, t: int = 9, seed: int = 0, *, ragged: bool = True, spread: float = 1.5,
-              noise: float = 0.3, positive_adv: bool = False) -> dict:
+def make_data(
+    b: int = 6,
+    t: int = 9,
+    seed: int = 0,
+    *,
+    ragged: bool = True,
+    spread: float = 1.5,
+    noise: float = 0.3,
+    positive_adv: bool = False,
+) -> dict:
     """float32 values: right-padded rows (row 0 full; with ``ragged`` row 2 empty), mixed-sign
     advantages (row 3 zero), log-ratios around 0 with some at +-``spread`` (far outside the clip
     ranges), an int completion mask as TRL builds it, ``num_items_in_batch`` of two micro-batches
@@ -281,7 +308,11 @@ def make_data(b: int = 6, t: int = 9, seed: int = 0, *, ragged: bool = True, spr
         lengths[2] = 0
     mask = (torch.arange(t)[None, :] < lengths[:, None]).int()
     data = {
-        "lp": lp, "old": old, "ref": ref, "adv": adv, "mask": mask,
+        "lp": lp,
+        "old": old,
+        "ref": ref,
+        "adv": adv,
+        "mask": mask,
         "entropy": torch.rand(b, t, generator=g) * 2,
         "num_items": 2 * int(mask.sum()) + 5,
         "max_completion_length": t + 3,
@@ -338,9 +369,12 @@ def compare_metrics(case: Case, got: dict, want: dict, tol: dict) -> None:
     assert shared <= set(want), (case, sorted(shared - set(want)))
     for name in sorted(shared):
         t = _FRACTION if name.startswith("clip_ratio") else tol  # TRL counts clipped tokens as float32
-        torch.testing.assert_close(torch.tensor(float(got[name]), dtype=torch.float64),
-                                   torch.tensor(float(want[name]), dtype=torch.float64), **t,
-                                   msg=lambda m, n=name: f"{case} {n}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(float(got[name]), dtype=torch.float64),
+            torch.tensor(float(want[name]), dtype=torch.float64),
+            **t,
+            msg=lambda m, n=name: f"{case} {n}: {m}",
+        )
 
 
 def compare(case: Case, data: dict, dtype: torch.dtype) -> tuple[dict, dict]:
@@ -410,8 +444,9 @@ CASES = [
     # policy-term masks / weights -> importance_weights (vespo: the ratio in its sequence weight, masks on A)
     Case("bnpo", top_entropy_quantile=0.5, beta=0.04),
     Case("dapo", off_policy_mask_threshold=0.05, beta=0.04),
-    Case("grpo", vllm_mode="token_truncate", top_entropy_quantile=0.3, off_policy_mask_threshold=0.05, beta=0.04,
-         accum=2),
+    Case(
+        "grpo", vllm_mode="token_truncate", top_entropy_quantile=0.3, off_policy_mask_threshold=0.05, beta=0.04, accum=2
+    ),
     Case("sapo", vllm_mode="token_mask"),
     Case("cispo", epsilon_high=5.0, vllm_mode="sequence_truncate", top_entropy_quantile=0.5),
     Case("dapo", vllm_mode="sequence_mask", beta=0.04),
@@ -456,8 +491,9 @@ def test_the_masks_and_weights_are_not_trivial():
         assert bool((ratio[m.bool().any(-1)] != 1.0).any())
         assert bool((ratio == 0.0).any()) == mode.endswith("mask")
     data = case_data(Case("vespo", vllm_mode="token_mask"))
-    phi = GRPOTrainer.get_gamma_weights(data["adv"][:, None], data["lp"] - data["old"], data["mask"],
-                                        trl_importance_sampling_ratio("token_mask", data))
+    phi = GRPOTrainer.get_gamma_weights(
+        data["adv"][:, None], data["lp"] - data["old"], data["mask"], trl_importance_sampling_ratio("token_mask", data)
+    )
     live = phi[data["mask"].bool().any(-1)]
     assert 0.3 < float(live.max()) and float(live.min()) < 0.1  # the masked vLLM ratio (row 4) sends it to ~0
 
@@ -469,8 +505,9 @@ def test_trl_full_rows(case):
     data = make_data(seed=11, ragged=False, spread=0.4)
     got, truth = compare(case, data, torch.float64)
     if case.loss_type in rlk_trl.PPO_FAMILY:
-        torch.testing.assert_close(got["metrics"]["rlk/clip_fraction"], truth["metrics"]["clip_ratio/region_mean"],
-                                   **_FRACTION)
+        torch.testing.assert_close(
+            got["metrics"]["rlk/clip_fraction"], truth["metrics"]["clip_ratio/region_mean"], **_FRACTION
+        )
         if case.level == "token" or case.eps_low < 0.01:  # sequence ratios stay inside +-0.2 here
             assert 0.0 < float(got["metrics"]["rlk/clip_fraction"]) < 1.0
 
@@ -490,8 +527,7 @@ def test_trl_cispo_clip_ratio():
     data = make_data(seed=4, positive_adv=True)
     got, want = compare(case, data, torch.float64)
     assert 0.0 < want["metrics"]["cispo_clip_ratio"] < 1.0
-    assert float(got["metrics"]["rlk/clip_fraction"]) == pytest.approx(want["metrics"]["cispo_clip_ratio"],
-                                                                        rel=1e-12)
+    assert float(got["metrics"]["rlk/clip_fraction"]) == pytest.approx(want["metrics"]["cispo_clip_ratio"], rel=1e-12)
     data = make_data(seed=4)
     got, want = compare(case, data, torch.float64)
     assert want["metrics"]["cispo_clip_ratio"] < float(got["metrics"]["rlk/clip_fraction"])
@@ -503,8 +539,12 @@ def test_trl_all_masked(loss_type):
     data = make_data(seed=5)
     data["mask"] = torch.zeros_like(data["mask"])
     data["num_items"] = 0
-    case = Case(loss_type, beta=0.04, entropy_coef=0.01 if loss_type == "bnpo" else 0.0,
-                epsilon_high=5.0 if loss_type == "cispo" else None)
+    case = Case(
+        loss_type,
+        beta=0.04,
+        entropy_coef=0.01 if loss_type == "bnpo" else 0.0,
+        epsilon_high=5.0 if loss_type == "cispo" else None,
+    )
     got, truth = compare(case, data, torch.float64)
     for side in (got, truth):
         assert float(side["loss"]) == 0.0
@@ -563,8 +603,9 @@ def test_bias_correction_kl_is_straight_through_k3_with_the_detached_ratio():
     mask = data["mask"].bool()
     kw = rlk_trl.policy_loss_kwargs(FakeTrainer(case, 12), data["mask"])
     kw.update(kl="k3")
-    loss, _ = rlk.policy_loss(lp, data["old"].double(), data["adv"].double(), mask, ref_logprob=data["ref"].double(),
-                              **kw)
+    loss, _ = rlk.policy_loss(
+        lp, data["old"].double(), data["adv"].double(), mask, ref_logprob=data["ref"].double(), **kw
+    )
     loss.backward()
     torch.testing.assert_close(loss.detach(), want["loss"], **_TIGHT)
     d = data["lp"].double() - data["ref"].double()
@@ -575,14 +616,20 @@ def test_bias_correction_kl_is_straight_through_k3_with_the_detached_ratio():
     assert not torch.allclose(lp.grad, want["grad"])
 
 
-@pytest.mark.parametrize("case, message", [
-    (Case("cispo", level="sequence", epsilon_high=5.0), "importance_sampling_level='sequence' with loss_type='cispo'"),
-    (Case("sapo", level="sequence"), "importance_sampling_level='sequence' with loss_type='sapo'"),
-    (Case("grpo", level="sequence", delta=3.0), "delta with importance_sampling_level='sequence'"),
-    (Case("dapo", delta=1.1, epsilon_high=0.28), "delta=1.1: rlk's dual clip equals"),
-    (Case("grpo", level="sequence", beta=0.04), "use_bias_correction_kl=True with importance_sampling_level"),
-    (Case("ppo"), "loss_type: expected one of"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            Case("cispo", level="sequence", epsilon_high=5.0),
+            "importance_sampling_level='sequence' with loss_type='cispo'",
+        ),
+        (Case("sapo", level="sequence"), "importance_sampling_level='sequence' with loss_type='sapo'"),
+        (Case("grpo", level="sequence", delta=3.0), "delta with importance_sampling_level='sequence'"),
+        (Case("dapo", delta=1.1, epsilon_high=0.28), "delta=1.1: rlk's dual clip equals"),
+        (Case("grpo", level="sequence", beta=0.04), "use_bias_correction_kl=True with importance_sampling_level"),
+        (Case("ppo"), "loss_type: expected one of"),
+    ],
+)
 def test_unsupported_configurations_are_refused(case, message):
     """What rlk cannot compute exactly raises, naming the TRL option (module docstring); TRL itself runs them."""
     data = make_data(seed=7)

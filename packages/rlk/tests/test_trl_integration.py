@@ -55,10 +55,10 @@ try:
     )
 except ImportError as err:  # pragma: no cover - depends on the environment
     if os.environ.get("RLK_REQUIRE_TRL", "0") not in ("", "0"):
-        raise ImportError(f"RLK_REQUIRE_TRL is set but trl cannot be imported ({err}); "
-                          "install the pins of ci/requirements-dev.txt") from err
-    pytest.skip(f"trl is not installed ({err}); set RLK_REQUIRE_TRL=1 to make this an error",
-                allow_module_level=True)
+        raise ImportError(
+            f"RLK_REQUIRE_TRL is set but trl cannot be imported ({err}); install the pins of ci/requirements-dev.txt"
+        ) from err
+    pytest.skip(f"trl is not installed ({err}); set RLK_REQUIRE_TRL=1 to make this an error", allow_module_level=True)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -81,17 +81,28 @@ MAX_COMPLETION = 6
 def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                                unk_token="<unk>")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     """A 2-layer Qwen3 of hidden size 32 over the 64-word vocabulary, saved (TRL loads the reference model from it)."""
-    config = transformers.Qwen3Config(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                      max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
-                                      eos_token_id=1, bos_token_id=None)
+    config = transformers.Qwen3Config(
+        vocab_size=len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config)
     path = tmp_path_factory.mktemp("tiny-qwen3")
@@ -123,13 +134,30 @@ def reward(completions, **kwargs) -> list[float]:
 
 def make_trainer(cls, model_dir: str, dtype: torch.dtype, tmp_path, *, rollouts: bool = True, **config):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    defaults = {"per_device_train_batch_size": len(PROMPTS) * GROUP, "num_generations": GROUP,
-                "max_completion_length": MAX_COMPLETION, "temperature": 0.9, "use_cpu": True, "report_to": [],
-                "logging_steps": 1, "save_strategy": "no", "max_steps": 1, "seed": 3, "beta": 0.04, "bf16": False}
+    defaults = {
+        "per_device_train_batch_size": len(PROMPTS) * GROUP,
+        "num_generations": GROUP,
+        "max_completion_length": MAX_COMPLETION,
+        "temperature": 0.9,
+        "use_cpu": True,
+        "report_to": [],
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "max_steps": 1,
+        "seed": 3,
+        "beta": 0.04,
+        "bf16": False,
+    }
     args = trl.GRPOConfig(output_dir=str(tmp_path), **{**defaults, **config})
     dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
-    return cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tiny_tokenizer(),
-               rollout_func=rollout if rollouts else None)
+    return cls(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tiny_tokenizer(),
+        rollout_func=rollout if rollouts else None,
+    )
 
 
 class ExactLogprobTrainer(trl.GRPOTrainer):
@@ -137,11 +165,24 @@ class ExactLogprobTrainer(trl.GRPOTrainer):
     fused head accumulates in float32 whatever the dtype): the completion positions' logits, ``log_softmax``, the
     target's entry; entropy ``-sum p log p``; 0 at padding, as TRL's. Generation and loss are TRL's own."""
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         k = logits_to_keep
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=k + 1,
-                       use_cache=False).logits[:, :-1] / self.temperature
+        logits = (
+            model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=k + 1, use_cache=False).logits[
+                :, :-1
+            ]
+            / self.temperature
+        )
         logp = torch.log_softmax(logits, dim=-1)
         pad = attention_mask[:, -k:] == 0
         logprob = logp.gather(-1, input_ids[:, -k:, None]).squeeze(-1).masked_fill(pad, 0.0)
@@ -175,8 +216,11 @@ class Case:
     accum: int = 2
 
     def __str__(self) -> str:
-        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                  if f.name != "loss_type" and getattr(self, f.name) != f.default]
+        fields = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if f.name != "loss_type" and getattr(self, f.name) != f.default
+        ]
         return "-".join([self.loss_type, *fields])
 
 
@@ -186,8 +230,9 @@ def configure(trainer, case: Case) -> None:
     trainer.importance_sampling_level = case.level
     trainer.beta = case.beta
     trainer.args.use_bias_correction_kl = case.bias_correction_kl
-    trainer.epsilon_low, trainer.epsilon_high = (3e-4, 4e-4) if case.level == "sequence" else (
-        0.2, 5.0 if case.loss_type == "cispo" else 0.28)
+    trainer.epsilon_low, trainer.epsilon_high = (
+        (3e-4, 4e-4) if case.level == "sequence" else (0.2, 5.0 if case.loss_type == "cispo" else 0.28)
+    )
     trainer.args.delta = 3.0 if case.loss_type in PPO_FAMILY and case.level == "token" else None
     trainer.entropy_coef = case.entropy_coef
     trainer._entropy_bonus_enabled = case.entropy_coef != 0.0
@@ -222,8 +267,9 @@ def loss_and_grads(trainer, case: Case) -> dict:
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
         with torch.no_grad():
-            lp, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, att, ids.size(1) - inputs[
-                "prompt_ids"].size(1))
+            lp, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, att, ids.size(1) - inputs["prompt_ids"].size(1)
+            )
         g = torch.Generator().manual_seed(1)
         shift = 0.15 * torch.randn(lp.shape, generator=g, dtype=torch.float64)
         shift[:, ::3] *= 4.0  # some ratios far outside the clip ranges
@@ -242,8 +288,12 @@ def trainers(model_dir, tmp_path_factory):
     """The float64 truth, TRL's own trainer in float32 and rlk in float64 and float32, each built from the same
     checkpoint (with its reference model)."""
     out = {}
-    for key, cls, dtype in (("truth", ExactLogprobTrainer, torch.float64), ("trl32", trl.GRPOTrainer, torch.float32),
-                            ("rlk64", RLKGRPOTrainer, torch.float64), ("rlk32", RLKGRPOTrainer, torch.float32)):
+    for key, cls, dtype in (
+        ("truth", ExactLogprobTrainer, torch.float64),
+        ("trl32", trl.GRPOTrainer, torch.float32),
+        ("rlk64", RLKGRPOTrainer, torch.float64),
+        ("rlk32", RLKGRPOTrainer, torch.float32),
+    ):
         trainer = make_trainer(cls, model_dir, dtype, tmp_path_factory.mktemp(key))
         perturb(trainer.model)
         out[key] = trainer
@@ -255,8 +305,13 @@ def check_same(got: dict, want: dict, what: str) -> None:
     torch.testing.assert_close(got["loss"], want["loss"], **_TIGHT, msg=lambda m: f"{what} loss: {m}")
     assert got["grads"].keys() == want["grads"].keys()
     for name, grad in got["grads"].items():
-        torch.testing.assert_close(grad, want["grads"][name], rtol=1e-8, atol=1e-12 * float(
-            want["grads"][name].abs().max()), msg=lambda m, n=name: f"{what} grad {n}: {m}")
+        torch.testing.assert_close(
+            grad,
+            want["grads"][name],
+            rtol=1e-8,
+            atol=1e-12 * float(want["grads"][name].abs().max()),
+            msg=lambda m, n=name: f"{what} grad {n}: {m}",
+        )
     shared = [name for name in got["metrics"] if not name.startswith("rlk/")]
     assert "entropy" in shared
     for name in shared:  # TRL counts clipped tokens in float32
@@ -275,9 +330,13 @@ def check_contract(got: dict, truth: dict, what: str) -> None:
         assert dev.ok, dev
 
 
-CASES = [Case(loss_type, level, beta, bias_correction_kl=level == "token")
-         for loss_type in LOSS_TYPES for level in ("token", "sequence") for beta in (0.0, 0.04)
-         if not (level == "sequence" and loss_type in ("cispo", "sapo"))]
+CASES = [
+    Case(loss_type, level, beta, bias_correction_kl=level == "token")
+    for loss_type in LOSS_TYPES
+    for level in ("token", "sequence")
+    for beta in (0.0, 0.04)
+    if not (level == "sequence" and loss_type in ("cispo", "sapo"))
+]
 CASES += [
     Case("grpo", beta=0.04, bias_correction_kl=False),
     Case("dapo", vllm_mode="token_truncate"),
@@ -305,8 +364,9 @@ def test_compute_loss_matches_trl(trainers, case):
     if case.vllm_mode is not None:
         # TRL's generation gets the same IS ratios from rlk's old log-probs; rlk.rollout_correction's weights (what
         # the loss uses) are TRL's ratios on the mask
-        torch.testing.assert_close(got64["inputs"]["importance_sampling_ratio"],
-                                   truth["inputs"]["importance_sampling_ratio"], **_TIGHT)
+        torch.testing.assert_close(
+            got64["inputs"]["importance_sampling_ratio"], truth["inputs"]["importance_sampling_ratio"], **_TIGHT
+        )
         ratio = truth["inputs"]["importance_sampling_ratio"]
         assert bool((ratio != 1.0).any()) and (case.vllm_mode.endswith("truncate") or bool((ratio == 0).any()))
         for key in ("rlk64", "rlk32"):
@@ -318,8 +378,9 @@ def test_compute_loss_matches_trl(trainers, case):
             torch.testing.assert_close(weights[mask], want[mask], rtol=1e-6 if key == "rlk32" else 1e-12, atol=0)
     if case.beta != 0.0:
         assert got64["metrics"]["kl"] > 1e-4  # the policy is off the reference model
-        torch.testing.assert_close(got64["inputs"]["ref_per_token_logps"], truth["inputs"]["ref_per_token_logps"],
-                                   **_TIGHT)
+        torch.testing.assert_close(
+            got64["inputs"]["ref_per_token_logps"], truth["inputs"]["ref_per_token_logps"], **_TIGHT
+        )
 
 
 def test_the_clip_ranges_are_exercised(trainers):
@@ -341,13 +402,22 @@ class GradientRecorder(transformers.TrainerCallback):
         self.grads: dict[str, torch.Tensor] = {}
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.grads = {name: p.grad.detach().clone() for name, p in self.trainer.model.named_parameters()
-                      if p.grad is not None}
+        self.grads = {
+            name: p.grad.detach().clone() for name, p in self.trainer.model.named_parameters() if p.grad is not None
+        }
 
 
 def train_one_step(cls, model_dir, dtype, tmp_path, **config) -> dict:
-    trainer = make_trainer(cls, model_dir, dtype, tmp_path, gradient_accumulation_steps=2,
-                           per_device_train_batch_size=len(PROMPTS) * GROUP // 2, max_grad_norm=1e9, **config)
+    trainer = make_trainer(
+        cls,
+        model_dir,
+        dtype,
+        tmp_path,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=len(PROMPTS) * GROUP // 2,
+        max_grad_norm=1e9,
+        **config,
+    )
     recorder = GradientRecorder()
     recorder.trainer = trainer
     trainer.add_callback(recorder)
@@ -356,9 +426,15 @@ def train_one_step(cls, model_dir, dtype, tmp_path, **config) -> dict:
     return {"loss": torch.tensor(log["loss"], dtype=torch.float64), "grads": recorder.grads, "log": log}
 
 
-@pytest.mark.parametrize("config", [{"loss_type": "dapo", "beta": 0.0}, {"loss_type": "grpo", "beta": 0.04},
-                                    {"loss_type": "vespo", "beta": 0.04, "num_iterations": 2}],
-                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"loss_type": "dapo", "beta": 0.0},
+        {"loss_type": "grpo", "beta": 0.04},
+        {"loss_type": "vespo", "beta": 0.04, "num_iterations": 2},
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
 def test_train_step_matches_trl(model_dir, tmp_path, config):
     """One optimizer step of two accumulated micro-batches: the gradients the optimizer gets and the logged loss
     and metrics, rlk against TRL (float64 to rounding, float32 within the contract)."""
@@ -367,8 +443,9 @@ def test_train_step_matches_trl(model_dir, tmp_path, config):
     got32 = train_one_step(RLKGRPOTrainer, model_dir, torch.float32, tmp_path / "rlk32", **config)
     assert truth["grads"] and got64["grads"].keys() == truth["grads"].keys()
     for name, grad in got64["grads"].items():
-        torch.testing.assert_close(grad, truth["grads"][name], rtol=1e-8,
-                                   atol=1e-12 * float(truth["grads"][name].abs().max()))
+        torch.testing.assert_close(
+            grad, truth["grads"][name], rtol=1e-8, atol=1e-12 * float(truth["grads"][name].abs().max())
+        )
     # the logged loss is rounded to float32 by the Trainer's logging, and so are the metrics
     torch.testing.assert_close(got64["loss"], truth["loss"], rtol=1e-6, atol=1e-9)
     for name in ("entropy", "reward", "reward_std", "kl", "clip_ratio/region_mean"):
@@ -386,8 +463,16 @@ def test_train_with_trl_sampling_runs_rlk_and_no_logits(model_dir, tmp_path, mon
     logits during them (the fused op's [..., 1 | 2] instead of [..., V]), and training moves the weights."""
     import rlk.integrations.hf.training
 
-    trainer = make_trainer(RLKGRPOTrainer, model_dir, torch.float32, tmp_path, rollouts=False, loss_type="dapo",
-                           learning_rate=1e-2, bf16=True)
+    trainer = make_trainer(
+        RLKGRPOTrainer,
+        model_dir,
+        torch.float32,
+        tmp_path,
+        rollouts=False,
+        loss_type="dapo",
+        learning_rate=1e-2,
+        bf16=True,
+    )
     calls = []
     original = rlk.integrations.hf.training.linear_logprob
 
@@ -397,9 +482,12 @@ def test_train_with_trl_sampling_runs_rlk_and_no_logits(model_dir, tmp_path, mon
 
     monkeypatch.setattr(rlk.integrations.hf.training, "linear_logprob", counting)
     widths = {"policy": [], "ref": []}
-    hooks = [model.get_output_embeddings().register_forward_hook(
-        lambda module, args, output, who=who: widths[who].append(output.shape[-1]))
-        for who, model in (("policy", trainer.model), ("ref", trainer.ref_model))]
+    hooks = [
+        model.get_output_embeddings().register_forward_hook(
+            lambda module, args, output, who=who: widths[who].append(output.shape[-1])
+        )
+        for who, model in (("policy", trainer.model), ("ref", trainer.ref_model))
+    ]
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     try:
         trainer.train()
@@ -440,8 +528,9 @@ def preference_dataset() -> Dataset:
     return Dataset.from_dict(rows)
 
 
-def exact_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
-                        outputs: tuple[str, ...] = ()) -> None:
+def exact_fused_lm_head(
+    model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False, outputs: tuple[str, ...] = ()
+) -> None:
     """A stand-in for TRL's ``add_fused_lm_head`` with its outputs by their definition in the model's dtype (float64:
     the ground truth; TRL's fused head accumulates in float32): ``model(..., labels=, fused_lm_head=True)`` gives the
     next-token labels' ``log_softmax`` entries, the entropy, the mean logit and whether the label is the argmax, 0
@@ -459,7 +548,9 @@ def exact_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: b
             log_probs=logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).masked_fill(off, 0.0),
             entropy=(-(logp.exp() * logp).sum(-1)).masked_fill(off, 0.0),
             mean_logits=logits.detach().mean(-1).masked_fill(off, 0.0),
-            is_top1=(logits.argmax(-1) == labels) & ~off, aux_loss=None)
+            is_top1=(logits.argmax(-1) == labels) & ~off,
+            aux_loss=None,
+        )
 
     model.forward = types.MethodType(forward, model)
 
@@ -467,8 +558,17 @@ def exact_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: b
 def make_dpo_trainer(cls, model_dir: str, dtype: torch.dtype, tmp_path, *, exact: bool = False, **config):
     """``cls`` on the tiny checkpoint (TRL loads the reference model from it); ``exact``: the ground-truth head."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    defaults = {"per_device_train_batch_size": PAIRS, "use_cpu": True, "report_to": [], "logging_steps": 1,
-                "save_strategy": "no", "max_steps": 1, "seed": 3, "bf16": False, "beta": 0.1}
+    defaults = {
+        "per_device_train_batch_size": PAIRS,
+        "use_cpu": True,
+        "report_to": [],
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "max_steps": 1,
+        "seed": 3,
+        "bf16": False,
+        "beta": 0.1,
+    }
     args = trl.DPOConfig(output_dir=str(tmp_path), **{**defaults, **config})
     with pytest.MonkeyPatch.context() as patch:
         if exact:
@@ -487,8 +587,11 @@ class DPOCase:
     f_alpha_divergence_coef: float = 0.5
 
     def __str__(self) -> str:
-        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                  if f.name != "loss_type" and getattr(self, f.name) != f.default]
+        fields = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if f.name != "loss_type" and getattr(self, f.name) != f.default
+        ]
         return "-".join(["+".join(self.loss_type), *fields])
 
 
@@ -506,8 +609,12 @@ def dpo_trainers(model_dir, tmp_path_factory):
     """The float64 truth (TRL's DPOTrainer, exact head), TRL's own in float32, rlk in float64 and float32; each
     policy moved off its reference model the same way, and one collated batch of every pair."""
     out = {}
-    for key, cls, dtype in (("truth", trl.DPOTrainer, torch.float64), ("trl32", trl.DPOTrainer, torch.float32),
-                            ("rlk64", RLKDPOTrainer, torch.float64), ("rlk32", RLKDPOTrainer, torch.float32)):
+    for key, cls, dtype in (
+        ("truth", trl.DPOTrainer, torch.float64),
+        ("trl32", trl.DPOTrainer, torch.float32),
+        ("rlk64", RLKDPOTrainer, torch.float64),
+        ("rlk32", RLKDPOTrainer, torch.float32),
+    ):
         trainer = make_dpo_trainer(cls, model_dir, dtype, tmp_path_factory.mktemp(f"dpo-{key}"), exact=key == "truth")
         perturb(trainer.model)  # twice the GRPO tests' shift: log-ratios large enough to cross the hinge at beta 8
         perturb(trainer.model)
@@ -524,8 +631,11 @@ def dpo_loss_and_grads(trainer, case: DPOCase, batch: dict) -> dict:
     loss = trainer.compute_loss(trainer.model, trainer._prepare_inputs(dict(batch)))
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
-    return {"loss": loss.detach(), "grads": grads,
-            "metrics": {name: values[-1] for name, values in trainer._metrics["train"].items()}}
+    return {
+        "loss": loss.detach(),
+        "grads": grads,
+        "metrics": {name: values[-1] for name, values in trainer._metrics["train"].items()},
+    }
 
 
 DPO_CASES = [
@@ -552,8 +662,13 @@ def test_dpo_compute_loss_matches_trl(dpo_trainers, case):
     torch.testing.assert_close(got64["loss"], truth["loss"], **_TIGHT)
     assert truth["grads"] and got64["grads"].keys() == truth["grads"].keys()
     for name, grad in got64["grads"].items():
-        torch.testing.assert_close(grad, truth["grads"][name], rtol=1e-8, atol=1e-12 * float(
-            truth["grads"][name].abs().max()), msg=lambda m, n=name: f"{case} grad {n}: {m}")
+        torch.testing.assert_close(
+            grad,
+            truth["grads"][name],
+            rtol=1e-8,
+            atol=1e-12 * float(truth["grads"][name].abs().max()),
+            msg=lambda m, n=name: f"{case} grad {n}: {m}",
+        )
     assert set(truth["metrics"]) - set(got64["metrics"]) == TRL_ONLY_DPO_METRICS
     assert set(got64["metrics"]) <= set(truth["metrics"])
     for name, value in got64["metrics"].items():
@@ -579,12 +694,18 @@ class HeadWidths:
     def __init__(self, trainer):
         self.shapes = {"policy": [], "ref": []}
         self.lengths = []  # the policy's input lengths
-        self.hooks = [trainer.model.register_forward_pre_hook(
-            lambda module, args, kwargs: self.lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)]
+        self.hooks = [
+            trainer.model.register_forward_pre_hook(
+                lambda module, args, kwargs: self.lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+            )
+        ]
         models = [("policy", trainer.model)] + ([("ref", trainer.ref_model)] if trainer.ref_model is not None else [])
-        self.hooks += [model.get_output_embeddings().register_forward_hook(
-            lambda module, args, output, who=who: self.shapes[who].append(tuple(output.shape)))
-            for who, model in models]
+        self.hooks += [
+            model.get_output_embeddings().register_forward_hook(
+                lambda module, args, output, who=who: self.shapes[who].append(tuple(output.shape))
+            )
+            for who, model in models
+        ]
 
     def remove(self):
         for hook in self.hooks:
@@ -593,9 +714,17 @@ class HeadWidths:
 
 def dpo_train_one_step(cls, model_dir, dtype, tmp_path, **config) -> dict:
     """Two accumulated micro-batches of 3 pairs, one optimizer step (TRL's defaults: gradient checkpointing on)."""
-    trainer = make_dpo_trainer(cls, model_dir, dtype, tmp_path, exact=cls is trl.DPOTrainer,
-                               gradient_accumulation_steps=2, per_device_train_batch_size=PAIRS // 2, max_grad_norm=1e9,
-                               **config)
+    trainer = make_dpo_trainer(
+        cls,
+        model_dir,
+        dtype,
+        tmp_path,
+        exact=cls is trl.DPOTrainer,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=PAIRS // 2,
+        max_grad_norm=1e9,
+        **config,
+    )
     perturb(trainer.model)
     perturb(trainer.model)
     recorder = GradientRecorder()
@@ -607,14 +736,24 @@ def dpo_train_one_step(cls, model_dir, dtype, tmp_path, **config) -> dict:
     finally:
         widths.remove()
     log = trainer.state.log_history[0]
-    return {"loss": torch.tensor(log["loss"], dtype=torch.float64), "grads": recorder.grads, "log": log,
-            "widths": widths.shapes, "lengths": widths.lengths, "trainer": trainer}
+    return {
+        "loss": torch.tensor(log["loss"], dtype=torch.float64),
+        "grads": recorder.grads,
+        "log": log,
+        "widths": widths.shapes,
+        "lengths": widths.lengths,
+        "trainer": trainer,
+    }
 
 
-@pytest.mark.parametrize("config", [{"loss_type": ["sigmoid"]},
-                                    {"loss_type": ["ipo", "sigmoid"], "loss_weights": [0.5, 1.0],
-                                     "precompute_ref_log_probs": True}],
-                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"loss_type": ["sigmoid"]},
+        {"loss_type": ["ipo", "sigmoid"], "loss_weights": [0.5, 1.0], "precompute_ref_log_probs": True},
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
 def test_dpo_train_step_matches_trl(model_dir, tmp_path, monkeypatch, config):
     """One optimizer step: the gradients the optimizer gets and the logged loss and metrics equal TRL's (float64);
     every LM head call (the policy's with the entropy, the reference's or the precompute's without) is rlk's fused
@@ -633,8 +772,9 @@ def test_dpo_train_step_matches_trl(model_dir, tmp_path, monkeypatch, config):
     got = dpo_train_one_step(RLKDPOTrainer, model_dir, torch.float64, tmp_path / "rlk64", **config)
     assert truth["grads"] and got["grads"].keys() == truth["grads"].keys()
     for name, grad in got["grads"].items():
-        torch.testing.assert_close(grad, truth["grads"][name], rtol=1e-8,
-                                   atol=1e-12 * float(truth["grads"][name].abs().max()))
+        torch.testing.assert_close(
+            grad, truth["grads"][name], rtol=1e-8, atol=1e-12 * float(truth["grads"][name].abs().max())
+        )
     torch.testing.assert_close(got["loss"], truth["loss"], rtol=1e-6, atol=1e-9)  # logged in float32
     assert abs(float(truth["loss"]) - math.log(2.0)) > 1e-4  # not the loss of a policy equal to its reference
     assert set(truth["log"]) - set(got["log"]) == TRL_ONLY_DPO_METRICS
@@ -651,7 +791,8 @@ def test_dpo_train_step_matches_trl(model_dir, tmp_path, monkeypatch, config):
     assert any(k < n for k, n in zip(positions, got["lengths"], strict=True))  # a batch whose prompts are all >= 2
     if precompute:  # rlk's reference log-probs of the dataset, TRL's to rounding
         assert trainer.train_dataset["ref_chosen_logps"] == pytest.approx(
-            truth["trainer"].train_dataset["ref_chosen_logps"], rel=1e-12)
+            truth["trainer"].train_dataset["ref_chosen_logps"], rel=1e-12
+        )
 
 
 DPO_REFUSED = [
@@ -678,17 +819,39 @@ def test_dpo_refuses_what_rlk_cannot_compute(model_dir, tmp_path, config, option
         with pytest.raises(ValueError, match=re.escape(option)) as err2:
             make_dpo_trainer(RLKDPOTrainer, model_dir, torch.float32, tmp_path, **config)
     assert str(err2.value) == str(err.value) and not prepared
-    check_dpo_supported(trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False,
-                                      loss_type=list(DPO_LOSS_TYPES), label_smoothing=0.3, ld_alpha=0.5,
-                                      f_divergence_type="alpha_divergence", f_alpha_divergence_coef=1.0))
+    check_dpo_supported(
+        trl.DPOConfig(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            report_to=[],
+            bf16=False,
+            loss_type=list(DPO_LOSS_TYPES),
+            label_smoothing=0.3,
+            ld_alpha=0.5,
+            f_divergence_type="alpha_divergence",
+            f_alpha_divergence_coef=1.0,
+        )
+    )
 
 
 def test_dpo_refuses_the_router_auxiliary_loss(tmp_path):
     """A MoE model with its router's load-balancing loss on (TRL's default for it): refused, naming the option."""
-    config = transformers.Qwen3MoeConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32,
-                                         moe_intermediate_size=16, num_experts=2, num_experts_per_tok=1,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                         max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(WORDS),
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_experts=2,
+        num_experts_per_tok=1,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     assert config.router_aux_loss_coef > 0
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "moe")

@@ -54,8 +54,9 @@ def _restore_verl():
 
 def _metric_tolerance(name):
     """verl's fractions are float32 (``.float()`` of a comparison) even on float64 inputs; the rest float64."""
-    return {"rel": 1e-9, "abs": 1e-12} if name.endswith("ppo_kl") else {"rel": _FRACTION["rtol"],
-                                                                        "abs": _FRACTION["atol"]}
+    return (
+        {"rel": 1e-9, "abs": 1e-12} if name.endswith("ppo_kl") else {"rel": _FRACTION["rtol"], "abs": _FRACTION["atol"]}
+    )
 
 
 def check_value(name, got, truth, entry):
@@ -65,8 +66,9 @@ def check_value(name, got, truth, entry):
 
 
 def check_scaled(name, got, truth, scale, entry):
-    dev = contract.compare_outputs(entry, name, got.detach().reshape(-1), truth.detach().double().reshape(-1),
-                                   scale.double().reshape(-1))
+    dev = contract.compare_outputs(
+        entry, name, got.detach().reshape(-1), truth.detach().double().reshape(-1), scale.double().reshape(-1)
+    )
     assert dev.ok, dev
 
 
@@ -111,8 +113,12 @@ def global_info(batch, agg):
     """What verl's ``ppo_loss`` passes for a micro-batch that is a third of a step on each of 2 ranks."""
     n_tok = int(batch["mask"].sum()) * 3 * 2
     n_seq = int((batch["mask"].sum(-1) > 0).sum()) * 3 * 2
-    return {"dp_size": 2, "batch_num_tokens": n_tok, "global_batch_size": n_seq,
-            "loss_scale_factor": 16 if agg == "seq-mean-token-sum-norm" else None}
+    return {
+        "dp_size": 2,
+        "batch_num_tokens": n_tok,
+        "global_batch_size": n_seq,
+        "loss_scale_factor": 16 if agg == "seq-mean-token-sum-norm" else None,
+    }
 
 
 #: verl loss mode -> extra config of the case (dppo: its divergence thresholds are clip_ratio_*).
@@ -139,8 +145,15 @@ def loss_config(mode, info):
 def run_loss(fn, batch, dtype, agg, config, iw):
     """``fn``'s (loss, grad w.r.t. log_prob, metrics) on ``batch`` in ``dtype``."""
     lp = batch["lp"].to(dtype).clone().requires_grad_(True)
-    loss, metrics = fn(batch["old"].to(dtype), lp, batch["adv"].to(dtype), batch["mask"], agg, config,
-                       batch["iw"].to(dtype) if iw else None)
+    loss, metrics = fn(
+        batch["old"].to(dtype),
+        lp,
+        batch["adv"].to(dtype),
+        batch["mask"],
+        agg,
+        config,
+        batch["iw"].to(dtype) if iw else None,
+    )
     loss.backward()
     return loss.detach(), lp.grad, metrics
 
@@ -187,8 +200,14 @@ def test_policy_loss_cases_exercise_the_branches():
     batch = make_batch(seed=3)
     metrics = {}
     for mode in ("vanilla", "dppo_tv", "dppo_kl", "cispo", "geo_mean", "gspo"):
-        _, _, metrics[mode] = run_loss(VERL[core_algos.POLICY_LOSS_REGISTRY[mode].__name__], batch, torch.float64,
-                                       "token-mean", loss_config(mode, {}), False)
+        _, _, metrics[mode] = run_loss(
+            VERL[core_algos.POLICY_LOSS_REGISTRY[mode].__name__],
+            batch,
+            torch.float64,
+            "token-mean",
+            loss_config(mode, {}),
+            False,
+        )
     assert metrics["vanilla"]["actor/pg_clipfrac"] > 0.1 and metrics["vanilla"]["actor/pg_clipfrac_lower"] > 0
     for mode in ("dppo_tv", "dppo_kl"):
         assert 0.05 < metrics[mode]["actor/pg_clipfrac"] < 0.95, mode
@@ -211,16 +230,23 @@ def test_dro_with_rollout_weights_runs_verls_function():
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
 def test_bypass_mode_matches_verl(loss_type, agg):
     batch = make_batch(seed=11)
-    rc = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token_k1",
-                                 rollout_rs_threshold="0.4_2.5", loss_type=loss_type)
+    rc = RolloutCorrectionConfig(
+        rollout_is="token",
+        rollout_is_threshold=1.5,
+        rollout_rs="token_k1",
+        rollout_rs_threshold="0.4_2.5",
+        loss_type=loss_type,
+    )
 
     def config():
         return actor_config(policy_loss=PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=rc))
 
-    loss64, grad64, metrics64 = run_loss(VERL["compute_policy_loss_bypass_mode"], batch, torch.float64, agg,
-                                         config(), False)
-    got64, ggrad64, gmetrics64 = run_loss(rv.compute_policy_loss_bypass_mode, batch, torch.float64, agg, config(),
-                                          False)
+    loss64, grad64, metrics64 = run_loss(
+        VERL["compute_policy_loss_bypass_mode"], batch, torch.float64, agg, config(), False
+    )
+    got64, ggrad64, gmetrics64 = run_loss(
+        rv.compute_policy_loss_bypass_mode, batch, torch.float64, agg, config(), False
+    )
     torch.testing.assert_close(got64, loss64, **_TIGHT)
     torch.testing.assert_close(ggrad64, grad64, **_TIGHT)
     assert set(gmetrics64) == set(metrics64)
@@ -235,11 +261,13 @@ def test_bypass_mode_matches_verl(loss_type, agg):
 def test_vanilla_needs_clip_ratio_c_above_one():
     batch = make_batch()
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        run_loss(rv.compute_policy_loss_vanilla, batch, torch.float32, "token-mean", actor_config(clip_ratio_c=1.0),
-                 False)
+        run_loss(
+            rv.compute_policy_loss_vanilla, batch, torch.float32, "token-mean", actor_config(clip_ratio_c=1.0), False
+        )
     with pytest.raises(ValueError, match="batch_num_tokens is required"):
-        run_loss(rv.compute_policy_loss_vanilla, batch, torch.float32, "token-mean", actor_config({"dp_size": 2}),
-                 False)
+        run_loss(
+            rv.compute_policy_loss_vanilla, batch, torch.float32, "token-mean", actor_config({"dp_size": 2}), False
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,8 +276,9 @@ def test_vanilla_needs_clip_ratio_c_above_one():
 
 
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("normalizers", [{}, {"dp_size": 4, "batch_num_tokens": 123, "global_batch_size": 17,
-                                              "loss_scale_factor": 32}])
+@pytest.mark.parametrize(
+    "normalizers", [{}, {"dp_size": 4, "batch_num_tokens": 123, "global_batch_size": 17, "loss_scale_factor": 32}]
+)
 def test_agg_loss_matches_verl(agg, normalizers):
     g = torch.Generator().manual_seed(AGGS.index(agg))
     x = torch.randn(5, 9, generator=g) * 3
@@ -257,8 +286,11 @@ def test_agg_loss_matches_verl(agg, normalizers):
     mask[2] = False
     x[~mask] = 1e4  # masked out: never counts
     out = {}
-    for name, fn, dtype in (("verl", VERL["agg_loss"], torch.float64), ("rlk64", rv.agg_loss, torch.float64),
-                            ("rlk", rv.agg_loss, torch.float32)):
+    for name, fn, dtype in (
+        ("verl", VERL["agg_loss"], torch.float64),
+        ("rlk64", rv.agg_loss, torch.float64),
+        ("rlk", rv.agg_loss, torch.float32),
+    ):
         leaf = x.to(dtype).clone().requires_grad_(True)
         loss = fn(leaf, mask, agg, **normalizers)
         (loss * 1.0).backward()
@@ -283,8 +315,11 @@ def test_kl_penalty_matches_verl(kind):
     upstream = torch.randn(64, generator=g)
     entry = contract.entry("kl_penalty", torch.float32)
     out = {}
-    for name, fn, dtype in (("verl", VERL["kl_penalty"], torch.float64), ("rlk64", rv.kl_penalty, torch.float64),
-                            ("rlk", rv.kl_penalty, torch.float32)):
+    for name, fn, dtype in (
+        ("verl", VERL["kl_penalty"], torch.float64),
+        ("rlk64", rv.kl_penalty, torch.float64),
+        ("rlk", rv.kl_penalty, torch.float32),
+    ):
         leaf = lp.to(dtype).clone().requires_grad_(True)
         kl = fn(leaf, ref.to(dtype), kind)
         (kl * upstream.to(dtype)).sum().backward()
@@ -315,9 +350,14 @@ def outcome_batch(seed=0, singleton=True, b=10, t=7):
     sizes = [4, 3, 2, 1] if singleton else [4, 3, 3]
     labels = np.array([f"uid-{k}" for k, size in enumerate(sizes) for _ in range(size)], dtype=object)
     perm = torch.randperm(b, generator=g).numpy()
-    return {"rewards": rewards, "mask": mask, "index": labels[perm], "values": torch.randn(b, t, generator=g),
-            "baselines": torch.rand(b, generator=g) * 2, "group": torch.as_tensor(np.unique(labels[perm],
-                                                                                             return_inverse=True)[1])}
+    return {
+        "rewards": rewards,
+        "mask": mask,
+        "index": labels[perm],
+        "values": torch.randn(b, t, generator=g),
+        "baselines": torch.rand(b, generator=g) * 2,
+        "group": torch.as_tensor(np.unique(labels[perm], return_inverse=True)[1]),
+    }
 
 
 def _f64(x):
@@ -337,15 +377,21 @@ def _group_scale(per_token, batch):
 
 
 def _whiten_scale(x64, mask, truth):
-    return ref_adv.whiten_contract_scale(x64.reshape(-1), mask.reshape(-1).bool(), True, 1e-8, "add",
-                                         truth.reshape(-1))
+    return ref_adv.whiten_contract_scale(x64.reshape(-1), mask.reshape(-1).bool(), True, 1e-8, "add", truth.reshape(-1))
 
 
 #: (verl estimator, its keyword arguments) of the plain group estimators.
-GROUP_CASES = [("grpo", {"norm_adv_by_std_in_grpo": True}), ("grpo", {"norm_adv_by_std_in_grpo": False}),
-               ("grpo_vectorized", {"norm_adv_by_std_in_grpo": True}),
-               ("grpo_vectorized", {"norm_adv_by_std_in_grpo": False}), ("rloo", {}), ("rloo_vectorized", {}),
-               ("opo", {}), ("gpg", {}), ("gpg", {"f_norm": 2.5})]
+GROUP_CASES = [
+    ("grpo", {"norm_adv_by_std_in_grpo": True}),
+    ("grpo", {"norm_adv_by_std_in_grpo": False}),
+    ("grpo_vectorized", {"norm_adv_by_std_in_grpo": True}),
+    ("grpo_vectorized", {"norm_adv_by_std_in_grpo": False}),
+    ("rloo", {}),
+    ("rloo_vectorized", {}),
+    ("opo", {}),
+    ("gpg", {}),
+    ("gpg", {"f_norm": 2.5}),
+]
 
 
 @pytest.mark.parametrize(("name", "kwargs"), GROUP_CASES, ids=[f"{n}-{k}" for n, k in GROUP_CASES])
@@ -421,8 +467,7 @@ def test_whitened_estimators_match_verl():
     for name, want, want_ret, (adv, ret), (adv64, ret64), pre, ret_entry in cases:
         torch.testing.assert_close(torch.where(on, adv64, 0.0), torch.where(on, want, 0.0), **_NEAR, msg=name)
         assert bool((adv[~on] == 0).all()), name
-        check_scaled(f"{name} advantages", adv[on], want[on], _whiten_scale(pre, m, want)[on.reshape(-1)],
-                     WHITEN_ENTRY)
+        check_scaled(f"{name} advantages", adv[on], want[on], _whiten_scale(pre, m, want)[on.reshape(-1)], WHITEN_ENTRY)
         if ret_entry is not None:
             torch.testing.assert_close(ret64, want_ret, **_TIGHT, msg=name)
             check_value(f"{name} returns", ret, want_ret, ret_entry)
@@ -588,19 +633,28 @@ def test_gdpo_with_reward_components_matches_verl():
     comps = {"fmt": rng.random(m.shape[0]), "acc": rng.integers(0, 2, m.shape[0]).astype(np.float64)}
     cfg = {"gdpo_reward_keys": ["fmt", "acc"], "gdpo_reward_weights": [0.3, 1.0]}
     tb = {"prompts": torch.zeros(m.shape[0], 3), "attention_mask": torch.cat([torch.ones_like(m[:, :3]), m], 1)}
-    want, _ = VERL["compute_gdpo_outcome_advantage"](batch["rewards"], m, batch["index"], config=cfg,
-                                                      non_tensor_batch=comps, batch=tb)
-    got, _ = rv.compute_gdpo_outcome_advantage(batch["rewards"], m, batch["index"], config=cfg,
-                                               non_tensor_batch=comps, batch=tb)
-    pre = sum(w * VERL["compute_grpo_outcome_advantage"](
-        torch.as_tensor(comps[k]).double()[:, None] * torch.ones(1, m.shape[1], dtype=torch.float64) / m.shape[1],
-        m, batch["index"])[0] for k, w in zip(cfg["gdpo_reward_keys"], cfg["gdpo_reward_weights"]))
+    want, _ = VERL["compute_gdpo_outcome_advantage"](
+        batch["rewards"], m, batch["index"], config=cfg, non_tensor_batch=comps, batch=tb
+    )
+    got, _ = rv.compute_gdpo_outcome_advantage(
+        batch["rewards"], m, batch["index"], config=cfg, non_tensor_batch=comps, batch=tb
+    )
+    pre = sum(
+        w
+        * VERL["compute_grpo_outcome_advantage"](
+            torch.as_tensor(comps[k]).double()[:, None] * torch.ones(1, m.shape[1], dtype=torch.float64) / m.shape[1],
+            m,
+            batch["index"],
+        )[0]
+        for k, w in zip(cfg["gdpo_reward_keys"], cfg["gdpo_reward_weights"])
+    )
     on = m.bool()
     check_scaled("advantages", got[on], want[on], _whiten_scale(pre, m, want)[on.reshape(-1)], WHITEN_ENTRY)
     assert bool((got[~on] == 0).all()) and bool(want[on].abs().sum() > 0)
     with pytest.raises(ValueError, match="gdpo_reward_keys"):
-        rv.compute_gdpo_outcome_advantage(batch["rewards"], m, batch["index"], config={}, non_tensor_batch=comps,
-                                          batch=tb)
+        rv.compute_gdpo_outcome_advantage(
+            batch["rewards"], m, batch["index"], config={}, non_tensor_batch=comps, batch=tb
+        )
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -613,8 +667,9 @@ def test_rollout_is_weights_match_verl(level, threshold):
     if level == "token":
         rollout = batch["old"] + 0.4 * (rollout - batch["old"]) / 0.02
     m = batch["mask"]
-    want, _ = compute_rollout_correction_weights((batch["old"] - rollout).double(), m, rollout_is=level,
-                                                 rollout_is_threshold=threshold)
+    want, _ = compute_rollout_correction_weights(
+        (batch["old"] - rollout).double(), m, rollout_is=level, rollout_is_threshold=threshold
+    )
     got64 = rv.rollout_is_weights(batch["old"].double(), rollout.double(), m, level, threshold)
     got = rv.rollout_is_weights(batch["old"], rollout, m, level, threshold)
     want = torch.where(m, want, 0.0)

@@ -43,8 +43,10 @@ def version_problem(rlk_version: str) -> str | None:
     """None if this backend may run under rlk ``rlk_version``, else why not (the extras pin them exactly)."""
     if rlk_version == __version__:
         return None
-    return (f"rlk-cuda {__version__} needs rlk {__version__}, found rlk {rlk_version}: install matching versions "
-            f"(pip install 'rlk[cudaXYZ]=={rlk_version}' pins both)")
+    return (
+        f"rlk-cuda {__version__} needs rlk {__version__}, found rlk {rlk_version}: install matching versions "
+        f"(pip install 'rlk[cudaXYZ]=={rlk_version}' pins both)"
+    )
 
 
 @functools.cache
@@ -62,9 +64,11 @@ def _native_problem() -> str | None:
     if driver == 0:
         return "no NVIDIA driver found (libcuda.so.1 not loadable): no GPU on this machine?"
     if driver // 1000 < runtime // 1000:
-        return (f"NVIDIA driver too old: it supports CUDA {_cuda_version(driver)}, {c.distribution} is built with "
-                f"CUDA {_cuda_version(runtime)} and needs a driver for CUDA >= {runtime // 1000}.0 (update the driver, "
-                f"or install rlk-cuda{driver // 1000} if there is one)")
+        return (
+            f"NVIDIA driver too old: it supports CUDA {_cuda_version(driver)}, {c.distribution} is built with "
+            f"CUDA {_cuda_version(runtime)} and needs a driver for CUDA >= {runtime // 1000}.0 (update the driver, "
+            f"or install rlk-cuda{driver // 1000} if there is one)"
+        )
     if c.device_count() == 0:
         return "no CUDA GPU visible (CUDA_VISIBLE_DEVICES?)"
     return None
@@ -80,8 +84,10 @@ def _arch_problem(index: int) -> str | None:
     archs = _native.C.compiled_architectures()
     if _native.compute_capability_served(archs, (major, minor)):
         return None
-    return (f"GPU {index} ({torch.cuda.get_device_name(index)}) is sm_{major}{minor}; this build has kernels for "
-            f"{', '.join(archs)} only (rebuild with RLK_CUDA_ARCHS={major}{minor})")
+    return (
+        f"GPU {index} ({torch.cuda.get_device_name(index)}) is sm_{major}{minor}; this build has kernels for "
+        f"{', '.join(archs)} only (rebuild with RLK_CUDA_ARCHS={major}{minor})"
+    )
 
 
 @functools.cache
@@ -147,8 +153,14 @@ def backend():
 
     mismatch = version_problem(rlk_version)
     if mismatch is not None:
-        return Backend(name="cuda", version=__version__, abi_version=ABI_VERSION, primitives={},
-                       probe=lambda: mismatch, device_types=lambda: ())
+        return Backend(
+            name="cuda",
+            version=__version__,
+            abi_version=ABI_VERSION,
+            primitives={},
+            probe=lambda: mismatch,
+            device_types=lambda: (),
+        )
 
     from rlk_cuda import distill, logprob, norm
 

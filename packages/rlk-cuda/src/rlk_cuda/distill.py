@@ -46,12 +46,28 @@ def _operands(hidden, weight):
 
 def _scratch(n_rows: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     cols = C.linear_logprob_bwd_chunk_cols(vocab)
-    return (torch.empty((n_rows, cols), dtype=torch.float32, device=device),
-            torch.empty((n_rows, cols), dtype=torch.float32, device=device))
+    return (
+        torch.empty((n_rows, cols), dtype=torch.float32, device=device),
+        torch.empty((n_rows, cols), dtype=torch.float32, device=device),
+    )
 
 
-def _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats, coef,
-               ignore_index, divergence, beta, grad_hidden_out, grad_weight_out, scratch=None):
+def _gradients(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    targets,
+    inv_temperature,
+    stats,
+    coef,
+    ignore_index,
+    divergence,
+    beta,
+    grad_hidden_out,
+    grad_weight_out,
+    scratch=None,
+):
     if grad_hidden_out is None and grad_weight_out is None:
         return
     n, hs = student_hidden.shape
@@ -64,16 +80,43 @@ def _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, t
         acc = torch.empty((n, sh.shape[1]), dtype=torch.float32, device=sh.device)
     with on_device(sh):
         C.fused_linear_kl_grad_wgmma(
-            array(sh), array(sw), array(th), array(tw), array(targets), array(inv_temperature), array(stats),
-            array(coef.to(torch.float32).contiguous()), int(ignore_index), _DIVERGENCE[divergence], float(beta),
-            array(gh), array(gw), zq, zp, acc, stream_of(sh),
+            array(sh),
+            array(sw),
+            array(th),
+            array(tw),
+            array(targets),
+            array(inv_temperature),
+            array(stats),
+            array(coef.to(torch.float32).contiguous()),
+            int(ignore_index),
+            _DIVERGENCE[divergence],
+            float(beta),
+            array(gh),
+            array(gw),
+            zq,
+            zp,
+            acc,
+            stream_of(sh),
         )
     _copy_back(width, hs, grad_hidden_out, grad_weight_out, gh, gw)
 
 
-def fused_linear_kl_fwd(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature,
-                        ignore_index, divergence, beta, loss_out, stats_out, grad_coef, grad_hidden_out,
-                        grad_weight_out):
+def fused_linear_kl_fwd(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    targets,
+    inv_temperature,
+    ignore_index,
+    divergence,
+    beta,
+    loss_out,
+    stats_out,
+    grad_coef,
+    grad_hidden_out,
+    grad_weight_out,
+):
     """Per-row divergence ``loss_out`` (``[N]`` fp32, 0 on ignored rows) and ``stats_out`` (``[3, N]`` fp32: the
     student's and the teacher's lse, the gradient's row constant); with ``grad_coef`` (``[N]``) also the gradients
     of ``sum_i grad_coef_i loss_i`` into ``grad_hidden_out`` / ``grad_weight_out`` (either may be None).
@@ -93,19 +136,72 @@ def fused_linear_kl_fwd(student_hidden, student_weight, teacher_hidden, teacher_
     state = torch.empty((5, n), dtype=torch.float32, device=sh.device)
     with on_device(sh):
         C.fused_linear_kl_fwd_wgmma(
-            array(sh), array(sw), array(th), array(tw), array(targets), array(inv_temperature), int(ignore_index),
-            _DIVERGENCE[divergence], float(beta), array(loss_out), array(stats_out), zq, zp, state, stream_of(sh),
+            array(sh),
+            array(sw),
+            array(th),
+            array(tw),
+            array(targets),
+            array(inv_temperature),
+            int(ignore_index),
+            _DIVERGENCE[divergence],
+            float(beta),
+            array(loss_out),
+            array(stats_out),
+            zq,
+            zp,
+            state,
+            stream_of(sh),
         )
     if grad_coef is not None:
-        _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature,
-                   stats_out, grad_coef, ignore_index, divergence, beta, grad_hidden_out, grad_weight_out, (zq, zp))
+        _gradients(
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            targets,
+            inv_temperature,
+            stats_out,
+            grad_coef,
+            ignore_index,
+            divergence,
+            beta,
+            grad_hidden_out,
+            grad_weight_out,
+            (zq, zp),
+        )
 
 
-def fused_linear_kl_bwd(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature,
-                        stats, grad_loss, ignore_index, divergence, beta, grad_hidden_out, grad_weight_out):
+def fused_linear_kl_bwd(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    targets,
+    inv_temperature,
+    stats,
+    grad_loss,
+    ignore_index,
+    divergence,
+    beta,
+    grad_hidden_out,
+    grad_weight_out,
+):
     """Gradients of ``sum_i grad_loss_i loss_i`` (``grad_loss`` ``[N]`` fp32) from the forward's ``stats``, logits
     recomputed. Spec: :func:`rlk.reference.distill.fused_linear_kl_bwd`."""
     _check_half(student_hidden)
     _require(student_hidden.device)
-    _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats,
-               grad_loss, ignore_index, divergence, beta, grad_hidden_out, grad_weight_out)
+    _gradients(
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        targets,
+        inv_temperature,
+        stats,
+        grad_loss,
+        ignore_index,
+        divergence,
+        beta,
+        grad_hidden_out,
+        grad_weight_out,
+    )

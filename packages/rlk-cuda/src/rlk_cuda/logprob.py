@@ -66,8 +66,14 @@ def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob
     """
     with on_device(logits):
         C.selected_logprob_fwd(
-            array(logits), array(targets), array(inv_temperature), int(ignore_index), array(logprob_out),
-            array(entropy_out), array(lse_out), stream_of(logits),
+            array(logits),
+            array(targets),
+            array(inv_temperature),
+            int(ignore_index),
+            array(logprob_out),
+            array(entropy_out),
+            array(lse_out),
+            stream_of(logits),
         )
 
 
@@ -85,8 +91,16 @@ def selected_logprob_bwd(
         raise ValueError("entropy: required when grad_entropy is given (the forward's entropy output)")
     with on_device(logits):
         C.selected_logprob_bwd(
-            array(logits), array(targets), array(inv_temperature), array(lse), array(entropy), array(grad_logprob),
-            array(grad_entropy), int(ignore_index), array(grad_logits_out), stream_of(logits),
+            array(logits),
+            array(targets),
+            array(inv_temperature),
+            array(lse),
+            array(entropy),
+            array(grad_logprob),
+            array(grad_entropy),
+            int(ignore_index),
+            array(grad_logits_out),
+            stream_of(logits),
         )
 
 
@@ -115,8 +129,10 @@ def _kernel_layout(hidden, weight, *grads) -> int | None:
 
 def _check_half(hidden) -> None:
     if hidden.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"rlk_cuda linear_logprob: dtype {hidden.dtype} not implemented (float16, bfloat16); the "
-                         f"dispatcher sends float32 to the next backend")
+        raise ValueError(
+            f"rlk_cuda linear_logprob: dtype {hidden.dtype} not implemented (float16, bfloat16); the "
+            f"dispatcher sends float32 to the next backend"
+        )
 
 
 #: Environment variables choosing the linear_logprob forward / backward kernels: unset or "" (the Hopper kernels
@@ -165,8 +181,9 @@ def _require_wgmma(device, what: str) -> None:
         raise RuntimeError(f"rlk_cuda linear_logprob wgmma {what} unavailable: {problem}")
 
 
-def _linear_fwd(native, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out,
-                *logits_out):
+def _linear_fwd(
+    native, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, *logits_out
+):
     _check_half(hidden)
     n = hidden.shape[0]
     width = _kernel_layout(hidden, weight)
@@ -178,9 +195,20 @@ def _linear_fwd(native, hidden, weight, targets, inv_temperature, ignore_index, 
     z_target = torch.empty((n,), dtype=torch.float32, device=hidden.device)
     with on_device(hidden):
         native(
-            array(hidden), array(weight), array(targets), array(inv_temperature), int(ignore_index),
-            array(logprob_out), array(entropy_out), array(lse_out), part[0], part[1],
-            part[2] if with_entropy else None, z_target, *logits_out, stream_of(hidden),
+            array(hidden),
+            array(weight),
+            array(targets),
+            array(inv_temperature),
+            int(ignore_index),
+            array(logprob_out),
+            array(entropy_out),
+            array(lse_out),
+            part[0],
+            part[1],
+            part[2] if with_entropy else None,
+            z_target,
+            *logits_out,
+            stream_of(hidden),
         )
 
 
@@ -204,22 +232,40 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
 
 def linear_logprob_fwd_mma(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
     """:func:`linear_logprob_fwd` on the mma.sync kernel whatever ``RLK_CUDA_LINEAR_FWD`` says (tests, benchmarks)."""
-    _linear_fwd(C.linear_logprob_fwd, hidden, weight, targets, inv_temperature, ignore_index, logprob_out,
-                entropy_out, lse_out)
+    _linear_fwd(
+        C.linear_logprob_fwd, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out
+    )
 
 
-def linear_logprob_fwd_wgmma(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
-                             lse_out):
+def linear_logprob_fwd_wgmma(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
     """:func:`linear_logprob_fwd` on the Hopper kernel whatever ``RLK_CUDA_LINEAR_FWD`` says (tests, benchmarks).
     Raises RuntimeError where :func:`wgmma_problem` is not None."""
     _require_wgmma(hidden.device, "forward")
-    _linear_fwd(C.linear_logprob_fwd_wgmma, hidden, weight, targets, inv_temperature, ignore_index, logprob_out,
-                entropy_out, lse_out)
+    _linear_fwd(
+        C.linear_logprob_fwd_wgmma,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        ignore_index,
+        logprob_out,
+        entropy_out,
+        lse_out,
+    )
 
 
 def linear_logprob_bwd(
-    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
-    grad_hidden_out, grad_weight_out,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    grad_hidden_out,
+    grad_weight_out,
 ):
     """Fill ``grad_hidden_out`` (``[N, H]``) and ``grad_weight_out`` (``[V, H]``), each optional (None: not computed).
 
@@ -229,24 +275,82 @@ def linear_logprob_bwd(
     """
     _check_half(hidden)
     native = C.linear_logprob_bwd_wgmma if backward_kernel(hidden.device) == "wgmma" else C.linear_logprob_bwd
-    _linear_bwd(native, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
-                ignore_index, grad_hidden_out, grad_weight_out)
+    _linear_bwd(
+        native,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        lse,
+        entropy,
+        grad_logprob,
+        grad_entropy,
+        ignore_index,
+        grad_hidden_out,
+        grad_weight_out,
+    )
 
 
-def linear_logprob_bwd_mma(hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
-                           ignore_index, grad_hidden_out, grad_weight_out):
+def linear_logprob_bwd_mma(
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    grad_hidden_out,
+    grad_weight_out,
+):
     """:func:`linear_logprob_bwd` on the mma.sync kernels whatever ``RLK_CUDA_LINEAR_BWD`` says (tests, benchmarks)."""
-    _linear_bwd(C.linear_logprob_bwd, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob,
-                grad_entropy, ignore_index, grad_hidden_out, grad_weight_out)
+    _linear_bwd(
+        C.linear_logprob_bwd,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        lse,
+        entropy,
+        grad_logprob,
+        grad_entropy,
+        ignore_index,
+        grad_hidden_out,
+        grad_weight_out,
+    )
 
 
-def linear_logprob_bwd_wgmma(hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
-                             ignore_index, grad_hidden_out, grad_weight_out):
+def linear_logprob_bwd_wgmma(
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    grad_hidden_out,
+    grad_weight_out,
+):
     """:func:`linear_logprob_bwd` on the Hopper kernels whatever ``RLK_CUDA_LINEAR_BWD`` says (tests, benchmarks).
     Raises RuntimeError where :func:`wgmma_problem` is not None."""
     _require_wgmma(hidden.device, "backward")
-    _linear_bwd(C.linear_logprob_bwd_wgmma, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob,
-                grad_entropy, ignore_index, grad_hidden_out, grad_weight_out)
+    _linear_bwd(
+        C.linear_logprob_bwd_wgmma,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        lse,
+        entropy,
+        grad_logprob,
+        grad_entropy,
+        ignore_index,
+        grad_hidden_out,
+        grad_weight_out,
+    )
 
 
 def _entropy_arg(entropy, grad_entropy):
@@ -268,8 +372,11 @@ def _grad_layout(hidden, weight, grad_hidden_out, grad_weight_out, accumulate=Fa
         hidden, weight = _padded(hidden, width), _padded(weight, width)
         gh = None if gh is None else torch.empty((hidden.shape[0], width), dtype=hidden.dtype, device=hidden.device)
         if gw is not None:
-            gw = _padded(gw, width) if accumulate else torch.empty((weight.shape[0], width), dtype=gw.dtype,
-                                                                   device=gw.device)
+            gw = (
+                _padded(gw, width)
+                if accumulate
+                else torch.empty((weight.shape[0], width), dtype=gw.dtype, device=gw.device)
+            )
     return width, hidden, weight, gh, gw
 
 
@@ -282,8 +389,20 @@ def _copy_back(width, h, grad_hidden_out, grad_weight_out, gh, gw) -> None:
             grad_weight_out.copy_(gw[:, :h])
 
 
-def _linear_bwd(native, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
-                ignore_index, grad_hidden_out, grad_weight_out):
+def _linear_bwd(
+    native,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    grad_hidden_out,
+    grad_weight_out,
+):
     _check_half(hidden)
     if grad_hidden_out is None and grad_weight_out is None:
         return
@@ -297,8 +416,19 @@ def _linear_bwd(native, hidden, weight, targets, inv_temperature, lse, entropy, 
         acc = torch.empty((n, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
     with on_device(hidden):
         native(
-            array(hidden), array(weight), array(targets), array(inv_temperature), array(lse), array(entropy),
-            array(grad_logprob), array(grad_entropy), int(ignore_index), array(gh), array(gw), g_scratch, acc,
+            array(hidden),
+            array(weight),
+            array(targets),
+            array(inv_temperature),
+            array(lse),
+            array(entropy),
+            array(grad_logprob),
+            array(grad_entropy),
+            int(ignore_index),
+            array(gh),
+            array(gw),
+            g_scratch,
+            acc,
             stream_of(hidden),
         )
     _copy_back(width, h, grad_hidden_out, grad_weight_out, gh, gw)
@@ -311,13 +441,16 @@ def stored_problem(device) -> str | None:
     if problem is not None:
         return f"linear_logprob_stored: Hopper kernels only ({problem})"
     if forward_kernel(device) != "wgmma":
-        return (f"linear_logprob_stored: {FORWARD_ENV}=mma selects the mma.sync forward, whose bits the stored "
-                f"(Hopper) forward does not give")
+        return (
+            f"linear_logprob_stored: {FORWARD_ENV}=mma selects the mma.sync forward, whose bits the stored "
+            f"(Hopper) forward does not give"
+        )
     return None
 
 
-def linear_logprob_stored_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
-                              lse_out, logits_out):
+def linear_logprob_stored_fwd(
+    hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, logits_out
+):
     """:func:`linear_logprob_fwd` on the Hopper kernel, which also stores the scaled logits it reduces.
 
     Args:
@@ -334,13 +467,34 @@ def linear_logprob_stored_fwd(hidden, weight, targets, inv_temperature, ignore_i
         raise RuntimeError(f"rlk_cuda {problem}")
     if not logits_out.is_contiguous():
         raise ValueError(f"logits_out: expected a contiguous [N, V] fp32 tensor, got strides {logits_out.stride()}")
-    _linear_fwd(C.linear_logprob_stored_fwd_wgmma, hidden, weight, targets, inv_temperature, ignore_index,
-                logprob_out, entropy_out, lse_out, logits_out)
+    _linear_fwd(
+        C.linear_logprob_stored_fwd_wgmma,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        ignore_index,
+        logprob_out,
+        entropy_out,
+        lse_out,
+        logits_out,
+    )
 
 
 def linear_logprob_stored_bwd(
-    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, logits,
-    grad_hidden_out, grad_weight_out, accumulate,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    logits,
+    grad_hidden_out,
+    grad_weight_out,
+    accumulate,
 ):
     """:func:`linear_logprob_bwd` from the forward's stored logits (:func:`linear_logprob_stored_fwd`).
 
@@ -380,8 +534,20 @@ def linear_logprob_stored_bwd(
         acc = torch.empty((n, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
     with on_device(hidden):
         C.linear_logprob_stored_bwd_wgmma(
-            array(hidden), array(weight), array(targets), array(inv_temperature), array(lse), array(entropy),
-            array(grad_logprob), array(grad_entropy), int(ignore_index), array(logits), array(gh), array(gw),
-            bool(accumulate), acc, stream_of(hidden),
+            array(hidden),
+            array(weight),
+            array(targets),
+            array(inv_temperature),
+            array(lse),
+            array(entropy),
+            array(grad_logprob),
+            array(grad_entropy),
+            int(ignore_index),
+            array(logits),
+            array(gh),
+            array(gw),
+            bool(accumulate),
+            acc,
+            stream_of(hidden),
         )
     _copy_back(width, h, grad_hidden_out, grad_weight_out, gh, gw)

@@ -47,8 +47,15 @@ def rms_norm_fwd(x, weight, residual, eps, gemma, out, residual_out, rstd_out):
     """
     with on_device(x):
         C.rms_norm_fwd(
-            array(x), array(weight), array(residual), float(eps), bool(gemma), array(out), array(residual_out),
-            array(rstd_out), stream_of(x),
+            array(x),
+            array(weight),
+            array(residual),
+            float(eps),
+            bool(gemma),
+            array(out),
+            array(residual_out),
+            array(rstd_out),
+            stream_of(x),
         )
 
 
@@ -67,10 +74,20 @@ def rms_norm_bwd(grad_out, s, weight, rstd, gemma, grad_residual, grad_input_out
     rows = BWD_ROWS[s.dtype]
     partials = None
     if grad_weight_out is not None:
-        partials = torch.empty((C.rms_norm_bwd_partial_rows(n_rows, rows), hidden), dtype=torch.float32,
-                               device=s.device)
+        partials = torch.empty(
+            (C.rms_norm_bwd_partial_rows(n_rows, rows), hidden), dtype=torch.float32, device=s.device
+        )
     with on_device(s):
         C.rms_norm_bwd(
-            array(grad_out), array(s), array(weight), array(rstd), bool(gemma), array(grad_residual),
-            array(grad_input_out), array(grad_weight_out), partials, rows, stream_of(s),
+            array(grad_out),
+            array(s),
+            array(weight),
+            array(rstd),
+            bool(gemma),
+            array(grad_residual),
+            array(grad_input_out),
+            array(grad_weight_out),
+            partials,
+            rows,
+            stream_of(s),
         )

@@ -122,8 +122,10 @@ def version_problem(rlk_version: str) -> str | None:
     Kept in the backend, not imported from rlk: it has to work against an rlk of another version."""
     if rlk_version == __version__:
         return None
-    return (f"rlk-domestic {__version__} needs rlk {__version__}, found rlk {rlk_version}: install matching versions "
-            f"(pip install 'rlk[domestic]=={rlk_version}' pins both)")
+    return (
+        f"rlk-domestic {__version__} needs rlk {__version__}, found rlk {rlk_version}: install matching versions "
+        f"(pip install 'rlk[domestic]=={rlk_version}' pins both)"
+    )
 
 
 def backend():
@@ -134,8 +136,14 @@ def backend():
 
     mismatch = version_problem(rlk_version)
     if mismatch is not None:
-        return Backend(name="domestic", version=__version__, abi_version=ABI_VERSION, primitives={},
-                       probe=lambda: mismatch, device_types=lambda: ())
+        return Backend(
+            name="domestic",
+            version=__version__,
+            abi_version=ABI_VERSION,
+            primitives={},
+            probe=lambda: mismatch,
+            device_types=lambda: (),
+        )
     from rlk_domestic import (
         advantages,
         attention,
@@ -159,8 +167,21 @@ def backend():
         version=__version__,
         abi_version=ABI_VERSION,
         primitives=collect_primitives(
-            advantages, attention, distill, ema, embedding, logprob, losses, matmul, norm, pack, policy_loss,
-            rollout_correction, rope, sampling, softmax,
+            advantages,
+            attention,
+            distill,
+            ema,
+            embedding,
+            logprob,
+            losses,
+            matmul,
+            norm,
+            pack,
+            policy_loss,
+            rollout_correction,
+            rope,
+            sampling,
+            softmax,
         ),
         probe=_probe,
         device_types=_device_types,

@@ -26,8 +26,15 @@ def group_advantages_fwd(scores, group_index, group_size, lengths, mode, eps, ou
     for row in members:
         idx = row[row >= 0]
         part = torch.empty(idx.shape[0], dtype=out.dtype, device=out.device)
-        spec.group_advantages_fwd(scores[idx].contiguous(), None, idx.shape[0],
-                                  None if lengths is None else lengths[idx].contiguous(), per_group, eps, part)
+        spec.group_advantages_fwd(
+            scores[idx].contiguous(),
+            None,
+            idx.shape[0],
+            None if lengths is None else lengths[idx].contiguous(),
+            per_group,
+            eps,
+            part,
+        )
         out[idx] = part
     if mode == "gpg":  # the spec's gradient-estimation correction: one factor for the whole call
         cdt = compute_dtype(scores.dtype)

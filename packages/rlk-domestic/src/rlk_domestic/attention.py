@@ -62,8 +62,24 @@ def _forward(fn, q, k, v, cu_q, cu_k, causal, scale, out, lse_out, prefix_index=
         sub.scatter(lse, lse_out, sub.qs, dim=1)
 
 
-def _backward(fn, grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, causal, scale, grad_q_out, grad_k_out,
-              grad_v_out, prefix_index=None):
+def _backward(
+    fn,
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse,
+    cu_q,
+    cu_k,
+    causal,
+    scale,
+    grad_q_out,
+    grad_k_out,
+    grad_v_out,
+    prefix_index=None,
+):
     qs, ks = sequences(cu_q), sequences(cu_k)
     prefix = None if prefix_index is None else prefix_index.tolist()
     for members in _groups(len(qs), prefix):
@@ -73,8 +89,25 @@ def _backward(fn, grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, causal, sca
         lse_sub = torch.cat([lse[:, s0:s1] for s0, s1 in sub.qs], dim=1).contiguous()
         glse = None if grad_lse is None else torch.cat([grad_lse[:, s0:s1] for s0, s1 in sub.qs], dim=1).contiguous()
         extra = () if prefix is None else (_local_prefix(members, prefix, q.device),)
-        fn(sub.q(grad_out), q_sub, k_sub, v_sub, sub.q(out), lse_sub, glse, sub.cu_q, sub.cu_k, sub.max_q, sub.max_k,
-           *extra, causal, scale, dq, dk, dv)
+        fn(
+            sub.q(grad_out),
+            q_sub,
+            k_sub,
+            v_sub,
+            sub.q(out),
+            lse_sub,
+            glse,
+            sub.cu_q,
+            sub.cu_k,
+            sub.max_q,
+            sub.max_k,
+            *extra,
+            causal,
+            scale,
+            dq,
+            dk,
+            dv,
+        )
         sub.scatter(dq, grad_q_out, sub.qs)
         sub.scatter(dk, grad_k_out, sub.ks)
         sub.scatter(dv, grad_v_out, sub.ks)
@@ -82,28 +115,102 @@ def _backward(fn, grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, causal, sca
 
 def _local_prefix(members: list[int], prefix: list[int], device) -> torch.Tensor:
     local = {b: i for i, b in enumerate(members)}
-    return torch.tensor([-1 if prefix[b] < 0 else local[prefix[b]] for b in members], dtype=torch.int32,
-                        device=device)
+    return torch.tensor([-1 if prefix[b] < 0 else local[prefix[b]] for b in members], dtype=torch.int32, device=device)
 
 
-def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out,
-                  lse_out):
+def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, lse_out):
     _forward(spec.attention_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, out, lse_out)
 
 
-def attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out):
-    _backward(spec.attention_bwd, grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, causal,
-              softmax_scale, grad_q_out, grad_k_out, grad_v_out)
+def attention_bwd(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    softmax_scale,
+    grad_q_out,
+    grad_k_out,
+    grad_v_out,
+):
+    _backward(
+        spec.attention_bwd,
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        grad_lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        causal,
+        softmax_scale,
+        grad_q_out,
+        grad_k_out,
+        grad_v_out,
+    )
 
 
-def prefix_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefix_index, causal,
-                         softmax_scale, out, lse_out):
-    _forward(spec.prefix_attention_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, out, lse_out,
-             prefix_index)
+def prefix_attention_fwd(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefix_index, causal, softmax_scale, out, lse_out
+):
+    _forward(
+        spec.prefix_attention_fwd,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        causal,
+        softmax_scale,
+        out,
+        lse_out,
+        prefix_index,
+    )
 
 
-def prefix_attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, prefix_index, causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out):
-    _backward(spec.prefix_attention_bwd, grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, causal,
-              softmax_scale, grad_q_out, grad_k_out, grad_v_out, prefix_index)
+def prefix_attention_bwd(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    prefix_index,
+    causal,
+    softmax_scale,
+    grad_q_out,
+    grad_k_out,
+    grad_v_out,
+):
+    _backward(
+        spec.prefix_attention_bwd,
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        grad_lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        causal,
+        softmax_scale,
+        grad_q_out,
+        grad_k_out,
+        grad_v_out,
+        prefix_index,
+    )

@@ -84,14 +84,17 @@ def run_rows(primitive: Callable[..., None], n: int, *args, rows: int = ROWS, **
                 if buf is not None:
                     outs.append((a, buf))
             elif isinstance(a, Total):
-                buf = None if a.tensor is None else torch.zeros(
-                    a.tensor.shape, dtype=a.dtype or a.tensor.dtype, device=a.tensor.device)
+                buf = (
+                    None
+                    if a.tensor is None
+                    else torch.zeros(a.tensor.shape, dtype=a.dtype or a.tensor.dtype, device=a.tensor.device)
+                )
                 call.append(buf)
                 if buf is not None:
                     parts.append((key, buf))
             else:
                 call.append(a)
-        primitive(*call[:len(args)], **dict(zip(list(kwargs), call[len(args):])))
+        primitive(*call[: len(args)], **dict(zip(list(kwargs), call[len(args) :])))
         for a, buf in outs:
             a.tensor.narrow(a.dim, r0, r1 - r0).copy_(buf.narrow(a.dim, 0, r1 - r0))
         for key, buf in parts:  # the partials in block order: one elementwise add per block
@@ -135,7 +138,7 @@ def matmul_rows(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out
             acc = part if acc is None else acc + part
         if bias_c is not None:
             acc = acc + bias_c
-        out[r0:r1] = acc[:r1 - r0]
+        out[r0:r1] = acc[: r1 - r0]
 
 
 def sum_over_rows(a: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> None:

@@ -10,11 +10,11 @@ from rlk.reference import rollout_correction as spec
 from rlk_domestic.blocks import Out, Rows, run_rows
 
 
-def rollout_correction_fwd(old_logprob, rollout_logprob, mask, weights_out, metrics_out, *, level, mode, upper,
-                           lower, clamp):
+def rollout_correction_fwd(
+    old_logprob, rollout_logprob, mask, weights_out, metrics_out, *, level, mode, upper, lower, clamp
+):
     attrs = {"level": level, "mode": mode, "upper": upper, "lower": lower, "clamp": clamp}
-    spec.rollout_correction_fwd(old_logprob, rollout_logprob, mask, torch.empty_like(weights_out), metrics_out,
-                                **attrs)
+    spec.rollout_correction_fwd(old_logprob, rollout_logprob, mask, torch.empty_like(weights_out), metrics_out, **attrs)
 
     def block(old, roll, m, weights):
         spec.rollout_correction_fwd(old, roll, m, weights, torch.empty_like(metrics_out), **attrs)

@@ -8,5 +8,17 @@ from rlk_domestic.blocks import Out, Rows, run_rows
 
 
 def sample_fwd(logits, seed, step, inv_temperature, top_k, top_p, min_p, greedy, tokens_out, logprob_out):
-    run_rows(spec.sample_fwd, logits.shape[0], Rows(logits), Rows(seed), Rows(step), inv_temperature, top_k, top_p,
-             min_p, greedy, Out(tokens_out), Out(logprob_out))
+    run_rows(
+        spec.sample_fwd,
+        logits.shape[0],
+        Rows(logits),
+        Rows(seed),
+        Rows(step),
+        inv_temperature,
+        top_k,
+        top_p,
+        min_p,
+        greedy,
+        Out(tokens_out),
+        Out(logprob_out),
+    )

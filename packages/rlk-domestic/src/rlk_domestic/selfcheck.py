@@ -14,7 +14,7 @@ def _rows_agree(name: str, fn, x: torch.Tensor) -> list[str]:
     """``fn(rows) -> [n, ...]`` gives row 0's bits alone and at every position of a block of :data:`ROWS` rows."""
     alone = fn(x[:1])[0]
     for position in range(ROWS):
-        rows = torch.cat([x[1:position + 1], x[:1], x[position + 1:ROWS]])
+        rows = torch.cat([x[1 : position + 1], x[:1], x[position + 1 : ROWS]])
         if not torch.equal(fn(rows)[position], alone):
             return [f"{name}: a row's bits change at position {position} of a block"]
     return []
@@ -42,8 +42,9 @@ def positions_agree(device: torch.device, sizes: tuple[int, int] = (1003, 517)) 
 
         def rms(rows, dtype=dtype):
             out, rstd = torch.empty_like(rows), torch.empty(rows.shape[0], device=device)
-            norm.rms_norm_fwd(rows, torch.ones(rows.shape[1], dtype=dtype, device=device), None, 1e-6, False, out,
-                              None, rstd)
+            norm.rms_norm_fwd(
+                rows, torch.ones(rows.shape[1], dtype=dtype, device=device), None, 1e-6, False, out, None, rstd
+            )
             return out
 
         def lp(rows):

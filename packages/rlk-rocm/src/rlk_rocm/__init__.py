@@ -33,8 +33,10 @@ def version_problem(rlk_version: str) -> str | None:
     """None if this backend may run under rlk ``rlk_version``, else why not (the extras pin them exactly)."""
     if rlk_version == __version__:
         return None
-    return (f"rlk-rocm {__version__} needs rlk {__version__}, found rlk {rlk_version}: install matching versions "
-            f"(pip install 'rlk[rocm62]=={rlk_version}' pins both)")
+    return (
+        f"rlk-rocm {__version__} needs rlk {__version__}, found rlk {rlk_version}: install matching versions "
+        f"(pip install 'rlk[rocm62]=={rlk_version}' pins both)"
+    )
 
 
 def _native_problem() -> str | None:
@@ -50,8 +52,10 @@ def _native_problem() -> str | None:
     if c.__version__ != __version__:
         return f"native module is version {c.__version__}, the Python package {__version__}: a stale build, reinstall"
     if c.device_count() == 0:
-        return (f"no AMD GPU: the HIP runtime (ROCm {_hip_version(c.runtime_version())}) sees no device "
-                "(none installed, no access to /dev/kfd, or HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES hide them)")
+        return (
+            f"no AMD GPU: the HIP runtime (ROCm {_hip_version(c.runtime_version())}) sees no device "
+            "(none installed, no access to /dev/kfd, or HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES hide them)"
+        )
     problems = [_arch_problem(i) for i in range(c.device_count())]
     if all(problems):
         return problems[0]
@@ -66,8 +70,10 @@ def _arch_problem(index: int) -> str | None:
     name = _native.C.device_arch(index)
     if _native.target_of(name) in archs:
         return None
-    return (f"GPU {index} is {name or 'of an unknown target'}; this build has code objects for {', '.join(archs)} "
-            f"only (rebuild with RLK_ROCM_ARCHS={_native.target_of(name) or '<its gfx target>'})")
+    return (
+        f"GPU {index} is {name or 'of an unknown target'}; this build has code objects for {', '.join(archs)} "
+        f"only (rebuild with RLK_ROCM_ARCHS={_native.target_of(name) or '<its gfx target>'})"
+    )
 
 
 def _torch_problem() -> str | None:
@@ -76,8 +82,10 @@ def _torch_problem() -> str | None:
 
     if torch.version.hip is None:
         flavour = f"a CUDA build (CUDA {torch.version.cuda})" if torch.version.cuda else "a CPU-only build"
-        return (f"torch {torch.__version__} is not a ROCm build of torch ({flavour}): rlk-rocm serves AMD GPUs "
-                "through torch for ROCm")
+        return (
+            f"torch {torch.__version__} is not a ROCm build of torch ({flavour}): rlk-rocm serves AMD GPUs "
+            "through torch for ROCm"
+        )
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} (ROCm {torch.version.hip}) sees no GPU"
     return None
@@ -125,8 +133,14 @@ def backend():
 
     mismatch = version_problem(rlk_version)
     if mismatch is not None:
-        return Backend(name="rocm", version=__version__, abi_version=ABI_VERSION, primitives={},
-                       probe=lambda: mismatch, device_types=lambda: ())
+        return Backend(
+            name="rocm",
+            version=__version__,
+            abi_version=ABI_VERSION,
+            primitives={},
+            probe=lambda: mismatch,
+            device_types=lambda: (),
+        )
 
     from rlk_rocm import logprob, norm
 

@@ -24,8 +24,14 @@ def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob
     """
     with on_device(logits):
         C.selected_logprob_fwd(
-            array(logits), array(targets), array(inv_temperature), int(ignore_index), array(logprob_out),
-            array(entropy_out), array(lse_out), stream_of(logits),
+            array(logits),
+            array(targets),
+            array(inv_temperature),
+            int(ignore_index),
+            array(logprob_out),
+            array(entropy_out),
+            array(lse_out),
+            stream_of(logits),
         )
 
 
@@ -43,6 +49,14 @@ def selected_logprob_bwd(
         raise ValueError("entropy: required when grad_entropy is given (the forward's entropy output)")
     with on_device(logits):
         C.selected_logprob_bwd(
-            array(logits), array(targets), array(inv_temperature), array(lse), array(entropy), array(grad_logprob),
-            array(grad_entropy), int(ignore_index), array(grad_logits_out), stream_of(logits),
+            array(logits),
+            array(targets),
+            array(inv_temperature),
+            array(lse),
+            array(entropy),
+            array(grad_logprob),
+            array(grad_entropy),
+            int(ignore_index),
+            array(grad_logits_out),
+            stream_of(logits),
         )

@@ -22,8 +22,19 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PACK_INT_DTYPES = (torch.int32, torch.int64)
 #: Primitives declined for bfloat16 under the CPU interpreter: kernels that use tl.dot (wrong results there), and
 #: the forward-chain ops whose bf16 outputs the interpreter truncates instead of rounding (verified on the GPU).
-_NO_BF16_ON_CPU = ("linear_", "fused_linear_", "matmul_", "attention_", "prefix_attention_", "rms_norm_", "softmax_",
-                   "rope_", "embedding_", "ema_", "sample_")
+_NO_BF16_ON_CPU = (
+    "linear_",
+    "fused_linear_",
+    "matmul_",
+    "attention_",
+    "prefix_attention_",
+    "rms_norm_",
+    "softmax_",
+    "rope_",
+    "embedding_",
+    "ema_",
+    "sample_",
+)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -43,8 +54,10 @@ def _probe() -> str | None:
     except ValueError:
         release = _MINIMUM_TRITON  # an unusual version string (a source build): let it run
     if release < _MINIMUM_TRITON:
-        return (f"triton {triton.__version__} is older than rlk-triton supports (>= 3.6; tested with "
-                f"{', '.join(TESTED_TRITON)})")
+        return (
+            f"triton {triton.__version__} is older than rlk-triton supports (>= 3.6; tested with "
+            f"{', '.join(TESTED_TRITON)})"
+        )
     if _INTERPRET:
         return None
     if not torch.cuda.is_available():
@@ -65,8 +78,10 @@ def _supports(primitive: str, device: torch.device, dtype: torch.dtype) -> str |
     if dtype not in _DTYPES:
         return f"dtype {dtype} not supported (bfloat16, float16, float32)"
     if device.type == "cpu" and dtype == torch.bfloat16 and primitive.startswith(_NO_BF16_ON_CPU):
-        return ("bfloat16 under the Triton CPU interpreter: wrong tl.dot results, fp32->bf16 casts truncated "
-                "(verified on the GPU)")
+        return (
+            "bfloat16 under the Triton CPU interpreter: wrong tl.dot results, fp32->bf16 casts truncated "
+            "(verified on the GPU)"
+        )
     return None
 
 
@@ -87,8 +102,10 @@ def version_problem(rlk_version: str) -> str | None:
     in the backend, not imported from rlk: it has to work against an rlk of another version."""
     if rlk_version == __version__:
         return None
-    return (f"rlk-triton {__version__} needs rlk {__version__}, found rlk {rlk_version}: install matching versions "
-            f"(pip install 'rlk[triton]=={rlk_version}' pins both)")
+    return (
+        f"rlk-triton {__version__} needs rlk {__version__}, found rlk {rlk_version}: install matching versions "
+        f"(pip install 'rlk[triton]=={rlk_version}' pins both)"
+    )
 
 
 def backend():
@@ -99,8 +116,14 @@ def backend():
 
     mismatch = version_problem(rlk_version)
     if mismatch is not None:
-        return Backend(name="triton", version=__version__, abi_version=ABI_VERSION, primitives={},
-                       probe=lambda: mismatch, device_types=lambda: ())
+        return Backend(
+            name="triton",
+            version=__version__,
+            abi_version=ABI_VERSION,
+            primitives={},
+            probe=lambda: mismatch,
+            device_types=lambda: (),
+        )
     from rlk_triton import (
         advantages,
         attention,
@@ -124,14 +147,29 @@ def backend():
         version=__version__,
         abi_version=ABI_VERSION,
         primitives=collect_primitives(
-            advantages, attention, distill, ema, embedding, logprob, losses, matmul, norm, pack, policy_loss,
-            rollout_correction, rope, sampling, softmax,
+            advantages,
+            attention,
+            distill,
+            ema,
+            embedding,
+            logprob,
+            losses,
+            matmul,
+            norm,
+            pack,
+            policy_loss,
+            rollout_correction,
+            rope,
+            sampling,
+            softmax,
         ),
         probe=_probe,
         device_types=_device_types,
         supports=_supports,
         batch_invariant=True,
-        limits={name: {"head_dim": attention.MAX_HEAD_DIM}
-                for name in ("attention_fwd", "attention_bwd", "prefix_attention_fwd", "prefix_attention_bwd")},
+        limits={
+            name: {"head_dim": attention.MAX_HEAD_DIM}
+            for name in ("attention_fwd", "attention_bwd", "prefix_attention_fwd", "prefix_attention_bwd")
+        },
         selfcheck=_selfcheck,
     )

@@ -69,7 +69,6 @@ _RETURN_MASK_MODE_IDS = {"carry": 0, "reset": 1, "zero": 2}
 _GROUP_MODE_IDS.update({"grpo_passk": 4, "dr_grpo_passk": 5})
 
 
-
 # ----------------------------------------------------------------------------------------------
 # group_advantages
 # ----------------------------------------------------------------------------------------------
@@ -101,9 +100,18 @@ def _group_chunk(scores_ptr, perm_ptr, start, offs, valid, BY_SIZE: tl.constexpr
 
 @triton.jit
 def _group_advantages_kernel(
-    scores_ptr, perm_ptr, seg_len_ptr, lengths_ptr, out_ptr, nonzero_ptr,
-    group_size, eps,
-    MODE: tl.constexpr, GPG: tl.constexpr, BY_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    scores_ptr,
+    perm_ptr,
+    seg_len_ptr,
+    lengths_ptr,
+    out_ptr,
+    nonzero_ptr,
+    group_size,
+    eps,
+    MODE: tl.constexpr,
+    GPG: tl.constexpr,
+    BY_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Advantages of one group (MODE 0 grpo, 1 centred only, 2 rloo, 3 opo); see the module docstring."""
     pid = tl.program_id(0).to(tl.int64)
@@ -266,9 +274,19 @@ def group_advantages_fwd(scores, group_index, group_size, lengths, mode, eps, ou
     nonzero = torch.empty(grid if gpg else 1, dtype=torch.int32, device=scores.device)
     with on_device(scores.device):
         _group_advantages_kernel[(grid,)](
-            scores, perm, seg_len, lengths if lengths is not None else scores, out, nonzero,
-            group_size, eps,
-            MODE=_GROUP_MODE_IDS[mode], GPG=gpg, BY_SIZE=by_size, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
+            scores,
+            perm,
+            seg_len,
+            lengths if lengths is not None else scores,
+            out,
+            nonzero,
+            group_size,
+            eps,
+            MODE=_GROUP_MODE_IDS[mode],
+            GPG=gpg,
+            BY_SIZE=by_size,
+            BLOCK=cfg["BLOCK"],
+            num_warps=cfg["num_warps"],
         )
     if gpg:
         total = torch.full((), n_rows, dtype=out.dtype, device=out.device)
@@ -282,8 +300,15 @@ def group_advantages_fwd(scores, group_index, group_size, lengths, mode, eps, ou
 
 @triton.jit
 def _whiten_partial_kernel(
-    x_ptr, mask_ptr, stats_ptr, part_ptr, count_ptr, exp_ptr, N,
-    CENTERED: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    mask_ptr,
+    stats_ptr,
+    part_ptr,
+    count_ptr,
+    exp_ptr,
+    N,
+    CENTERED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Block ``p``'s partials; masked-out entries contribute 0 and are never used in arithmetic.
 
@@ -308,8 +333,17 @@ def _whiten_partial_kernel(
 
 @triton.jit
 def _whiten_combine_kernel(
-    part_ptr, count_ptr, exp_ptr, stats_ptr, total_ptr, n_parts, eps,
-    STAGE: tl.constexpr, UNBIASED: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr,
+    part_ptr,
+    count_ptr,
+    exp_ptr,
+    stats_ptr,
+    total_ptr,
+    n_parts,
+    eps,
+    STAGE: tl.constexpr,
+    UNBIASED: tl.constexpr,
+    CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Combine the partials in index order (``BLOCK`` at a time).
 
@@ -386,12 +420,24 @@ def masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean, out):
     clamp = eps_mode == "clamp"
     with on_device(x.device):
         for stage in (0, 1):
-            _whiten_partial_kernel[(n_parts,)](x, mask, stats, part, count, exps, n, CENTERED=stage == 1,
-                                               BLOCK=block, num_warps=warps)
-            _whiten_combine_kernel[(1,)](part, count, exps, stats, total, n_parts, eps, STAGE=stage,
-                                         UNBIASED=unbiased, CLAMP=clamp, BLOCK=combine, num_warps=warps)
-        _whiten_apply_kernel[(n_parts,)](x, mask, stats, out, n, SHIFT_MEAN=shift_mean, BLOCK=block,
-                                         num_warps=warps)
+            _whiten_partial_kernel[(n_parts,)](
+                x, mask, stats, part, count, exps, n, CENTERED=stage == 1, BLOCK=block, num_warps=warps
+            )
+            _whiten_combine_kernel[(1,)](
+                part,
+                count,
+                exps,
+                stats,
+                total,
+                n_parts,
+                eps,
+                STAGE=stage,
+                UNBIASED=unbiased,
+                CLAMP=clamp,
+                BLOCK=combine,
+                num_warps=warps,
+            )
+        _whiten_apply_kernel[(n_parts,)](x, mask, stats, out, n, SHIFT_MEAN=shift_mean, BLOCK=block, num_warps=warps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -492,8 +538,14 @@ def discounted_returns_fwd(rewards, mask, gamma, mask_mode, out):
     cfg = TILE_CONFIGS["scan"]
     with on_device(rewards.device):
         _returns_kernel[(n_rows,)](
-            rewards, mask, out, length, gamma,
-            MASK_MODE=_RETURN_MASK_MODE_IDS[mask_mode], BLOCK_T=cfg["BLOCK_T"], num_warps=cfg["num_warps"],
+            rewards,
+            mask,
+            out,
+            length,
+            gamma,
+            MASK_MODE=_RETURN_MASK_MODE_IDS[mask_mode],
+            BLOCK_T=cfg["BLOCK_T"],
+            num_warps=cfg["num_warps"],
         )
 
 
@@ -507,6 +559,14 @@ def gae_fwd(rewards, values, mask, gamma, gamma_lam, advantages_out, returns_out
     cfg = TILE_CONFIGS["scan"]
     with on_device(rewards.device):
         _gae_kernel[(n_rows,)](
-            rewards, values, mask, advantages_out, returns_out, length, gamma, gamma_lam,
-            BLOCK_T=cfg["BLOCK_T"], num_warps=cfg["num_warps"],
+            rewards,
+            values,
+            mask,
+            advantages_out,
+            returns_out,
+            length,
+            gamma,
+            gamma_lam,
+            BLOCK_T=cfg["BLOCK_T"],
+            num_warps=cfg["num_warps"],
         )

@@ -159,22 +159,49 @@ def _logical_rows(cols, n_p, p_start, k_start):
 
 
 @triton.jit
-def _fwd_block_ptrs(k_ptr, v_ptr, k_ptrs, v_ptrs, n0, offs_n, offs_d, n_p, p_start, k_start, hk,
-                    HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr):
+def _fwd_block_ptrs(
+    k_ptr,
+    v_ptr,
+    k_ptrs,
+    v_ptrs,
+    n0,
+    offs_n,
+    offs_d,
+    n_p,
+    p_start,
+    k_start,
+    hk,
+    HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+):
     """The forward's ``K^T`` ``[BLOCK_D, BLOCK_N]`` and ``V`` ``[BLOCK_N, BLOCK_D]`` pointers of the key block from
     (logical) key ``n0``: per element through :func:`_logical_rows` with a prefix, else the first block's pointers
     ``k_ptrs`` / ``v_ptrs`` moved by ``n0`` keys."""
     if HAS_PREFIX:
         kv_row = _logical_rows(n0 + offs_n, n_p, p_start, k_start) * HKV + hk
-        return (k_ptr + kv_row[None, :] * HEAD_DIM + offs_d[:, None],
-                v_ptr + kv_row[:, None] * HEAD_DIM + offs_d[None, :])
+        return (
+            k_ptr + kv_row[None, :] * HEAD_DIM + offs_d[:, None],
+            v_ptr + kv_row[:, None] * HEAD_DIM + offs_d[None, :],
+        )
     step = n0.to(tl.int64) * (HKV * HEAD_DIM)
     return k_ptrs + step, v_ptrs + step
 
 
 @triton.jit
-def _dq_block_offsets(kv_offs, n0, offs_n, offs_d, n_p, p_start, k_start, hk,
-                      HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_PREFIX: tl.constexpr):
+def _dq_block_offsets(
+    kv_offs,
+    n0,
+    offs_n,
+    offs_d,
+    n_p,
+    p_start,
+    k_start,
+    hk,
+    HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+):
     """The ``dq`` kernel's element offsets ``[BLOCK_N, BLOCK_D]`` of the key block from (logical) key ``n0`` (as
     :func:`_fwd_block_ptrs`, for ``K`` and ``V`` alike)."""
     if HAS_PREFIX:
@@ -203,9 +230,25 @@ def _key_blocks(m0, n_q, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK
 
 @triton.jit
 def _fwd_step(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, n0, rows, offset, n_k, qk_scale, offs_n, d_mask,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    n0,
+    rows,
+    offset,
+    n_k,
+    qk_scale,
+    offs_n,
+    d_mask,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One key block of the online softmax. ``k_ptrs`` address ``K^T`` ``[BLOCK_D, BLOCK_N]`` and
     ``v_ptrs`` ``V`` ``[BLOCK_N, BLOCK_D]`` of the block's first key; ``n0`` is that key's index."""
@@ -243,10 +286,25 @@ def _fwd_step(
 
 @triton.jit(do_not_specialize=["total_q"])
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, prefix_ptr, out_ptr, lse_ptr,
-    total_q, qk_scale, n_m_blocks,
-    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    prefix_ptr,
+    out_ptr,
+    lse_ptr,
+    total_q,
+    qk_scale,
+    n_m_blocks,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
 ):
     h = tl.program_id(0)
@@ -285,19 +343,55 @@ def _fwd_kernel(
     n_full, n_end = _key_blocks(m0, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
     for nb in range(0, n_full):
         n0 = nb * BLOCK_N
-        kb_ptrs, vb_ptrs = _fwd_block_ptrs(k_ptr, v_ptr, k_ptrs, v_ptrs, n0, offs_n, offs_d, n_p, p_start, k_start,
-                                           hk, HKV, HEAD_DIM, HAS_PREFIX)
+        kb_ptrs, vb_ptrs = _fwd_block_ptrs(
+            k_ptr, v_ptr, k_ptrs, v_ptrs, n0, offs_n, offs_d, n_p, p_start, k_start, hk, HKV, HEAD_DIM, HAS_PREFIX
+        )
         acc, l_i, m_i = _fwd_step(
-            acc, l_i, m_i, q, kb_ptrs, vb_ptrs,
-            n0, rows, offset, n_k, qk_scale, offs_n, d_mask, False, CAUSAL, EVEN_D, IEEE, BLOCK_M, BLOCK_N,
+            acc,
+            l_i,
+            m_i,
+            q,
+            kb_ptrs,
+            vb_ptrs,
+            n0,
+            rows,
+            offset,
+            n_k,
+            qk_scale,
+            offs_n,
+            d_mask,
+            False,
+            CAUSAL,
+            EVEN_D,
+            IEEE,
+            BLOCK_M,
+            BLOCK_N,
         )
     for nb in range(n_full, n_end):
         n0 = nb * BLOCK_N
-        kb_ptrs, vb_ptrs = _fwd_block_ptrs(k_ptr, v_ptr, k_ptrs, v_ptrs, n0, offs_n, offs_d, n_p, p_start, k_start,
-                                           hk, HKV, HEAD_DIM, HAS_PREFIX)
+        kb_ptrs, vb_ptrs = _fwd_block_ptrs(
+            k_ptr, v_ptr, k_ptrs, v_ptrs, n0, offs_n, offs_d, n_p, p_start, k_start, hk, HKV, HEAD_DIM, HAS_PREFIX
+        )
         acc, l_i, m_i = _fwd_step(
-            acc, l_i, m_i, q, kb_ptrs, vb_ptrs,
-            n0, rows, offset, n_k, qk_scale, offs_n, d_mask, True, CAUSAL, EVEN_D, IEEE, BLOCK_M, BLOCK_N,
+            acc,
+            l_i,
+            m_i,
+            q,
+            kb_ptrs,
+            vb_ptrs,
+            n0,
+            rows,
+            offset,
+            n_k,
+            qk_scale,
+            offs_n,
+            d_mask,
+            True,
+            CAUSAL,
+            EVEN_D,
+            IEEE,
+            BLOCK_M,
+            BLOCK_N,
         )
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -319,16 +413,32 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, prefix_index, ca
     has_prefix = prefix_index is not None
     with on_device(q.device):
         _fwd_kernel[(n_heads, n_seq, n_m_blocks)](
-            q, k, v, cu_seqlens_q, cu_seqlens_k, prefix_index if has_prefix else cu_seqlens_k, out, lse_out,
-            total_q, softmax_scale * _LOG2E, n_m_blocks,
-            HQ=n_heads, HKV=k.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal,
-            IEEE=q.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HAS_PREFIX=has_prefix,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            prefix_index if has_prefix else cu_seqlens_k,
+            out,
+            lse_out,
+            total_q,
+            softmax_scale * _LOG2E,
+            n_m_blocks,
+            HQ=n_heads,
+            HKV=k.shape[1],
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            CAUSAL=causal,
+            IEEE=q.dtype == torch.float32,
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            HAS_PREFIX=has_prefix,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
 
 
-def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                  out, lse_out):
+def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, lse_out):
     """Varlen attention forward: fills ``out [Tq, Hq, D]`` (q.dtype) and ``lse_out [Hq, Tq]`` (fp32).
 
     Spec: :func:`rlk.reference.attention.attention_fwd`. Grid: (query head, sequence, query block),
@@ -337,8 +447,9 @@ def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, None, causal, softmax_scale, out, lse_out)
 
 
-def prefix_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefix_index, causal,
-                         softmax_scale, out, lse_out):
+def prefix_attention_fwd(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefix_index, causal, softmax_scale, out, lse_out
+):
     """Forward with shared prefixes (module docstring): fills ``out`` and ``lse_out`` like :func:`attention_fwd`,
     each sequence over its logical keys. Spec: :func:`rlk.reference.attention.prefix_attention_fwd`."""
     _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, prefix_index, causal, softmax_scale, out, lse_out)
@@ -351,8 +462,15 @@ def prefix_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 @triton.jit(do_not_specialize=["total_q"])
 def _bwd_delta_kernel(
-    out_ptr, grad_out_ptr, grad_lse_ptr, delta_ptr, total_q,
-    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+    out_ptr,
+    grad_out_ptr,
+    grad_lse_ptr,
+    delta_ptr,
+    total_q,
+    HQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """``delta[h, t] = sum_d grad_out[t, h, d] * out[t, h, d] - grad_lse[h, t]`` (fp32), per row."""
@@ -382,9 +500,28 @@ def _load_row_state(lse_ptr, delta_ptr, row, row_ok):
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_head_ptr, do_head_ptr, lse_ptr, delta_ptr, m0, n_q, cols, offset, lse_row0, qk_scale,
-    offs_m, offs_d, d_mask, MASKED: tl.constexpr, IEEE: tl.constexpr, ROW_STRIDE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_head_ptr,
+    do_head_ptr,
+    lse_ptr,
+    delta_ptr,
+    m0,
+    n_q,
+    cols,
+    offset,
+    lse_row0,
+    qk_scale,
+    offs_m,
+    offs_d,
+    d_mask,
+    MASKED: tl.constexpr,
+    IEEE: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One query block's contribution to ``dk`` and ``dv`` ``[BLOCK_N, BLOCK_D]`` of one key block,
     computed transposed (keys on the rows). ``q_head_ptr`` / ``do_head_ptr`` point at the sequence's
@@ -409,9 +546,32 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_queries(
-    dk, dv, k, v, q_ptr, grad_out_ptr, lse_ptr, delta_ptr, q_start, n_q, n0, n_k, total_q, qk_scale, hk,
-    offs_m, offs_n, offs_d, d_mask, CAUSAL: tl.constexpr, IEEE: tl.constexpr, HQ: tl.constexpr,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_ptr,
+    grad_out_ptr,
+    lse_ptr,
+    delta_ptr,
+    q_start,
+    n_q,
+    n0,
+    n_k,
+    total_q,
+    qk_scale,
+    hk,
+    offs_m,
+    offs_n,
+    offs_d,
+    d_mask,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    HQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The contributions of one sequence's queries (``n_q`` rows from token ``q_start``) to ``dk`` / ``dv`` of a
     key block whose first key has the index ``n0`` among that sequence's ``n_k`` (logical) keys."""
@@ -434,26 +594,83 @@ def _dkdv_queries(
         lse_row0 = h.to(tl.int64) * total_q + q_start
         for m0 in range(m_lo, m_split, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_ptr + head_offset, grad_out_ptr + head_offset, lse_ptr, delta_ptr, m0, n_q,
-                cols, offset, lse_row0, qk_scale, offs_m, offs_d, d_mask, True, IEEE, HQ * HEAD_DIM,
-                BLOCK_M, BLOCK_N,
+                dk,
+                dv,
+                k,
+                v,
+                q_ptr + head_offset,
+                grad_out_ptr + head_offset,
+                lse_ptr,
+                delta_ptr,
+                m0,
+                n_q,
+                cols,
+                offset,
+                lse_row0,
+                qk_scale,
+                offs_m,
+                offs_d,
+                d_mask,
+                True,
+                IEEE,
+                HQ * HEAD_DIM,
+                BLOCK_M,
+                BLOCK_N,
             )
         for m0 in range(m_split, m_end, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_ptr + head_offset, grad_out_ptr + head_offset, lse_ptr, delta_ptr, m0, n_q,
-                cols, offset, lse_row0, qk_scale, offs_m, offs_d, d_mask, False, IEEE, HQ * HEAD_DIM,
-                BLOCK_M, BLOCK_N,
+                dk,
+                dv,
+                k,
+                v,
+                q_ptr + head_offset,
+                grad_out_ptr + head_offset,
+                lse_ptr,
+                delta_ptr,
+                m0,
+                n_q,
+                cols,
+                offset,
+                lse_row0,
+                qk_scale,
+                offs_m,
+                offs_d,
+                d_mask,
+                False,
+                IEEE,
+                HQ * HEAD_DIM,
+                BLOCK_M,
+                BLOCK_N,
             )
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["total_q"])
 def _bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, prefix_ptr, readers_ptr, ends_ptr,
-    grad_k_ptr, grad_v_ptr,
-    total_q, qk_scale, softmax_scale,
-    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    grad_out_ptr,
+    lse_ptr,
+    delta_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    prefix_ptr,
+    readers_ptr,
+    ends_ptr,
+    grad_k_ptr,
+    grad_v_ptr,
+    total_q,
+    qk_scale,
+    softmax_scale,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
 ):
     hk = tl.program_id(0)
@@ -479,22 +696,93 @@ def _bwd_dkdv_kernel(
         # the sequence's own queries: its keys sit at logical columns n_p + j (n_p = 0 without a prefix)
         p_start, n_p = _prefix(cu_k_ptr, prefix_ptr, b)
         dk, dv = _dkdv_queries(
-            dk, dv, k, v, q_ptr, grad_out_ptr, lse_ptr, delta_ptr, q_start, n_q, n_p + n0, n_p + n_k, total_q,
-            qk_scale, hk, offs_m, offs_n, offs_d, d_mask, CAUSAL, IEEE, HQ, HEAD_DIM, GROUP, BLOCK_M, BLOCK_N,
+            dk,
+            dv,
+            k,
+            v,
+            q_ptr,
+            grad_out_ptr,
+            lse_ptr,
+            delta_ptr,
+            q_start,
+            n_q,
+            n_p + n0,
+            n_p + n_k,
+            total_q,
+            qk_scale,
+            hk,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_mask,
+            CAUSAL,
+            IEEE,
+            HQ,
+            HEAD_DIM,
+            GROUP,
+            BLOCK_M,
+            BLOCK_N,
         )
         # then each sequence that reads these keys as its prefix (logical columns j), in ascending order
         for r in range(tl.load(ends_ptr + b), tl.load(ends_ptr + b + 1)):
             c = tl.load(readers_ptr + r)
             c_q_start, c_n_q, c_k_start, c_n_k = _sequence(cu_q_ptr, cu_k_ptr, c)
             dk, dv = _dkdv_queries(
-                dk, dv, k, v, q_ptr, grad_out_ptr, lse_ptr, delta_ptr, c_q_start, c_n_q, n0, n_k + c_n_k,
-                total_q, qk_scale, hk, offs_m, offs_n, offs_d, d_mask, CAUSAL, IEEE, HQ, HEAD_DIM, GROUP, BLOCK_M,
+                dk,
+                dv,
+                k,
+                v,
+                q_ptr,
+                grad_out_ptr,
+                lse_ptr,
+                delta_ptr,
+                c_q_start,
+                c_n_q,
+                n0,
+                n_k + c_n_k,
+                total_q,
+                qk_scale,
+                hk,
+                offs_m,
+                offs_n,
+                offs_d,
+                d_mask,
+                CAUSAL,
+                IEEE,
+                HQ,
+                HEAD_DIM,
+                GROUP,
+                BLOCK_M,
                 BLOCK_N,
             )
     else:
         dk, dv = _dkdv_queries(
-            dk, dv, k, v, q_ptr, grad_out_ptr, lse_ptr, delta_ptr, q_start, n_q, n0, n_k, total_q, qk_scale,
-            hk, offs_m, offs_n, offs_d, d_mask, CAUSAL, IEEE, HQ, HEAD_DIM, GROUP, BLOCK_M, BLOCK_N,
+            dk,
+            dv,
+            k,
+            v,
+            q_ptr,
+            grad_out_ptr,
+            lse_ptr,
+            delta_ptr,
+            q_start,
+            n_q,
+            n0,
+            n_k,
+            total_q,
+            qk_scale,
+            hk,
+            offs_m,
+            offs_n,
+            offs_d,
+            d_mask,
+            CAUSAL,
+            IEEE,
+            HQ,
+            HEAD_DIM,
+            GROUP,
+            BLOCK_M,
+            BLOCK_N,
         )
     dk = dk * softmax_scale
     tl.store(grad_k_ptr + kv_offs, dk.to(grad_k_ptr.dtype.element_ty), mask=kv_mask)
@@ -503,9 +791,26 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, n0, rows, offset, n_k, qk_scale, offs_n, d_mask,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_ptrs,
+    v_ptrs,
+    n0,
+    rows,
+    offset,
+    n_k,
+    qk_scale,
+    offs_n,
+    d_mask,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One key block's contribution to ``dq`` ``[BLOCK_M, BLOCK_D]`` (the forward's masking scheme)."""
     cols = n0 + offs_n
@@ -537,10 +842,28 @@ def _dq_step(
 
 @triton.jit(do_not_specialize=["total_q"])
 def _bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, grad_out_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, prefix_ptr, grad_q_ptr,
-    total_q, qk_scale, softmax_scale, n_m_blocks,
-    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    grad_out_ptr,
+    lse_ptr,
+    delta_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    prefix_ptr,
+    grad_q_ptr,
+    total_q,
+    qk_scale,
+    softmax_scale,
+    n_m_blocks,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
 ):
     h = tl.program_id(0)
@@ -575,21 +898,57 @@ def _bwd_dq_kernel(
     n_full, n_end = _key_blocks(m0, n_q, n_k, CAUSAL, BLOCK_M, BLOCK_N)
     for nb in range(0, n_full):
         n0 = nb * BLOCK_N
-        block_offs = _dq_block_offsets(kv_offs, n0, offs_n, offs_d, n_p, p_start, k_start, hk, HKV, HEAD_DIM,
-                                       HAS_PREFIX)
+        block_offs = _dq_block_offsets(
+            kv_offs, n0, offs_n, offs_d, n_p, p_start, k_start, hk, HKV, HEAD_DIM, HAS_PREFIX
+        )
         dq = _dq_step(
-            dq, q, do, lse2, delta, k_ptr + block_offs,
-            v_ptr + block_offs, n0, rows, offset, n_k, qk_scale, offs_n, d_mask,
-            False, CAUSAL, HEAD_DIM == BLOCK_D, IEEE, BLOCK_M, BLOCK_N,
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_ptr + block_offs,
+            v_ptr + block_offs,
+            n0,
+            rows,
+            offset,
+            n_k,
+            qk_scale,
+            offs_n,
+            d_mask,
+            False,
+            CAUSAL,
+            HEAD_DIM == BLOCK_D,
+            IEEE,
+            BLOCK_M,
+            BLOCK_N,
         )
     for nb in range(n_full, n_end):
         n0 = nb * BLOCK_N
-        block_offs = _dq_block_offsets(kv_offs, n0, offs_n, offs_d, n_p, p_start, k_start, hk, HKV, HEAD_DIM,
-                                       HAS_PREFIX)
+        block_offs = _dq_block_offsets(
+            kv_offs, n0, offs_n, offs_d, n_p, p_start, k_start, hk, HKV, HEAD_DIM, HAS_PREFIX
+        )
         dq = _dq_step(
-            dq, q, do, lse2, delta, k_ptr + block_offs,
-            v_ptr + block_offs, n0, rows, offset, n_k, qk_scale, offs_n, d_mask,
-            True, CAUSAL, HEAD_DIM == BLOCK_D, IEEE, BLOCK_M, BLOCK_N,
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_ptr + block_offs,
+            v_ptr + block_offs,
+            n0,
+            rows,
+            offset,
+            n_k,
+            qk_scale,
+            offs_n,
+            d_mask,
+            True,
+            CAUSAL,
+            HEAD_DIM == BLOCK_D,
+            IEEE,
+            BLOCK_M,
+            BLOCK_N,
         )
     dq = dq * softmax_scale
     tl.store(grad_q_ptr + q_offs, dq.to(grad_q_ptr.dtype.element_ty), mask=q_mask)
@@ -612,31 +971,115 @@ def _readers(prefix_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return order, ends
 
 
-def attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out):
+def attention_bwd(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    softmax_scale,
+    grad_q_out,
+    grad_k_out,
+    grad_v_out,
+):
     """Gradients of varlen attention: fills ``grad_q_out``, ``grad_k_out``, ``grad_v_out``.
 
     Spec: :func:`rlk.reference.attention.attention_bwd`. Three launches: ``delta`` per row (fp32
     ``[Hq, Tq]`` scratch), ``dk``/``dv`` per (key/value head, sequence, key block), ``dq`` per
     (query head, sequence, query block). No atomics; every sum runs in a fixed order.
     """
-    _backward(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None,
-              causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out)
+    _backward(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        grad_lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        None,
+        causal,
+        softmax_scale,
+        grad_q_out,
+        grad_k_out,
+        grad_v_out,
+    )
 
 
-def prefix_attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, prefix_index, causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out):
+def prefix_attention_bwd(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    prefix_index,
+    causal,
+    softmax_scale,
+    grad_q_out,
+    grad_k_out,
+    grad_v_out,
+):
     """Gradients with shared prefixes (module docstring), the launches of :func:`attention_bwd` with ``HAS_PREFIX``.
 
     Spec: :func:`rlk.reference.attention.prefix_attention_bwd`. ``max_seqlen_k`` (own keys) sizes the ``dk``/``dv``
     grid; a read sequence's key block also loops over its readers' queries. No atomics; fixed order.
     """
-    _backward(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              prefix_index, causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out)
+    _backward(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        grad_lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        prefix_index,
+        causal,
+        softmax_scale,
+        grad_q_out,
+        grad_k_out,
+        grad_v_out,
+    )
 
 
-def _backward(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              prefix_index, causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out):
+def _backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    prefix_index,
+    causal,
+    softmax_scale,
+    grad_q_out,
+    grad_k_out,
+    grad_v_out,
+):
     """The backward launches of both ops (``prefix_index`` None: plain attention, ``HAS_PREFIX`` off)."""
     total_q, n_heads, head_dim = q.shape
     n_kv_heads = k.shape[1]
@@ -644,8 +1087,9 @@ def _backward(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k,
     block_d = _block_d(head_dim)
     ieee = q.dtype == torch.float32
     has_prefix = prefix_index is not None
-    common = dict(HQ=n_heads, HKV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, IEEE=ieee,
-                  HAS_PREFIX=has_prefix)
+    common = dict(
+        HQ=n_heads, HKV=n_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, IEEE=ieee, HAS_PREFIX=has_prefix
+    )
     if has_prefix:
         readers, ends = _readers(prefix_index)
     else:  # unused pointers (HAS_PREFIX off)
@@ -654,25 +1098,64 @@ def _backward(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k,
     delta = torch.empty((n_heads, total_q), dtype=torch.float32, device=q.device)
     with on_device(q.device):
         _bwd_delta_kernel[(n_heads, triton.cdiv(total_q, _DELTA_ROWS))](
-            out, grad_out, grad_lse if grad_lse is not None else delta, delta, total_q,
-            HQ=n_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_GRAD_LSE=grad_lse is not None, BLOCK=_DELTA_ROWS,
+            out,
+            grad_out,
+            grad_lse if grad_lse is not None else delta,
+            delta,
+            total_q,
+            HQ=n_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            HAS_GRAD_LSE=grad_lse is not None,
+            BLOCK=_DELTA_ROWS,
         )
         cfg = _config("dkdv", q.dtype, block_d)
         n_n_blocks = triton.cdiv(max_seqlen_k, cfg["BLOCK_N"])
         if n_seq > 0 and n_n_blocks > 0:
             _bwd_dkdv_kernel[(n_kv_heads, n_seq, n_n_blocks)](
-                q, k, v, grad_out, lse, delta, cu_seqlens_q, cu_seqlens_k, prefix_index, readers, ends, grad_k_out,
+                q,
+                k,
+                v,
+                grad_out,
+                lse,
+                delta,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                prefix_index,
+                readers,
+                ends,
+                grad_k_out,
                 grad_v_out,
-                total_q, qk_scale, softmax_scale, **common,
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                total_q,
+                qk_scale,
+                softmax_scale,
+                **common,
+                BLOCK_M=cfg["BLOCK_M"],
+                BLOCK_N=cfg["BLOCK_N"],
+                num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
             )
         cfg = _config("dq", q.dtype, block_d)
         n_m_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"])
         if n_seq > 0 and n_m_blocks > 0:
             _bwd_dq_kernel[(n_heads, n_seq, n_m_blocks)](
-                q, k, v, grad_out, lse, delta, cu_seqlens_q, cu_seqlens_k, prefix_index, grad_q_out,
-                total_q, qk_scale, softmax_scale, n_m_blocks, **common,
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                q,
+                k,
+                v,
+                grad_out,
+                lse,
+                delta,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                prefix_index,
+                grad_q_out,
+                total_q,
+                qk_scale,
+                softmax_scale,
+                n_m_blocks,
+                **common,
+                BLOCK_M=cfg["BLOCK_M"],
+                BLOCK_N=cfg["BLOCK_N"],
+                num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
             )

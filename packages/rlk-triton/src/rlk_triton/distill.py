@@ -34,20 +34,62 @@ from rlk_triton.matmul import BACKWARD_TILE_CONFIGS, _gemm
 #: fp32: 64 x 64 x 32 with 8 warps, chosen offline (two fp32 logit tiles are live at once).
 TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
     "partial": {
-        torch.float32: {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 32, "VOCAB_SPLIT": 4096, "GROUP_N": 32,
-                        "num_warps": 8, "num_stages": 2},
-        torch.float16: {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_SPLIT": 4096, "GROUP_N": 8,
-                        "num_warps": 8, "num_stages": 3},
-        torch.bfloat16: {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_SPLIT": 4096, "GROUP_N": 8,
-                         "num_warps": 8, "num_stages": 3},
+        torch.float32: {
+            "BLOCK_N": 64,
+            "BLOCK_V": 64,
+            "BLOCK_K": 32,
+            "VOCAB_SPLIT": 4096,
+            "GROUP_N": 32,
+            "num_warps": 8,
+            "num_stages": 2,
+        },
+        torch.float16: {
+            "BLOCK_N": 128,
+            "BLOCK_V": 128,
+            "BLOCK_K": 64,
+            "VOCAB_SPLIT": 4096,
+            "GROUP_N": 8,
+            "num_warps": 8,
+            "num_stages": 3,
+        },
+        torch.bfloat16: {
+            "BLOCK_N": 128,
+            "BLOCK_V": 128,
+            "BLOCK_K": 64,
+            "VOCAB_SPLIT": 4096,
+            "GROUP_N": 8,
+            "num_warps": 8,
+            "num_stages": 3,
+        },
     },
     "grad": {
-        torch.float32: {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 32, "VOCAB_CHUNK": 4096, "GROUP_N": 32,
-                        "num_warps": 8, "num_stages": 2},
-        torch.float16: {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_CHUNK": 4096, "GROUP_N": 8,
-                        "num_warps": 8, "num_stages": 3},
-        torch.bfloat16: {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_CHUNK": 4096, "GROUP_N": 8,
-                         "num_warps": 8, "num_stages": 3},
+        torch.float32: {
+            "BLOCK_N": 64,
+            "BLOCK_V": 64,
+            "BLOCK_K": 32,
+            "VOCAB_CHUNK": 4096,
+            "GROUP_N": 32,
+            "num_warps": 8,
+            "num_stages": 2,
+        },
+        torch.float16: {
+            "BLOCK_N": 128,
+            "BLOCK_V": 128,
+            "BLOCK_K": 64,
+            "VOCAB_CHUNK": 4096,
+            "GROUP_N": 8,
+            "num_warps": 8,
+            "num_stages": 3,
+        },
+        torch.bfloat16: {
+            "BLOCK_N": 128,
+            "BLOCK_V": 128,
+            "BLOCK_K": 64,
+            "VOCAB_CHUNK": 4096,
+            "GROUP_N": 8,
+            "num_warps": 8,
+            "num_stages": 3,
+        },
     },
 }
 
@@ -108,8 +150,23 @@ def _log_mixture(log_p, log_q, log_beta, log_1m_beta):
 
 
 @triton.jit
-def _tiles(sh_ptr, sw_ptr, th_ptr, tw_ptr, rows, row_mask, cols, col_mask, inv_t, HS, HT,
-           BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _tiles(
+    sh_ptr,
+    sw_ptr,
+    th_ptr,
+    tw_ptr,
+    rows,
+    row_mask,
+    cols,
+    col_mask,
+    inv_t,
+    HS,
+    HT,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """The student's and the teacher's scaled logit tiles ``[BLOCK_N, BLOCK_V]`` (-inf in masked columns)."""
     xq = _linear_logits_tile(sh_ptr, sw_ptr, rows, row_mask, cols, col_mask, HS, BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
     zq = tl.where(col_mask[None, :], xq * inv_t[:, None], float("-inf"))
@@ -125,10 +182,27 @@ def _tiles(sh_ptr, sw_ptr, th_ptr, tw_ptr, rows, row_mask, cols, col_mask, inv_t
 
 @triton.jit
 def _partial_kernel(
-    sh_ptr, sw_ptr, th_ptr, tw_ptr, inv_t_ptr, stats_ptr, part_ptr,
-    N, HS, HT, V, n_splits, log_beta, log_1m_beta,
-    MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    VOCAB_SPLIT: tl.constexpr, GROUP_N: tl.constexpr, IEEE: tl.constexpr,
+    sh_ptr,
+    sw_ptr,
+    th_ptr,
+    tw_ptr,
+    inv_t_ptr,
+    stats_ptr,
+    part_ptr,
+    N,
+    HS,
+    HT,
+    V,
+    n_splits,
+    log_beta,
+    log_1m_beta,
+    MODE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VOCAB_SPLIT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """One vocab split of ``BLOCK_N`` rows. ``MODE`` 0 / 1 / 2: the online ``(m_q, s_q, m_p, s_p, b)`` with ``b``
     weighted by p / by q / not kept; 3 (JSD, after pass 1): ``KL(p || m)`` and ``KL(q || m)`` of the split, from the
@@ -148,8 +222,23 @@ def _partial_kernel(
         kl_qm = tl.zeros((BLOCK_N,), tl.float32)
         for v0 in range(v_begin, v_end, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-            zq, zp = _tiles(sh_ptr, sw_ptr, th_ptr, tw_ptr, rows, row_mask, cols, cols < v_end, inv_t, HS, HT,
-                            BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
+            zq, zp = _tiles(
+                sh_ptr,
+                sw_ptr,
+                th_ptr,
+                tw_ptr,
+                rows,
+                row_mask,
+                cols,
+                cols < v_end,
+                inv_t,
+                HS,
+                HT,
+                BLOCK_N,
+                BLOCK_V,
+                BLOCK_K,
+                IEEE,
+            )
             log_q = zq - lse_q
             log_p = zp - lse_p
             log_m = _log_mixture(log_p, log_q, log_beta, log_1m_beta)
@@ -167,8 +256,23 @@ def _partial_kernel(
         b = tl.zeros((BLOCK_N,), tl.float32)
         for v0 in range(v_begin, v_end, BLOCK_V):
             cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-            zq, zp = _tiles(sh_ptr, sw_ptr, th_ptr, tw_ptr, rows, row_mask, cols, cols < v_end, inv_t, HS, HT,
-                            BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
+            zq, zp = _tiles(
+                sh_ptr,
+                sw_ptr,
+                th_ptr,
+                tw_ptr,
+                rows,
+                row_mask,
+                cols,
+                cols < v_end,
+                inv_t,
+                HS,
+                HT,
+                BLOCK_N,
+                BLOCK_V,
+                BLOCK_K,
+                IEEE,
+            )
             new_q = tl.maximum(m_q, tl.max(zq, axis=1))
             new_p = tl.maximum(m_p, tl.max(zp, axis=1))
             sh_q = _shift(new_q)
@@ -195,8 +299,17 @@ def _partial_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_ptr, targets_ptr, loss_ptr, stats_ptr, N, n_splits, ignore_index, beta,
-    MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, BLOCK: tl.constexpr,
+    part_ptr,
+    targets_ptr,
+    loss_ptr,
+    stats_ptr,
+    N,
+    n_splits,
+    ignore_index,
+    beta,
+    MODE: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """A row's splits merged in split order. ``MODE`` 0 / 1: write the KL, the ``lse`` and the row constant;
     2: the ``lse`` only (JSD pass 1); 3: the JSD from the summed ``KL(p || m)``, ``KL(q || m)``."""
@@ -248,28 +361,69 @@ def _combine_kernel(
             tl.store(stats_ptr + 2 * N + rows, tl.where(valid, loss, 0.0), mask=row_mask)
 
 
-def _pass(mode, student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature,
-          ignore_index, beta, loss_out, stats_out):
+def _pass(
+    mode,
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    targets,
+    inv_temperature,
+    ignore_index,
+    beta,
+    loss_out,
+    stats_out,
+):
     """One partial launch and its combine."""
     n_rows, hs = student_hidden.shape
     ht = teacher_hidden.shape[1]
     vocab = student_weight.shape[0]
     cfg = TILE_CONFIGS["partial"][student_hidden.dtype]
     n_splits = triton.cdiv(vocab, cfg["VOCAB_SPLIT"])
-    part = torch.empty((_PARTS if mode != _JSD_SUMS else 2, n_splits, n_rows), dtype=torch.float32,
-                       device=student_hidden.device)
+    part = torch.empty(
+        (_PARTS if mode != _JSD_SUMS else 2, n_splits, n_rows), dtype=torch.float32, device=student_hidden.device
+    )
     log_beta, log_1m_beta = (math.log(beta), math.log1p(-beta)) if mode == _JSD_SUMS else (0.0, 0.0)
     with on_device(student_hidden.device):
         _partial_kernel[(triton.cdiv(n_rows, cfg["BLOCK_N"]) * n_splits,)](
-            student_hidden, student_weight, teacher_hidden, teacher_weight, inv_temperature, stats_out, part,
-            n_rows, hs, ht, vocab, n_splits, log_beta, log_1m_beta,
-            MODE=mode, BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
-            VOCAB_SPLIT=cfg["VOCAB_SPLIT"], GROUP_N=cfg["GROUP_N"], IEEE=student_hidden.dtype == torch.float32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            inv_temperature,
+            stats_out,
+            part,
+            n_rows,
+            hs,
+            ht,
+            vocab,
+            n_splits,
+            log_beta,
+            log_1m_beta,
+            MODE=mode,
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_V=cfg["BLOCK_V"],
+            BLOCK_K=cfg["BLOCK_K"],
+            VOCAB_SPLIT=cfg["VOCAB_SPLIT"],
+            GROUP_N=cfg["GROUP_N"],
+            IEEE=student_hidden.dtype == torch.float32,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            **_NO_FP_FUSION,
         )
         _combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS),)](
-            part, targets if targets is not None else inv_temperature, loss_out, stats_out, n_rows, n_splits,
-            ignore_index, beta, MODE=mode, HAS_TARGETS=targets is not None, BLOCK=_COMBINE_ROWS, **_NO_FP_FUSION,
+            part,
+            targets if targets is not None else inv_temperature,
+            loss_out,
+            stats_out,
+            n_rows,
+            n_splits,
+            ignore_index,
+            beta,
+            MODE=mode,
+            HAS_TARGETS=targets is not None,
+            BLOCK=_COMBINE_ROWS,
+            **_NO_FP_FUSION,
         )
 
 
@@ -280,10 +434,32 @@ def _pass(mode, student_hidden, student_weight, teacher_hidden, teacher_weight, 
 
 @triton.jit
 def _grad_kernel(
-    sh_ptr, sw_ptr, th_ptr, tw_ptr, targets_ptr, inv_t_ptr, stats_ptr, coef_ptr, g_ptr,
-    N, HS, HT, v_start, chunk_cols, g_stride, ignore_index, log_beta, log_1m_beta, one_m_beta,
-    MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, IEEE: tl.constexpr,
+    sh_ptr,
+    sw_ptr,
+    th_ptr,
+    tw_ptr,
+    targets_ptr,
+    inv_t_ptr,
+    stats_ptr,
+    coef_ptr,
+    g_ptr,
+    N,
+    HS,
+    HT,
+    v_start,
+    chunk_cols,
+    g_stride,
+    ignore_index,
+    log_beta,
+    log_1m_beta,
+    one_m_beta,
+    MODE: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """``G[:, 0:chunk_cols]`` = ``coef * inv_t * d loss / d z_student`` for vocab columns ``v_start + [0,
     chunk_cols)`` (``MODE``: 0 forward KL, 1 reverse KL, 3 JSD); 0 on ignored rows; stored in ``g``'s dtype."""
@@ -300,8 +476,23 @@ def _grad_kernel(
     lse_p = tl.load(stats_ptr + N + rows, mask=row_mask, other=0.0)[:, None]
     aux = tl.load(stats_ptr + 2 * N + rows, mask=row_mask, other=0.0)[:, None]
     scale = tl.load(coef_ptr + rows, mask=row_mask, other=0.0) * inv_t
-    zq, zp = _tiles(sh_ptr, sw_ptr, th_ptr, tw_ptr, rows, row_mask, v_start + local_cols, col_mask, inv_t, HS, HT,
-                    BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
+    zq, zp = _tiles(
+        sh_ptr,
+        sw_ptr,
+        th_ptr,
+        tw_ptr,
+        rows,
+        row_mask,
+        v_start + local_cols,
+        col_mask,
+        inv_t,
+        HS,
+        HT,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_K,
+        IEEE,
+    )
     log_q = zq - lse_q
     log_p = zp - lse_p
     q = tl.exp(log_q)
@@ -317,8 +508,21 @@ def _grad_kernel(
     tl.store(g_ptrs, g.to(g_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats,
-               coef, ignore_index, divergence, beta, grad_hidden_out, grad_weight_out):
+def _gradients(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    targets,
+    inv_temperature,
+    stats,
+    coef,
+    ignore_index,
+    divergence,
+    beta,
+    grad_hidden_out,
+    grad_weight_out,
+):
     """``grad_hidden_out`` / ``grad_weight_out`` (either may be None) of ``sum_i coef_i loss_i``: for each
     ``VOCAB_CHUNK`` chunk ``c`` in order, ``G_c`` (input dtype, one scratch buffer), the fp32 ``[N, Hs]``
     accumulator gets ``G_c @ W_s[c]`` (the first chunk writes it) and ``grad_weight[c] = G_c.T @ h_s`` (rows summed
@@ -342,19 +546,47 @@ def _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, t
             cols = min(chunk, vocab - v_start)
             grid = (triton.cdiv(n_rows, cfg["BLOCK_N"]) * triton.cdiv(cols, cfg["BLOCK_V"]),)
             _grad_kernel[grid](
-                student_hidden, student_weight, teacher_hidden, teacher_weight,
-                targets if targets is not None else inv_temperature, inv_temperature, stats, coef, g,
-                n_rows, hs, ht, v_start, cols, g.stride(0), ignore_index, log_beta, log_1m_beta, 1.0 - beta,
-                MODE=mode, HAS_TARGETS=targets is not None, BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"],
-                BLOCK_K=cfg["BLOCK_K"], GROUP_N=cfg["GROUP_N"], IEEE=student_hidden.dtype == torch.float32,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
+                student_hidden,
+                student_weight,
+                teacher_hidden,
+                teacher_weight,
+                targets if targets is not None else inv_temperature,
+                inv_temperature,
+                stats,
+                coef,
+                g,
+                n_rows,
+                hs,
+                ht,
+                v_start,
+                cols,
+                g.stride(0),
+                ignore_index,
+                log_beta,
+                log_1m_beta,
+                1.0 - beta,
+                MODE=mode,
+                HAS_TARGETS=targets is not None,
+                BLOCK_N=cfg["BLOCK_N"],
+                BLOCK_V=cfg["BLOCK_V"],
+                BLOCK_K=cfg["BLOCK_K"],
+                GROUP_N=cfg["GROUP_N"],
+                IEEE=student_hidden.dtype == torch.float32,
+                num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
+                **_NO_FP_FUSION,
             )
             g_chunk = g[:, :cols]
             if acc is not None:
-                _gemm(g_chunk, student_weight[v_start:v_start + cols], acc, addend=acc if v_start > 0 else None,
-                      cfg=gemm_cfg)
+                _gemm(
+                    g_chunk,
+                    student_weight[v_start : v_start + cols],
+                    acc,
+                    addend=acc if v_start > 0 else None,
+                    cfg=gemm_cfg,
+                )
             if grad_weight_out is not None:
-                _gemm(g_chunk.T, student_hidden, grad_weight_out[v_start:v_start + cols], cfg=gemm_cfg)
+                _gemm(g_chunk.T, student_hidden, grad_weight_out[v_start : v_start + cols], cfg=gemm_cfg)
     if grad_hidden_out is not None:
         grad_hidden_out.copy_(acc)
 
@@ -364,28 +596,90 @@ def _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, t
 # ----------------------------------------------------------------------------------------------
 
 
-def fused_linear_kl_fwd(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature,
-                        ignore_index, divergence, beta, loss_out, stats_out, grad_coef, grad_hidden_out,
-                        grad_weight_out):
+def fused_linear_kl_fwd(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    targets,
+    inv_temperature,
+    ignore_index,
+    divergence,
+    beta,
+    loss_out,
+    stats_out,
+    grad_coef,
+    grad_hidden_out,
+    grad_weight_out,
+):
     """Per-row divergence (``loss_out`` ``[N]`` fp32, 0 on ignored rows) and ``stats_out`` ``[3, N]`` fp32
     (``lse_student``, ``lse_teacher``, the gradient's row constant); with ``grad_coef`` ``[N]`` also the gradients of
     ``sum_i grad_coef_i loss_i``. Spec: :func:`rlk.reference.distill.fused_linear_kl_fwd`. Launches: KLs one
     partial + combine, JSD two of each; the gradient one grad kernel and up to two GEMMs per vocab chunk."""
-    args = (student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, ignore_index,
-            beta, loss_out, stats_out)
+    args = (
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        targets,
+        inv_temperature,
+        ignore_index,
+        beta,
+        loss_out,
+        stats_out,
+    )
     if divergence == "jsd":
         _pass(_LSE_ONLY, *args)
         _pass(_JSD_SUMS, *args)
     else:
         _pass(_DIVERGENCE_MODE[divergence], *args)
     if grad_coef is not None:
-        _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature,
-                   stats_out, grad_coef, ignore_index, divergence, beta, grad_hidden_out, grad_weight_out)
+        _gradients(
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            targets,
+            inv_temperature,
+            stats_out,
+            grad_coef,
+            ignore_index,
+            divergence,
+            beta,
+            grad_hidden_out,
+            grad_weight_out,
+        )
 
 
-def fused_linear_kl_bwd(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature,
-                        stats, grad_loss, ignore_index, divergence, beta, grad_hidden_out, grad_weight_out):
+def fused_linear_kl_bwd(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    targets,
+    inv_temperature,
+    stats,
+    grad_loss,
+    ignore_index,
+    divergence,
+    beta,
+    grad_hidden_out,
+    grad_weight_out,
+):
     """Gradients of ``sum_i grad_loss_i loss_i`` from the forward's ``stats`` (logits recomputed).
     Spec: :func:`rlk.reference.distill.fused_linear_kl_bwd`."""
-    _gradients(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats,
-               grad_loss, ignore_index, divergence, beta, grad_hidden_out, grad_weight_out)
+    _gradients(
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        targets,
+        inv_temperature,
+        stats,
+        grad_loss,
+        ignore_index,
+        divergence,
+        beta,
+        grad_hidden_out,
+        grad_weight_out,
+    )

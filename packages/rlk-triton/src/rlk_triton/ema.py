@@ -31,8 +31,18 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _ema_kernel(t_base, s_base, table, n_tensors, stride, weight,
-                SEARCH_STEPS: tl.constexpr, SMALL_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+def _ema_kernel(
+    t_base,
+    s_base,
+    table,
+    n_tensors,
+    stride,
+    weight,
+    SEARCH_STEPS: tl.constexpr,
+    SMALL_WEIGHT: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Program ``pid`` updates block ``pid - first_block[i]`` of tensor ``i`` (``first_block[i] <= pid``)."""
     pid = tl.program_id(0).to(tl.int64)
     lo = pid * 0
@@ -73,8 +83,9 @@ def _ema_kernel(t_base, s_base, table, n_tensors, stride, weight,
         tl.store(t_ptr, out.to(t_base.dtype.element_ty), mask=mask)
 
 
-def launch_table(targets: list[torch.Tensor], sources: list[torch.Tensor],
-                 block: int = BLOCK) -> tuple[list[list[int]], int, int]:
+def launch_table(
+    targets: list[torch.Tensor], sources: list[torch.Tensor], block: int = BLOCK
+) -> tuple[list[list[int]], int, int]:
     """The kernel's table rows (first blocks with the total appended, target offsets, source offsets, sizes; each
     ``T + 1`` long), the total number of blocks and the alignment (in elements) every address shares."""
     size = targets[0].element_size()
@@ -107,8 +118,15 @@ def ema_fwd(targets: list[torch.Tensor], sources: list[torch.Tensor], decay: flo
     weight = float(torch.tensor(1.0 - decay, dtype=torch.float64).to(torch.float32))
     with on_device(device):
         _ema_kernel[(blocks,)](
-            targets[0], sources[0], table, n, n + 1, weight,
-            SEARCH_STEPS=max(1, (n - 1).bit_length()) + 1, SMALL_WEIGHT=abs(weight) < 0.5, ALIGN=align,
-            BLOCK=BLOCK, num_warps=NUM_WARPS,
+            targets[0],
+            sources[0],
+            table,
+            n,
+            n + 1,
+            weight,
+            SEARCH_STEPS=max(1, (n - 1).bit_length()) + 1,
+            SMALL_WEIGHT=abs(weight) < 0.5,
+            ALIGN=align,
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
         )
-

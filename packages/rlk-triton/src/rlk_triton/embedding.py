@@ -42,7 +42,6 @@ TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
 }
 
 
-
 @triton.jit
 def _gather_kernel(weight_ptr, ids_ptr, out_ptr, hidden, BLOCK_H: tl.constexpr):
     """``out[n, chunk] = weight[ids[n], chunk]`` for ``n = program_id(0)``, ``chunk = program_id(1)``."""
@@ -56,8 +55,13 @@ def _gather_kernel(weight_ptr, ids_ptr, out_ptr, hidden, BLOCK_H: tl.constexpr):
 
 @triton.jit
 def _run_sum_kernel(
-    grad_out_ptr, sorted_ids_ptr, order_ptr, grad_weight_ptr,
-    n_rows, hidden, padding_idx,
+    grad_out_ptr,
+    sorted_ids_ptr,
+    order_ptr,
+    grad_weight_ptr,
+    n_rows,
+    hidden,
+    padding_idx,
     BLOCK_H: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
@@ -105,6 +109,14 @@ def embedding_bwd(grad_out: torch.Tensor, ids: torch.Tensor, padding_idx: int, g
     grad_weight_out.zero_()
     with on_device(grad_out.device):
         _run_sum_kernel[(n_rows, triton.cdiv(hidden, cfg["BLOCK_H"]))](
-            grad_out, sorted_ids, order, grad_weight_out, n_rows, hidden, padding_idx,
-            BLOCK_H=cfg["BLOCK_H"], UNROLL=cfg["UNROLL"], num_warps=cfg["num_warps"],
+            grad_out,
+            sorted_ids,
+            order,
+            grad_weight_out,
+            n_rows,
+            hidden,
+            padding_idx,
+            BLOCK_H=cfg["BLOCK_H"],
+            UNROLL=cfg["UNROLL"],
+            num_warps=cfg["num_warps"],
         )

@@ -83,30 +83,60 @@ TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
     },
     "linear_fwd": {
         torch.float32: {
-            "BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 32, "VOCAB_SPLIT": 4096, "GROUP_N": 32,
-            "num_warps": 4, "num_stages": 2,
+            "BLOCK_N": 64,
+            "BLOCK_V": 64,
+            "BLOCK_K": 32,
+            "VOCAB_SPLIT": 4096,
+            "GROUP_N": 32,
+            "num_warps": 4,
+            "num_stages": 2,
         },
         torch.float16: {
-            "BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "VOCAB_SPLIT": 4096, "GROUP_N": 8,
-            "num_warps": 8, "num_stages": 3,
+            "BLOCK_N": 128,
+            "BLOCK_V": 256,
+            "BLOCK_K": 64,
+            "VOCAB_SPLIT": 4096,
+            "GROUP_N": 8,
+            "num_warps": 8,
+            "num_stages": 3,
         },
         torch.bfloat16: {
-            "BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "VOCAB_SPLIT": 4096, "GROUP_N": 8,
-            "num_warps": 8, "num_stages": 3,
+            "BLOCK_N": 128,
+            "BLOCK_V": 256,
+            "BLOCK_K": 64,
+            "VOCAB_SPLIT": 4096,
+            "GROUP_N": 8,
+            "num_warps": 8,
+            "num_stages": 3,
         },
     },
     "linear_bwd": {
         torch.float32: {
-            "BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 32, "VOCAB_CHUNK": 4096, "GROUP_N": 32,
-            "num_warps": 4, "num_stages": 2,
+            "BLOCK_N": 64,
+            "BLOCK_V": 64,
+            "BLOCK_K": 32,
+            "VOCAB_CHUNK": 4096,
+            "GROUP_N": 32,
+            "num_warps": 4,
+            "num_stages": 2,
         },
         torch.float16: {
-            "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_CHUNK": 4096, "GROUP_N": 8,
-            "num_warps": 8, "num_stages": 4,
+            "BLOCK_N": 128,
+            "BLOCK_V": 128,
+            "BLOCK_K": 64,
+            "VOCAB_CHUNK": 4096,
+            "GROUP_N": 8,
+            "num_warps": 8,
+            "num_stages": 4,
         },
         torch.bfloat16: {
-            "BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "VOCAB_CHUNK": 4096, "GROUP_N": 8,
-            "num_warps": 8, "num_stages": 4,
+            "BLOCK_N": 128,
+            "BLOCK_V": 128,
+            "BLOCK_K": 64,
+            "VOCAB_CHUNK": 4096,
+            "GROUP_N": 8,
+            "num_warps": 8,
+            "num_stages": 4,
         },
     },
     # linear_logprob_stored_bwd: "stored_grad", the in-place G pass (one program per row, BLOCK_V columns per
@@ -125,7 +155,6 @@ MAX_TREE_LEAVES = 8
 
 #: Rows per program of the forward's split-combine kernel (per-row work; any value gives the same bits).
 _COMBINE_ROWS = 128
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,8 +219,17 @@ def _grad_z(z, is_target, lse, g_lp, mean_z, g_ent, HAS_ENT: tl.constexpr):
 
 @triton.jit
 def _linear_logits_tile(
-    hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, H,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    hidden_ptr,
+    weight_ptr,
+    rows,
+    row_mask,
+    cols,
+    col_mask,
+    H,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """``hidden[rows] @ weight[cols].T`` as a ``[BLOCK_N, BLOCK_V]`` fp32 tile, K loop in fixed order.
 
@@ -216,9 +254,16 @@ def _linear_logits_tile(
 
 @triton.jit
 def _selected_fwd_kernel(
-    logits_ptr, targets_ptr, inv_t_ptr, logprob_ptr, entropy_ptr, lse_ptr,
-    V, ignore_index,
-    HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    targets_ptr,
+    inv_t_ptr,
+    logprob_ptr,
+    entropy_ptr,
+    lse_ptr,
+    V,
+    ignore_index,
+    HAS_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # this program's row, as a [1] tensor
     tgt = tl.load(targets_ptr + rows)
@@ -245,9 +290,18 @@ def _selected_fwd_kernel(
 
 @triton.jit
 def _selected_bwd_kernel(
-    logits_ptr, targets_ptr, inv_t_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, grad_ptr,
-    V, ignore_index,
-    HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr,
+    targets_ptr,
+    inv_t_ptr,
+    lse_ptr,
+    entropy_ptr,
+    g_lp_ptr,
+    g_ent_ptr,
+    grad_ptr,
+    V,
+    ignore_index,
+    HAS_ENT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     tgt = tl.load(targets_ptr + rows)
@@ -290,9 +344,18 @@ def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob
     has_entropy = entropy_out is not None
     with on_device(logits.device):
         _selected_fwd_kernel[(n_rows,)](
-            logits, targets, inv_temperature, logprob_out, entropy_out if has_entropy else logprob_out, lse_out,
-            vocab, ignore_index,
-            HAS_ENTROPY=has_entropy, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **_NO_FP_FUSION,
+            logits,
+            targets,
+            inv_temperature,
+            logprob_out,
+            entropy_out if has_entropy else logprob_out,
+            lse_out,
+            vocab,
+            ignore_index,
+            HAS_ENTROPY=has_entropy,
+            BLOCK_V=cfg["BLOCK_V"],
+            num_warps=cfg["num_warps"],
+            **_NO_FP_FUSION,
         )
 
 
@@ -319,10 +382,20 @@ def selected_logprob_bwd(
         raise ValueError("selected_logprob_bwd: grad_entropy needs the forward's entropy")
     with on_device(logits.device):
         _selected_bwd_kernel[(n_rows,)](
-            logits, targets, inv_temperature, lse, entropy if has_ent else lse, grad_logprob,
-            grad_entropy if has_ent else grad_logprob, grad_logits_out,
-            vocab, ignore_index,
-            HAS_ENT=has_ent, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **_NO_FP_FUSION,
+            logits,
+            targets,
+            inv_temperature,
+            lse,
+            entropy if has_ent else lse,
+            grad_logprob,
+            grad_entropy if has_ent else grad_logprob,
+            grad_logits_out,
+            vocab,
+            ignore_index,
+            HAS_ENT=has_ent,
+            BLOCK_V=cfg["BLOCK_V"],
+            num_warps=cfg["num_warps"],
+            **_NO_FP_FUSION,
         )
 
 
@@ -333,10 +406,28 @@ def selected_logprob_bwd(
 
 @triton.jit
 def _linear_fwd_partial_kernel(
-    hidden_ptr, weight_ptr, targets_ptr, inv_t_ptr, part_m_ptr, part_s_ptr, part_b_ptr, z_tgt_ptr, logits_ptr,
-    N, H, leaf_size, splits_per_leaf, n_splits, logits_stride,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, VOCAB_SPLIT: tl.constexpr,
-    GROUP_N: tl.constexpr, IEEE: tl.constexpr, STORE_LOGITS: tl.constexpr,
+    hidden_ptr,
+    weight_ptr,
+    targets_ptr,
+    inv_t_ptr,
+    part_m_ptr,
+    part_s_ptr,
+    part_b_ptr,
+    z_tgt_ptr,
+    logits_ptr,
+    N,
+    H,
+    leaf_size,
+    splits_per_leaf,
+    n_splits,
+    logits_stride,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VOCAB_SPLIT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    STORE_LOGITS: tl.constexpr,
 ):
     """Online ``(m, s, b)`` of ``BLOCK_N`` rows over one vocab split; stores the target logit.
 
@@ -362,12 +453,16 @@ def _linear_fwd_partial_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_mask = cols < v_end
-        x = _linear_logits_tile(hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, H,
-                                BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
+        x = _linear_logits_tile(
+            hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, H, BLOCK_N, BLOCK_V, BLOCK_K, IEEE
+        )
         z = tl.where(col_mask[None, :], x * inv_t[:, None], float("-inf"))
         if STORE_LOGITS:
-            tl.store(logits_ptr + rows[:, None] * logits_stride + cols[None, :], z,
-                     mask=row_mask[:, None] & col_mask[None, :])
+            tl.store(
+                logits_ptr + rows[:, None] * logits_stride + cols[None, :],
+                z,
+                mask=row_mask[:, None] & col_mask[None, :],
+            )
         m, s, b = _online_update(m, s, b, z)
         # Exactly one column of one tile matches; adding zeros elsewhere keeps it exact.
         z_tgt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
@@ -397,9 +492,22 @@ def _fold(part_m_ptr, part_s_ptr, part_b_ptr, first, count, N, rows, row_mask):
 
 @triton.jit
 def _linear_fwd_combine_kernel(
-    part_m_ptr, part_s_ptr, part_b_ptr, z_tgt_ptr, targets_ptr, logprob_ptr, entropy_ptr, lse_ptr, state_ptr,
-    N, per_leaf, ignore_index,
-    LEAVES: tl.constexpr, FINALIZE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+    part_m_ptr,
+    part_s_ptr,
+    part_b_ptr,
+    z_tgt_ptr,
+    targets_ptr,
+    logprob_ptr,
+    entropy_ptr,
+    lse_ptr,
+    state_ptr,
+    N,
+    per_leaf,
+    ignore_index,
+    LEAVES: tl.constexpr,
+    FINALIZE: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Merge ``LEAVES * per_leaf`` partials of each row: each leaf's ``per_leaf`` parts in order, then the
     leaves (``LEAVES`` in 1, 2, 4, 8) in the balanced tree of :func:`tree_reduce`. With ``FINALIZE`` write
@@ -456,12 +564,31 @@ def _partials(hidden, weight, targets, inv_temperature, leaves, z_tgt, logits_ou
     store = logits_out is not None
     with on_device(hidden.device):
         _linear_fwd_partial_kernel[(triton.cdiv(n_rows, cfg["BLOCK_N"]) * n_splits,)](
-            hidden, weight, targets, inv_temperature, part[0], part[1], part[2], z_tgt,
+            hidden,
+            weight,
+            targets,
+            inv_temperature,
+            part[0],
+            part[1],
+            part[2],
+            z_tgt,
             logits_out if store else z_tgt,
-            n_rows, hidden_size, leaf_size, per_leaf, n_splits, logits_out.stride(0) if store else 0,
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
-            VOCAB_SPLIT=cfg["VOCAB_SPLIT"], GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
-            STORE_LOGITS=store, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
+            n_rows,
+            hidden_size,
+            leaf_size,
+            per_leaf,
+            n_splits,
+            logits_out.stride(0) if store else 0,
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_V=cfg["BLOCK_V"],
+            BLOCK_K=cfg["BLOCK_K"],
+            VOCAB_SPLIT=cfg["VOCAB_SPLIT"],
+            GROUP_N=cfg["GROUP_N"],
+            IEEE=hidden.dtype == torch.float32,
+            STORE_LOGITS=store,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+            **_NO_FP_FUSION,
         )
     return part, per_leaf
 
@@ -474,11 +601,23 @@ def _combine(part, per_leaf, leaves, z_tgt, targets, ignore_index, logprob_out, 
     dummy = part[0, 0]
     with on_device(part.device):
         _linear_fwd_combine_kernel[(triton.cdiv(n_rows, _COMBINE_ROWS),)](
-            part[0], part[1], part[2], z_tgt if finalize else dummy, targets if finalize else dummy,
-            logprob_out if finalize else dummy, entropy_out if has_entropy else dummy,
-            lse_out if finalize else dummy, dummy if finalize else state_out,
-            n_rows, per_leaf, ignore_index,
-            LEAVES=leaves, FINALIZE=finalize, HAS_ENTROPY=has_entropy, BLOCK=_COMBINE_ROWS, **_NO_FP_FUSION,
+            part[0],
+            part[1],
+            part[2],
+            z_tgt if finalize else dummy,
+            targets if finalize else dummy,
+            logprob_out if finalize else dummy,
+            entropy_out if has_entropy else dummy,
+            lse_out if finalize else dummy,
+            dummy if finalize else state_out,
+            n_rows,
+            per_leaf,
+            ignore_index,
+            LEAVES=leaves,
+            FINALIZE=finalize,
+            HAS_ENTROPY=has_entropy,
+            BLOCK=_COMBINE_ROWS,
+            **_NO_FP_FUSION,
         )
 
 
@@ -502,8 +641,9 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
     _combine(part, per_leaf, leaves, z_tgt, targets, ignore_index, logprob_out, entropy_out, lse_out, None)
 
 
-def linear_logprob_stored_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
-                              lse_out, logits_out):
+def linear_logprob_stored_fwd(
+    hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, logits_out
+):
     """:func:`linear_logprob_fwd`, which also stores the scaled logits ``z`` it reduces into ``logits_out``.
 
     Args:
@@ -553,19 +693,34 @@ def linear_logprob_combine_fwd(states, z_target, targets, ignore_index, logprob_
 
 @triton.jit
 def _linear_grad_logits_kernel(
-    hidden_ptr, weight_ptr, targets_ptr, inv_t_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, g_out_ptr,
-    N, H, v_start, chunk_cols, g_stride, ignore_index,
-    HAS_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_N: tl.constexpr, IEEE: tl.constexpr,
+    hidden_ptr,
+    weight_ptr,
+    targets_ptr,
+    inv_t_ptr,
+    lse_ptr,
+    entropy_ptr,
+    g_lp_ptr,
+    g_ent_ptr,
+    g_out_ptr,
+    N,
+    H,
+    v_start,
+    chunk_cols,
+    g_stride,
+    ignore_index,
+    HAS_ENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """``G[:, 0:chunk_cols] = d loss / d x`` for vocab columns ``v_start + [0, chunk_cols)``.
 
     ``x`` is recomputed tile by tile (same K loop as the forward); G is stored in ``g_out``'s
     dtype with row stride ``g_stride``; ignored rows get 0.
     """
-    row_tile, col_tile = grouped_tile(
-        tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(chunk_cols, BLOCK_V), GROUP_N
-    )
+    row_tile, col_tile = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(chunk_cols, BLOCK_V), GROUP_N)
     rows = row_tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     local_cols = col_tile.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -581,8 +736,7 @@ def _linear_grad_logits_kernel(
     if HAS_ENT:
         mean_z = lse - tl.load(entropy_ptr + rows, mask=row_mask, other=0.0)[:, None]
         g_ent = tl.load(g_ent_ptr + rows, mask=row_mask, other=0.0)[:, None]
-    x = _linear_logits_tile(hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, H,
-                            BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
+    x = _linear_logits_tile(hidden_ptr, weight_ptr, rows, row_mask, cols, col_mask, H, BLOCK_N, BLOCK_V, BLOCK_K, IEEE)
     z = x * inv_t
     g = _grad_z(z, cols[None, :] == tgt[:, None], lse, g_lp, mean_z, g_ent, HAS_ENT)
     g = tl.where(valid[:, None], g * inv_t, 0.0)
@@ -591,8 +745,18 @@ def _linear_grad_logits_kernel(
 
 
 def _linear_bwd_leaves(
-    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
-    grad_weight_out, need_grad_hidden,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    leaves,
+    grad_weight_out,
+    need_grad_hidden,
 ):
     """``grad_weight_out`` (if given) and the fp32 sum ``G @ weight`` over ``leaves`` leaves (if
     ``need_grad_hidden``): each leaf sums its ``VOCAB_CHUNK`` chunks in order (the GEMM adds each chunk's
@@ -617,27 +781,54 @@ def _linear_bwd_leaves(
                 cols = min(split, leaf_start + leaf_size - v_start)
                 grid = (triton.cdiv(n_rows, cfg["BLOCK_N"]) * triton.cdiv(cols, cfg["BLOCK_V"]),)
                 _linear_grad_logits_kernel[grid](
-                    hidden, weight, targets, inv_temperature, lse, entropy if has_ent else lse, grad_logprob,
-                    grad_entropy if has_ent else grad_logprob, g,
-                    n_rows, hidden_size, v_start, cols, g.stride(0), ignore_index,
-                    HAS_ENT=has_ent, BLOCK_N=cfg["BLOCK_N"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=cfg["BLOCK_K"],
-                    GROUP_N=cfg["GROUP_N"], IEEE=hidden.dtype == torch.float32,
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_NO_FP_FUSION,
+                    hidden,
+                    weight,
+                    targets,
+                    inv_temperature,
+                    lse,
+                    entropy if has_ent else lse,
+                    grad_logprob,
+                    grad_entropy if has_ent else grad_logprob,
+                    g,
+                    n_rows,
+                    hidden_size,
+                    v_start,
+                    cols,
+                    g.stride(0),
+                    ignore_index,
+                    HAS_ENT=has_ent,
+                    BLOCK_N=cfg["BLOCK_N"],
+                    BLOCK_V=cfg["BLOCK_V"],
+                    BLOCK_K=cfg["BLOCK_K"],
+                    GROUP_N=cfg["GROUP_N"],
+                    IEEE=hidden.dtype == torch.float32,
+                    num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"],
+                    **_NO_FP_FUSION,
                 )
                 g_chunk = g[:, :cols]
-                w_chunk = weight[v_start:v_start + cols]
+                w_chunk = weight[v_start : v_start + cols]
                 if acc is not None:
                     _gemm(g_chunk, w_chunk, acc, addend=acc if v_start > leaf_start else None, cfg=gemm_cfg)
                 if grad_weight_out is not None:
-                    _gemm(g_chunk.T, hidden, grad_weight_out[v_start:v_start + cols], cfg=gemm_cfg)
+                    _gemm(g_chunk.T, hidden, grad_weight_out[v_start : v_start + cols], cfg=gemm_cfg)
         return acc
 
     return tree_reduce(leaf, leaves, lambda a, b: None if a is None else a.add_(b))
 
 
 def linear_logprob_bwd(
-    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
-    grad_hidden_out, grad_weight_out,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    grad_hidden_out,
+    grad_weight_out,
 ):
     """Gradients of ``sum(grad_logprob * logprob + grad_entropy * entropy)`` w.r.t. hidden and weight.
 
@@ -658,16 +849,36 @@ def linear_logprob_bwd(
     if grad_hidden_out is None and grad_weight_out is None:
         return
     acc = _linear_bwd_leaves(
-        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
-        tree_leaves(weight.shape[0], MAX_TREE_LEAVES), grad_weight_out, grad_hidden_out is not None,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        lse,
+        entropy,
+        grad_logprob,
+        grad_entropy,
+        ignore_index,
+        tree_leaves(weight.shape[0], MAX_TREE_LEAVES),
+        grad_weight_out,
+        grad_hidden_out is not None,
     )
     if grad_hidden_out is not None:
         grad_hidden_out.copy_(acc)
 
 
 def linear_logprob_shard_bwd(
-    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
-    grad_hidden_partial_out, grad_weight_out,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    leaves,
+    grad_hidden_partial_out,
+    grad_weight_out,
 ):
     """The backward of one vocab shard of ``leaves`` whole leaves: ``grad_weight_out`` (the shard's rows of the
     full gradient) and ``grad_hidden_partial_out`` ``[N, H]`` fp32 (the shard's subtree of the ``grad_hidden``
@@ -675,8 +886,18 @@ def linear_logprob_shard_bwd(
     if grad_hidden_partial_out is None and grad_weight_out is None:
         return
     acc = _linear_bwd_leaves(
-        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
-        grad_weight_out, grad_hidden_partial_out is not None,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        lse,
+        entropy,
+        grad_logprob,
+        grad_entropy,
+        ignore_index,
+        leaves,
+        grad_weight_out,
+        grad_hidden_partial_out is not None,
     )
     if grad_hidden_partial_out is not None:
         grad_hidden_partial_out.copy_(acc)
@@ -695,9 +916,20 @@ def linear_logprob_combine_bwd(partials, grad_hidden_out):
 
 @triton.jit
 def _stored_grad_logits_kernel(
-    z_ptr, g_ptr, targets_ptr, inv_t_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr,
-    V, z_stride, g_stride, ignore_index,
-    HAS_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr,
+    g_ptr,
+    targets_ptr,
+    inv_t_ptr,
+    lse_ptr,
+    entropy_ptr,
+    g_lp_ptr,
+    g_ent_ptr,
+    V,
+    z_stride,
+    g_stride,
+    ignore_index,
+    HAS_ENT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Program ``row``: ``G[row, :] = d loss / d x`` from the stored ``z[row, :]``, over ``BLOCK_V`` tiles in order.
 
@@ -746,16 +978,28 @@ def _leaf_gemms(g: torch.Tensor, weight: torch.Tensor, leaves: int) -> torch.Ten
 
     def leaf(j: int) -> torch.Tensor:
         out = torch.empty((n_rows, weight.shape[1]), dtype=torch.float32, device=g.device)
-        _gemm(g[:, j * size:(j + 1) * size], weight[j * size:(j + 1) * size], out,
-              cfg=BACKWARD_TILE_CONFIGS[g.dtype])
+        _gemm(
+            g[:, j * size : (j + 1) * size], weight[j * size : (j + 1) * size], out, cfg=BACKWARD_TILE_CONFIGS[g.dtype]
+        )
         return out
 
     return tree_reduce(leaf, leaves, lambda a, b: a.add_(b))
 
 
 def linear_logprob_stored_bwd(
-    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, logits,
-    grad_hidden_out, grad_weight_out, accumulate,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    logits,
+    grad_hidden_out,
+    grad_weight_out,
+    accumulate,
 ):
     """:func:`linear_logprob_bwd` from the forward's stored logits instead of recomputing them.
 
@@ -790,13 +1034,30 @@ def linear_logprob_stored_bwd(
     cfg = TILE_CONFIGS["stored_grad"][hidden.dtype]
     with on_device(hidden.device):
         _stored_grad_logits_kernel[(n_rows,)](
-            logits, g, targets, inv_temperature, lse, entropy if has_ent else lse, grad_logprob,
+            logits,
+            g,
+            targets,
+            inv_temperature,
+            lse,
+            entropy if has_ent else lse,
+            grad_logprob,
             grad_entropy if has_ent else grad_logprob,
-            vocab, logits.stride(0), g.stride(0), ignore_index,
-            HAS_ENT=has_ent, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **_NO_FP_FUSION,
+            vocab,
+            logits.stride(0),
+            g.stride(0),
+            ignore_index,
+            HAS_ENT=has_ent,
+            BLOCK_V=cfg["BLOCK_V"],
+            num_warps=cfg["num_warps"],
+            **_NO_FP_FUSION,
         )
         if grad_hidden_out is not None:
             grad_hidden_out.copy_(_leaf_gemms(g, weight, tree_leaves(vocab, MAX_TREE_LEAVES)))
         if grad_weight_out is not None:
-            _gemm(g.T, hidden, grad_weight_out, addend=grad_weight_out if accumulate else None,
-                  cfg=BACKWARD_TILE_CONFIGS[g.dtype])
+            _gemm(
+                g.T,
+                hidden,
+                grad_weight_out,
+                addend=grad_weight_out if accumulate else None,
+                cfg=BACKWARD_TILE_CONFIGS[g.dtype],
+            )

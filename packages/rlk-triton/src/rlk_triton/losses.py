@@ -40,7 +40,6 @@ DPO_BLOCK_P = 1024
 _DPO_CODES = {"sigmoid": 0, "hinge": 1, "ipo": 2, "robust": 3}
 
 
-
 # ----------------------------------------------------------------------------------------------
 # value loss
 # ----------------------------------------------------------------------------------------------
@@ -65,9 +64,20 @@ def _value_terms(v, v_old, ret, clip, HAS_CLIP: tl.constexpr):
 
 @triton.jit
 def _value_fwd_row_kernel(
-    v_ptr, v_old_ptr, ret_ptr, mask_ptr, c_ptr, part_loss_ptr, part_vsum_ptr, part_n_ptr, part_clip_ptr,
-    B, T, clip,
-    HAS_CLIP: tl.constexpr, BLOCK_T: tl.constexpr,
+    v_ptr,
+    v_old_ptr,
+    ret_ptr,
+    mask_ptr,
+    c_ptr,
+    part_loss_ptr,
+    part_vsum_ptr,
+    part_n_ptr,
+    part_clip_ptr,
+    B,
+    T,
+    clip,
+    HAS_CLIP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Row partials: ``c_i * sum_t m L``, ``sum_t m v``, ``sum_t m`` and ``sum_t m [L2 > L1]``."""
     row = tl.program_id(0).to(tl.int64)
@@ -98,7 +108,13 @@ def _value_fwd_row_kernel(
 
 @triton.jit
 def _value_fwd_combine_kernel(
-    part_loss_ptr, part_vsum_ptr, part_n_ptr, part_clip_ptr, loss_ptr, metrics_ptr, B,
+    part_loss_ptr,
+    part_vsum_ptr,
+    part_n_ptr,
+    part_clip_ptr,
+    loss_ptr,
+    metrics_ptr,
+    B,
     BLOCK: tl.constexpr,
 ):
     """``loss = 0.5 * sum_i part_loss_i``; clip fraction and mean value over all masked tokens."""
@@ -113,9 +129,17 @@ def _value_fwd_combine_kernel(
 
 @triton.jit
 def _value_bwd_kernel(
-    v_ptr, v_old_ptr, ret_ptr, mask_ptr, c_ptr, grad_loss_ptr, grad_ptr,
-    T, clip,
-    HAS_CLIP: tl.constexpr, BLOCK_T: tl.constexpr,
+    v_ptr,
+    v_old_ptr,
+    ret_ptr,
+    mask_ptr,
+    c_ptr,
+    grad_loss_ptr,
+    grad_ptr,
+    T,
+    clip,
+    HAS_CLIP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """``dv = g * c_i * (v - R)`` on masked-in, unclipped tokens; 0 elsewhere."""
     row = tl.program_id(0).to(tl.int64)
@@ -155,12 +179,30 @@ def value_loss_fwd(values, old_values, returns, mask, row_weight, clip, loss_out
     has_clip = clip is not None
     with on_device(values.device):
         _value_fwd_row_kernel[(n_rows,)](
-            values, old_values, returns, mask, row_weight, part_f[0], part_f[1], part_i[0], part_i[1],
-            n_rows, n_cols, float(clip) if has_clip else 0.0,
-            HAS_CLIP=has_clip, BLOCK_T=VALUE_BLOCK_T,
+            values,
+            old_values,
+            returns,
+            mask,
+            row_weight,
+            part_f[0],
+            part_f[1],
+            part_i[0],
+            part_i[1],
+            n_rows,
+            n_cols,
+            float(clip) if has_clip else 0.0,
+            HAS_CLIP=has_clip,
+            BLOCK_T=VALUE_BLOCK_T,
         )
         _value_fwd_combine_kernel[(1,)](
-            part_f[0], part_f[1], part_i[0], part_i[1], loss_out, metrics_out, n_rows, BLOCK=COMBINE_BLOCK,
+            part_f[0],
+            part_f[1],
+            part_i[0],
+            part_i[1],
+            loss_out,
+            metrics_out,
+            n_rows,
+            BLOCK=COMBINE_BLOCK,
         )
 
 
@@ -179,9 +221,17 @@ def value_loss_bwd(values, old_values, returns, mask, row_weight, clip, grad_los
     has_clip = clip is not None
     with on_device(values.device):
         _value_bwd_kernel[(n_rows, triton.cdiv(n_cols, VALUE_BLOCK_T))](
-            values, old_values, returns, mask, row_weight, grad_loss, grad_values_out,
-            n_cols, float(clip) if has_clip else 0.0,
-            HAS_CLIP=has_clip, BLOCK_T=VALUE_BLOCK_T,
+            values,
+            old_values,
+            returns,
+            mask,
+            row_weight,
+            grad_loss,
+            grad_values_out,
+            n_cols,
+            float(clip) if has_clip else 0.0,
+            HAS_CLIP=has_clip,
+            BLOCK_T=VALUE_BLOCK_T,
         )
 
 
@@ -208,8 +258,7 @@ def _sigmoid(y):
 
 
 @triton.jit
-def _dpo_terms(lc_ptr, lr_ptr, lc_ref_ptr, lr_ref_ptr, nc_ptr, nr_ptr, offs, valid, beta, eps,
-               LOSS: tl.constexpr):
+def _dpo_terms(lc_ptr, lr_ptr, lc_ref_ptr, lr_ref_ptr, nc_ptr, nr_ptr, offs, valid, beta, eps, LOSS: tl.constexpr):
     """Per pair: loss, dl/dx, dx/dlc, dx/dlr and the two rewards (see the module docstring)."""
     lc = tl.load(lc_ptr + offs, mask=valid, other=0.0)
     lr = tl.load(lr_ptr + offs, mask=valid, other=0.0)
@@ -248,16 +297,28 @@ def _dpo_terms(lc_ptr, lr_ptr, lc_ref_ptr, lr_ref_ptr, nc_ptr, nr_ptr, offs, val
 # pair's ipo loss other bits than the generic one (H200 fuzzing: 1 pair alone vs 2 pairs, 2 ulps apart).
 @triton.jit(do_not_specialize=["P"])
 def _dpo_fwd_kernel(
-    lc_ptr, lr_ptr, lc_ref_ptr, lr_ref_ptr, nc_ptr, nr_ptr, losses_ptr, part_ptr,
-    P, n_blocks, beta, eps,
-    LOSS: tl.constexpr, BLOCK_P: tl.constexpr,
+    lc_ptr,
+    lr_ptr,
+    lc_ref_ptr,
+    lr_ref_ptr,
+    nc_ptr,
+    nr_ptr,
+    losses_ptr,
+    part_ptr,
+    P,
+    n_blocks,
+    beta,
+    eps,
+    LOSS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     """Per-pair losses, and this block's sums of (loss, reward_c, reward_r, margin, accuracy)."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     valid = offs < P
-    loss, _, _, _, r_c, r_r = _dpo_terms(lc_ptr, lr_ptr, lc_ref_ptr, lr_ref_ptr, nc_ptr, nr_ptr, offs, valid,
-                                         beta, eps, LOSS)
+    loss, _, _, _, r_c, r_r = _dpo_terms(
+        lc_ptr, lr_ptr, lc_ref_ptr, lr_ref_ptr, nc_ptr, nr_ptr, offs, valid, beta, eps, LOSS
+    )
     tl.store(losses_ptr + offs, loss, mask=valid)
     tl.store(part_ptr + pid, tl.sum(tl.where(valid, loss, 0.0), axis=0))
     tl.store(part_ptr + n_blocks + pid, tl.sum(tl.where(valid, r_c, 0.0), axis=0))
@@ -267,8 +328,7 @@ def _dpo_fwd_kernel(
 
 
 @triton.jit
-def _dpo_fwd_combine_kernel(part_ptr, loss_ptr, metrics_ptr, n_blocks, inv_p, MEAN: tl.constexpr,
-                            BLOCK: tl.constexpr):
+def _dpo_fwd_combine_kernel(part_ptr, loss_ptr, metrics_ptr, n_blocks, inv_p, MEAN: tl.constexpr, BLOCK: tl.constexpr):
     """Sum the block partials in block order; the loss is their mean (``MEAN``) or sum, the metrics means."""
     total = fixed_order_sum(part_ptr, n_blocks, BLOCK)
     if MEAN:
@@ -280,16 +340,32 @@ def _dpo_fwd_combine_kernel(part_ptr, loss_ptr, metrics_ptr, n_blocks, inv_p, ME
 
 @triton.jit(do_not_specialize=["P"])
 def _dpo_bwd_kernel(
-    lc_ptr, lr_ptr, lc_ref_ptr, lr_ref_ptr, nc_ptr, nr_ptr, g_losses_ptr, g_loss_ptr, grad_c_ptr, grad_r_ptr,
-    P, inv_p, beta, eps,
-    LOSS: tl.constexpr, HAS_G_LOSSES: tl.constexpr, HAS_G_LOSS: tl.constexpr, MEAN: tl.constexpr,
+    lc_ptr,
+    lr_ptr,
+    lc_ref_ptr,
+    lr_ref_ptr,
+    nc_ptr,
+    nr_ptr,
+    g_losses_ptr,
+    g_loss_ptr,
+    grad_c_ptr,
+    grad_r_ptr,
+    P,
+    inv_p,
+    beta,
+    eps,
+    LOSS: tl.constexpr,
+    HAS_G_LOSSES: tl.constexpr,
+    HAS_G_LOSS: tl.constexpr,
+    MEAN: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     """``d / d lc = g_i * dl/dx * dx/dlc`` (same for ``lr``), ``g_i = g_losses_i + g_loss (/ P when MEAN)``."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     valid = offs < P
-    _, dl_dx, dx_dc, dx_dr, _, _ = _dpo_terms(lc_ptr, lr_ptr, lc_ref_ptr, lr_ref_ptr, nc_ptr, nr_ptr, offs, valid,
-                                              beta, eps, LOSS)
+    _, dl_dx, dx_dc, dx_dr, _, _ = _dpo_terms(
+        lc_ptr, lr_ptr, lc_ref_ptr, lr_ref_ptr, nc_ptr, nr_ptr, offs, valid, beta, eps, LOSS
+    )
     g = tl.zeros((BLOCK_P,), tl.float32)
     if HAS_G_LOSSES:
         g += tl.load(g_losses_ptr + offs, mask=valid, other=0.0)
@@ -303,8 +379,21 @@ def _dpo_bwd_kernel(
     tl.store(grad_r_ptr + offs, grad_x * dx_dr, mask=valid)
 
 
-def dpo_loss_fwd(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type,
-                 label_smoothing, mean, losses_out, loss_out, metrics_out):
+def dpo_loss_fwd(
+    chosen,
+    rejected,
+    ref_chosen,
+    ref_rejected,
+    len_chosen,
+    len_rejected,
+    beta,
+    loss_type,
+    label_smoothing,
+    mean,
+    losses_out,
+    loss_out,
+    metrics_out,
+):
     """DPO-family losses of ``P`` preference pairs.
 
     Args:
@@ -327,16 +416,42 @@ def dpo_loss_fwd(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rej
     n_r = len_rejected if len_rejected is not None else chosen
     with on_device(chosen.device):
         _dpo_fwd_kernel[(n_blocks,)](
-            chosen, rejected, ref_chosen, ref_rejected, n_c, n_r, losses_out, part,
-            n_pairs, n_blocks, float(beta), float(label_smoothing),
-            LOSS=code, BLOCK_P=DPO_BLOCK_P,
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            n_c,
+            n_r,
+            losses_out,
+            part,
+            n_pairs,
+            n_blocks,
+            float(beta),
+            float(label_smoothing),
+            LOSS=code,
+            BLOCK_P=DPO_BLOCK_P,
         )
-        _dpo_fwd_combine_kernel[(1,)](part, loss_out, metrics_out, n_blocks, 1.0 / n_pairs, MEAN=bool(mean),
-                                      BLOCK=COMBINE_BLOCK)
+        _dpo_fwd_combine_kernel[(1,)](
+            part, loss_out, metrics_out, n_blocks, 1.0 / n_pairs, MEAN=bool(mean), BLOCK=COMBINE_BLOCK
+        )
 
 
-def dpo_loss_bwd(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type,
-                 label_smoothing, mean, grad_losses, grad_loss, grad_chosen_out, grad_rejected_out):
+def dpo_loss_bwd(
+    chosen,
+    rejected,
+    ref_chosen,
+    ref_rejected,
+    len_chosen,
+    len_rejected,
+    beta,
+    loss_type,
+    label_smoothing,
+    mean,
+    grad_losses,
+    grad_loss,
+    grad_chosen_out,
+    grad_rejected_out,
+):
     """Gradients w.r.t. ``chosen`` and ``rejected`` of ``sum_i g_losses_i l_i + g_loss * loss``.
 
     Args:
@@ -353,10 +468,23 @@ def dpo_loss_bwd(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rej
     n_r = len_rejected if len_rejected is not None else chosen
     with on_device(chosen.device):
         _dpo_bwd_kernel[(triton.cdiv(n_pairs, DPO_BLOCK_P),)](
-            chosen, rejected, ref_chosen, ref_rejected, n_c, n_r,
-            grad_losses if grad_losses is not None else chosen, grad_loss if grad_loss is not None else chosen,
-            grad_chosen_out, grad_rejected_out,
-            n_pairs, 1.0 / n_pairs, float(beta), float(label_smoothing),
-            LOSS=code, HAS_G_LOSSES=grad_losses is not None, HAS_G_LOSS=grad_loss is not None, MEAN=bool(mean),
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            n_c,
+            n_r,
+            grad_losses if grad_losses is not None else chosen,
+            grad_loss if grad_loss is not None else chosen,
+            grad_chosen_out,
+            grad_rejected_out,
+            n_pairs,
+            1.0 / n_pairs,
+            float(beta),
+            float(label_smoothing),
+            LOSS=code,
+            HAS_G_LOSSES=grad_losses is not None,
+            HAS_G_LOSS=grad_loss is not None,
+            MEAN=bool(mean),
             BLOCK_P=DPO_BLOCK_P,
         )

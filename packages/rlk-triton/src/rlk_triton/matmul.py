@@ -71,10 +71,24 @@ from rlk_triton.common import dot, grouped_tile, on_device
 #: 0.18-0.53x. No single pointer-load config reached 0.85x at large M (docs/performance.md, 2026-11-29).
 TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
     torch.float32: {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
-    torch.float16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4,
-                    "tree_num_warps": 8},
-    torch.bfloat16: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4,
-                     "tree_num_warps": 8},
+    torch.float16: {
+        "BLOCK_M": 64,
+        "BLOCK_N": 128,
+        "BLOCK_K": 128,
+        "GROUP_M": 8,
+        "num_warps": 4,
+        "num_stages": 4,
+        "tree_num_warps": 8,
+    },
+    torch.bfloat16: {
+        "BLOCK_M": 64,
+        "BLOCK_N": 128,
+        "BLOCK_K": 128,
+        "GROUP_M": 8,
+        "num_warps": 4,
+        "num_stages": 4,
+        "tree_num_warps": 8,
+    },
 }
 #: ``tree_num_warps``: the warps of a sum in more than one ``K`` segment (up to 4 fp32 accumulators live at once).
 #: On 4 warps ptxas spills them and the tree ran 3.4-8.5x slower than one segment on an H200 (forward 7.1-8.5x;
@@ -118,8 +132,7 @@ _SMALL_M = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_war
 #: The large bucket loads through TMA where the operands allow it (``"tma"``: :func:`_matmul_tma_kernel`, linear's
 #: layout, a persistent grid; elsewhere the pointer kernel with the same tiles): with pointer loads linear's layout
 #: reached 0.71-0.73 against 0.86-1.00 row-major.
-_LARGE_M = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
-            "tma": True}
+_LARGE_M = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "tma": True}
 M_TILE_CONFIGS: dict[torch.dtype, list[tuple[int | None, dict[str, int] | None]]] = {
     dtype: [(64, _SMALL_M), (1023, None), (None, _LARGE_M)] for dtype in (torch.float16, torch.bfloat16)
 }
@@ -163,11 +176,30 @@ def _tree_node(leaf, merge, lo: int, hi: int):
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, add_ptr, c_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_addm, stride_addn, stride_cm, stride_cn,
-    HAS_ADDEND: tl.constexpr, ADDEND_ROWS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    add_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_addm,
+    stride_addn,
+    stride_cm,
+    stride_cn,
+    HAS_ADDEND: tl.constexpr,
+    ADDEND_ROWS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
     LEAVES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``C[tile] = A[rows] @ B[:, cols] (+ C_in[rows, cols])``: fp32 sums over ``LEAVES`` (1, 2, 4 or 8) equal
     ``K`` segments, added in the balanced tree of :func:`tree_reduce`, then the addend, then one rounding.
@@ -243,8 +275,11 @@ def _matmul_kernel(
         acc = lvl0
     if HAS_ADDEND:
         if ADDEND_ROWS:
-            c_in = tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :] * stride_addn,
-                           mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+            c_in = tl.load(
+                add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :] * stride_addn,
+                mask=m_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            )
             acc += c_in.to(tl.float32)
         else:
             acc += tl.load(add_ptr + offs_n * stride_addn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -254,9 +289,21 @@ def _matmul_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_tma_kernel(
-    a_desc, w_desc, c_desc, c_ptr, bias_ptr, M, N, K, stride_cm,
-    HAS_BIAS: tl.constexpr, TMA_STORE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_desc,
+    w_desc,
+    c_desc,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """``C = A @ W.T (+ bias)`` (linear's layout: ``b = W.T``, ``W`` ``[N, K]`` row-major) through TMA: program
     ``p`` of ``P`` computes the output tiles ``p, p + P, ...`` in :func:`grouped_tile`'s order.
@@ -285,14 +332,23 @@ def _matmul_tma_kernel(
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
         else:
             offs_m = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-            tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-                     mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+            tl.store(
+                c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :],
+                acc.to(c_ptr.dtype.element_ty),
+                mask=(offs_m < M)[:, None] & (offs_n < N)[None, :],
+            )
 
 
 @triton.jit
 def _column_sum_kernel(
-    g_ptr, out_ptr, M, N, stride_gm, stride_gn,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    g_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_gm,
+    stride_gn,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
     """``out[cols] = sum_i g[i, cols]``: fp32 partial sums per row lane over row blocks in increasing
     order, then one fixed tree over the ``BLOCK_ROWS`` lanes; rounded once to ``out``'s dtype."""
@@ -302,8 +358,11 @@ def _column_sum_kernel(
     acc = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
     for r0 in range(0, M, BLOCK_ROWS):
         rows = r0 + lanes
-        x = tl.load(g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn,
-                    mask=(rows < M)[:, None] & col_mask[None, :], other=0.0)
+        x = tl.load(
+            g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn,
+            mask=(rows < M)[:, None] & col_mask[None, :],
+            other=0.0,
+        )
         acc += x.to(tl.float32)
     tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
 
@@ -329,8 +388,7 @@ INTERPRETER_PROGRAMS = 3
 def buckets_serve(device: torch.device) -> bool:
     """Whether :data:`M_TILE_CONFIGS` serve calls on ``device`` (an NVIDIA GPU of a checked capability; a ROCm torch
     reports an AMD GPU's gfx version as its capability, gfx90a as (9, 0), so HIP is ruled out first)."""
-    return (device.type == "cuda" and torch.version.hip is None
-            and _capability(_index(device)) in SAME_BITS_CAPABILITIES)
+    return device.type == "cuda" and torch.version.hip is None and _capability(_index(device)) in SAME_BITS_CAPABILITIES
 
 
 def tiles_for(dtype: torch.dtype, m: int, leaves: int, device: torch.device) -> dict[str, int]:
@@ -350,8 +408,11 @@ def tile_buckets_agree(device: torch.device, dtype: torch.dtype = torch.bfloat16
     bucket's tiles, with a TMA store at ``N = 384`` and masked stores at ``N = 260``). Returns the mismatches
     (empty: they agree)."""
     configs = [("TILE_CONFIGS", TILE_CONFIGS[dtype])]
-    configs += [(f"M_TILE_CONFIGS[{dtype}] M <= {m_max if m_max is not None else 'any'}", cfg)
-                for m_max, cfg in M_TILE_CONFIGS.get(dtype, ()) if cfg is not None]
+    configs += [
+        (f"M_TILE_CONFIGS[{dtype}] M <= {m_max if m_max is not None else 'any'}", cfg)
+        for m_max, cfg in M_TILE_CONFIGS.get(dtype, ())
+        if cfg is not None
+    ]
     g = torch.Generator().manual_seed(0)
     bad = []
     for k, n in ((4096, 384), (1000, 260)):
@@ -376,8 +437,15 @@ def _leaves(k: int) -> int:
     return tree_leaves(k, tensor_parallel.max_matmul_leaves(MAX_TREE_LEAVES), MIN_LEAF)
 
 
-def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, addend: torch.Tensor | None = None,
-          leaves: int = 1, cfg: dict[str, int] | None = None) -> None:
+def _gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    addend: torch.Tensor | None = None,
+    leaves: int = 1,
+    cfg: dict[str, int] | None = None,
+) -> None:
     """``out = a @ b (+ addend)`` through :func:`_matmul_kernel` with the tiles of :func:`tiles_for` (or ``cfg``:
     another op family's fixed tiles, same keys, such as :data:`BACKWARD_TILE_CONFIGS`), the ``K`` sum in
     ``leaves`` segments (``leaves`` divides ``K``). The one GEMM of the Triton backend: ``matmul`` / ``linear``
@@ -400,21 +468,43 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, addend: torch.
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     with on_device(a.device):
         _matmul_kernel[grid](
-            a, b, add, out, m, n, k,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), add.stride(0), add.stride(1),
-            out.stride(0), out.stride(1),
-            HAS_ADDEND=addend is not None, ADDEND_ROWS=addend is not None and add.stride(0) != 0,
+            a,
+            b,
+            add,
+            out,
+            m,
+            n,
+            k,
+            a.stride(0),
+            a.stride(1),
+            b.stride(0),
+            b.stride(1),
+            add.stride(0),
+            add.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HAS_ADDEND=addend is not None,
+            ADDEND_ROWS=addend is not None and add.stride(0) != 0,
             EVEN_K=(k // leaves) % cfg["BLOCK_K"] == 0,
-            IEEE=a.dtype == torch.float32, LEAVES=leaves,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-            num_warps=warps, num_stages=cfg["num_stages"],
+            IEEE=a.dtype == torch.float32,
+            LEAVES=leaves,
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"],
+            GROUP_M=cfg["GROUP_M"],
+            num_warps=warps,
+            num_stages=cfg["num_stages"],
         )
 
 
 def _aligned(t: torch.Tensor) -> bool:
     """A row-major 2-D tensor TMA can address: unit column stride, 16-byte aligned base and row stride."""
-    return (t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-            and t.stride(0) >= t.shape[1])
+    return (
+        t.stride(1) == 1
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.stride(0) >= t.shape[1]
+    )
 
 
 def _tma_operands(a: torch.Tensor, b: torch.Tensor, addend: torch.Tensor | None, out: torch.Tensor) -> bool:
@@ -423,8 +513,7 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, addend: torch.Tensor | None,
     CPU interpreter); ``out`` of the inputs' dtype with a unit column stride (an fp32 ``out`` of the large tiles
     needs more shared memory than an H200 has for the layout change of its masked stores), ``addend`` None or a
     contiguous bias ``[N]`` (an ``[M, N]`` addend stays on the pointer kernel)."""
-    if (a.dtype not in (torch.float16, torch.bfloat16) or a.shape[1] == 0 or out.dtype != a.dtype
-            or out.stride(1) != 1):
+    if a.dtype not in (torch.float16, torch.bfloat16) or a.shape[1] == 0 or out.dtype != a.dtype or out.stride(1) != 1:
         return False
     if addend is not None and (addend.dim() != 1 or addend.stride(0) != 1):
         return False
@@ -433,8 +522,9 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, addend: torch.Tensor | None,
     return _aligned(a) and _aligned(b.T)
 
 
-def _gemm_tma(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-              cfg: dict[str, int]) -> None:
+def _gemm_tma(
+    a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: dict[str, int]
+) -> None:
     """``out = a @ w.T (+ bias)`` through :func:`_matmul_tma_kernel` on a persistent grid (one program per SM at
     most); the output through a TMA store when ``out`` is addressable, else masked stores."""
     m, k = a.shape
@@ -445,12 +535,23 @@ def _gemm_tma(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: 
     programs = _num_sms(_index(a.device)) if a.device.type == "cuda" else INTERPRETER_PROGRAMS
     with on_device(a.device):
         _matmul_tma_kernel[(min(tiles, programs),)](
-            TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
-            TensorDescriptor.from_tensor(out, [bm, bn]) if tma_store else None, out,
-            out if bias is None else bias, m, n, k, out.stride(0),
-            HAS_BIAS=bias is not None, TMA_STORE=tma_store,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            TensorDescriptor.from_tensor(a, [bm, bk]),
+            TensorDescriptor.from_tensor(w, [bn, bk]),
+            TensorDescriptor.from_tensor(out, [bm, bn]) if tma_store else None,
+            out,
+            out if bias is None else bias,
+            m,
+            n,
+            k,
+            out.stride(0),
+            HAS_BIAS=bias is not None,
+            TMA_STORE=tma_store,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            GROUP_M=cfg["GROUP_M"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
 
 
@@ -494,8 +595,15 @@ def matmul_bwd(grad_out, a, b, grad_a_out, grad_b_out, grad_bias_out):
         cfg = COLUMN_SUM_CONFIG
         with on_device(grad_out.device):
             _column_sum_kernel[(triton.cdiv(n, cfg["BLOCK_COLS"]),)](
-                grad_out, grad_bias_out, m, n, grad_out.stride(0), grad_out.stride(1),
-                BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_COLS=cfg["BLOCK_COLS"], num_warps=cfg["num_warps"],
+                grad_out,
+                grad_bias_out,
+                m,
+                n,
+                grad_out.stride(0),
+                grad_out.stride(1),
+                BLOCK_ROWS=cfg["BLOCK_ROWS"],
+                BLOCK_COLS=cfg["BLOCK_COLS"],
+                num_warps=cfg["num_warps"],
             )
 
 

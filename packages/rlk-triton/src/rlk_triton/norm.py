@@ -50,14 +50,34 @@ from rlk_triton.common import on_device
 #:   about 4 per SM of an H200; partials ``512 x H`` fp32 = 1/16 of the bytes of a bf16 ``[N, H]`` tensor);
 #: * ``SUM_BLOCK_P`` x ``SUM_BLOCK_H``: the tile of the partial-sum kernel.
 TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
-    torch.float32: {"MAX_BLOCK_H": 8192, "COLUMNS_PER_WARP": 512, "MAX_WARPS": 16, "FWD_ROWS": 4, "BWD_ROWS": 32,
-                    "SUM_BLOCK_P": 32, "SUM_BLOCK_H": 32},
-    torch.float16: {"MAX_BLOCK_H": 16384, "COLUMNS_PER_WARP": 512, "MAX_WARPS": 16, "FWD_ROWS": 4, "BWD_ROWS": 32,
-                    "SUM_BLOCK_P": 32, "SUM_BLOCK_H": 32},
-    torch.bfloat16: {"MAX_BLOCK_H": 16384, "COLUMNS_PER_WARP": 512, "MAX_WARPS": 16, "FWD_ROWS": 4, "BWD_ROWS": 32,
-                     "SUM_BLOCK_P": 32, "SUM_BLOCK_H": 32},
+    torch.float32: {
+        "MAX_BLOCK_H": 8192,
+        "COLUMNS_PER_WARP": 512,
+        "MAX_WARPS": 16,
+        "FWD_ROWS": 4,
+        "BWD_ROWS": 32,
+        "SUM_BLOCK_P": 32,
+        "SUM_BLOCK_H": 32,
+    },
+    torch.float16: {
+        "MAX_BLOCK_H": 16384,
+        "COLUMNS_PER_WARP": 512,
+        "MAX_WARPS": 16,
+        "FWD_ROWS": 4,
+        "BWD_ROWS": 32,
+        "SUM_BLOCK_P": 32,
+        "SUM_BLOCK_H": 32,
+    },
+    torch.bfloat16: {
+        "MAX_BLOCK_H": 16384,
+        "COLUMNS_PER_WARP": 512,
+        "MAX_WARPS": 16,
+        "FWD_ROWS": 4,
+        "BWD_ROWS": 32,
+        "SUM_BLOCK_P": 32,
+        "SUM_BLOCK_H": 32,
+    },
 }
-
 
 
 def _row_tiles(hidden: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -121,8 +141,19 @@ def _grad_weight_term(g, n, X_DTYPE: tl.constexpr, GEMMA: tl.constexpr):
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, w_ptr, res_ptr, y_ptr, s_ptr, rstd_ptr, N, H, eps,
-    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    res_ptr,
+    y_ptr,
+    s_ptr,
+    rstd_ptr,
+    N,
+    H,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    GEMMA: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
 ):
     first = tl.program_id(0).to(tl.int64) * ROWS
@@ -181,9 +212,21 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    gy_ptr, s_ptr, w_ptr, rstd_ptr, gres_ptr, gs_ptr, part_ptr, N, H,
-    HAS_GRES: tl.constexpr, GEMMA: tl.constexpr, WANT_DW: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    gy_ptr,
+    s_ptr,
+    w_ptr,
+    rstd_ptr,
+    gres_ptr,
+    gs_ptr,
+    part_ptr,
+    N,
+    H,
+    HAS_GRES: tl.constexpr,
+    GEMMA: tl.constexpr,
+    WANT_DW: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * ROWS
@@ -271,8 +314,9 @@ def _sum_partials_kernel(part_ptr, dw_ptr, P, H, BLOCK_P: tl.constexpr, BLOCK_H:
     acc = tl.zeros((BLOCK_P, BLOCK_H), tl.float32)
     for p0 in range(0, P, BLOCK_P):
         ps = p0 + tl.arange(0, BLOCK_P).to(tl.int64)
-        acc += tl.load(part_ptr + ps[:, None] * H + cols[None, :], mask=(ps[:, None] < P) & col_mask[None, :],
-                       other=0.0)
+        acc += tl.load(
+            part_ptr + ps[:, None] * H + cols[None, :], mask=(ps[:, None] < P) & col_mask[None, :], other=0.0
+        )
     tl.store(dw_ptr + cols, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -303,9 +347,20 @@ def rms_norm_fwd(x, weight, residual, eps, gemma, out, residual_out, rstd_out):
     has_residual = residual is not None
     with on_device(x.device):
         _rms_norm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
-            x, weight, residual if has_residual else x, out, residual_out if has_residual else out, rstd_out,
-            n_rows, hidden, eps,
-            HAS_RESIDUAL=has_residual, GEMMA=bool(gemma), ROWS=rows, BLOCK_H=block, NUM_CHUNKS=chunks,
+            x,
+            weight,
+            residual if has_residual else x,
+            out,
+            residual_out if has_residual else out,
+            rstd_out,
+            n_rows,
+            hidden,
+            eps,
+            HAS_RESIDUAL=has_residual,
+            GEMMA=bool(gemma),
+            ROWS=rows,
+            BLOCK_H=block,
+            NUM_CHUNKS=chunks,
             num_warps=warps,
         )
 
@@ -335,12 +390,29 @@ def rms_norm_bwd(grad_out, s, weight, rstd, gemma, grad_residual, grad_input_out
     part = torch.empty((n_programs, hidden) if want_dw else (1,), dtype=torch.float32, device=s.device)
     with on_device(s.device):
         _rms_norm_bwd_kernel[(n_programs,)](
-            grad_out, s, weight, rstd, grad_residual if has_gres else grad_out, grad_input_out, part, n_rows, hidden,
-            HAS_GRES=has_gres, GEMMA=bool(gemma), WANT_DW=want_dw, ROWS=rows, BLOCK_H=block, NUM_CHUNKS=chunks,
+            grad_out,
+            s,
+            weight,
+            rstd,
+            grad_residual if has_gres else grad_out,
+            grad_input_out,
+            part,
+            n_rows,
+            hidden,
+            HAS_GRES=has_gres,
+            GEMMA=bool(gemma),
+            WANT_DW=want_dw,
+            ROWS=rows,
+            BLOCK_H=block,
+            NUM_CHUNKS=chunks,
             num_warps=warps,
         )
         if want_dw:
             _sum_partials_kernel[(triton.cdiv(hidden, cfg["SUM_BLOCK_H"]),)](
-                part, grad_weight_out, n_programs, hidden,
-                BLOCK_P=cfg["SUM_BLOCK_P"], BLOCK_H=cfg["SUM_BLOCK_H"],
+                part,
+                grad_weight_out,
+                n_programs,
+                hidden,
+                BLOCK_P=cfg["SUM_BLOCK_P"],
+                BLOCK_H=cfg["SUM_BLOCK_H"],
             )

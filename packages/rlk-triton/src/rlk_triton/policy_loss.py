@@ -67,6 +67,7 @@ except ImportError:  # a Triton built without its CUDA backend (ROCm): programma
     def gdc_wait():
         pass
 
+
 #: Tokens per program of the policy-loss kernels (one chunk of one row); chunk partials per
 #: step of the in-row sums; elements per program of the elementwise kernels; rows per step
 #: (lanes) of the final sum over rows. Fixed: results never depend on the batch. BLOCK_T and NUM_WARPS:
@@ -124,7 +125,6 @@ _TOKEN_SUM = tl.constexpr(AGG_MODES.index("token-sum"))
 _SEQ_MEAN_TOKEN_SUM = tl.constexpr(AGG_MODES.index("seq-mean-token-sum"))
 _SEQ_MEAN_TOKEN_MEAN = tl.constexpr(AGG_MODES.index("seq-mean-token-mean"))
 _NUM_METRICS = len(POLICY_METRICS)
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,8 +215,17 @@ def _rows_done(sync_ptr, B, COUNT_PROGRAMS: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(mask_ptr, sync_ptr, B, T, n_groups, ROWS: tl.constexpr, COLS: tl.constexpr,
-                  COUNT_PROGRAMS: tl.constexpr, PDL_TRIGGER: tl.constexpr):
+def _count_kernel(
+    mask_ptr,
+    sync_ptr,
+    B,
+    T,
+    n_groups,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    COUNT_PROGRAMS: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
+):
     """Program ``p`` of ``G <= COUNT_PROGRAMS``: the groups of ``ROWS`` rows ``p, p + G, ...``. Writes (plain stores,
     no atomics, nothing to zero first) each row's tokens at ``sync[row]``, the program's total tokens and non-empty
     rows. ``PDL_TRIGGER``: the next kernel may launch (it waits for this one before it reads the counts)."""
@@ -234,8 +243,9 @@ def _count_kernel(mask_ptr, sync_ptr, B, T, n_groups, ROWS: tl.constexpr, COLS: 
         n = tl.zeros((ROWS,), tl.int32)
         for t0 in range(0, T, COLS):
             offs = t0 + cols
-            m = tl.load(mask_ptr + rows[:, None] * T + offs[None, :], mask=row_in[:, None] & (offs < T)[None, :],
-                        other=0)
+            m = tl.load(
+                mask_ptr + rows[:, None] * T + offs[None, :], mask=row_in[:, None] & (offs < T)[None, :], other=0
+            )
             n += tl.sum((m != 0).to(tl.int32), axis=1)
         tl.store(sync_ptr + rows, n, mask=row_in)
         tokens += n
@@ -257,10 +267,26 @@ def _count_total(first_ptr, n_count_programs, COUNT_PROGRAMS: tl.constexpr):
 # tokens gave geo_mean gradients 2 ulps apart on an H200 (fuzz long profile) until these two were plain integers.
 @triton.jit(do_not_specialize=["T", "adv_stride_b"])
 def _seq_partials_kernel(
-    lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, parts_ptr,
-    T, n_chunks, adv_stride_b, adv_stride_t, clip_low, clip_high, clamp_low, clamp_high,
-    LOSS: tl.constexpr, HAS_IW: tl.constexpr, BLOCK: tl.constexpr, EVICT: tl.constexpr,
-    PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    lp_ptr,
+    old_ptr,
+    adv_ptr,
+    mask_ptr,
+    iw_ptr,
+    parts_ptr,
+    T,
+    n_chunks,
+    adv_stride_b,
+    adv_stride_t,
+    clip_low,
+    clip_high,
+    clamp_low,
+    clamp_high,
+    LOSS: tl.constexpr,
+    HAS_IW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVICT: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
 ):
     """Per-chunk partial sums of the per-sequence quantities (``gspo``, ``geo_mean``, ``vespo``).
 
@@ -292,8 +318,9 @@ def _seq_partials_kernel(
     else:
         a = tl.where(m, tl.load(adv_ptr + row * adv_stride_b + offs * adv_stride_t, mask=inb, other=0.0), 0.0)
         dc = _clamp(d, clamp_low, clamp_high)
-        x = tl.where(m, tl.where(a > 0, tl.minimum(dc, clip_high), tl.where(a < 0, tl.maximum(dc, -clip_low), 0.0)),
-                     0.0)
+        x = tl.where(
+            m, tl.where(a > 0, tl.minimum(dc, clip_high), tl.where(a < 0, tl.maximum(dc, -clip_low), 0.0)), 0.0
+        )
         if HAS_IW:
             i = _load_row(iw_ptr, base, offs, inb, m, EVICT)
     if PDL_WAIT:
@@ -315,9 +342,23 @@ def _normalizer(ptr, value, FROM_PTR: tl.constexpr):
 
 @triton.jit
 def _row_weight(
-    sync_ptr, row, B, n_count_programs, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale,
-    AGG: tl.constexpr, HAS_GTOK: tl.constexpr, GTOK_PTR: tl.constexpr, HAS_GSEQ: tl.constexpr,
-    GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr, COUNT_PROGRAMS: tl.constexpr,
+    sync_ptr,
+    row,
+    B,
+    n_count_programs,
+    gtok_ptr,
+    gseq_ptr,
+    scale_ptr,
+    gtok,
+    gseq,
+    loss_scale,
+    AGG: tl.constexpr,
+    HAS_GTOK: tl.constexpr,
+    GTOK_PTR: tl.constexpr,
+    HAS_GSEQ: tl.constexpr,
+    GSEQ_PTR: tl.constexpr,
+    SCALE_PTR: tl.constexpr,
+    COUNT_PROGRAMS: tl.constexpr,
 ):
     """The aggregation weight ``c_i`` of row ``row`` (:func:`rlk.reference.aggregation.row_weights`): from the
     normalizers given, else from the counts of :func:`_count_kernel` (exact in fp32 up to 2^24 tokens). The
@@ -334,8 +375,9 @@ def _row_weight(
         if HAS_GSEQ:
             n_seq = _normalizer(gseq_ptr, gseq, GSEQ_PTR)
         else:
-            nonempty = _count_total(_program_nonempty_rows(sync_ptr, B, COUNT_PROGRAMS), n_count_programs,
-                                    COUNT_PROGRAMS)
+            nonempty = _count_total(
+                _program_nonempty_rows(sync_ptr, B, COUNT_PROGRAMS), n_count_programs, COUNT_PROGRAMS
+            )
             n_seq = tl.maximum(nonempty, 1.0)
         if AGG == _SEQ_MEAN_TOKEN_SUM:
             c = tl.math.div_rn(1.0, n_seq)
@@ -371,19 +413,71 @@ def _add_stat_tuples(a0, a1, a2, a3, a4, a5, a6, a7, a8, b0, b1, b2, b3, b4, b5,
 
 @triton.jit(do_not_specialize=["T", "adv_stride_b"])
 def _policy_loss_chunk_kernel(
-    lp_ptr, old_ptr, adv_ptr, mask_ptr, iw_ptr, ref_ptr, ent_ptr, parts_ptr, sync_ptr,
-    gtok_ptr, gseq_ptr, scale_ptr, grad_lp_ptr, grad_ent_ptr, chunk_stats_ptr, row_weight_ptr,
-    B, T, n_chunks, n_count_programs, adv_stride_b, adv_stride_t, gtok, gseq, loss_scale,
-    clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl_coef, kl_clamp, entropy_coef,
-    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
-    AGG: tl.constexpr, HAS_GTOK: tl.constexpr, GTOK_PTR: tl.constexpr, HAS_GSEQ: tl.constexpr,
-    GSEQ_PTR: tl.constexpr, SCALE_PTR: tl.constexpr,
-    LOSS: tl.constexpr, CISPO_UPPER: tl.constexpr, HAS_DUAL: tl.constexpr,
-    HAS_IW: tl.constexpr, HAS_REF: tl.constexpr, KL_TERM: tl.constexpr, KL_EST: tl.constexpr,
-    KL_K3_CLAMP: tl.constexpr, KL_HAS_CLAMP: tl.constexpr, KL_STRAIGHT: tl.constexpr, KL_UNBIASED: tl.constexpr,
-    HAS_ENT: tl.constexpr, ENT_TERM: tl.constexpr, ENT_GRAD: tl.constexpr,
-    BLOCK: tl.constexpr, PARTS_BLOCK: tl.constexpr, EVICT: tl.constexpr, COUNT_PROGRAMS: tl.constexpr,
-    PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+    lp_ptr,
+    old_ptr,
+    adv_ptr,
+    mask_ptr,
+    iw_ptr,
+    ref_ptr,
+    ent_ptr,
+    parts_ptr,
+    sync_ptr,
+    gtok_ptr,
+    gseq_ptr,
+    scale_ptr,
+    grad_lp_ptr,
+    grad_ent_ptr,
+    chunk_stats_ptr,
+    row_weight_ptr,
+    B,
+    T,
+    n_chunks,
+    n_count_programs,
+    adv_stride_b,
+    adv_stride_t,
+    gtok,
+    gseq,
+    loss_scale,
+    clip_low,
+    clip_high,
+    dual_clip,
+    clamp_low,
+    clamp_high,
+    tau_pos,
+    tau_neg,
+    kl_coef,
+    kl_clamp,
+    entropy_coef,
+    vespo_k_pos,
+    vespo_lambda_pos,
+    vespo_k_neg,
+    vespo_lambda_neg,
+    AGG: tl.constexpr,
+    HAS_GTOK: tl.constexpr,
+    GTOK_PTR: tl.constexpr,
+    HAS_GSEQ: tl.constexpr,
+    GSEQ_PTR: tl.constexpr,
+    SCALE_PTR: tl.constexpr,
+    LOSS: tl.constexpr,
+    CISPO_UPPER: tl.constexpr,
+    HAS_DUAL: tl.constexpr,
+    HAS_IW: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    KL_TERM: tl.constexpr,
+    KL_EST: tl.constexpr,
+    KL_K3_CLAMP: tl.constexpr,
+    KL_HAS_CLAMP: tl.constexpr,
+    KL_STRAIGHT: tl.constexpr,
+    KL_UNBIASED: tl.constexpr,
+    HAS_ENT: tl.constexpr,
+    ENT_TERM: tl.constexpr,
+    ENT_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PARTS_BLOCK: tl.constexpr,
+    EVICT: tl.constexpr,
+    COUNT_PROGRAMS: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,
 ):
     """Program ``(row, chunk)``: per-token terms and gradients of ``BLOCK`` tokens, and their sums; chunk 0 also
     stores the row's weight ``c_i``.
@@ -403,12 +497,30 @@ def _policy_loss_chunk_kernel(
     m = tl.load(mask_ptr + base + offs, mask=inb, other=0, eviction_policy=EVICT) != 0
     lp = _load_row(lp_ptr, base, offs, inb, m, EVICT)
     old = _load_row(old_ptr, base, offs, inb, m, EVICT)
-    adv = tl.where(m, tl.load(adv_ptr + adv_base + offs * adv_stride_t, mask=inb, other=0.0, eviction_policy=EVICT),
-                   0.0)
+    adv = tl.where(
+        m, tl.load(adv_ptr + adv_base + offs * adv_stride_t, mask=inb, other=0.0, eviction_policy=EVICT), 0.0
+    )
     if PDL_WAIT:
         gdc_wait()
-    c = _row_weight(sync_ptr, row, B, n_count_programs, gtok_ptr, gseq_ptr, scale_ptr, gtok, gseq, loss_scale, AGG,
-                    HAS_GTOK, GTOK_PTR, HAS_GSEQ, GSEQ_PTR, SCALE_PTR, COUNT_PROGRAMS)
+    c = _row_weight(
+        sync_ptr,
+        row,
+        B,
+        n_count_programs,
+        gtok_ptr,
+        gseq_ptr,
+        scale_ptr,
+        gtok,
+        gseq,
+        loss_scale,
+        AGG,
+        HAS_GTOK,
+        GTOK_PTR,
+        HAS_GSEQ,
+        GSEQ_PTR,
+        SCALE_PTR,
+        COUNT_PROGRAMS,
+    )
     tl.store(row_weight_ptr + row, c, mask=chunk == 0)
     tl.store(_rows_done(sync_ptr, B, COUNT_PROGRAMS), 0, mask=(row == 0) & (chunk == 0))
 
@@ -547,8 +659,20 @@ def _policy_loss_chunk_kernel(
 
     # ---- this chunk's sums (columns of ROW_STATS), one reduction ----------------------------
     s0, s1, s2, s3, s4, s5, s6, s7, s8 = tl.reduce(
-        (tl.where(m, objective, 0.0), tl.where(m, 1.0, 0.0), tl.where(m, clipped, 0.0), tl.where(m, lower, 0.0),
-         tl.where(m, -log_ratio, 0.0), ratio, ratio, entropy, kl_value), 0, _add_stat_tuples)
+        (
+            tl.where(m, objective, 0.0),
+            tl.where(m, 1.0, 0.0),
+            tl.where(m, clipped, 0.0),
+            tl.where(m, lower, 0.0),
+            tl.where(m, -log_ratio, 0.0),
+            ratio,
+            ratio,
+            entropy,
+            kl_value,
+        ),
+        0,
+        _add_stat_tuples,
+    )
     out = chunk_stats_ptr + (row * n_chunks + chunk) * _NUM_STATS
     tl.store(out + 0, s0)
     tl.store(out + 1, s1)
@@ -576,14 +700,30 @@ def _total_stats(acc, cols):
 @triton.jit
 def _row_stats_tile(stats_ptr, rows, B, cols, col_in):
     """``row_stats[rows]`` as a ``[lanes, COLS]`` tile (0 past ``B`` and past the columns), loaded past L1."""
-    return tl.load(stats_ptr + rows[:, None] * _NUM_STATS + cols[None, :], mask=(rows < B)[:, None] & col_in[None, :],
-                   other=0.0, cache_modifier=".cg")
+    return tl.load(
+        stats_ptr + rows[:, None] * _NUM_STATS + cols[None, :],
+        mask=(rows < B)[:, None] & col_in[None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
 
 
 @triton.jit
-def _finish_kernel(chunk_stats_ptr, stats_ptr, row_weight_ptr, loss_ptr, metrics_ptr, sync_ptr, B, n_chunks,
-                   COUNT_PROGRAMS: tl.constexpr, PARTS_BLOCK: tl.constexpr, COMBINE_BLOCK: tl.constexpr,
-                   COLS: tl.constexpr, PDL_WAIT: tl.constexpr):
+def _finish_kernel(
+    chunk_stats_ptr,
+    stats_ptr,
+    row_weight_ptr,
+    loss_ptr,
+    metrics_ptr,
+    sync_ptr,
+    B,
+    n_chunks,
+    COUNT_PROGRAMS: tl.constexpr,
+    PARTS_BLOCK: tl.constexpr,
+    COMBINE_BLOCK: tl.constexpr,
+    COLS: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
+):
     """Program ``row``: the row's statistics; the last program to finish its row: the loss and the metrics.
 
     ``row_stats[row]`` = the row's chunk sums added in chunk order (lanes ``PARTS_BLOCK`` wide, one tree; the max
@@ -606,8 +746,11 @@ def _finish_kernel(chunk_stats_ptr, stats_ptr, row_weight_ptr, loss_ptr, metrics
     acc = tl.zeros((PARTS_BLOCK, COLS), tl.float32)
     for c0 in range(0, n_chunks, PARTS_BLOCK):
         ks = c0 + tl.arange(0, PARTS_BLOCK).to(tl.int64)
-        tile = tl.load(chunk_stats_ptr + (row * n_chunks + ks)[:, None] * _NUM_STATS + cols[None, :],
-                       mask=(ks < n_chunks)[:, None] & col_in[None, :], other=0.0)
+        tile = tl.load(
+            chunk_stats_ptr + (row * n_chunks + ks)[:, None] * _NUM_STATS + cols[None, :],
+            mask=(ks < n_chunks)[:, None] & col_in[None, :],
+            other=0.0,
+        )
         acc = _add_stats(acc, tile, cols)
     total = _total_stats(acc, cols)
     total = tl.where(cols == 0, c * total, total)
@@ -666,12 +809,46 @@ def _needs_counts(agg: str, has_gtok: bool, has_gseq: bool) -> bool:
     return agg == "seq-mean-token-mean" or not has_gseq
 
 
-def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, global_tokens,
-                    global_seqs, loss_scale, loss_out, grad_logprob_out, grad_entropy_out, row_weight_out,
-                    row_stats_out, metrics_out, *, agg, loss, cispo_upper, clip_low, clip_high, dual_clip, clamp_low,
-                    clamp_high, tau_pos, tau_neg, kl, kl_coef, kl_k3_clamp, kl_clamp, kl_straight_through,
-                    kl_unbiased, entropy_coef, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-                    vespo_lambda_neg=2.0):
+def policy_loss_fwd(
+    logprob,
+    old_logprob,
+    advantages,
+    mask,
+    importance_weights,
+    ref_logprob,
+    entropy,
+    global_tokens,
+    global_seqs,
+    loss_scale,
+    loss_out,
+    grad_logprob_out,
+    grad_entropy_out,
+    row_weight_out,
+    row_stats_out,
+    metrics_out,
+    *,
+    agg,
+    loss,
+    cispo_upper,
+    clip_low,
+    clip_high,
+    dual_clip,
+    clamp_low,
+    clamp_high,
+    tau_pos,
+    tau_neg,
+    kl,
+    kl_coef,
+    kl_k3_clamp,
+    kl_clamp,
+    kl_straight_through,
+    kl_unbiased,
+    entropy_coef,
+    vespo_k_pos=2.0,
+    vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0,
+):
     """The fused policy loss and its gradient (spec and arguments: :func:`rlk.reference.policy_loss.policy_loss_fwd`).
 
     Shapes: ``[B, T]`` fp32 inputs (``advantages`` ``[B, T]`` or ``[B, 1]``), bool ``mask``, the
@@ -703,10 +880,20 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
     mask_bytes = mask.view(torch.uint8)
     dummy = logprob
     grid = (n_rows, n_chunks)
-    normalizers = dict(AGG=AGG_MODES.index(agg), HAS_GTOK=has_gtok, GTOK_PTR=gtok_is_ptr, HAS_GSEQ=has_gseq,
-                       GSEQ_PTR=gseq_is_ptr, SCALE_PTR=scale_is_ptr, COUNT_PROGRAMS=COUNT_PROGRAMS)
-    normalizer_ptrs = (gtok_ptr if gtok_is_ptr else dummy, gseq_ptr if gseq_is_ptr else dummy,
-                       scale_ptr if scale_is_ptr else dummy)
+    normalizers = dict(
+        AGG=AGG_MODES.index(agg),
+        HAS_GTOK=has_gtok,
+        GTOK_PTR=gtok_is_ptr,
+        HAS_GSEQ=has_gseq,
+        GSEQ_PTR=gseq_is_ptr,
+        SCALE_PTR=scale_is_ptr,
+        COUNT_PROGRAMS=COUNT_PROGRAMS,
+    )
+    normalizer_ptrs = (
+        gtok_ptr if gtok_is_ptr else dummy,
+        gseq_ptr if gseq_is_ptr else dummy,
+        scale_ptr if scale_is_ptr else dummy,
+    )
     # programmatic dependent launch: every kernel but the call's first launches early and waits for the one before
     pdl = bool(PROGRAMMATIC_LAUNCH) and device.type == "cuda" and _programmatic_launch(device.index)
     early = {"launch_pdl": True} if pdl else {}
@@ -717,41 +904,122 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
             rows = COUNT_ELEMENTS // cols
             n_groups = triton.cdiv(n_rows, rows)
             n_count_programs = min(n_groups, COUNT_PROGRAMS)
-            _count_kernel[(n_count_programs,)](mask_bytes, sync, n_rows, t, n_groups, ROWS=rows, COLS=cols,
-                                               COUNT_PROGRAMS=COUNT_PROGRAMS, PDL_TRIGGER=pdl, num_warps=COUNT_WARPS)
+            _count_kernel[(n_count_programs,)](
+                mask_bytes,
+                sync,
+                n_rows,
+                t,
+                n_groups,
+                ROWS=rows,
+                COLS=cols,
+                COUNT_PROGRAMS=COUNT_PROGRAMS,
+                PDL_TRIGGER=pdl,
+                num_warps=COUNT_WARPS,
+            )
         if sequence_level:
             _seq_partials_kernel[grid](
-                logprob, old_logprob, advantages, mask_bytes, importance_weights if has_iw else dummy,
-                parts, t, n_chunks, adv_stride_b, adv_stride_t, float(clip_low), float(clip_high), float(clamp_low),
-                float(clamp_high), LOSS=code, HAS_IW=has_iw, BLOCK=BLOCK_T, EVICT=LOAD_EVICTION,
-                PDL_WAIT=pdl and count, PDL_TRIGGER=pdl, num_warps=NUM_WARPS, **(early if count else {}),
+                logprob,
+                old_logprob,
+                advantages,
+                mask_bytes,
+                importance_weights if has_iw else dummy,
+                parts,
+                t,
+                n_chunks,
+                adv_stride_b,
+                adv_stride_t,
+                float(clip_low),
+                float(clip_high),
+                float(clamp_low),
+                float(clamp_high),
+                LOSS=code,
+                HAS_IW=has_iw,
+                BLOCK=BLOCK_T,
+                EVICT=LOAD_EVICTION,
+                PDL_WAIT=pdl and count,
+                PDL_TRIGGER=pdl,
+                num_warps=NUM_WARPS,
+                **(early if count else {}),
             )
         after_another = count or sequence_level
         _policy_loss_chunk_kernel[grid](
-            logprob, old_logprob, advantages, mask_bytes,
-            importance_weights if has_iw else dummy, ref_logprob if has_ref else dummy, entropy if has_ent else dummy,
-            parts if sequence_level else dummy, sync, *normalizer_ptrs,
-            grad_logprob_out, grad_entropy_out if ent_grad else grad_logprob_out, chunk_stats, row_weight_out,
-            n_rows, t, n_chunks, n_count_programs, adv_stride_b, adv_stride_t,
-            gtok, gseq, scale,
-            float(clip_low), float(clip_high), float(dual_clip), float(clamp_low), float(clamp_high), float(tau_pos),
-            float(tau_neg), float(kl_coef), float(kl_clamp) if kl_clamp != float("inf") else 0.0,
-            float(entropy_coef), float(vespo_k_pos), float(vespo_lambda_pos), float(vespo_k_neg),
+            logprob,
+            old_logprob,
+            advantages,
+            mask_bytes,
+            importance_weights if has_iw else dummy,
+            ref_logprob if has_ref else dummy,
+            entropy if has_ent else dummy,
+            parts if sequence_level else dummy,
+            sync,
+            *normalizer_ptrs,
+            grad_logprob_out,
+            grad_entropy_out if ent_grad else grad_logprob_out,
+            chunk_stats,
+            row_weight_out,
+            n_rows,
+            t,
+            n_chunks,
+            n_count_programs,
+            adv_stride_b,
+            adv_stride_t,
+            gtok,
+            gseq,
+            scale,
+            float(clip_low),
+            float(clip_high),
+            float(dual_clip),
+            float(clamp_low),
+            float(clamp_high),
+            float(tau_pos),
+            float(tau_neg),
+            float(kl_coef),
+            float(kl_clamp) if kl_clamp != float("inf") else 0.0,
+            float(entropy_coef),
+            float(vespo_k_pos),
+            float(vespo_lambda_pos),
+            float(vespo_k_neg),
             float(vespo_lambda_neg),
-            LOSS=code, CISPO_UPPER=bool(cispo_upper), HAS_DUAL=dual_clip > 0,
+            LOSS=code,
+            CISPO_UPPER=bool(cispo_upper),
+            HAS_DUAL=dual_clip > 0,
             HAS_IW=has_iw and loss != "vespo",  # vespo: the weights are in the sequence partials
-            HAS_REF=has_ref, KL_TERM=has_ref and kl_coef != 0, KL_EST=KL_ESTIMATORS.index(kl),
-            KL_K3_CLAMP=bool(kl_k3_clamp), KL_HAS_CLAMP=kl_clamp != float("inf"),
-            KL_STRAIGHT=bool(kl_straight_through), KL_UNBIASED=bool(kl_unbiased),
-            HAS_ENT=has_ent, ENT_TERM=has_ent and entropy_coef != 0, ENT_GRAD=ent_grad,
-            BLOCK=BLOCK_T, PARTS_BLOCK=PARTS_BLOCK, EVICT=LOAD_EVICTION, PDL_WAIT=pdl and after_another,
-            PDL_TRIGGER=pdl, num_warps=NUM_WARPS, **normalizers, **_register_limit(),
+            HAS_REF=has_ref,
+            KL_TERM=has_ref and kl_coef != 0,
+            KL_EST=KL_ESTIMATORS.index(kl),
+            KL_K3_CLAMP=bool(kl_k3_clamp),
+            KL_HAS_CLAMP=kl_clamp != float("inf"),
+            KL_STRAIGHT=bool(kl_straight_through),
+            KL_UNBIASED=bool(kl_unbiased),
+            HAS_ENT=has_ent,
+            ENT_TERM=has_ent and entropy_coef != 0,
+            ENT_GRAD=ent_grad,
+            BLOCK=BLOCK_T,
+            PARTS_BLOCK=PARTS_BLOCK,
+            EVICT=LOAD_EVICTION,
+            PDL_WAIT=pdl and after_another,
+            PDL_TRIGGER=pdl,
+            num_warps=NUM_WARPS,
+            **normalizers,
+            **_register_limit(),
             **(early if after_another else {}),
         )
         _finish_kernel[(n_rows,)](
-            chunk_stats, row_stats_out, row_weight_out, loss_out, metrics_out, sync, n_rows, n_chunks,
-            COUNT_PROGRAMS=COUNT_PROGRAMS, PARTS_BLOCK=PARTS_BLOCK, COMBINE_BLOCK=COMBINE_BLOCK, COLS=_STATS_COLS,
-            PDL_WAIT=pdl, num_warps=FINISH_WARPS, **early,
+            chunk_stats,
+            row_stats_out,
+            row_weight_out,
+            loss_out,
+            metrics_out,
+            sync,
+            n_rows,
+            n_chunks,
+            COUNT_PROGRAMS=COUNT_PROGRAMS,
+            PARTS_BLOCK=PARTS_BLOCK,
+            COMBINE_BLOCK=COMBINE_BLOCK,
+            COLS=_STATS_COLS,
+            PDL_WAIT=pdl,
+            num_warps=FINISH_WARPS,
+            **early,
         )
 
 
@@ -790,9 +1058,19 @@ def policy_loss_bwd(grad_loss, grad_logprob, grad_entropy, grad_logprob_out, gra
 
 @triton.jit
 def _kl_penalty_kernel(
-    lp_ptr, ref_ptr, old_ptr, kl_ptr, coef_ptr, N, clamp,
-    EST: tl.constexpr, K3_CLAMP: tl.constexpr, HAS_CLAMP: tl.constexpr, STRAIGHT: tl.constexpr,
-    HAS_OLD: tl.constexpr, BLOCK: tl.constexpr,
+    lp_ptr,
+    ref_ptr,
+    old_ptr,
+    kl_ptr,
+    coef_ptr,
+    N,
+    clamp,
+    EST: tl.constexpr,
+    K3_CLAMP: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
+    STRAIGHT: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     inb = offs < N
@@ -807,8 +1085,9 @@ def _kl_penalty_kernel(
     tl.store(coef_ptr + offs, grad, mask=inb)
 
 
-def kl_penalty_fwd(logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estimator, straight_through, k3_clamp,
-                   clamp):
+def kl_penalty_fwd(
+    logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estimator, straight_through, k3_clamp, clamp
+):
     """Elementwise KL estimate and its derivative (spec: :func:`rlk.reference.policy_loss.kl_penalty_fwd`).
 
     All tensors ``[N]`` fp32, contiguous; ``old_logprob`` may be None.
@@ -817,10 +1096,19 @@ def kl_penalty_fwd(logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estim
     has_clamp = clamp != float("inf")
     with on_device(logprob.device):
         _kl_penalty_kernel[(triton.cdiv(n, BLOCK_ELEMENTWISE),)](
-            logprob, ref_logprob, old_logprob if old_logprob is not None else logprob, kl_out, coef_out, n,
+            logprob,
+            ref_logprob,
+            old_logprob if old_logprob is not None else logprob,
+            kl_out,
+            coef_out,
+            n,
             float(clamp) if has_clamp else 0.0,
-            EST=KL_ESTIMATORS.index(estimator), K3_CLAMP=bool(k3_clamp), HAS_CLAMP=has_clamp,
-            STRAIGHT=bool(straight_through), HAS_OLD=old_logprob is not None, BLOCK=BLOCK_ELEMENTWISE,
+            EST=KL_ESTIMATORS.index(estimator),
+            K3_CLAMP=bool(k3_clamp),
+            HAS_CLAMP=has_clamp,
+            STRAIGHT=bool(straight_through),
+            HAS_OLD=old_logprob is not None,
+            BLOCK=BLOCK_ELEMENTWISE,
             num_warps=NUM_WARPS,
         )
 
@@ -829,5 +1117,6 @@ def kl_penalty_bwd(grad_kl, coef, grad_logprob_out):
     """``grad_logprob = grad_kl * coef`` (elementwise, ``[N]`` fp32)."""
     n = coef.numel()
     with on_device(coef.device):
-        _product_kernel[(triton.cdiv(n, BLOCK_ELEMENTWISE),)](grad_kl, coef, grad_logprob_out, n,
-                                                             BLOCK=BLOCK_ELEMENTWISE, num_warps=NUM_WARPS)
+        _product_kernel[(triton.cdiv(n, BLOCK_ELEMENTWISE),)](
+            grad_kl, coef, grad_logprob_out, n, BLOCK=BLOCK_ELEMENTWISE, num_warps=NUM_WARPS
+        )

@@ -53,12 +53,41 @@ _COLS = 32  # the columns padded to a power of two
 
 #: The order in which _combine_kernel stores the metrics: it must be CORRECTION_METRICS.
 _STORE_ORDER = (
-    "weight_mean", "weight_max", "weight_min", "weight_std", "ess", "ratio_max", "ratio_min", "fraction_high",
-    "fraction_low", "clipped_fraction", "abs_log_ratio_mean", "abs_log_ratio_max", "kl", "k3_kl", "chi2_token",
-    "tokens", "seq_weight_mean", "seq_weight_max", "seq_weight_min", "seq_weight_std", "seq_weight_max_deviation",
-    "seq_fraction_high", "seq_fraction_low", "seq_clipped_fraction", "chi2_seq", "training_ppl", "training_log_ppl",
-    "rollout_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min",
-    "ppl_ratio", "sequences",
+    "weight_mean",
+    "weight_max",
+    "weight_min",
+    "weight_std",
+    "ess",
+    "ratio_max",
+    "ratio_min",
+    "fraction_high",
+    "fraction_low",
+    "clipped_fraction",
+    "abs_log_ratio_mean",
+    "abs_log_ratio_max",
+    "kl",
+    "k3_kl",
+    "chi2_token",
+    "tokens",
+    "seq_weight_mean",
+    "seq_weight_max",
+    "seq_weight_min",
+    "seq_weight_std",
+    "seq_weight_max_deviation",
+    "seq_fraction_high",
+    "seq_fraction_low",
+    "seq_clipped_fraction",
+    "chi2_seq",
+    "training_ppl",
+    "training_log_ppl",
+    "rollout_ppl",
+    "rollout_log_ppl",
+    "log_ppl_diff",
+    "log_ppl_abs_diff",
+    "log_ppl_diff_max",
+    "log_ppl_diff_min",
+    "ppl_ratio",
+    "sequences",
 )
 assert _STORE_ORDER == CORRECTION_METRICS
 
@@ -101,8 +130,23 @@ def _row_sum_kernel(old_ptr, roll_ptr, mask_ptr, parts_ptr, T, n_chunks, BLOCK: 
 
 @triton.jit
 def _token_kernel(
-    old_ptr, roll_ptr, mask_ptr, parts_ptr, w_ptr, stats_ptr, T, n_chunks, upper, lower, high, low, clamp,
-    SEQUENCE: tl.constexpr, MASK_MODE: tl.constexpr, HAS_CLAMP: tl.constexpr, BLOCK: tl.constexpr,
+    old_ptr,
+    roll_ptr,
+    mask_ptr,
+    parts_ptr,
+    w_ptr,
+    stats_ptr,
+    T,
+    n_chunks,
+    upper,
+    lower,
+    high,
+    low,
+    clamp,
+    SEQUENCE: tl.constexpr,
+    MASK_MODE: tl.constexpr,
+    HAS_CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
     PARTS_BLOCK: tl.constexpr,
 ):
     """Program ``(row, chunk)``: the weights of ``BLOCK`` tokens and the chunk's statistics."""
@@ -172,10 +216,17 @@ def _merge(acc, tile, cols):
     squares by :func:`_chan`."""
     is_max = (cols == _WMAX) | (cols == _RMAX) | (cols == _MABS)
     is_min = (cols == _WMIN) | (cols == _RMIN)
-    merged = tl.where(is_max[None, :], tl.maximum(acc, tile),
-                      tl.where(is_min[None, :], tl.minimum(acc, tile), acc + tile))
-    _, _, q = _chan(_column(acc, cols, _N), _column(acc, cols, _SW), _column(acc, cols, _QW),
-                    _column(tile, cols, _N), _column(tile, cols, _SW), _column(tile, cols, _QW))
+    merged = tl.where(
+        is_max[None, :], tl.maximum(acc, tile), tl.where(is_min[None, :], tl.minimum(acc, tile), acc + tile)
+    )
+    _, _, q = _chan(
+        _column(acc, cols, _N),
+        _column(acc, cols, _SW),
+        _column(acc, cols, _QW),
+        _column(tile, cols, _N),
+        _column(tile, cols, _SW),
+        _column(tile, cols, _QW),
+    )
     return tl.where((cols == _QW)[None, :], q[:, None], merged)
 
 
@@ -205,8 +256,11 @@ def _row_stats_kernel(stats_ptr, row_stats_ptr, n_chunks, PARTS_BLOCK: tl.conste
     acc = tl.zeros((PARTS_BLOCK, COLS), tl.float32) + _identity(cols)[None, :]
     for c0 in range(0, n_chunks, PARTS_BLOCK):
         ks = c0 + tl.arange(0, PARTS_BLOCK).to(tl.int64)
-        tile = tl.load(stats_ptr + (row * n_chunks + ks)[:, None] * _STATS + cols[None, :],
-                       mask=(ks < n_chunks)[:, None] & col_in[None, :], other=0.0)
+        tile = tl.load(
+            stats_ptr + (row * n_chunks + ks)[:, None] * _STATS + cols[None, :],
+            mask=(ks < n_chunks)[:, None] & col_in[None, :],
+            other=0.0,
+        )
         tile = tl.where((ks < n_chunks)[:, None], tile, _identity(cols)[None, :])
         acc = _merge(acc, tile, cols)
     tl.store(row_stats_ptr + row * _STATS + cols, _total(acc, cols), mask=col_in)
@@ -224,8 +278,9 @@ def _ratio(num, den):
 
 
 @triton.jit
-def _combine_kernel(row_stats_ptr, metrics_ptr, B, high, low, clamp, HAS_CLAMP: tl.constexpr,
-                    LANES: tl.constexpr, COLS: tl.constexpr):
+def _combine_kernel(
+    row_stats_ptr, metrics_ptr, B, high, low, clamp, HAS_CLAMP: tl.constexpr, LANES: tl.constexpr, COLS: tl.constexpr
+):
     """One program: the rows' statistics merged in row order (lane ``j`` takes rows ``j, j + LANES, ...``; one tree
     at the end) into the token metrics, and the per-row quantities into the sequence metrics."""
     cols = tl.arange(0, COLS)
@@ -242,8 +297,9 @@ def _combine_kernel(row_stats_ptr, metrics_ptr, B, high, low, clamp, HAS_CLAMP: 
     for b0 in range(0, B, LANES):
         rows = b0 + lanes
         row_in = rows < B
-        tile = tl.load(row_stats_ptr + rows[:, None] * _STATS + cols[None, :], mask=row_in[:, None] & col_in[None, :],
-                       other=0.0)
+        tile = tl.load(
+            row_stats_ptr + rows[:, None] * _STATS + cols[None, :], mask=row_in[:, None] & col_in[None, :], other=0.0
+        )
         tile = tl.where(row_in[:, None], tile, _identity(cols)[None, :])
         acc = _merge(acc, tile, cols)
         # per-row quantities of the rows with tokens (module docstring of the reference)
@@ -285,8 +341,9 @@ def _combine_kernel(row_stats_ptr, metrics_ptr, B, high, low, clamp, HAS_CLAMP: 
     tl.store(metrics_ptr + 1, _pick(total, cols, _WMAX))
     tl.store(metrics_ptr + 2, tl.where(any_token, _pick(total, cols, _WMIN), 0.0))
     tl.store(metrics_ptr + 3, tl.sqrt(_ratio(_pick(total, cols, _QW), n)))
-    tl.store(metrics_ptr + 4, tl.where(mean_sq > 0, weight_mean * weight_mean / tl.where(mean_sq > 0, mean_sq, 1.0),
-                                       0.0))
+    tl.store(
+        metrics_ptr + 4, tl.where(mean_sq > 0, weight_mean * weight_mean / tl.where(mean_sq > 0, mean_sq, 1.0), 0.0)
+    )
     tl.store(metrics_ptr + 5, _pick(total, cols, _RMAX))
     tl.store(metrics_ptr + 6, tl.where(any_token, _pick(total, cols, _RMIN), 0.0))
     tl.store(metrics_ptr + 7, _ratio(_pick(total, cols, _HIGH), n))
@@ -322,8 +379,9 @@ def _combine_kernel(row_stats_ptr, metrics_ptr, B, high, low, clamp, HAS_CLAMP: 
     tl.store(metrics_ptr + 34, seqs)
 
 
-def rollout_correction_fwd(old_logprob, rollout_logprob, mask, weights_out, metrics_out, *, level, mode, upper,
-                           lower, clamp):
+def rollout_correction_fwd(
+    old_logprob, rollout_logprob, mask, weights_out, metrics_out, *, level, mode, upper, lower, clamp
+):
     """Importance weights and metrics (spec and arguments: the reference's
     :func:`rlk.reference.rollout_correction.rollout_correction_fwd`).
 
@@ -346,14 +404,42 @@ def rollout_correction_fwd(old_logprob, rollout_logprob, mask, weights_out, metr
     grid = (n_rows, n_chunks)
     with on_device(device):
         if sequence:
-            _row_sum_kernel[grid](old_logprob, rollout_logprob, mask_bytes, parts, t, n_chunks, BLOCK=BLOCK_T,
-                                  num_warps=NUM_WARPS)
+            _row_sum_kernel[grid](
+                old_logprob, rollout_logprob, mask_bytes, parts, t, n_chunks, BLOCK=BLOCK_T, num_warps=NUM_WARPS
+            )
         _token_kernel[grid](
-            old_logprob, rollout_logprob, mask_bytes, parts, weights_out, stats, t, n_chunks, float(upper),
-            float(lower), float(high), float(low), clamp_arg, SEQUENCE=sequence, MASK_MODE=mode == "mask",
-            HAS_CLAMP=has_clamp, BLOCK=BLOCK_T, PARTS_BLOCK=PARTS_BLOCK, num_warps=NUM_WARPS,
+            old_logprob,
+            rollout_logprob,
+            mask_bytes,
+            parts,
+            weights_out,
+            stats,
+            t,
+            n_chunks,
+            float(upper),
+            float(lower),
+            float(high),
+            float(low),
+            clamp_arg,
+            SEQUENCE=sequence,
+            MASK_MODE=mode == "mask",
+            HAS_CLAMP=has_clamp,
+            BLOCK=BLOCK_T,
+            PARTS_BLOCK=PARTS_BLOCK,
+            num_warps=NUM_WARPS,
         )
-        _row_stats_kernel[(n_rows,)](stats, row_stats, n_chunks, PARTS_BLOCK=PARTS_BLOCK, COLS=_COLS,
-                                     num_warps=NUM_WARPS)
-        _combine_kernel[(1,)](row_stats, metrics_out, n_rows, float(high), float(low), clamp_arg,
-                              HAS_CLAMP=has_clamp, LANES=COMBINE_BLOCK, COLS=_COLS, num_warps=NUM_WARPS)
+        _row_stats_kernel[(n_rows,)](
+            stats, row_stats, n_chunks, PARTS_BLOCK=PARTS_BLOCK, COLS=_COLS, num_warps=NUM_WARPS
+        )
+        _combine_kernel[(1,)](
+            row_stats,
+            metrics_out,
+            n_rows,
+            float(high),
+            float(low),
+            clamp_arg,
+            HAS_CLAMP=has_clamp,
+            LANES=COMBINE_BLOCK,
+            COLS=_COLS,
+            num_warps=NUM_WARPS,
+        )

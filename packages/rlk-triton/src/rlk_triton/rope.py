@@ -39,11 +39,15 @@ TILE_CONFIGS: dict[str, dict[torch.dtype, dict[str, int]]] = {
 }
 
 
-
 @triton.jit
 def _rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
-    n_heads, head_dim, rotary_dim,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    n_heads,
+    head_dim,
+    rotary_dim,
     INTERLEAVED: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -97,8 +101,9 @@ def _rope_kernel(
         tl.store(out_ptr + off, tl.load(x_ptr + off, mask=pass_mask), mask=pass_mask)
 
 
-def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, transpose: bool,
-            out: torch.Tensor) -> None:
+def _launch(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, transpose: bool, out: torch.Tensor
+) -> None:
     n_tokens, n_heads, head_dim = x.shape
     rotary_dim = cos.shape[1]
     cfg = TILE_CONFIGS["interleaved" if interleaved else "half"][x.dtype]
@@ -106,9 +111,18 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     grid = (n_tokens, triton.cdiv(n_heads, cfg["BLOCK_H"]))
     with on_device(x.device):
         _rope_kernel[grid](
-            x, cos, sin, out, n_heads, head_dim, rotary_dim,
-            INTERLEAVED=bool(interleaved), TRANSPOSE=transpose, BLOCK_H=cfg["BLOCK_H"],
-            BLOCK_PAIRS=triton.next_power_of_2(rotary_dim // 2), BLOCK_PASS=block_pass,
+            x,
+            cos,
+            sin,
+            out,
+            n_heads,
+            head_dim,
+            rotary_dim,
+            INTERLEAVED=bool(interleaved),
+            TRANSPOSE=transpose,
+            BLOCK_H=cfg["BLOCK_H"],
+            BLOCK_PAIRS=triton.next_power_of_2(rotary_dim // 2),
+            BLOCK_PASS=block_pass,
             num_warps=cfg["num_warps"],
         )
 
@@ -119,7 +133,8 @@ def rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved:
     _launch(x, cos, sin, interleaved, False, out)
 
 
-def rope_bwd(grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-             grad_x_out: torch.Tensor) -> None:
+def rope_bwd(
+    grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, grad_x_out: torch.Tensor
+) -> None:
     """The transposed rotation of ``grad_out`` into ``grad_x_out``. Spec: ``rlk.reference.rope.rope_bwd``."""
     _launch(grad_out, cos, sin, interleaved, True, grad_x_out)

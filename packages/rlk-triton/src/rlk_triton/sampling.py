@@ -229,9 +229,28 @@ def _top_p_threshold(src, n, inv_t, m64, tau_k, kmin, kmax, target):
 
 
 @triton.jit
-def _sample_kernel(logits, seed_ptr, step_ptr, tokens, logprob, scratch, V, stride, inv_t, top_k, top_p, min_p,
-                   list_cap, list_margin, GREEDY: tl.constexpr, TOPK: tl.constexpr, TOPP: tl.constexpr,
-                   MINP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def _sample_kernel(
+    logits,
+    seed_ptr,
+    step_ptr,
+    tokens,
+    logprob,
+    scratch,
+    V,
+    stride,
+    inv_t,
+    top_k,
+    top_p,
+    min_p,
+    list_cap,
+    list_margin,
+    GREEDY: tl.constexpr,
+    TOPK: tl.constexpr,
+    TOPP: tl.constexpr,
+    MINP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits + row * stride
     base = tl.arange(0, BLOCK)
@@ -285,8 +304,9 @@ def _sample_kernel(logits, seed_ptr, step_ptr, tokens, logprob, scratch, V, stri
                 list_total, list_kmin = _list_mass(list_ptr, tl.minimum(n, list_cap), inv_t, m64, BLOCK)
                 on_list = (n <= list_cap) & (list_total.to(tl.float64) >= target)
                 kmin = tl.where(on_list, list_kmin, kmin)
-            tau_p = _top_p_threshold(tl.where(on_list, list_ptr, row_ptr), tl.where(on_list, n, V), inv_t, m64,
-                                     tau_k, kmin, _key(m), target)
+            tau_p = _top_p_threshold(
+                tl.where(on_list, list_ptr, row_ptr), tl.where(on_list, n, V), inv_t, m64, tau_k, kmin, _key(m), target
+            )
     if not GREEDY:
         seed = tl.load(seed_ptr + row)
         step = tl.load(step_ptr + row)
@@ -337,9 +357,26 @@ def sample_fwd(logits, seed, step, inv_temperature, top_k, top_p, min_p, greedy,
     scratch = torch.empty((B, cap) if topp else (1,), dtype=logits.dtype, device=logits.device)
     with on_device(logits.device):
         _sample_kernel[(B,)](
-            logits, seed, step, tokens_out, logprob_out, scratch, V, logits.stride(0), inv_t, top_k, p32,
-            float(torch.tensor(min_p, dtype=torch.float32)), cap, LIST_MARGIN,
-            GREEDY=bool(greedy), TOPK=(not greedy) and 0 < top_k < V, TOPP=topp,
-            MINP=(not greedy) and min_p > 0.0, BLOCK=BLOCK, STAGES=LOAD_STAGES, num_warps=NUM_WARPS,
+            logits,
+            seed,
+            step,
+            tokens_out,
+            logprob_out,
+            scratch,
+            V,
+            logits.stride(0),
+            inv_t,
+            top_k,
+            p32,
+            float(torch.tensor(min_p, dtype=torch.float32)),
+            cap,
+            LIST_MARGIN,
+            GREEDY=bool(greedy),
+            TOPK=(not greedy) and 0 < top_k < V,
+            TOPP=topp,
+            MINP=(not greedy) and min_p > 0.0,
+            BLOCK=BLOCK,
+            STAGES=LOAD_STAGES,
+            num_warps=NUM_WARPS,
             enable_fp_fusion=False,
         )

@@ -106,8 +106,7 @@ def softmax_fwd(x, log, out):
     n_rows, vocab = x.shape
     cfg = TILE_CONFIGS[x.dtype]
     with on_device(x.device):
-        _softmax_fwd_kernel[(n_rows,)](x, out, vocab, LOG=bool(log), BLOCK_V=cfg["BLOCK_V"],
-                                       num_warps=cfg["num_warps"])
+        _softmax_fwd_kernel[(n_rows,)](x, out, vocab, LOG=bool(log), BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"])
 
 
 def softmax_bwd(grad_out, out, log, grad_x_out):
@@ -125,5 +124,6 @@ def softmax_bwd(grad_out, out, log, grad_x_out):
     n_rows, vocab = out.shape
     cfg = TILE_CONFIGS[out.dtype]
     with on_device(out.device):
-        _softmax_bwd_kernel[(n_rows,)](grad_out, out, grad_x_out, vocab, LOG=bool(log), BLOCK_V=cfg["BLOCK_V"],
-                                       num_warps=cfg["num_warps"])
+        _softmax_bwd_kernel[(n_rows,)](
+            grad_out, out, grad_x_out, vocab, LOG=bool(log), BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"]
+        )

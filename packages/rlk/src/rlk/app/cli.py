@@ -23,8 +23,7 @@ from rlk.app.consistency.harness import MODELS as MODEL_NAMES  # any existing di
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: Optional dependencies the commands import, and the extra that installs each.
-OPTIONAL_DEPENDENCIES = {"transformers": "rlk[hf]", "matplotlib": "rlk[hf]", "tqdm": "rlk[hf]",
-                         "triton": "rlk[triton]"}
+OPTIONAL_DEPENDENCIES = {"transformers": "rlk[hf]", "matplotlib": "rlk[hf]", "tqdm": "rlk[hf]", "triton": "rlk[triton]"}
 DEVICE_HELP = "torch device (default: the GPU if any, else cpu)"
 
 
@@ -32,7 +31,8 @@ def _model_arg(value: str) -> str:
     if value in MODEL_NAMES or os.path.isdir(value):
         return value
     raise argparse.ArgumentTypeError(
-        f"{value!r} is neither a built-in model ({', '.join(MODEL_NAMES)}) nor an existing checkpoint directory")
+        f"{value!r} is neither a built-in model ({', '.join(MODEL_NAMES)}) nor an existing checkpoint directory"
+    )
 
 
 def _positive(value: str) -> int:
@@ -57,8 +57,10 @@ def _device_arg(value: str) -> str:
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise argparse.ArgumentTypeError(f"{value!r}: torch sees no CUDA GPU here (torch {torch.__version__}, "
-                                             "torch.cuda.is_available() is False); use --device cpu")
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: torch sees no CUDA GPU here (torch {torch.__version__}, "
+                "torch.cuda.is_available() is False); use --device cpu"
+            )
         if device.index is not None and device.index >= count:
             raise argparse.ArgumentTypeError(f"{value!r}: torch sees {count} GPU(s) (cuda:0 to cuda:{count - 1})")
     return value
@@ -81,38 +83,55 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rlk {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, device, backends and which backend serves each op")
-    info.add_argument("--json", action="store_true", help="the same report as JSON (with --selfcheck: its lines "
-                                                          "and verdict under 'selfcheck')")
-    info.add_argument("--selfcheck", action="store_true",
-                      help="also run each available backend's checks of what its invariance rests on, on this "
-                           "device (e.g. that the matmul's tiles per M range give the same bits); exit code 1 "
-                           "when one fails")
+    info.add_argument(
+        "--json",
+        action="store_true",
+        help="the same report as JSON (with --selfcheck: its lines and verdict under 'selfcheck')",
+    )
+    info.add_argument(
+        "--selfcheck",
+        action="store_true",
+        help="also run each available backend's checks of what its invariance rests on, on this "
+        "device (e.g. that the matmul's tiles per M range give the same bits); exit code 1 "
+        "when one fails",
+    )
 
     cons = sub.add_parser(
-        "consistency", help="rollout vs training log-probs with rlk's batch-invariant chain off and on",
+        "consistency",
+        help="rollout vs training log-probs with rlk's batch-invariant chain off and on",
         description="Sample responses with a rollout-style path (padded, chunked prefill, KV-cache decode, shrinking "
-                    "batch) and score the same tokens with a training-style path (packed micro-batches, two "
-                    "splits, backward), with stock kernels and with rlk's batch-invariant chain; report the drift, "
-                    "where it starts (layer, op), and whether the rlk-on claims hold bit for bit. Exit code 1 when "
-                    "a gating verdict fails (an rlk-on bitwise claim; on a GPU also: stock kernels must drift).")
-    cons.add_argument("--model", type=_model_arg, default="tiny",
-                      help=f"{' | '.join(MODEL_NAMES)} | PATH (a local Hugging Face checkpoint directory); "
-                           "default: tiny")
+        "batch) and score the same tokens with a training-style path (packed micro-batches, two "
+        "splits, backward), with stock kernels and with rlk's batch-invariant chain; report the drift, "
+        "where it starts (layer, op), and whether the rlk-on claims hold bit for bit. Exit code 1 when "
+        "a gating verdict fails (an rlk-on bitwise claim; on a GPU also: stock kernels must drift).",
+    )
+    cons.add_argument(
+        "--model",
+        type=_model_arg,
+        default="tiny",
+        help=f"{' | '.join(MODEL_NAMES)} | PATH (a local Hugging Face checkpoint directory); default: tiny",
+    )
     cons.add_argument("--device", type=_device_arg, default=None, help=DEVICE_HELP)
-    cons.add_argument("--dtype", choices=DTYPES, default=None,
-                      help="model dtype (default: bfloat16 on a GPU, float32 on the CPU, the only one the CPU "
-                           "interpreter serves)")
+    cons.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="model dtype (default: bfloat16 on a GPU, float32 on the CPU, the only one the CPU interpreter serves)",
+    )
     cons.add_argument("--prompts", type=_positive, default=8, help="number of prompts (default 8)")
-    cons.add_argument("--max-new-tokens", type=_positive, default=16, help="sampled tokens per prompt at most "
-                      "(default 16)")
+    cons.add_argument(
+        "--max-new-tokens", type=_positive, default=16, help="sampled tokens per prompt at most (default 16)"
+    )
     cons.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling (default 0)")
-    cons.add_argument("--out", default=None, help="folder for report.json, drift.html and drift.png "
-                      "(default: ./rlk-consistency)")
+    cons.add_argument(
+        "--out", default=None, help="folder for report.json, drift.html and drift.png (default: ./rlk-consistency)"
+    )
     cons.add_argument("--no-timing", action="store_true", help="skip the timed forward passes")
     cons.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    demo = sub.add_parser("demo", help="the consistency check on the built-in model, then linear_logprob's "
-                                       "memory vs the PyTorch baseline")
+    demo = sub.add_parser(
+        "demo", help="the consistency check on the built-in model, then linear_logprob's memory vs the PyTorch baseline"
+    )
     demo.add_argument("--device", type=_device_arg, default=None, help=DEVICE_HELP)
     demo.add_argument("--out", default=None, help="folder for the consistency report (default: ./rlk-demo)")
     demo.add_argument("--skip-consistency", action="store_true", help="only the linear_logprob memory showcase")
@@ -140,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "consistency" and _device_of(args).startswith("cpu") and args.dtype not in (None, "float32"):
-        parser.error(f"--dtype {args.dtype} on the CPU: rlk's chain runs in the Triton interpreter there, "
-                     "which serves float32 only")
+        parser.error(
+            f"--dtype {args.dtype} on the CPU: rlk's chain runs in the Triton interpreter there, "
+            "which serves float32 only"
+        )
     if args.command == "consistency":
         args.out = args.out or "rlk-consistency"
     elif args.command == "demo":
@@ -161,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         extra = OPTIONAL_DEPENDENCIES.get((exc.name or "").split(".")[0])
         if extra is None:
             raise
-        print(f"rlk {args.command}: error: needs the optional dependency {exc.name} (pip install '{extra}')",
-              file=sys.stderr)
+        print(
+            f"rlk {args.command}: error: needs the optional dependency {exc.name} (pip install '{extra}')",
+            file=sys.stderr,
+        )
         return 2
 
 
@@ -186,10 +209,17 @@ def _run(args) -> int:
         from rlk.core.dispatch import BackendError
 
         try:
-            result = run_consistency(args.model, device=args.device, dtype=args.dtype, prompts=args.prompts,
-                                     max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                     out=args.out, progress=not args.no_progress,
-                                     timing=not args.no_timing)
+            result = run_consistency(
+                args.model,
+                device=args.device,
+                dtype=args.dtype,
+                prompts=args.prompts,
+                max_new_tokens=args.max_new_tokens,
+                seed=args.seed,
+                out=args.out,
+                progress=not args.no_progress,
+                timing=not args.no_timing,
+            )
         except (ValueError, BackendError) as exc:
             print(f"rlk consistency: error: {exc}", file=sys.stderr)
             return 2

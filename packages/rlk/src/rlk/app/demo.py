@@ -112,10 +112,19 @@ def run_consistency_demo(device: str, out: str | None) -> bool:
     from rlk.app.consistency.run import run_consistency
 
     cfg = CONSISTENCY_GPU if device.startswith("cuda") else CONSISTENCY_CPU
-    print(f"\n== consistency: {cfg['model']} in {str(cfg['dtype'])[6:]} on {device}: rollout vs training log-probs, "
-          f"rlk off vs on ==")
-    report = run_consistency(cfg["model"], device=device, dtype=cfg["dtype"], prompts=cfg["prompts"],
-                             max_new_tokens=cfg["max_new_tokens"], out=out, timing=cfg["timing"])
+    print(
+        f"\n== consistency: {cfg['model']} in {str(cfg['dtype'])[6:]} on {device}: rollout vs training log-probs, "
+        f"rlk off vs on =="
+    )
+    report = run_consistency(
+        cfg["model"],
+        device=device,
+        dtype=cfg["dtype"],
+        prompts=cfg["prompts"],
+        max_new_tokens=cfg["max_new_tokens"],
+        out=out,
+        timing=cfg["timing"],
+    )
     print(f"(full check: rlk consistency --model {cfg['model']} --prompts 8 --max-new-tokens 16)")
     return bool(report["passed"])
 
@@ -136,21 +145,27 @@ def run_demo(device: str | None = None, *, out: str | None = None, consistency: 
     n, h, v, dtype = shape["n"], shape["h"], shape["v"], shape["dtype"]
     hidden, weight, targets = _inputs(**shape, device=device)
     decision = rlk.explain("linear_logprob", hidden, weight, targets)
-    print(f"\nlinear_logprob, forward + backward with entropy: N={n} H={h} V={v} {str(dtype)[6:]} on {device}, "
-          f"backend '{decision.backend}'")
+    print(
+        f"\nlinear_logprob, forward + backward with entropy: N={n} H={h} V={v} {str(dtype)[6:]} on {device}, "
+        f"backend '{decision.backend}'"
+    )
     print(f"  (the [N, V] logits alone are {n * v * 4 / 2**20:.0f} MiB in fp32)")
     rows = {name: _measure(name, shape, device) for name in _VARIANTS}
     print(f"  {'variant':<28} {'time':>9} {'peak extra memory':>18}")
     for name, (seconds, peak, _, _) in rows.items():
         print(f"  {name:<28} {seconds:>8.2f}s {peak:>14.0f} MiB")
     (_, peak_rlk, lp_rlk, ent_rlk), (_, peak_torch, lp_torch, ent_torch) = rows.values()
-    print(f"  memory saved: {peak_torch - peak_rlk:.0f} MiB ({peak_torch / max(peak_rlk, 1):.1f}x less); "
-          f"max |delta logprob| vs torch {float((lp_rlk - lp_torch).abs().max()):.2e}, "
-          f"max |delta entropy| {float((ent_rlk - ent_torch).abs().max()):.2e}")
+    print(
+        f"  memory saved: {peak_torch - peak_rlk:.0f} MiB ({peak_torch / max(peak_rlk, 1):.1f}x less); "
+        f"max |delta logprob| vs torch {float((lp_rlk - lp_torch).abs().max()):.2e}, "
+        f"max |delta entropy| {float((ent_rlk - ent_torch).abs().max()):.2e}"
+    )
     logits = (hidden[:8] @ weight.T).float()
     lp = rlk.selected_logprob(logits, targets[:8], temperature=0.7)
     ref = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[:8, None]).squeeze(-1)
-    print(f"\nselected_logprob on [8, {v}] logits at temperature 0.7, backend "
-          f"'{rlk.explain('selected_logprob', logits, targets).backend}': "
-          f"max |delta| vs torch.log_softmax {float((lp - ref).abs().max()):.2e}")
+    print(
+        f"\nselected_logprob on [8, {v}] logits at temperature 0.7, backend "
+        f"'{rlk.explain('selected_logprob', logits, targets).backend}': "
+        f"max |delta| vs torch.log_softmax {float((lp - ref).abs().max()):.2e}"
+    )
     return 0 if passed else 1

@@ -41,16 +41,23 @@ def default_device() -> torch.device:
 def _device_report(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return {"device": str(device), "name": props.name, "compute_capability": f"{props.major}.{props.minor}",
-                "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1)}
+        return {
+            "device": str(device),
+            "name": props.name,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "sms": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+        }
     return {"device": "cpu", "name": platform.processor() or platform.machine()}
 
 
 def _device_line(d: dict) -> str:
     if d["device"] == "cpu":
         return f"device: cpu ({d['name']})"
-    return (f"device: {d['device']} {d['name']} (compute capability {d['compute_capability']}, {d['sms']} SMs, "
-            f"{d['memory_gib']:.0f} GiB)")
+    return (
+        f"device: {d['device']} {d['name']} (compute capability {d['compute_capability']}, {d['sms']} SMs, "
+        f"{d['memory_gib']:.0f} GiB)"
+    )
 
 
 def report() -> dict:
@@ -61,21 +68,36 @@ def report() -> dict:
     triton_version, triton_error = _triton_version()
     backends = []
     for name, status in dispatch.discover().items():
-        entry = {"name": name, "version": status.backend.version if status.backend else None,
-                 "source": status.source, "available": status.available, "reason": status.reason}
+        entry = {
+            "name": name,
+            "version": status.backend.version if status.backend else None,
+            "source": status.source,
+            "available": status.available,
+            "reason": status.reason,
+        }
         if status.available:
             entry["device_types"] = list(status.backend.device_types())
             entry["batch_invariant"] = bool(status.backend.batch_invariant)
         backends.append(entry)
-    ops = {op.name: {dtype: dispatch.decide(op.name, device, getattr(torch, dtype)).backend for dtype in op.dtypes}
-           for op in abi.OPS.values()}
+    ops = {
+        op.name: {dtype: dispatch.decide(op.name, device, getattr(torch, dtype)).backend for dtype in op.dtypes}
+        for op in abi.OPS.values()
+    }
     return {
-        "rlk": __version__, "abi_version": abi.ABI_VERSION, "python": platform.python_version(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip, "triton": triton_version,
+        "rlk": __version__,
+        "abi_version": abi.ABI_VERSION,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "triton": triton_version,
         "triton_error": triton_error,
-        "device": _device_report(device), "pinned_backend": pinned,
-        "pinned_by": dispatch._pin_source() if pinned else None, "backends": backends,
-        "chain": list(dispatch.chain_for(device)), "ops": ops,
+        "device": _device_report(device),
+        "pinned_backend": pinned,
+        "pinned_by": dispatch._pin_source() if pinned else None,
+        "backends": backends,
+        "chain": list(dispatch.chain_for(device)),
+        "ops": ops,
     }
 
 

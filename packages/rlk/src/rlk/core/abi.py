@@ -449,8 +449,16 @@ KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 #: Columns of ``policy_loss_fwd``'s ``row_stats_out`` (per-row partials, combined in row order into the metrics).
 ROW_STATS = ("loss", "tokens", "clipped", "lower_clipped", "neg_log_ratio", "ratio", "ratio_max", "entropy", "kl")
 #: Entries of ``policy_loss_fwd``'s ``metrics_out``.
-POLICY_METRICS = ("clip_fraction", "lower_clip_fraction", "approx_kl", "ratio_mean", "ratio_max", "entropy_mean",
-                  "kl_mean", "tokens")
+POLICY_METRICS = (
+    "clip_fraction",
+    "lower_clip_fraction",
+    "approx_kl",
+    "ratio_mean",
+    "ratio_max",
+    "entropy_mean",
+    "kl_mean",
+    "tokens",
+)
 #: verl's k3 ("low_var_kl") clamps: the log-ratio, then the value.
 K3_LOG_RATIO_CLAMP = 20.0
 K3_VALUE_CLAMP = 10.0
@@ -481,14 +489,45 @@ EPS_MODES = ("add", "clamp")
 #: entries of ``metrics_out``, in order.
 CORRECTION_LEVELS = ("token", "sequence")
 CORRECTION_MODES = ("truncate", "mask")
-CORRECTION_TOKEN_METRICS = ("weight_mean", "weight_max", "weight_min", "weight_std", "ess", "ratio_max",
-                            "ratio_min", "fraction_high", "fraction_low", "clipped_fraction", "abs_log_ratio_mean",
-                            "abs_log_ratio_max", "kl", "k3_kl", "chi2_token", "tokens")
-CORRECTION_SEQ_METRICS = ("seq_weight_mean", "seq_weight_max", "seq_weight_min", "seq_weight_std",
-                          "seq_weight_max_deviation", "seq_fraction_high", "seq_fraction_low", "seq_clipped_fraction",
-                          "chi2_seq", "training_ppl", "training_log_ppl", "rollout_ppl", "rollout_log_ppl",
-                          "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio",
-                          "sequences")
+CORRECTION_TOKEN_METRICS = (
+    "weight_mean",
+    "weight_max",
+    "weight_min",
+    "weight_std",
+    "ess",
+    "ratio_max",
+    "ratio_min",
+    "fraction_high",
+    "fraction_low",
+    "clipped_fraction",
+    "abs_log_ratio_mean",
+    "abs_log_ratio_max",
+    "kl",
+    "k3_kl",
+    "chi2_token",
+    "tokens",
+)
+CORRECTION_SEQ_METRICS = (
+    "seq_weight_mean",
+    "seq_weight_max",
+    "seq_weight_min",
+    "seq_weight_std",
+    "seq_weight_max_deviation",
+    "seq_fraction_high",
+    "seq_fraction_low",
+    "seq_clipped_fraction",
+    "chi2_seq",
+    "training_ppl",
+    "training_log_ppl",
+    "rollout_ppl",
+    "rollout_log_ppl",
+    "log_ppl_diff",
+    "log_ppl_abs_diff",
+    "log_ppl_diff_max",
+    "log_ppl_diff_min",
+    "ppl_ratio",
+    "sequences",
+)
 CORRECTION_METRICS = CORRECTION_TOKEN_METRICS + CORRECTION_SEQ_METRICS
 
 
@@ -503,5 +542,7 @@ def recurrence_constants(gamma: float, lam: float, dtype: torch.dtype) -> tuple[
     """``gamma`` and ``gamma * lam`` (the product taken in double) rounded to ``dtype``'s compute dtype:
     the constants the returns / GAE primitives receive for inputs of ``dtype``."""
     cdt = compute_dtype(dtype)
-    return (float(torch.tensor(gamma, dtype=torch.float64).to(cdt)),
-            float(torch.tensor(gamma * lam, dtype=torch.float64).to(cdt)))
+    return (
+        float(torch.tensor(gamma, dtype=torch.float64).to(cdt)),
+        float(torch.tensor(gamma * lam, dtype=torch.float64).to(cdt)),
+    )

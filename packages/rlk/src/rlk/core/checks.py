@@ -27,8 +27,9 @@ def check_float(name: str, x) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"{name}: expected dtype bfloat16, float16 or float32 (float64 for reference runs), "
-                        f"got {x.dtype}")
+        raise TypeError(
+            f"{name}: expected dtype bfloat16, float16 or float32 (float64 for reference runs), got {x.dtype}"
+        )
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,8 +71,15 @@ def _range(minimum: float | None, above: float | None, maximum: float | None) ->
     return f" <= {maximum:g}" if maximum is not None else ""
 
 
-def number(name: str, value, *, minimum: float | None = None, above: float | None = None,
-           maximum: float | None = None, dtype: torch.dtype | None = None) -> float:
+def number(
+    name: str,
+    value,
+    *,
+    minimum: float | None = None,
+    above: float | None = None,
+    maximum: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> float:
     """A finite real number (never a bool), ``>= minimum``, ``> above``, ``<= maximum`` where given.
 
     ``dtype``: the number is used in that floating dtype, so it must stay finite there, and a nonzero value
@@ -80,8 +88,12 @@ def number(name: str, value, *, minimum: float | None = None, above: float | Non
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     x = float(value)
-    if not (math.isfinite(x) and (minimum is None or x >= minimum) and (above is None or x > above)
-            and (maximum is None or x <= maximum)):
+    if not (
+        math.isfinite(x)
+        and (minimum is None or x >= minimum)
+        and (above is None or x > above)
+        and (maximum is None or x <= maximum)
+    ):
         raise ValueError(f"{name}: must be a finite number{_range(minimum, above, maximum)}, got {value}")
     if dtype is not None and dtype.is_floating_point:
         rounded = torch.tensor(x, dtype=torch.float64).to(dtype).item()
@@ -223,15 +235,16 @@ def check_cu_seqlens_values(offsets: list[tuple[str, Tensor, int, str, int]]) ->
         checks += [cu[0] != 0, cu[-1] != total, (lengths < 0).any(), longest > max_len]
     flags = torch.stack(checks).tolist()
     for k, (name, cu, total, what, max_len) in enumerate(offsets):
-        start, end, decreasing, too_long = flags[4 * k: 4 * k + 4]
+        start, end, decreasing, too_long = flags[4 * k : 4 * k + 4]
         if start:
             raise ValueError(f"{name}: must start at 0, starts at {int(cu[0])}")
         if end:
             raise ValueError(f"{name}: must end at the number of tokens of {what} ({total}), ends at {int(cu[-1])}")
         if decreasing:
             b = int(((cu[1:] - cu[:-1]) < 0).nonzero()[0, 0])
-            raise ValueError(f"{name}: must be non-decreasing; sequence {b} has offsets {int(cu[b])} -> "
-                             f"{int(cu[b + 1])}")
+            raise ValueError(
+                f"{name}: must be non-decreasing; sequence {b} has offsets {int(cu[b])} -> {int(cu[b + 1])}"
+            )
         if too_long:
             lengths = cu[1:] - cu[:-1]
             b = int(lengths.argmax())

@@ -113,8 +113,14 @@ def compare_outputs(
     return Deviation(name, float(delta[worst_row]), float(bound[worst_row]))
 
 
-def compare_grad(e: Entry, name: str, grad: torch.Tensor, ref_grad: torch.Tensor, max_scale: float,
-                 magnitude: torch.Tensor | None = None) -> Deviation:
+def compare_grad(
+    e: Entry,
+    name: str,
+    grad: torch.Tensor,
+    ref_grad: torch.Tensor,
+    max_scale: float,
+    magnitude: torch.Tensor | None = None,
+) -> Deviation:
     """``||g - g_ref||_2 <= (grad_rel_l2 + rtol * max_scale) ||g_ref||_2 + rtol * max(max_scale, 1) ||magnitude||_2``.
 
     Without ``magnitude`` this is the relative bound ``||g - g_ref|| / ||g_ref|| <= grad_rel_l2 + rtol * max_scale``.

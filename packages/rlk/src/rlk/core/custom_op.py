@@ -142,8 +142,10 @@ class Op:
     def __call__(self, *args: Any) -> Any:
         if not _plain_eager(args):
             return self.custom_op(*args)
-        if self._function is not None and torch.is_grad_enabled() and any(
-            isinstance(a, Tensor) and a.requires_grad for a in args
+        if (
+            self._function is not None
+            and torch.is_grad_enabled()
+            and any(isinstance(a, Tensor) and a.requires_grad for a in args)
         ):
             return self._function.apply(*args)
         return self.impl(*args)
@@ -190,8 +192,9 @@ def _launcher_signature(launch: Callable[..., Any], extra: tuple[inspect.Paramet
     return sig.replace(parameters=[*params[2:], *extra])
 
 
-def _as_body(name: str, launch: Callable[..., Any], sig: inspect.Signature,
-             run: Callable[..., Any]) -> Callable[..., Any]:
+def _as_body(
+    name: str, launch: Callable[..., Any], sig: inspect.Signature, run: Callable[..., Any]
+) -> Callable[..., Any]:
     """A function of ``sig`` (what ``torch.library.custom_op`` infers the schema from) that calls ``run(args)``."""
 
     def body(*args, **kwargs):
@@ -218,8 +221,13 @@ class Declaration:
         self.bwd: Op | None = None
         self._inputs: Any = None  # the named tuple of the forward's inputs
 
-    def forward(self, *, outputs: Callable[..., Any], fake: Callable[..., Any] | None = None,
-                primitive: str | tuple[str, ...] | None = None) -> Callable[[Callable[..., Any]], Op]:
+    def forward(
+        self,
+        *,
+        outputs: Callable[..., Any],
+        fake: Callable[..., Any] | None = None,
+        primitive: str | tuple[str, ...] | None = None,
+    ) -> Callable[[Callable[..., Any]], Op]:
         """Decorator on the launch ``launch(primitive, out, *inputs) -> None`` (annotated: the schema). The custom
         op allocates ``out = outputs(*inputs)``, selects the backend (``dispatch.select(op, *key(*inputs))``),
         calls ``launch`` with its ``primitive`` (``"<op>_fwd"`` unless named; a tuple of names gives a tuple of
@@ -245,8 +253,9 @@ class Declaration:
 
         return wrap
 
-    def backward_primitive(self, *, outputs: Callable[..., Any],
-                           primitive: str | None = None) -> Callable[[Callable[..., Any]], Op]:
+    def backward_primitive(
+        self, *, outputs: Callable[..., Any], primitive: str | None = None
+    ) -> Callable[[Callable[..., Any]], Op]:
         """Decorator on the backward's launch ``launch(primitive, out, *inputs) -> None``: ``rlk::<op>_bwd`` takes
         ``inputs`` and the name of the backend that ran the forward (appended by :meth:`backward`), allocates
         ``out = outputs(*inputs)`` and runs that backend's ``"<op>_bwd"`` (unless named)."""

@@ -174,8 +174,9 @@ def use_backend(name: str | None) -> Iterator[None]:
         _pinned_scope.reset(token)
 
 
-def why_not(name: str, op: abi.Op, device: torch.device, dtype: torch.dtype,
-            features: Mapping[str, int] | None = None) -> str | None:
+def why_not(
+    name: str, op: abi.Op, device: torch.device, dtype: torch.dtype, features: Mapping[str, int] | None = None
+) -> str | None:
     """None if backend ``name`` can run ``op`` on this device and dtype (and sizes ``features``, checked
     against :attr:`Backend.limits`), else why not."""
     status = discover().get(name)
@@ -203,8 +204,9 @@ def why_not(name: str, op: abi.Op, device: torch.device, dtype: torch.dtype,
     return None
 
 
-def decide(op_name: str, device: torch.device, dtype: torch.dtype,
-           features: Mapping[str, int] | None = None) -> Decision:
+def decide(
+    op_name: str, device: torch.device, dtype: torch.dtype, features: Mapping[str, int] | None = None
+) -> Decision:
     """Choose the backend for one call (see the module docstring); ``features``: sizes that backends may
     limit (:attr:`Backend.limits`), e.g. ``{"head_dim": 128}``."""
     op = abi.OPS[op_name]
@@ -223,8 +225,9 @@ def decide(op_name: str, device: torch.device, dtype: torch.dtype,
     return Decision(op_name, device, dtype, None, None, chain, tuple(skipped))
 
 
-def select(op_name: str, device: torch.device, dtype: torch.dtype,
-           features: Mapping[str, int] | None = None) -> Backend:
+def select(
+    op_name: str, device: torch.device, dtype: torch.dtype, features: Mapping[str, int] | None = None
+) -> Backend:
     """The backend that runs ``op_name`` now; raises :class:`BackendError` if none can."""
     decision = decide(op_name, device, dtype, features)
     if decision.backend is None:
@@ -235,8 +238,15 @@ def select(op_name: str, device: torch.device, dtype: torch.dtype,
             continue
         _logged.add(key)
         level = logging.DEBUG if reason == "not installed" else logging.WARNING
-        logger.log(level, "rlk: %s on %s falls back from '%s' to '%s': %s",
-                   op_name, device.type, name, decision.backend, reason)
+        logger.log(
+            level,
+            "rlk: %s on %s falls back from '%s' to '%s': %s",
+            op_name,
+            device.type,
+            name,
+            decision.backend,
+            reason,
+        )
     backend = discover()[decision.backend].backend
     assert backend is not None  # decide() chose an available backend
     return backend

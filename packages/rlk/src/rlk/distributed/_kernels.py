@@ -30,5 +30,6 @@ def kernels(op: str, family: str, device: torch.device, dtype: torch.dtype) -> M
         raise dispatch.BackendError(
             f"rlk.distributed: {op} runs on backend '{decision.backend}' here, which has no tree-aligned shard "
             f"kernels (backends with them: {', '.join(_PACKAGES)}); pin one, e.g. rlk.use_backend('triton'), for "
-            "the single-device and the distributed calls alike")
+            "the single-device and the distributed calls alike"
+        )
     return importlib.import_module(f"{package}.{family}")

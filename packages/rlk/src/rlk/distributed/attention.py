@@ -77,19 +77,21 @@ def context_parallel_attention(
         if x.dim() != 3:
             raise ValueError(f"{name}: expected shape [tokens, heads, head_dim], got {tuple(x.shape)}")
     if k.shape[0] != q.shape[0] or v.shape != k.shape:
-        raise ValueError(f"k, v: expected {q.shape[0]} tokens (q's) and one shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"k, v: expected {q.shape[0]} tokens (q's) and one shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
     lens = comm.gather([lengths]).tolist()  # [P][B]
     totals = comm.gather([torch.tensor([q.shape[0]], dtype=torch.int64, device=q.device)]).view(-1).tolist()
     rank = comm.ranks[0]
     if totals[rank] != int(cu_seqlens[-1]):
-        raise ValueError(f"cu_seqlens: must end at the number of tokens of q ({q.shape[0]}), ends at "
-                         f"{int(cu_seqlens[-1])}")
+        raise ValueError(
+            f"cu_seqlens: must end at the number of tokens of q ({q.shape[0]}), ends at {int(cu_seqlens[-1])}"
+        )
     t_max = max(totals)
     kv = torch.cat([k, v], dim=1)  # [T_r, 2 Hkv, D]: one gather for both
     padded = kv.new_zeros((t_max, *kv.shape[1:]))
-    padded[:kv.shape[0]] = kv
+    padded[: kv.shape[0]] = kv
     gathered = _GatherTokens.apply(comm, padded) if not comm.local else padded[None]
     flat = gathered.reshape(comm.size * t_max, *kv.shape[1:])
 
@@ -115,5 +117,15 @@ def context_parallel_attention(
     k_full, v_full = keys[:, :hkv], keys[:, hkv:]
     cu_k = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
     max_q = max(lens[rank]) if n_seq else 0
-    return _attention(q, k_full, v_full, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                            max_seqlen_k=longest, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    return _attention(
+        q,
+        k_full,
+        v_full,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=longest,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        return_lse=return_lse,
+    )

@@ -50,8 +50,19 @@ class Config:
 #: Qwen3-8B's layer and head shapes.
 QWEN3_8B = Config(vocab=151936, hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288)
 
-_LAYER_SHARDS = {"input_norm": None, "q": 0, "k": 0, "v": 0, "q_norm": None, "k_norm": None, "o": 1,
-                 "post_norm": None, "gate": 0, "up": 0, "down": 1}
+_LAYER_SHARDS = {
+    "input_norm": None,
+    "q": 0,
+    "k": 0,
+    "v": 0,
+    "q_norm": None,
+    "k_norm": None,
+    "o": 1,
+    "post_norm": None,
+    "gate": 0,
+    "up": 0,
+    "down": 1,
+}
 
 
 def shard_dims(config: Config) -> dict[str, int | None]:
@@ -73,20 +84,27 @@ def init_params(config: Config, dtype: torch.dtype, device, seed: int = 0) -> di
     def norm(n):
         return (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(device)
 
-    p = {"embed": w(c.vocab, c.hidden, fan_in=1), "final_norm": norm(c.hidden),
-         "lm_head": w(c.vocab, c.hidden, fan_in=c.hidden)}
+    p = {
+        "embed": w(c.vocab, c.hidden, fan_in=1),
+        "final_norm": norm(c.hidden),
+        "lm_head": w(c.vocab, c.hidden, fan_in=c.hidden),
+    }
     for i in range(c.layers):
-        p.update({
-            f"layers.{i}.input_norm": norm(c.hidden),
-            f"layers.{i}.q": w(c.heads * c.head_dim, c.hidden, fan_in=c.hidden),
-            f"layers.{i}.k": w(c.kv_heads * c.head_dim, c.hidden, fan_in=c.hidden),
-            f"layers.{i}.v": w(c.kv_heads * c.head_dim, c.hidden, fan_in=c.hidden),
-            f"layers.{i}.q_norm": norm(c.head_dim), f"layers.{i}.k_norm": norm(c.head_dim),
-            f"layers.{i}.o": w(c.hidden, c.heads * c.head_dim, fan_in=c.heads * c.head_dim),
-            f"layers.{i}.post_norm": norm(c.hidden), f"layers.{i}.gate": w(c.intermediate, c.hidden, fan_in=c.hidden),
-            f"layers.{i}.up": w(c.intermediate, c.hidden, fan_in=c.hidden),
-            f"layers.{i}.down": w(c.hidden, c.intermediate, fan_in=c.intermediate),
-        })
+        p.update(
+            {
+                f"layers.{i}.input_norm": norm(c.hidden),
+                f"layers.{i}.q": w(c.heads * c.head_dim, c.hidden, fan_in=c.hidden),
+                f"layers.{i}.k": w(c.kv_heads * c.head_dim, c.hidden, fan_in=c.hidden),
+                f"layers.{i}.v": w(c.kv_heads * c.head_dim, c.hidden, fan_in=c.hidden),
+                f"layers.{i}.q_norm": norm(c.head_dim),
+                f"layers.{i}.k_norm": norm(c.head_dim),
+                f"layers.{i}.o": w(c.hidden, c.heads * c.head_dim, fan_in=c.heads * c.head_dim),
+                f"layers.{i}.post_norm": norm(c.hidden),
+                f"layers.{i}.gate": w(c.intermediate, c.hidden, fan_in=c.hidden),
+                f"layers.{i}.up": w(c.intermediate, c.hidden, fan_in=c.hidden),
+                f"layers.{i}.down": w(c.hidden, c.intermediate, fan_in=c.intermediate),
+            }
+        )
     return p
 
 
@@ -149,8 +167,9 @@ class _Ops:
     def logprob(self, h: Tensor, ws: list[Tensor], targets: Tensor, temperature: float):
         if self.mode == "single":
             return linear_logprob(h, ws[0], targets, temperature=temperature, return_entropy=True)
-        return vocab_parallel_linear_logprob(h, self.comm.result(ws), targets, group=self.group,
-                                             temperature=temperature, return_entropy=True)
+        return vocab_parallel_linear_logprob(
+            h, self.comm.result(ws), targets, group=self.group, temperature=temperature, return_entropy=True
+        )
 
     def logits(self, h: Tensor, ws: list[Tensor]) -> Tensor:
         if self.mode == "single":
@@ -236,11 +255,18 @@ def forward(
         k_norms = _PerHead.apply(ops.comm, len(ks) * n_kv, p["k_norm"])
         attn = []
         for j, (q, k, v) in enumerate(zip(qs, ks, vs)):
-            q = _head_norm(q.view(n_tokens, n_q, c.head_dim), q_norms[j * n_q:(j + 1) * n_q], c.eps)
-            k = _head_norm(k.view(n_tokens, n_kv, c.head_dim), k_norms[j * n_kv:(j + 1) * n_kv], c.eps)
+            q = _head_norm(q.view(n_tokens, n_q, c.head_dim), q_norms[j * n_q : (j + 1) * n_q], c.eps)
+            k = _head_norm(k.view(n_tokens, n_kv, c.head_dim), k_norms[j * n_kv : (j + 1) * n_kv], c.eps)
             q, k = apply_rope(q, k, cos, sin)
-            a = attention(q, k, v.view(n_tokens, -1, c.head_dim), cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                              max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+            a = attention(
+                q,
+                k,
+                v.view(n_tokens, -1, c.head_dim),
+                cu_seqlens_q=cu_seqlens,
+                cu_seqlens_k=cu_seqlens,
+                max_seqlen_q=max_seqlen,
+                max_seqlen_k=max_seqlen,
+            )
             attn.append(a.reshape(n_tokens, -1))
         x = x + ops.row(attn, _per_rank(p["o"], single))
         if trace is not None:

@@ -50,8 +50,10 @@ class Comm:
             self.size = dist.get_world_size(group)
             self.ranks = [dist.get_rank(group)]
         else:
-            raise TypeError(f"group: expected a torch.distributed ProcessGroup, rlk.distributed.SimulatedGroup or "
-                            f"None, got {type(group).__name__}")
+            raise TypeError(
+                f"group: expected a torch.distributed ProcessGroup, rlk.distributed.SimulatedGroup or "
+                f"None, got {type(group).__name__}"
+            )
 
     @property
     def local(self) -> bool:
@@ -67,8 +69,10 @@ class Comm:
             return [x]
         if isinstance(x, Tensor) or not isinstance(x, Sequence) or len(x) != self.size:
             got = type(x).__name__ if not isinstance(x, Sequence) else f"a sequence of {len(x)}"
-            raise TypeError(f"{name}: with {self.group!r} expected a sequence of {self.size} tensors (one shard per "
-                            f"rank), got {got}")
+            raise TypeError(
+                f"{name}: with {self.group!r} expected a sequence of {self.size} tensors (one shard per "
+                f"rank), got {got}"
+            )
         for i, t in enumerate(x):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name}[{i}]: expected a torch.Tensor, got {type(t).__name__}")
@@ -87,8 +91,13 @@ class Comm:
         dist.all_gather_single(out.view(self.size, *x.shape[1:]), x, group=self.group)
         return out
 
-    def reduce_rows(self, local: list[Tensor], combine: Callable[[Tensor, Tensor], None], out_dtype: torch.dtype,
-                    out_shape: tuple[int, ...] | None = None) -> Tensor:
+    def reduce_rows(
+        self,
+        local: list[Tensor],
+        combine: Callable[[Tensor, Tensor], None],
+        out_dtype: torch.dtype,
+        out_shape: tuple[int, ...] | None = None,
+    ) -> Tensor:
         """``combine(parts, out)`` of every rank's ``[M, ...]`` tensor, ``parts`` ``[size, rows, ...]`` in rank
         order: ``combine`` works row by row (a tree over ranks, a bias, a rounding), so a real group runs it on
         ``M / size`` rows per rank (``all_to_all`` the rows, combine, ``all_gather`` the results: each rank sends

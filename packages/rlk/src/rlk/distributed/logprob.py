@@ -40,8 +40,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
         local = []
         for rank, weight in zip(comm.ranks, shards):
             buf = torch.empty((4, n_rows), dtype=kern.partial_dtype(hidden.dtype), device=hidden.device)
-            kern.linear_logprob_shard_fwd(hidden, weight, _local_targets(targets, valid, rank, v_shard), inv_t,
-                                          leaves, buf[:3], buf[3])
+            kern.linear_logprob_shard_fwd(
+                hidden, weight, _local_targets(targets, valid, rank, v_shard), inv_t, leaves, buf[:3], buf[3]
+            )
             local.append(buf)
         gathered = comm.gather(local)  # [P, 4, N]: m, s, b, target logit
         owner = torch.where(valid, targets // v_shard, 0)
@@ -49,8 +50,15 @@ class _VocabParallelLogprob(torch.autograd.Function):
         logprob = hidden.new_empty((n_rows,), dtype=stat)
         entropy = hidden.new_empty((n_rows if with_entropy else 0,), dtype=stat)
         lse = hidden.new_empty((n_rows,), dtype=stat)
-        kern.linear_logprob_combine_fwd(gathered[:, :3].contiguous(), z_target, targets, ignore_index, logprob,
-                                        entropy if with_entropy else None, lse)
+        kern.linear_logprob_combine_fwd(
+            gathered[:, :3].contiguous(),
+            z_target,
+            targets,
+            ignore_index,
+            logprob,
+            entropy if with_entropy else None,
+            lse,
+        )
         ctx.save_for_backward(hidden, targets, inv_t, lse, entropy, *shards)
         ctx.setup = (comm, kern, leaves, ignore_index, with_entropy)
         return logprob, entropy
@@ -80,9 +88,18 @@ class _VocabParallelLogprob(torch.autograd.Function):
                 part = hidden.new_empty(hidden.shape, dtype=kern.partial_dtype(hidden.dtype))
             grad_weight = torch.empty_like(weight) if need_weight else None
             kern.linear_logprob_shard_bwd(
-                hidden, weight, _local_targets(targets, valid, rank, v_shard), inv_t, lse,
-                entropy if grad_entropy is not None else None, grad_logprob, grad_entropy, _NOT_HERE, leaves,
-                part, grad_weight,
+                hidden,
+                weight,
+                _local_targets(targets, valid, rank, v_shard),
+                inv_t,
+                lse,
+                entropy if grad_entropy is not None else None,
+                grad_logprob,
+                grad_entropy,
+                _NOT_HERE,
+                leaves,
+                part,
+                grad_weight,
             )
             partials.append(part)
             grad_weights.append(grad_weight)
@@ -137,8 +154,10 @@ def vocab_parallel_linear_logprob(
         name = "weight_shard" if not comm.simulated else f"weight_shard[{i}]"
         check_float(name, w)
         if w.dim() != 2 or w.shape[0] == 0 or w.shape[1] != hidden.shape[-1] or w.shape != first.shape:
-            raise ValueError(f"{name}: expected shape [V_s, H] with V_s >= 1 (the same on every rank) and "
-                             f"H = {hidden.shape[-1]} (hidden's last dim), got {tuple(w.shape)}")
+            raise ValueError(
+                f"{name}: expected shape [V_s, H] with V_s >= 1 (the same on every rank) and "
+                f"H = {hidden.shape[-1]} (hidden's last dim), got {tuple(w.shape)}"
+            )
         if w.dtype != hidden.dtype:
             raise TypeError(f"{name}: expected the dtype of hidden ({hidden.dtype}), got {w.dtype}")
         if w.device != hidden.device:
@@ -151,9 +170,11 @@ def vocab_parallel_linear_logprob(
     kern = _kernels.kernels("linear_logprob", "logprob", hidden.device, hidden.dtype)
     leaves = kern.tree_leaves(vocab, kern.MAX_TREE_LEAVES)
     if leaves % comm.size:
-        raise ValueError(f"group: a vocab-parallel degree of {comm.size} does not align with the vocabulary's "
-                         f"reduction tree ({leaves} leaves for V = {vocab}): use 1, 2, 4 or 8 ranks "
-                         f"(<= MAX_TREE_LEAVES = {kern.MAX_TREE_LEAVES})")
+        raise ValueError(
+            f"group: a vocab-parallel degree of {comm.size} does not align with the vocabulary's "
+            f"reduction tree ({leaves} leaves for V = {vocab}): use 1, 2, 4 or 8 ranks "
+            f"(<= MAX_TREE_LEAVES = {kern.MAX_TREE_LEAVES})"
+        )
     flat_hidden = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
     inv_t = single._inv_temperature(temperature, lead, hidden.device, checks.stat_dtype(hidden))
@@ -162,7 +183,14 @@ def vocab_parallel_linear_logprob(
         return (empty.view(lead), empty.view(lead)) if with_entropy else empty.view(lead)
     single._check_values(flat_targets, inv_t, vocab, ignore_index)
     logprob, entropy = _VocabParallelLogprob.apply(
-        comm, kern, leaves // comm.size, ignore_index, with_entropy, flat_hidden, flat_targets, inv_t,
+        comm,
+        kern,
+        leaves // comm.size,
+        ignore_index,
+        with_entropy,
+        flat_hidden,
+        flat_targets,
+        inv_t,
         *[w.contiguous() for w in shards],
     )
     if with_entropy:

@@ -27,16 +27,20 @@ from rlk.distributed.group import Comm, Group
 def _tree_segments(kern, n: int, comm: Comm, name: str, what: str) -> int:
     """The full ``n``-sum's tree segments a shard holds (``tree_leaves(n) / P``), or an error naming ``name``."""
     if comm.size > 1 and not tensor_parallel.is_tensor_parallel_invariant():
-        raise RuntimeError(f"{name}: {comm.size} ranks reproduce the single-device {what} sum only in its tensor-"
-                           "parallel order, which is off: call rlk.set_tensor_parallel_invariant(True) (or set "
-                           f"{tensor_parallel.ENV_VAR}=1) in every process whose numbers are compared, the "
-                           "single-device ones included")
+        raise RuntimeError(
+            f"{name}: {comm.size} ranks reproduce the single-device {what} sum only in its tensor-"
+            "parallel order, which is off: call rlk.set_tensor_parallel_invariant(True) (or set "
+            f"{tensor_parallel.ENV_VAR}=1) in every process whose numbers are compared, the "
+            "single-device ones included"
+        )
     leaves = kern.tree_leaves(n, tensor_parallel.max_matmul_leaves(kern.MAX_TREE_LEAVES), kern.MIN_LEAF)
     if leaves % comm.size:
-        raise ValueError(f"{name}: the {what} sum over {n} = {comm.size} x {n // comm.size} has "
-                         f"{leaves} tree segment(s) (power-of-two segments of >= MIN_LEAF = {kern.MIN_LEAF}, at "
-                         f"most {kern.MAX_TREE_LEAVES}), which {comm.size} ranks cannot split along: use a "
-                         "degree that divides them")
+        raise ValueError(
+            f"{name}: the {what} sum over {n} = {comm.size} x {n // comm.size} has "
+            f"{leaves} tree segment(s) (power-of-two segments of >= MIN_LEAF = {kern.MIN_LEAF}, at "
+            f"most {kern.MAX_TREE_LEAVES}), which {comm.size} ranks cannot split along: use a "
+            "degree that divides them"
+        )
     return leaves // comm.size
 
 
@@ -85,7 +89,7 @@ def _rows(x: Tensor) -> Tensor:
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, comm, kern, segments, gather_output, n_bias, x, *params):
-        weights, biases = params[:len(params) - n_bias], params[len(params) - n_bias:]
+        weights, biases = params[: len(params) - n_bias], params[len(params) - n_bias :]
         outs = []
         for i, w in enumerate(weights):
             out = x.new_empty((x.shape[0], w.shape[0]))
@@ -105,12 +109,14 @@ class _ColumnParallel(torch.autograd.Function):
         n_s = weights[0].shape[0]
         if gather_output:
             (grad,) = grads
-            grads = [grad[:, r * n_s:(r + 1) * n_s] for r in comm.ranks]
-        grads = [torch.zeros((x.shape[0], n_s), dtype=x.dtype, device=x.device) if g is None else g.contiguous()
-                 for g in grads]
+            grads = [grad[:, r * n_s : (r + 1) * n_s] for r in comm.ranks]
+        grads = [
+            torch.zeros((x.shape[0], n_s), dtype=x.dtype, device=x.device) if g is None else g.contiguous()
+            for g in grads
+        ]
         need_x = ctx.needs_input_grad[5]
-        need_w = any(ctx.needs_input_grad[6:6 + len(weights)])
-        need_b = n_bias and any(ctx.needs_input_grad[6 + len(weights):])
+        need_w = any(ctx.needs_input_grad[6 : 6 + len(weights)])
+        need_b = n_bias and any(ctx.needs_input_grad[6 + len(weights) :])
         partials, grad_ws, grad_bs = [], [], []
         for g, w in zip(grads, weights):
             if need_x:
@@ -158,8 +164,9 @@ def column_parallel_linear(x: Tensor, weight_shard, bias_shard=None, *, group: G
     kern = _kernels.kernels("matmul", "matmul", x.device, x.dtype)
     segments = _tree_segments(kern, comm.size * n_s, comm, "weight_shard", "grad_x")
     rows = _rows(x)
-    out = _ColumnParallel.apply(comm, kern, segments, bool(gather_output), 0 if biases is None else len(biases),
-                                rows, *weights, *(biases or []))
+    out = _ColumnParallel.apply(
+        comm, kern, segments, bool(gather_output), 0 if biases is None else len(biases), rows, *weights, *(biases or [])
+    )
     lead = x.shape[:-1]
     if gather_output:
         return out.view(*lead, comm.size * n_s)
@@ -175,7 +182,7 @@ class _RowParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, comm, kern, segments, has_bias, n, *params):
         p = comm.size if comm.simulated else 1
-        xs, weights, bias = params[:p], params[p:2 * p], params[2 * p] if has_bias else None
+        xs, weights, bias = params[:p], params[p : 2 * p], params[2 * p] if has_bias else None
         partials = []
         for x, w in zip(xs, weights):
             part = x.new_empty((x.shape[0], n), dtype=kern.partial_dtype(x.dtype))
@@ -192,8 +199,8 @@ class _RowParallel(torch.autograd.Function):
         saved = ctx.saved_tensors
         xs, weights = saved[:p], saved[p:]
         grad = grad.contiguous()
-        need_x = any(ctx.needs_input_grad[5:5 + p])
-        need_w = any(ctx.needs_input_grad[5 + p:5 + 2 * p])
+        need_x = any(ctx.needs_input_grad[5 : 5 + p])
+        need_w = any(ctx.needs_input_grad[5 + p : 5 + 2 * p])
         need_b = has_bias and ctx.needs_input_grad[5 + 2 * p]
         grad_xs, grad_ws, grad_b = [], [], None
         for x, w in zip(xs, weights):

@@ -49,8 +49,9 @@ def sequence_token_counts(mask: Tensor, sequence_group: Group = None) -> Tensor:
     return _sum(mask.sum(dim=1, dtype=torch.int64), sequence_group, "sequence_group")
 
 
-def global_normalizers(mask: Tensor | Sequence[Tensor], *, group: Group = None,
-                       sequence_group: Group = None) -> dict[str, Tensor]:
+def global_normalizers(
+    mask: Tensor | Sequence[Tensor], *, group: Group = None, sequence_group: Group = None
+) -> dict[str, Tensor]:
     """``global_tokens`` and ``global_seqs`` of an optimizer step, for ``rlk.policy_loss(..., **normalizers)``.
 
     Args:

@@ -63,8 +63,10 @@ def all_reduce_fixed(tensor, group: Group = None):
     first = local[0]
     for i, t in enumerate(local):
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-            raise ValueError(f"tensor[{i}]: expected the shape, dtype and device of tensor[0], got "
-                             f"{tuple(t.shape)} {t.dtype} {t.device}")
+            raise ValueError(
+                f"tensor[{i}]: expected the shape, dtype and device of tensor[0], got "
+                f"{tuple(t.shape)} {t.dtype} {t.device}"
+            )
 
     def combine(parts: Tensor, out: Tensor) -> None:
         out.copy_(tree_sum(parts))
@@ -104,8 +106,10 @@ class GradientTree:
         self.n = checks.integer("num_micro_batches", num_micro_batches, minimum=1)
         self.comm = Comm(group)
         if self.comm.simulated:
-            raise TypeError("group: GradientTree runs on a real process group (or None); a simulated group holds "
-                            "every micro-batch in one process, where the tree needs no communication (use None)")
+            raise TypeError(
+                "group: GradientTree runs on a real process group (or None); a simulated group holds "
+                "every micro-batch in one process, where the tree needs no communication (use None)"
+            )
         self._nodes: dict[tuple[int, int], Grads] = {}
         self._structure: list[tuple[tuple[int, ...], torch.dtype, torch.device] | None] | None = None
 
@@ -185,11 +189,15 @@ class GradientTree:
         all_nodes = [node for rank_nodes, _ in everyone for node in rank_nodes]
         covered = sorted(all_nodes)
         if [lo for lo, _ in covered] != [0] + [hi for _, hi in covered[:-1]] or covered[-1][1] != self.n:
-            raise ValueError(f"GradientTree.reduce: the ranks' micro-batches {covered} do not cover [0, {self.n}) "
-                             "exactly once")
+            raise ValueError(
+                f"GradientTree.reduce: the ranks' micro-batches {covered} do not cover [0, {self.n}) exactly once"
+            )
         block = self.n // comm.size
-        aligned = (self.n % comm.size == 0 and block & (block - 1) == 0
-                   and all(rank_nodes == [(r * block, (r + 1) * block)] for r, (rank_nodes, _) in enumerate(everyone)))
+        aligned = (
+            self.n % comm.size == 0
+            and block & (block - 1) == 0
+            and all(rank_nodes == [(r * block, (r + 1) * block)] for r, (rank_nodes, _) in enumerate(everyone))
+        )
         if aligned:
             (grads,) = self._nodes.values()
             return [None if g is None else all_reduce_fixed(g, comm.group) for g in grads]

@@ -19,8 +19,13 @@ import torch.multiprocessing as mp
 
 def _entry(rank: int, fn, world_size: int, store: str, timeout_s: float, threads: int, args: tuple) -> None:
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     try:
         fn(rank, world_size, *args)
     finally:
@@ -33,5 +38,6 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int
     the same threading whatever the number of ranks)."""
     with tempfile.TemporaryDirectory(prefix="rlk-dist-") as tmp:
         store = os.path.join(tmp, "store")
-        mp.start_processes(_entry, args=(fn, world_size, store, timeout_s, threads, args), nprocs=world_size,
-                           start_method="spawn")
+        mp.start_processes(
+            _entry, args=(fn, world_size, store, timeout_s, threads, args), nprocs=world_size, start_method="spawn"
+        )

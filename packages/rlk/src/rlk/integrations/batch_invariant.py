@@ -107,8 +107,9 @@ def _invariant_backend(op: str, device: torch.device, dtype: torch.dtype, **feat
     return _backend_cache[key]
 
 
-def _find_invariant_backend(op: str, device: torch.device, dtype: torch.dtype,
-                            features: dict[str, int]) -> Backend | None:
+def _find_invariant_backend(
+    op: str, device: torch.device, dtype: torch.dtype, features: dict[str, int]
+) -> Backend | None:
     decision = dispatch.decide(op, device, dtype, features)
     statuses = dispatch.discover()
     chain = dispatch.chain_for(device)
@@ -319,7 +320,7 @@ def _fused_rms_norm(x, normalized_shape, weight=None, eps=None):
     out = torch.empty_like(rows)
     rstd = x.new_empty((rows.shape[0],), dtype=torch.float32)
     backend.primitives["rms_norm_fwd"](rows, w, None, float(eps), False, out, None, rstd)
-    stat_shape = (*x.shape[:x.dim() - len(normalized_shape)], *([1] * len(normalized_shape)))
+    stat_shape = (*x.shape[: x.dim() - len(normalized_shape)], *([1] * len(normalized_shape)))
     return out.view(x.shape), rstd.view(stat_shape)
 
 
@@ -333,11 +334,16 @@ def _fused_rms_norm_backward(grad_out, x, normalized_shape, rstd, weight, output
     grad_x = torch.empty_like(rows)
     grad_w = torch.empty_like(w) if weight is not None and output_mask[1] else None
     backend.primitives["rms_norm_bwd"](
-        grad_out.to(x.dtype).reshape(rows.shape).contiguous(), rows, w, rstd.reshape(-1).contiguous(), False,
-        None, grad_x, grad_w,
+        grad_out.to(x.dtype).reshape(rows.shape).contiguous(),
+        rows,
+        w,
+        rstd.reshape(-1).contiguous(),
+        False,
+        None,
+        grad_x,
+        grad_w,
     )
-    return (grad_x.view(x.shape) if output_mask[0] else None,
-            grad_w.view(weight.shape) if grad_w is not None else None)
+    return (grad_x.view(x.shape) if output_mask[0] else None, grad_w.view(weight.shape) if grad_w is not None else None)
 
 
 def _embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
@@ -351,8 +357,10 @@ def _embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sc
         return _FALLBACK
     grad_weight = grad_output.new_empty((num_weights, hidden))
     backend.primitives["embedding_bwd"](
-        grad_output.reshape(-1, hidden).contiguous(), indices.reshape(-1).to(torch.int64).contiguous(),
-        int(padding_idx) if padding_idx >= 0 else -1, grad_weight,
+        grad_output.reshape(-1, hidden).contiguous(),
+        indices.reshape(-1).to(torch.int64).contiguous(),
+        int(padding_idx) if padding_idx >= 0 else -1,
+        grad_weight,
     )
     return grad_weight
 
@@ -397,9 +405,17 @@ def _attention_forward(backend, query, key, value, is_causal, scale) -> tuple[Te
     out = torch.empty_like(q)
     lse = q.new_empty((heads, batch * seq_q), dtype=torch.float32)
     backend.primitives["attention_fwd"](
-        q, _to_varlen(key), _to_varlen(value), _uniform_cu_seqlens(batch, seq_q, q.device),
-        _uniform_cu_seqlens(batch, seq_k, q.device), seq_q, seq_k, bool(is_causal),
-        float(scale) if scale is not None else 1.0 / math.sqrt(head_dim), out, lse,
+        q,
+        _to_varlen(key),
+        _to_varlen(value),
+        _uniform_cu_seqlens(batch, seq_q, q.device),
+        _uniform_cu_seqlens(batch, seq_k, q.device),
+        seq_q,
+        seq_k,
+        bool(is_causal),
+        float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),
+        out,
+        lse,
     )
     return _from_varlen(out, batch), lse.view(heads, batch, seq_q).permute(1, 0, 2).contiguous()
 
@@ -412,9 +428,22 @@ def _attention_backward(backend, grad_out, query, key, value, out, lse, is_causa
     lse_rows = lse[:, :, :seq_q].permute(1, 0, 2).reshape(heads, batch * seq_q).contiguous()
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     backend.primitives["attention_bwd"](
-        _to_varlen(grad_out.to(query.dtype)), q, k, v, _to_varlen(out), lse_rows, None,
-        _uniform_cu_seqlens(batch, seq_q, q.device), _uniform_cu_seqlens(batch, seq_k, q.device), seq_q, seq_k,
-        bool(is_causal), float(scale) if scale is not None else 1.0 / math.sqrt(head_dim), grad_q, grad_k, grad_v,
+        _to_varlen(grad_out.to(query.dtype)),
+        q,
+        k,
+        v,
+        _to_varlen(out),
+        lse_rows,
+        None,
+        _uniform_cu_seqlens(batch, seq_q, q.device),
+        _uniform_cu_seqlens(batch, seq_k, q.device),
+        seq_q,
+        seq_k,
+        bool(is_causal),
+        float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),
+        grad_q,
+        grad_k,
+        grad_v,
     )
     return _from_varlen(grad_q, batch), _from_varlen(grad_k, batch), _from_varlen(grad_v, batch)
 
@@ -434,7 +463,8 @@ def _rng_marker(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]
 
 def _ours(rng_state) -> bool:
     return isinstance(rng_state, Tensor) and any(
-        rng_state.data_ptr() == marker.data_ptr() for marker in _rng_markers.values())
+        rng_state.data_ptr() == marker.data_ptr() for marker in _rng_markers.values()
+    )
 
 
 def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
@@ -449,8 +479,24 @@ def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_d
     return out, lse, no_cum, no_cum, query.shape[2], key.shape[2], seed, offset, debug
 
 
-def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
-                              dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+def _flash_attention_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    philox_seed,
+    philox_offset,
+    *,
+    scale=None,
+):
     backend = _sdpa_backend(query, key, value, dropout_p, is_causal)
     if backend is None or not _ours(philox_seed) or logsumexp.dim() != 3 or logsumexp.dtype != torch.float32:
         return _FALLBACK
@@ -463,13 +509,17 @@ _warned_masks: set[str] = set()
 def _warn_not_invariant(what: str) -> None:
     if what not in _warned_masks:
         _warned_masks.add(what)
-        warnings.warn(f"rlk.batch_invariant(): {what}: running the stock kernel, this call is NOT batch-invariant "
-                      "(for Hugging Face models, rlk.patch_model(model) routes attention with padding masks)",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"rlk.batch_invariant(): {what}: running the stock kernel, this call is NOT batch-invariant "
+            "(for Hugging Face models, rlk.patch_model(model) routes attention with padding masks)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
-def _efficient_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
-                         scale=None):
+def _efficient_attention(
+    query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None
+):
     if attn_bias is not None:
         _warn_not_invariant("scaled_dot_product_attention with an attn_mask (efficient kernel)")
         return _FALLBACK
@@ -487,8 +537,22 @@ def _efficient_attention(query, key, value, attn_bias, compute_log_sumexp, dropo
     return out, lse_out, seed, offset
 
 
-def _efficient_attention_backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
-                                  dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+def _efficient_attention_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    attn_bias,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    dropout_p,
+    grad_input_mask,
+    is_causal=False,
+    *,
+    scale=None,
+):
     if attn_bias is not None:
         return _FALLBACK
     backend = _sdpa_backend(query, key, value, dropout_p, is_causal)
@@ -500,8 +564,18 @@ def _efficient_attention_backward(grad_out, query, key, value, attn_bias, out, l
     return (*grads, None)
 
 
-def _cudnn_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
-                     return_debug_mask=False, *, scale=None):
+def _cudnn_attention(
+    query,
+    key,
+    value,
+    attn_bias,
+    compute_log_sumexp,
+    dropout_p=0.0,
+    is_causal=False,
+    return_debug_mask=False,
+    *,
+    scale=None,
+):
     """cuDNN SDPA (torch's default SDPA kernel on Hopper): output, and logsumexp ``[B, H, Sq, 1]`` fp32."""
     if attn_bias is not None:
         _warn_not_invariant("scaled_dot_product_attention with an attn_mask (cuDNN kernel)")
@@ -513,12 +587,28 @@ def _cudnn_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p
     no_cum = torch.empty((0,), dtype=torch.int32, device=query.device)
     seed = _rng_marker(query.device, torch.int64, ())
     offset = _rng_marker(query.device, torch.int64, ())
-    return (out, lse.unsqueeze(-1), no_cum, no_cum, query.shape[2], key.shape[2], seed, offset,
-            query.new_empty((0,)))
+    return (out, lse.unsqueeze(-1), no_cum, no_cum, query.shape[2], key.shape[2], seed, offset, query.new_empty((0,)))
 
 
-def _cudnn_attention_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
-                              cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+def _cudnn_attention_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    attn_bias,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    *,
+    scale=None,
+):
     if attn_bias is not None and attn_bias.numel() > 0:
         return _FALLBACK
     backend = _sdpa_backend(query, key, value, dropout_p, is_causal)
@@ -591,8 +681,9 @@ def _kernel(name: str, handler: Callable, original) -> Callable:
 def _dispatch_keys() -> list[str]:
     served, why = _served_device_types()
     if not served:
-        raise BackendError("rlk.batch_invariant(): no batch-invariant backend serves this machine's devices:\n  "
-                           + "\n  ".join(why))
+        raise BackendError(
+            "rlk.batch_invariant(): no batch-invariant backend serves this machine's devices:\n  " + "\n  ".join(why)
+        )
     return [key for key, kind in (("CUDA", "cuda"), ("CPU", "cpu")) if kind in served]
 
 

@@ -30,8 +30,18 @@ import rlk.integrations.hf
 PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 LOSS_TYPES = (*PPO_FAMILY, "cispo", "sapo", "vespo")
 #: The multimodal inputs TRL's loss forwards to the model (rlk's log-prob path is text-only).
-_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_MULTIMODAL = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 def _f32(x: float) -> float:
@@ -56,27 +66,42 @@ def check_supported(trainer) -> None:
     if level not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level: expected 'token' or 'sequence', got {level!r}")
     if level == "sequence" and loss_type in ("cispo", "sapo"):
-        raise ValueError(f"importance_sampling_level='sequence' with loss_type={loss_type!r}: TRL caps / gates the "
-                         f"sequence ratio, rlk's {loss_type} uses the token ratio; use importance_sampling_level="
-                         "'token' or trl.GRPOTrainer")
+        raise ValueError(
+            f"importance_sampling_level='sequence' with loss_type={loss_type!r}: TRL caps / gates the "
+            f"sequence ratio, rlk's {loss_type} uses the token ratio; use importance_sampling_level="
+            "'token' or trl.GRPOTrainer"
+        )
     if args.delta is not None:
         if level == "sequence":
-            raise ValueError("delta with importance_sampling_level='sequence': rlk's sequence-level loss (gspo) has "
-                             "no two-sided clip; set delta=None or use trl.GRPOTrainer")
+            raise ValueError(
+                "delta with importance_sampling_level='sequence': rlk's sequence-level loss (gspo) has "
+                "no two-sided clip; set delta=None or use trl.GRPOTrainer"
+            )
         if loss_type in PPO_FAMILY and not args.delta > 1.0 + trainer.epsilon_high:
-            raise ValueError(f"delta={args.delta}: rlk's dual clip equals TRL's two-sided clip only for delta > 1 + "
-                             f"epsilon_high = {1.0 + trainer.epsilon_high:g} (TRL's recommendation)")
+            raise ValueError(
+                f"delta={args.delta}: rlk's dual clip equals TRL's two-sided clip only for delta > 1 + "
+                f"epsilon_high = {1.0 + trainer.epsilon_high:g} (TRL's recommendation)"
+            )
     if trainer.beta != 0.0 and args.use_bias_correction_kl and level == "sequence":
-        raise ValueError("use_bias_correction_kl=True with importance_sampling_level='sequence' and beta != 0: TRL "
-                         "weights each token's KL by the sequence ratio with its gradient, which rlk has no form of; "
-                         "set use_bias_correction_kl=False (or importance_sampling_level='token')")
-    if (loss_type == "vespo" and trainer.use_vllm and trainer.vllm_importance_sampling_correction
-            and not trainer.vllm_importance_sampling_mode.startswith("token")):
-        raise ValueError("vespo with a sequence-level vllm_importance_sampling_mode: TRL refuses it too; use "
-                         "'token_truncate' or 'token_mask'")
+        raise ValueError(
+            "use_bias_correction_kl=True with importance_sampling_level='sequence' and beta != 0: TRL "
+            "weights each token's KL by the sequence ratio with its gradient, which rlk has no form of; "
+            "set use_bias_correction_kl=False (or importance_sampling_level='token')"
+        )
+    if (
+        loss_type == "vespo"
+        and trainer.use_vllm
+        and trainer.vllm_importance_sampling_correction
+        and not trainer.vllm_importance_sampling_mode.startswith("token")
+    ):
+        raise ValueError(
+            "vespo with a sequence-level vllm_importance_sampling_mode: TRL refuses it too; use "
+            "'token_truncate' or 'token_mask'"
+        )
     if trainer.aux_loss_enabled:
-        raise ValueError("the MoE router auxiliary loss (output_router_logits): not on rlk's log-prob path; use "
-                         "trl.GRPOTrainer")
+        raise ValueError(
+            "the MoE router auxiliary loss (output_router_logits): not on rlk's log-prob path; use trl.GRPOTrainer"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -118,9 +143,12 @@ def policy_loss_kwargs(trainer, mask: Tensor, num_items_in_batch: Tensor | float
     elif loss_type == "sapo":
         kw.update(loss="sapo", sapo_tau=(_f32(args.sapo_temperature_pos), _f32(args.sapo_temperature_neg)))
     elif loss_type == "vespo":
-        kw.update(loss="vespo", clamp_log_ratio=20.0, vespo_k=(_f32(args.vespo_k_pos), _f32(args.vespo_k_neg)),
-                  vespo_lambda=(max(_f32(args.vespo_lambda_pos), _f32(1e-4)),
-                                max(_f32(args.vespo_lambda_neg), _f32(1e-4))))
+        kw.update(
+            loss="vespo",
+            clamp_log_ratio=20.0,
+            vespo_k=(_f32(args.vespo_k_pos), _f32(args.vespo_k_neg)),
+            vespo_lambda=(max(_f32(args.vespo_lambda_pos), _f32(1e-4)), max(_f32(args.vespo_lambda_neg), _f32(1e-4))),
+        )
     else:
         kw["loss"] = "gspo" if level == "sequence" else "ppo"
         if args.delta is not None:
@@ -197,9 +225,16 @@ def rollout_weights(trainer, inputs: dict, mask: Tensor) -> Tensor | None:
     level, mode = trainer.vllm_importance_sampling_mode.split("_")
     old = inputs["old_per_token_logps"]
     sampling = inputs["sampling_per_token_logps"].to(old.dtype)  # vLLM's come in float32 (TRL promotes them too)
-    weights, _ = rlk.rollout_correction(old, sampling, mask,
-                                        level=level, mode=mode, upper=trainer.vllm_importance_sampling_clip_max,
-                                        lower=trainer.vllm_importance_sampling_clip_min, clamp_log_ratio=None)
+    weights, _ = rlk.rollout_correction(
+        old,
+        sampling,
+        mask,
+        level=level,
+        mode=mode,
+        upper=trainer.vllm_importance_sampling_clip_max,
+        lower=trainer.vllm_importance_sampling_clip_min,
+        clamp_log_ratio=None,
+    )
     return weights
 
 
@@ -225,16 +260,24 @@ def compute_loss(trainer, model, inputs: dict) -> Tensor:
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     logprob, entropy, _ = trainer._get_per_token_logps_and_entropies(
-        model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
-        compute_aux_loss=trainer.aux_loss_enabled, **{name: inputs.get(name) for name in _MULTIMODAL})
+        model,
+        input_ids,
+        attention_mask,
+        completion_ids.size(1),
+        compute_entropy=True,
+        compute_aux_loss=trainer.aux_loss_enabled,
+        **{name: inputs.get(name) for name in _MULTIMODAL},
+    )
     training = trainer.model.training
     mode = "train" if training else "eval"
     accum = trainer.current_gradient_accumulation_steps if training else 1
     loss_type = trainer.loss_type
     advantages = inputs["advantages"]
     if advantages.dim() == 2 and advantages.shape[1] > 1 and trainer.importance_sampling_level == "sequence":
-        raise ValueError("advantages: per-token advantages with importance_sampling_level='sequence' (rlk's gspo "
-                         "equals TRL's sequence ratio for one advantage per sequence)")
+        raise ValueError(
+            "advantages: per-token advantages with importance_sampling_level='sequence' (rlk's gspo "
+            "equals TRL's sequence ratio for one advantage per sequence)"
+        )
     old = inputs.get("old_per_token_logps")  # None: on-policy, old = logprob.detach() (rlk's and TRL's convention)
 
     # TRL's policy-term factors: token and sequence masks (its own selection rules) and the vLLM IS ratio
@@ -246,9 +289,12 @@ def compute_loss(trainer, model, inputs: dict) -> Tensor:
     if trainer.off_policy_mask_threshold is not None:
         behaviour = logprob.detach() if old is None else old
         off_policy = trainer.get_off_policy_mask(
-            advantages=advantages if advantages.dim() == 2 else advantages[:, None], per_token_logps=logprob,
-            sampling_per_token_logps=inputs.get("sampling_per_token_logps", behaviour), mask=mask,
-            off_policy_threshold=trainer.off_policy_mask_threshold).to(logprob.dtype)
+            advantages=advantages if advantages.dim() == 2 else advantages[:, None],
+            per_token_logps=logprob,
+            sampling_per_token_logps=inputs.get("sampling_per_token_logps", behaviour),
+            mask=mask,
+            off_policy_threshold=trainer.off_policy_mask_threshold,
+        ).to(logprob.dtype)
         keep = off_policy.expand_as(logprob) if keep is None else keep * off_policy
     is_ratio = rollout_weights(trainer, inputs, mask)
     if loss_type == "vespo":
@@ -260,17 +306,26 @@ def compute_loss(trainer, model, inputs: dict) -> Tensor:
 
     kwargs = policy_loss_kwargs(trainer, mask, inputs.get("num_items_in_batch"))
     ref = inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None
-    loss, metrics = rlk.policy_loss(logprob, old, advantages, mask, importance_weights=weights, ref_logprob=ref,
-                                    entropy=entropy, **kwargs)
+    loss, metrics = rlk.policy_loss(
+        logprob, old, advantages, mask, importance_weights=weights, ref_logprob=ref, entropy=entropy, **kwargs
+    )
     log = trainer._metrics[mode]
     if trainer._entropy_bonus_enabled:
         policy_loss = loss.detach() if loss_type in ("dapo", "cispo", "vespo") else loss.detach() * accum
         effective = mask.bool() if entropy_mask is None else mask.bool() & entropy_mask.bool()
         coef = _entropy_coefficient(trainer)
         if coef != 0.0:
-            bonus, _ = rlk.policy_loss(logprob, None, torch.zeros_like(logprob[:, 0]), effective, loss="gpg",
-                                       agg="token-mean", global_tokens=effective.sum().clamp(min=1) * accum,
-                                       entropy=entropy, entropy_coef=coef)
+            bonus, _ = rlk.policy_loss(
+                logprob,
+                None,
+                torch.zeros_like(logprob[:, 0]),
+                effective,
+                loss="gpg",
+                agg="token-mean",
+                global_tokens=effective.sum().clamp(min=1) * accum,
+                entropy=entropy,
+                entropy_coef=coef,
+            )
             loss = loss + bonus
         log["policy_loss"].append(trainer.accelerator.gather(policy_loss).nanmean().item())
         if trainer.use_adaptive_entropy and mode == "train":
@@ -313,33 +368,51 @@ class RLKGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         check_supported(self)
         if self.args.cast_lm_head_to_fp32:
-            raise ValueError("cast_lm_head_to_fp32=True: not with RLKGRPOTrainer (rlk.linear_logprob takes the head "
-                             "in the model's dtype and accumulates in fp32); set it to False")
+            raise ValueError(
+                "cast_lm_head_to_fp32=True: not with RLKGRPOTrainer (rlk.linear_logprob takes the head "
+                "in the model's dtype and accumulates in fp32); set it to False"
+            )
         policy = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
         for model in (policy, self.ref_model):
             if model is not None:
                 rlk.integrations.hf.apply(model, temperature=self.temperature, return_entropy=True)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         """TRL's method on rlk: ``[B, K]`` log-probs of the last ``K = logits_to_keep`` tokens (0 at padding), their
         entropies when asked (else None), and None for the auxiliary loss; in chunks of ``batch_size`` rows."""
         given = sorted(name for name, value in multimodal.items() if value is not None)
         if given:
-            raise ValueError(f"{', '.join(given)}: multimodal inputs are not on rlk's log-prob path; use "
-                             "trl.GRPOTrainer")
+            raise ValueError(
+                f"{', '.join(given)}: multimodal inputs are not on rlk's log-prob path; use trl.GRPOTrainer"
+            )
         if compute_aux_loss:
             raise ValueError("compute_aux_loss: the MoE router auxiliary loss is not on rlk's log-prob path")
         k = logits_to_keep
         batch_size = batch_size or input_ids.size(0)
         logprobs, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
-            ids, att = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]
+            ids, att = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             # position L - K - 1 + j predicts token L - K + j; the last position predicts nothing
             targets = torch.nn.functional.pad(ids[:, -k:].masked_fill(att[:, -k:] == 0, -100), (0, 1), value=-100)
             with self.accelerator.autocast():
-                out = model(input_ids=ids, attention_mask=att, logits_to_keep=k + 1, use_cache=False,
-                            logprob_targets=targets, return_entropy=compute_entropy)
+                out = model(
+                    input_ids=ids,
+                    attention_mask=att,
+                    logits_to_keep=k + 1,
+                    use_cache=False,
+                    logprob_targets=targets,
+                    return_entropy=compute_entropy,
+                )
             logprobs.append(out.logprobs[:, :-1])
             if compute_entropy:
                 entropies.append(out.entropy[:, :-1])
@@ -364,24 +437,33 @@ def check_dpo_supported(args) -> None:
     """Raise ``ValueError`` (naming the option) for a ``DPOConfig`` whose loss rlk cannot compute exactly."""
     others = [t for t in args.loss_type if t not in DPO_LOSS_TYPES]
     if others:
-        raise ValueError(f"loss_type: {', '.join(map(repr, others))} not served by rlk.dpo_loss (RLKDPOTrainer serves "
-                         f"{', '.join(map(repr, DPO_LOSS_TYPES))}); use trl.DPOTrainer")
+        raise ValueError(
+            f"loss_type: {', '.join(map(repr, others))} not served by rlk.dpo_loss (RLKDPOTrainer serves "
+            f"{', '.join(map(repr, DPO_LOSS_TYPES))}); use trl.DPOTrainer"
+        )
     if not args.beta > 0.0:
         raise ValueError(f"beta: rlk.dpo_loss needs beta > 0, got {args.beta}")
     alpha_one = args.f_divergence_type == "alpha_divergence" and abs(args.f_alpha_divergence_coef - 1.0) < 1e-6
     if args.f_divergence_type != "reverse_kl" and not alpha_one:  # TRL computes alpha = 1 as reverse_kl
-        raise ValueError(f"f_divergence_type={args.f_divergence_type!r}: rlk.dpo_loss takes the log-ratios "
-                         "themselves (reverse_kl); use trl.DPOTrainer")
+        raise ValueError(
+            f"f_divergence_type={args.f_divergence_type!r}: rlk.dpo_loss takes the log-ratios "
+            "themselves (reverse_kl); use trl.DPOTrainer"
+        )
     if args.use_weighting:
-        raise ValueError("use_weighting=True: WPO's weights need log(sum_v p_v^2) per token, which rlk's log-prob op "
-                         "does not compute; use trl.DPOTrainer")
+        raise ValueError(
+            "use_weighting=True: WPO's weights need log(sum_v p_v^2) per token, which rlk's log-prob op "
+            "does not compute; use trl.DPOTrainer"
+        )
     if "robust" in args.loss_type and not 0.0 <= args.label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing={args.label_smoothing} with loss_type 'robust': rlk's robust loss needs "
-                         "[0, 0.5) (TRL only warns)")
+        raise ValueError(
+            f"label_smoothing={args.label_smoothing} with loss_type 'robust': rlk's robust loss needs "
+            "[0, 0.5) (TRL only warns)"
+        )
 
 
-def dpo_loss(trainer, chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor,
-             completion_mask: Tensor) -> Tensor:
+def dpo_loss(
+    trainer, chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor, completion_mask: Tensor
+) -> Tensor:
     """TRL's DPO loss ``sum_k loss_weights[k] * mean over pairs(loss_type[k])`` by :func:`rlk.dpo_loss`, from the
     ``[P]`` sequence log-probs; ``completion_mask`` ``[2P, L]`` (chosen rows first) gives the lengths of ipo and
     sigmoid_norm (at least 1). Only robust reads ``label_smoothing`` (TRL 1.16's sigmoid has no smoothing)."""
@@ -424,8 +506,10 @@ class RLKDPOTrainer(DPOTrainer):
         super().__init__(*args, **kwargs)
         check_dpo_supported(self.args)
         if self.aux_loss_enabled:
-            raise ValueError("router_aux_loss_coef: the MoE router auxiliary loss is not on rlk's log-prob path; set "
-                             "router_aux_loss_coef=0.0 or use trl.DPOTrainer")
+            raise ValueError(
+                "router_aux_loss_coef: the MoE router auxiliary loss is not on rlk's log-prob path; set "
+                "router_aux_loss_coef=0.0 or use trl.DPOTrainer"
+            )
         if self._is_vision_dataset:
             raise ValueError("train_dataset: images are not on rlk's log-prob path (text-only); use trl.DPOTrainer")
         for model in (self.model, self.ref_model):
@@ -447,8 +531,9 @@ class RLKDPOTrainer(DPOTrainer):
         k = ids.size(1) - int(used[0, 0]) if used.numel() else 1
         targets = torch.nn.functional.pad(ids[:, 1:], (0, 1))[:, -k:].masked_fill(predicts[:, -k:] == 0, -100)
         kwargs = {name: value for name, value in inputs.items() if name not in _DPO_NON_MODEL}
-        out = self._rlk_model(model)(**kwargs, use_cache=False, logits_to_keep=k, logprob_targets=targets,
-                                     return_entropy=entropy)
+        out = self._rlk_model(model)(
+            **kwargs, use_cache=False, logits_to_keep=k, logprob_targets=targets, return_entropy=entropy
+        )
         token_logps, predicts = out.logprobs, predicts[:, -k:]
         if self.ld_alpha is not None:
             position = predicts.cumsum(1)
@@ -464,8 +549,11 @@ class RLKDPOTrainer(DPOTrainer):
         if self.ref_model is None and is_peft_model(self.model):
             inner = self.accelerator.unwrap_model(self.model)
             adapter = use_adapter(inner, adapter_name="ref" if "ref" in inner.peft_config else None)
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
-                adapter:
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            adapter,
+        ):
             chosen, rejected, _, _ = self._sequence_logps(model, inputs)
         return chosen, rejected
 
@@ -491,10 +579,14 @@ class RLKDPOTrainer(DPOTrainer):
         log["num_tokens"] = [self._total_train_tokens]
         rewards_chosen = self.beta * (chosen.detach() - ref_chosen)
         rewards_rejected = self.beta * (rejected.detach() - ref_rejected)
-        for name, value in (("rewards/chosen", rewards_chosen), ("rewards/rejected", rewards_rejected),
-                            ("rewards/accuracies", (rewards_chosen > rewards_rejected).float()),
-                            ("rewards/margins", rewards_chosen - rewards_rejected),
-                            ("logps/chosen", chosen.detach()), ("logps/rejected", rejected.detach())):
+        for name, value in (
+            ("rewards/chosen", rewards_chosen),
+            ("rewards/rejected", rewards_rejected),
+            ("rewards/accuracies", (rewards_chosen > rewards_rejected).float()),
+            ("rewards/margins", rewards_chosen - rewards_rejected),
+            ("logps/chosen", chosen.detach()),
+            ("logps/rejected", rejected.detach()),
+        ):
             log[name].append(self.accelerator.gather(value).mean().item())
         if not return_outputs:
             return loss

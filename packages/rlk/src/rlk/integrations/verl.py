@@ -69,8 +69,9 @@ def _clip_bounds(config) -> tuple[float, float]:
     return float(clip if low is None else low), float(clip if high is None else high)
 
 
-def _agg_args(loss_agg_mode: str, mask: Tensor, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-              loss_scale_factor=None) -> tuple[dict[str, Any], Any]:
+def _agg_args(
+    loss_agg_mode: str, mask: Tensor, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None
+) -> tuple[dict[str, Any], Any]:
     """rlk's aggregation arguments for verl's ``agg_loss`` normalizers, and the factor verl multiplies by (dp_size).
 
     verl: token-mean ``sum / batch_num_tokens * dp``; token-sum ``sum * dp``; seq-mean-token-sum(-norm) and
@@ -104,8 +105,14 @@ def _scaled(loss: Tensor, dp_size) -> Tensor:
 def _config_agg(loss_agg_mode: str, mask: Tensor, config) -> tuple[dict[str, Any], Any]:
     """:func:`_agg_args` from ``config.global_batch_info`` (what verl's ``ppo_loss`` fills in per micro-batch)."""
     info = dict(_get(config, "global_batch_info", {}) or {})
-    return _agg_args(loss_agg_mode, mask, info.get("dp_size", 1), info.get("batch_num_tokens"),
-                     info.get("global_batch_size"), info.get("loss_scale_factor"))
+    return _agg_args(
+        loss_agg_mode,
+        mask,
+        info.get("dp_size", 1),
+        info.get("batch_num_tokens"),
+        info.get("global_batch_size"),
+        info.get("loss_scale_factor"),
+    )
 
 
 def _items(metrics: dict[str, Tensor], names: dict[str, str]) -> dict[str, float]:
@@ -113,14 +120,23 @@ def _items(metrics: dict[str, Tensor], names: dict[str, str]) -> dict[str, float
     return {verl: float(metrics[ours].item()) if isinstance(ours, str) else float(ours) for verl, ours in names.items()}
 
 
-_PPO_METRICS = {"actor/pg_clipfrac": "clip_fraction", "actor/ppo_kl": "approx_kl",
-                "actor/pg_clipfrac_lower": "lower_clip_fraction"}
+_PPO_METRICS = {
+    "actor/pg_clipfrac": "clip_fraction",
+    "actor/ppo_kl": "approx_kl",
+    "actor/pg_clipfrac_lower": "lower_clip_fraction",
+}
 _NO_LOWER_METRICS = {"actor/pg_clipfrac": "clip_fraction", "actor/ppo_kl": "approx_kl", "actor/pg_clipfrac_lower": 0.0}
 
 
-def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, dp_size: int = 1,
-             batch_num_tokens: int | None = None, global_batch_size: int | None = None,
-             loss_scale_factor: int | None = None) -> Tensor:
+def agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: int | None = None,
+    global_batch_size: int | None = None,
+    loss_scale_factor: int | None = None,
+) -> Tensor:
     """verl's ``agg_loss`` on rlk's aggregation (``rlk.policy_loss`` with ``loss="gpg"`` and advantages -1, so the
     per-token loss is ``loss_mat`` itself, differentiable). Masked-out entries never count, even inf or NaN."""
     kwargs, dp = _agg_args(loss_agg_mode, loss_mask, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
@@ -142,85 +158,183 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
-def _policy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, *,
-            metrics: dict, **kwargs) -> tuple[Tensor, dict[str, float]]:
+def _policy(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    config,
+    rollout_is_weights,
+    *,
+    metrics: dict,
+    **kwargs,
+) -> tuple[Tensor, dict[str, float]]:
     agg, dp = _config_agg(loss_agg_mode, response_mask, config)
-    loss, values = rlk.policy_loss(log_prob, old_log_prob, advantages, response_mask,
-                                   importance_weights=rollout_is_weights, **agg, **kwargs)
+    loss, values = rlk.policy_loss(
+        log_prob, old_log_prob, advantages, response_mask, importance_weights=rollout_is_weights, **agg, **kwargs
+    )
     return _scaled(loss, dp), _items(values, metrics)
 
 
-def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                config=None, rollout_is_weights=None):
+def compute_policy_loss_vanilla(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """PPO with verl's dual clip ``clip_ratio_c`` (default 3.0, always on) and log-ratio clamp +-20: ``loss="ppo"``."""
     low, high = _clip_bounds(config)
     c = float(config.get("clip_ratio_c", 3.0))
     if not c > 1.0:
-        raise ValueError(f"The lower bound of the clip_ratio_c for dual-clip PPO should be greater than 1.0, "
-                         f"but get the value: {c}.")
-    return _policy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                   metrics=_PPO_METRICS, loss="ppo", clip_low=low, clip_high=high, dual_clip=c,
-                   clamp_log_ratio=_LOG_RATIO_CLAMP)
+        raise ValueError(
+            f"The lower bound of the clip_ratio_c for dual-clip PPO should be greater than 1.0, but get the value: {c}."
+        )
+    return _policy(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+        metrics=_PPO_METRICS,
+        loss="ppo",
+        clip_low=low,
+        clip_high=high,
+        dual_clip=c,
+        clamp_log_ratio=_LOG_RATIO_CLAMP,
+    )
 
 
-def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
-                             config=None, rollout_is_weights=None):
+def compute_policy_loss_gspo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="seq-mean-token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """GSPO-token with the sequence log-ratio clamped at 10 from above: ``loss="gspo"``."""
     low, high = _clip_bounds(config)
-    return _policy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                   metrics=_NO_LOWER_METRICS, loss="gspo", clip_low=low, clip_high=high,
-                   clamp_log_ratio=(None, _GSPO_LOG_RATIO_MAX))
+    return _policy(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+        metrics=_NO_LOWER_METRICS,
+        loss="gspo",
+        clip_low=low,
+        clip_high=high,
+        clamp_log_ratio=(None, _GSPO_LOG_RATIO_MAX),
+    )
 
 
-def compute_policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
-                             config=None, rollout_is_weights=None):
+def compute_policy_loss_sapo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="seq-mean-token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """SAPO with ``config.tau_pos`` / ``tau_neg``; verl aggregates it ``seq-mean-token-mean`` whatever
     ``loss_agg_mode`` says, and so does this."""
     tau = (float(config.get("tau_pos", 1.0)), float(config.get("tau_neg", 1.05)))
-    return _policy(old_log_prob, log_prob, advantages, response_mask, "seq-mean-token-mean", config,
-                   rollout_is_weights, metrics={"actor/pg_clipfrac": 0.0, "actor/ppo_kl": "approx_kl",
-                                                "actor/pg_clipfrac_lower": 0.0},
-                   loss="sapo", sapo_tau=tau, clamp_log_ratio=_LOG_RATIO_CLAMP)
+    return _policy(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        "seq-mean-token-mean",
+        config,
+        rollout_is_weights,
+        metrics={"actor/pg_clipfrac": 0.0, "actor/ppo_kl": "approx_kl", "actor/pg_clipfrac_lower": 0.0},
+        loss="sapo",
+        sapo_tau=tau,
+        clamp_log_ratio=_LOG_RATIO_CLAMP,
+    )
 
 
-def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                            config=None, rollout_is_weights=None):
+def compute_policy_loss_gpg(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """GPG ``-A logprob``: ``loss="gpg"`` (no metrics, as verl)."""
     if config is None:
         raise ValueError("config: verl's gpg loss needs the actor config")
-    return _policy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                   metrics={}, loss="gpg")
+    return _policy(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+        metrics={},
+        loss="gpg",
+    )
 
 
-def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                              config=None, rollout_is_weights=None):
+def compute_policy_loss_cispo(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """CISPO ``-sg(clip(r)) A logprob`` with the log-ratio clamp +-20: ``loss="cispo", cispo_form="clip"``."""
     low, high = _clip_bounds(config)
-    return _policy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                   metrics=_NO_LOWER_METRICS, loss="cispo", cispo_form="clip", clip_low=low, clip_high=high,
-                   clamp_log_ratio=_LOG_RATIO_CLAMP)
+    return _policy(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+        metrics=_NO_LOWER_METRICS,
+        loss="cispo",
+        cispo_form="clip",
+        clip_low=low,
+        clip_high=high,
+        clamp_log_ratio=_LOG_RATIO_CLAMP,
+    )
 
 
 def _dppo(variant, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
     low, high = _clip_bounds(config)
-    return _policy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
-                   metrics=_PPO_METRICS, loss=variant, clip_low=low, clip_high=high,
-                   dual_clip=float(config.get("clip_ratio_c", 20.0)), clamp_log_ratio=_LOG_RATIO_CLAMP)
+    return _policy(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+        metrics=_PPO_METRICS,
+        loss=variant,
+        clip_low=low,
+        clip_high=high,
+        dual_clip=float(config.get("clip_ratio_c", 20.0)),
+        clamp_log_ratio=_LOG_RATIO_CLAMP,
+    )
 
 
-def compute_policy_loss_dppo_tv(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                config=None, rollout_is_weights=None):
+def compute_policy_loss_dppo_tv(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """DPPO-Binary-TV (``loss="dppo_tv"``): ``clip_ratio_low/high`` are the TV thresholds, ``clip_ratio_c`` the cap
     of the truncated ratio."""
-    return _dppo("dppo_tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                 rollout_is_weights)
+    return _dppo(
+        "dppo_tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
-def compute_policy_loss_dppo_kl(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                config=None, rollout_is_weights=None):
+def compute_policy_loss_dppo_kl(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """DPPO-Binary-KL (``loss="dppo_kl"``): ``clip_ratio_low/high`` are the binary-KL thresholds."""
-    return _dppo("dppo_kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                 rollout_is_weights)
+    return _dppo(
+        "dppo_kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+    )
 
 
 def _geo_mean_seq_weights(weights: Tensor, mask: Tensor) -> Tensor:
@@ -232,15 +346,25 @@ def _geo_mean_seq_weights(weights: Tensor, mask: Tensor) -> Tensor:
     return torch.exp(logs / n)[:, None].expand_as(weights)
 
 
-def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                 config=None, rollout_is_weights=None):
+def compute_policy_loss_geo_mean(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """GMPO: ``loss="geo_mean"`` without log-ratio clamp, the mean of the sequence losses over all ``B`` rows
     (verl ignores ``loss_agg_mode`` and the global batch info here, and so does this)."""
     low, high = _clip_bounds(config)
     weights = None if rollout_is_weights is None else _geo_mean_seq_weights(rollout_is_weights, response_mask)
-    loss, values = rlk.policy_loss(log_prob, old_log_prob, advantages, response_mask, loss="geo_mean",
-                                   clip_low=low, clip_high=high, importance_weights=weights,
-                                   agg="seq-mean-token-mean", global_seqs=log_prob.shape[0])
+    loss, values = rlk.policy_loss(
+        log_prob,
+        old_log_prob,
+        advantages,
+        response_mask,
+        loss="geo_mean",
+        clip_low=low,
+        clip_high=high,
+        importance_weights=weights,
+        agg="seq-mean-token-mean",
+        global_seqs=log_prob.shape[0],
+    )
     # verl's clip fractions: tokens whose log-ratio lies outside [-low, high], split by the advantage's sign
     m = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     with torch.no_grad():
@@ -249,12 +373,16 @@ def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_ma
         n = m.sum().clamp(min=1)
         upper = (outside & (advantages > 0)).sum() / n
         lower = (outside & (advantages < 0)).sum() / n
-    return loss, {"actor/pg_clipfrac": float(upper.item()), "actor/ppo_kl": float(values["approx_kl"].item()),
-                  "actor/pg_clipfrac_lower": float(lower.item())}
+    return loss, {
+        "actor/pg_clipfrac": float(upper.item()),
+        "actor/ppo_kl": float(values["approx_kl"].item()),
+        "actor/pg_clipfrac_lower": float(lower.item()),
+    }
 
 
-def compute_policy_loss_dro(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                            config=None, rollout_is_weights=None):
+def compute_policy_loss_dro(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """DRO ``-(A logprob - beta / 2 (logprob - old)^2)``: rlk's ``gpg`` plus ``beta`` times the k2 estimator
     against ``old_log_prob``. With ``rollout_is_weights`` (which verl applies to the penalty too) verl's own
     function runs."""
@@ -262,15 +390,28 @@ def compute_policy_loss_dro(old_log_prob, log_prob, advantages, response_mask, l
     if beta is None or beta <= 0:
         raise ValueError("policy_loss.dro_beta must be a positive value when using DRO")
     if rollout_is_weights is not None:
-        return _verl_function("compute_policy_loss_dro")(old_log_prob, log_prob, advantages, response_mask,
-                                                         loss_agg_mode, config, rollout_is_weights)
-    return _policy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, None,
-                   metrics={"actor/ppo_kl": "approx_kl"}, loss="gpg", ref_logprob=old_log_prob, kl="k2",
-                   kl_coef=float(beta))
+        return _verl_function("compute_policy_loss_dro")(
+            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+        )
+    return _policy(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        None,
+        metrics={"actor/ppo_kl": "approx_kl"},
+        loss="gpg",
+        ref_logprob=old_log_prob,
+        kl="k2",
+        kl_coef=float(beta),
+    )
 
 
-def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                    config=None, rollout_is_weights=None):
+def compute_policy_loss_bypass_mode(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """verl's bypass mode (``old_log_prob`` is the rollout's): the IS weights and rejection mask from verl's
     ``compute_rollout_correction_and_rejection_mask``, then ``loss_type`` ``"ppo_clip"`` (vanilla on the kept tokens,
     no weights) or ``"reinforce"`` (``-w A logprob``: rlk's ``gpg`` with the weights)."""
@@ -278,20 +419,36 @@ def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response
         raise ValueError("config is required for bypass_mode loss")
     rc = _get(_get(config, "policy_loss"), "rollout_correction")
     if rc is None:
-        raise ValueError("rollout_correction config not found in policy_loss. "
-                         "When using loss_mode='bypass_mode', ensure rollout_correction config is passed.")
+        raise ValueError(
+            "rollout_correction config not found in policy_loss. "
+            "When using loss_mode='bypass_mode', ensure rollout_correction config is passed."
+        )
     helper = importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
     with torch.no_grad():
         weights_proto, kept, rc_metrics = helper.compute_rollout_correction_and_rejection_mask(
-            old_log_prob=log_prob, rollout_log_prob=old_log_prob, response_mask=response_mask,
-            rollout_is=rc.get("rollout_is", None), rollout_is_threshold=rc.get("rollout_is_threshold", 2.0),
+            old_log_prob=log_prob,
+            rollout_log_prob=old_log_prob,
+            response_mask=response_mask,
+            rollout_is=rc.get("rollout_is", None),
+            rollout_is_threshold=rc.get("rollout_is_threshold", 2.0),
             rollout_is_batch_normalize=rc.get("rollout_is_batch_normalize", False),
-            rollout_rs=rc.get("rollout_rs", None), rollout_rs_threshold=rc.get("rollout_rs_threshold", None))
+            rollout_rs=rc.get("rollout_rs", None),
+            rollout_rs_threshold=rc.get("rollout_rs_threshold", None),
+        )
     weights = weights_proto.batch["rollout_is_weights"] if weights_proto else None
     loss_type = rc.get("loss_type", "ppo_clip")
     if loss_type == "reinforce":
-        loss, metrics = _policy(old_log_prob, log_prob, advantages, kept, loss_agg_mode, config, weights,
-                                metrics={"actor/ppo_kl": "approx_kl"}, loss="gpg")
+        loss, metrics = _policy(
+            old_log_prob,
+            log_prob,
+            advantages,
+            kept,
+            loss_agg_mode,
+            config,
+            weights,
+            metrics={"actor/ppo_kl": "approx_kl"},
+            loss="gpg",
+        )
     elif loss_type == "ppo_clip":
         loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, kept, loss_agg_mode, config)
     else:
@@ -300,8 +457,13 @@ def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response
     return loss, metrics
 
 
-def rollout_is_weights(old_log_prob: Tensor, rollout_log_prob: Tensor, response_mask: Tensor,
-                       rollout_is: str = "token", rollout_is_threshold: str | float = 2.0) -> Tensor:
+def rollout_is_weights(
+    old_log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    response_mask: Tensor,
+    rollout_is: str = "token",
+    rollout_is_threshold: str | float = 2.0,
+) -> Tensor:
     """The weights of verl's ``compute_rollout_correction_weights`` (``log_ratio = old_log_prob -
     rollout_log_prob``) on ``rlk.rollout_correction``: ``rollout_is`` ``"token"`` / ``"sequence"`` is the level,
     a threshold ``u`` truncates (TIS), ``"l_u"`` masks outside ``[l, u]`` (IcePop); verl's log-ratio clamp 20.
@@ -314,8 +476,16 @@ def rollout_is_weights(old_log_prob: Tensor, rollout_log_prob: Tensor, response_
         mode = "mask"
     else:
         lower, upper, mode = None, float(spec), "truncate"
-    weights, _ = rlk.rollout_correction(old_log_prob, rollout_log_prob, response_mask, level=rollout_is, mode=mode,
-                                        upper=upper, lower=lower, clamp_log_ratio=_LOG_RATIO_CLAMP)
+    weights, _ = rlk.rollout_correction(
+        old_log_prob,
+        rollout_log_prob,
+        response_mask,
+        level=rollout_is,
+        mode=mode,
+        upper=upper,
+        lower=lower,
+        clamp_log_ratio=_LOG_RATIO_CLAMP,
+    )
     return weights
 
 
@@ -374,8 +544,9 @@ def _grpo_scalars(scores, index, epsilon, norm_adv_by_std_in_grpo):
     return rlk.group_advantages(scores, group_index=group, mode=mode, eps=float(epsilon))
 
 
-def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
-                                   norm_adv_by_std_in_grpo=True, config=None):
+def compute_grpo_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True, config=None
+):
     """GRPO (``mode="grpo"``; ``"dr_grpo"`` when ``norm_adv_by_std_in_grpo`` is False) on the row sums of
     ``token_level_rewards``, grouped by ``index``; singletons: mean 0, std 1. Returns ``(adv, adv)`` ``[B, T]``."""
     scores = token_level_rewards.sum(dim=-1)
@@ -383,16 +554,26 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, ep
     return adv, adv
 
 
-def compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
-                                              norm_adv_by_std_in_grpo=True, config=None):
+def compute_grpo_vectorized_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True, config=None
+):
     """The same as :func:`compute_grpo_outcome_advantage` (verl's vectorized form computes the same quantities)."""
-    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon,
-                                          norm_adv_by_std_in_grpo, config)
+    return compute_grpo_outcome_advantage(
+        token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo, config
+    )
 
 
-def compute_gdpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
-                                   norm_adv_by_std_in_grpo=True, config=None, non_tensor_batch=None, batch=None,
-                                   **kwargs):
+def compute_gdpo_outcome_advantage(
+    token_level_rewards,
+    response_mask,
+    index,
+    epsilon=1e-6,
+    norm_adv_by_std_in_grpo=True,
+    config=None,
+    non_tensor_batch=None,
+    batch=None,
+    **kwargs,
+):
     """GDPO: GRPO per reward component (``config.gdpo_reward_keys`` of ``non_tensor_batch``; else the summed
     token rewards), weighted by ``config.gdpo_reward_weights``, summed, broadcast and whitened over the mask."""
     components = [token_level_rewards.sum(dim=-1)]
@@ -400,27 +581,33 @@ def compute_gdpo_outcome_advantage(token_level_rewards, response_mask, index, ep
     if config is not None and non_tensor_batch is not None and batch is not None:
         keys = config.get("gdpo_reward_keys", None)
         if not keys:
-            raise ValueError("GDPO requires 'algorithm.gdpo_reward_keys' listing the individual reward component "
-                             "keys returned by compute_score (e.g. ['format_reward', 'accuracy_reward']).")
+            raise ValueError(
+                "GDPO requires 'algorithm.gdpo_reward_keys' listing the individual reward component "
+                "keys returned by compute_score (e.g. ['format_reward', 'accuracy_reward'])."
+            )
         missing = [key for key in keys if key not in non_tensor_batch]
         if missing:
             raise KeyError(f"GDPO reward key {missing[0]!r} not found in non_tensor_batch")
         # verl places each component at the last response token: its row sum is the component itself
-        components = [torch.as_tensor(np.asarray(non_tensor_batch[key], dtype=np.float32),
-                                      device=token_level_rewards.device) for key in keys]
+        components = [
+            torch.as_tensor(np.asarray(non_tensor_batch[key], dtype=np.float32), device=token_level_rewards.device)
+            for key in keys
+        ]
         weights = config.get("gdpo_reward_weights", None)
     weights = [1.0] * len(components) if weights is None else [float(w) for w in weights]
     total = None
     for w, scores in zip(weights, components):
         part = torch.tensor(w, dtype=torch.float32, device=scores.device) * _grpo_scalars(
-            scores, index, epsilon, norm_adv_by_std_in_grpo)
+            scores, index, epsilon, norm_adv_by_std_in_grpo
+        )
         total = part if total is None else total + part
     adv = _whiten_masked(_broadcast(total, response_mask), response_mask)
     return adv, adv
 
 
-def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
-                                         norm_adv_by_std_in_grpo=True, config=None, **kwargs):
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True, config=None, **kwargs
+):
     """Pass@k: the group's best response gets ``max - second max`` (over ``std + epsilon`` when
     ``config.norm_adv_by_std_in_grpo``, verl reads the config, not the argument), the others 0: ``mode="grpo_passk"``
     / ``"dr_grpo_passk"``. Groups of one sequence are an error, as in verl."""
@@ -435,8 +622,9 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, ind
     return adv, adv
 
 
-def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
-                                                           config=None, **kwargs):
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon=1e-6, config=None, **kwargs
+):
     """REINFORCE++-baseline: ``s - mean_g`` (``mode="reinforce_pp_baseline"``), broadcast, whitened over the mask."""
     scores = token_level_rewards.sum(dim=-1)
     group, _ = _groups(index, scores.device)
@@ -453,8 +641,9 @@ def compute_rloo_outcome_advantage(token_level_rewards, response_mask, index, ep
     return adv, adv
 
 
-def compute_rloo_vectorized_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6, config=None,
-                                              **kwargs):
+def compute_rloo_vectorized_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon=1e-6, config=None, **kwargs
+):
     """RLOO as :func:`compute_rloo_outcome_advantage`, but singletons get 0 (verl's vectorized form)."""
     scores = token_level_rewards.sum(dim=-1)
     group, sizes = _groups(index, scores.device)
@@ -492,8 +681,9 @@ def compute_remax_outcome_advantage(token_level_rewards, reward_baselines, respo
     return returns - reward_baselines.unsqueeze(-1) * response_mask, returns
 
 
-def compute_gpg_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6, f_norm=1.0, alpha=1.0,
-                                  config=None, **kwargs):
+def compute_gpg_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon=1e-6, f_norm=1.0, alpha=1.0, config=None, **kwargs
+):
     """verl's GPG estimator: ``B / max(count_nonzero(scores), 1) * (s - mean_g) / f_norm`` (rlk's ``dr_grpo``
     scaled; verl's ``alpha`` argument is overwritten by that ratio, as in verl)."""
     scores = token_level_rewards.sum(dim=-1)
@@ -528,8 +718,14 @@ VERL_ONLY_ADVANTAGE_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_b
 # ---------------------------------------------------------------------------
 
 
-def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0,
-                         reduction: str = "none", dist_process_group=None) -> tuple[Tensor, Tensor]:
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group=None,
+) -> tuple[Tensor, Tensor]:
     """Drop-in for ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (the ``"triton"`` fused backend).
 
     Args:
@@ -543,12 +739,18 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, tempera
         differentiable w.r.t. ``hidden`` and ``weight``.
     """
     if dist_process_group is not None:
-        raise NotImplementedError("linear_cross_entropy: vocab-parallel (dist_process_group) is not served by rlk's "
-                                  "verl adapter")
+        raise NotImplementedError(
+            "linear_cross_entropy: vocab-parallel (dist_process_group) is not served by rlk's verl adapter"
+        )
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"Invalid reduction: {reduction}")
-    logprob, entropy = rlk.linear_logprob(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                          temperature=float(temperature), return_entropy=True)
+    logprob, entropy = rlk.linear_logprob(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1),
+        temperature=float(temperature),
+        return_entropy=True,
+    )
     if reduction == "sum":
         logprob = logprob.sum()
     elif reduction == "mean":
@@ -570,15 +772,19 @@ class FusedLinearForPPO(torch.nn.Module):
         self.chunk_size = chunk_size
         self.impl_backend = impl_backend
 
-    def forward(self, hidden_states: Tensor, vocab_weights: Tensor, input_ids: Tensor,
-                temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, hidden_states: Tensor, vocab_weights: Tensor, input_ids: Tensor, temperature: float = 1.0
+    ) -> tuple[Tensor, Tensor]:
         if hidden_states.dim() not in (2, 3):
             raise ValueError(f"hidden_states must be 2D or 3D, got shape {tuple(hidden_states.shape)}")
         if tuple(input_ids.shape) != tuple(hidden_states.shape[:-1]):
-            raise ValueError(f"input_ids shape {tuple(input_ids.shape)} must match hidden_states shape "
-                             f"{tuple(hidden_states.shape[:-1])}")
-        logprob, entropy = rlk.linear_logprob(hidden_states, vocab_weights, input_ids, temperature=float(temperature),
-                                              return_entropy=True)
+            raise ValueError(
+                f"input_ids shape {tuple(input_ids.shape)} must match hidden_states shape "
+                f"{tuple(hidden_states.shape[:-1])}"
+            )
+        logprob, entropy = rlk.linear_logprob(
+            hidden_states, vocab_weights, input_ids, temperature=float(temperature), return_entropy=True
+        )
         return logprob, entropy.to(hidden_states.dtype)
 
 
@@ -633,10 +839,13 @@ def register(override: bool = False) -> list[str]:
                 _REGISTERED.append((registry, name))
             names.append(name)
     if override:
-        for name, fn in (("agg_loss", agg_loss), ("kl_penalty", kl_penalty),
-                         ("compute_gae_advantage_return", compute_gae_advantage_return),
-                         ("compute_grpo_outcome_advantage", compute_grpo_outcome_advantage),
-                         *((fn.__name__, fn) for fn in POLICY_LOSSES.values())):
+        for name, fn in (
+            ("agg_loss", agg_loss),
+            ("kl_penalty", kl_penalty),
+            ("compute_gae_advantage_return", compute_gae_advantage_return),
+            ("compute_grpo_outcome_advantage", compute_grpo_outcome_advantage),
+            *((fn.__name__, fn) for fn in POLICY_LOSSES.values()),
+        ):
             _swap(_CORE, name, fn)
         for name, fn in (("agg_loss", agg_loss), ("kl_penalty", kl_penalty)):
             _swap("verl.workers.utils.losses", name, fn)

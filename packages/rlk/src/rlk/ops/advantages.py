@@ -39,8 +39,9 @@ def _float_input(name: str, x: Tensor) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16 (float64 for reference runs), "
-                        f"got {x.dtype}")
+        raise TypeError(
+            f"{name}: expected dtype float32, bfloat16 or float16 (float64 for reference runs), got {x.dtype}"
+        )
     x = x.detach()
     if x.dtype in _UPCAST:
         x = x.float()
@@ -51,8 +52,7 @@ def _check_like(name: str, t: Tensor, like: Tensor, like_name: str) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.shape != like.shape:
-        raise ValueError(f"{name}: expected shape {tuple(like.shape)} (the shape of {like_name}), "
-                         f"got {tuple(t.shape)}")
+        raise ValueError(f"{name}: expected shape {tuple(like.shape)} (the shape of {like_name}), got {tuple(t.shape)}")
     if t.device != like.device:
         raise ValueError(f"{name}: expected device {like.device} (the device of {like_name}), got {t.device}")
 
@@ -91,8 +91,14 @@ group_advantages_op = custom_op.declare("group_advantages")
 
 @group_advantages_op.forward(outputs=_like_first)
 def _group_advantages_fwd(
-    primitive, out, scores: Tensor, group_index: Tensor | None, group_size: int, lengths: Tensor | None,
-    mode: str, eps: float,
+    primitive,
+    out,
+    scores: Tensor,
+    group_index: Tensor | None,
+    group_size: int,
+    lengths: Tensor | None,
+    mode: str,
+    eps: float,
 ) -> Tensor:
     if scores.shape[0] == 0:
         return
@@ -358,8 +364,10 @@ def gae(
     v = _float_input("values", values)
     _check_like("values", v, x, "rewards")
     if v.dtype != x.dtype:
-        raise TypeError(f"values: expected float64 exactly when rewards are float64, got {values.dtype} "
-                        f"with rewards {rewards.dtype}")
+        raise TypeError(
+            f"values: expected float64 exactly when rewards are float64, got {values.dtype} "
+            f"with rewards {rewards.dtype}"
+        )
     mask = _mask_input(mask, x, "rewards")
     gamma = checks.number("gamma", gamma, minimum=0.0, maximum=1.0)
     lam = checks.number("lam", lam, minimum=0.0, maximum=1.0)

@@ -29,8 +29,17 @@ def _check_float(name: str, x: Tensor) -> None:
         raise ValueError(f"{name}: expected shape [tokens, heads, head_dim], got {tuple(x.shape)}")
 
 
-def _check_arguments(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q,
-                     max_seqlen_k, causal, softmax_scale) -> tuple[int, int, bool, float]:
+def _check_arguments(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    softmax_scale,
+) -> tuple[int, int, bool, float]:
     """The call-time checks of ``attention`` and ``prefix_attention`` (shapes, dtypes, devices, scalars; errors name
     the argument). Returns ``(max_seqlen_q, max_seqlen_k, causal, softmax_scale)`` validated, the scale defaulted."""
     _check_float("q", q)
@@ -54,8 +63,10 @@ def _check_arguments(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
-        raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_seqlens_q.shape)} "
-                         f"(one entry per sequence + 1), got {tuple(cu_seqlens_k.shape)}")
+        raise ValueError(
+            f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_seqlens_q.shape)} "
+            f"(one entry per sequence + 1), got {tuple(cu_seqlens_k.shape)}"
+        )
     max_seqlen_q = checks.integer("max_seqlen_q", max_seqlen_q, minimum=0)
     max_seqlen_k = checks.integer("max_seqlen_k", max_seqlen_k, minimum=0)
     causal = checks.flag("causal", causal)
@@ -73,8 +84,10 @@ def _check_prefix_index(prefix_index, cu_seqlens_q: Tensor, device: torch.device
         raise TypeError(f"prefix_index: expected dtype int32, got {prefix_index.dtype}")
     n_seq = cu_seqlens_q.shape[0] - 1
     if prefix_index.shape != (n_seq,):
-        raise ValueError(f"prefix_index: expected shape [B] = ({n_seq},) (one entry per sequence of cu_seqlens_q), "
-                         f"got {tuple(prefix_index.shape)}")
+        raise ValueError(
+            f"prefix_index: expected shape [B] = ({n_seq},) (one entry per sequence of cu_seqlens_q), "
+            f"got {tuple(prefix_index.shape)}"
+        )
     if prefix_index.device != device:
         raise ValueError(f"prefix_index: expected device {device} (the device of q), got {prefix_index.device}")
 
@@ -92,26 +105,34 @@ def _check_prefix_values(prefix_index: Tensor) -> None:
     bad_range, bad_depth = torch.stack([out_of_range.any(), nested.any()]).tolist()
     if bad_range:
         b = int(out_of_range.nonzero()[0, 0])
-        raise ValueError(f"prefix_index: values must be -1 or a sequence index in [0, {n_seq}); sequence {b} has "
-                         f"{int(index[b])}")
+        raise ValueError(
+            f"prefix_index: values must be -1 or a sequence index in [0, {n_seq}); sequence {b} has {int(index[b])}"
+        )
     if bad_depth:
         b = int(nested.nonzero()[0, 0])
         a = int(index[b])
-        raise ValueError(f"prefix_index: sequence {b} has the prefix sequence {a}, whose own prefix_index is "
-                         f"{int(index[a])} (must be -1: prefixes are one level deep, and a sequence is not its own "
-                         "prefix)")
+        raise ValueError(
+            f"prefix_index: sequence {b} has the prefix sequence {a}, whose own prefix_index is "
+            f"{int(index[a])} (must be -1: prefixes are one level deep, and a sequence is not its own "
+            "prefix)"
+        )
 
 
-def _check_values(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int,
-                  max_seqlen_q: int, max_seqlen_k: int) -> None:
+def _check_values(
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int, max_seqlen_q: int, max_seqlen_k: int
+) -> None:
     """Value checks of ``cu_seqlens`` that need the data (one host synchronization); run inside the custom op.
 
     ``RLK_CHECK_VALUES=0`` skips them (for CUDA graph capture, or once a pipeline is known to be clean): bad
     offsets then read out of bounds in the kernels, and a length above ``max_seqlen_*`` leaves rows unwritten,
     instead of raising. ``rlk.patch_model``'s attention builds its offsets itself and skips them.
     """
-    checks.check_cu_seqlens_values([("cu_seqlens_q", cu_seqlens_q, total_q, "q", max_seqlen_q),
-                                    ("cu_seqlens_k", cu_seqlens_k, total_k, "k and v", max_seqlen_k)])
+    checks.check_cu_seqlens_values(
+        [
+            ("cu_seqlens_q", cu_seqlens_q, total_q, "q", max_seqlen_q),
+            ("cu_seqlens_k", cu_seqlens_k, total_k, "k and v", max_seqlen_k),
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -144,8 +165,9 @@ def _zero_grads_if_empty(q: Tensor, k: Tensor, grads: tuple[Tensor, Tensor, Tens
     return False
 
 
-def _incoming_grads(grad_out: Tensor | None, grad_lse: Tensor | None, out: Tensor,
-                    lse: Tensor) -> tuple[Tensor, Tensor | None]:
+def _incoming_grads(
+    grad_out: Tensor | None, grad_lse: Tensor | None, out: Tensor, lse: Tensor
+) -> tuple[Tensor, Tensor | None]:
     """The gradients reaching ``out`` and ``lse`` in the dtypes and layout the backward primitives take."""
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
     return grad_out, None if grad_lse is None else grad_lse.to(lse.dtype).contiguous()
@@ -164,8 +186,17 @@ attention_op = custom_op.declare("attention", key=_key)
 
 @attention_op.forward(outputs=_fwd_outputs)
 def _attention_fwd(
-    primitive, out, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-    max_seqlen_k: int, causal: bool, softmax_scale: float,
+    primitive,
+    out,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
 ) -> tuple[Tensor, Tensor]:
     o, lse = out
     _check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
@@ -176,15 +207,43 @@ def _attention_fwd(
 
 @attention_op.backward_primitive(outputs=_bwd_outputs)
 def _attention_bwd(
-    primitive, out, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, output: Tensor, lse: Tensor,
-    grad_lse: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-    causal: bool, softmax_scale: float,
+    primitive,
+    out,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    output: Tensor,
+    lse: Tensor,
+    grad_lse: Tensor | None,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     grad_q, grad_k, grad_v = out
     if _zero_grads_if_empty(q, k, out):
         return
-    primitive(grad_out, q, k, v, output, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-              softmax_scale, grad_q, grad_k, grad_v)
+    primitive(
+        grad_out,
+        q,
+        k,
+        v,
+        output,
+        lse,
+        grad_lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        softmax_scale,
+        grad_q,
+        grad_k,
+        grad_v,
+    )
 
 
 def _save(ctx, inputs, output):
@@ -210,35 +269,77 @@ prefix_attention_op = custom_op.declare("prefix_attention", key=_key)
 
 @prefix_attention_op.forward(outputs=_fwd_outputs)
 def _prefix_attention_fwd(
-    primitive, out, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-    max_seqlen_k: int, prefix_index: Tensor, causal: bool, softmax_scale: float,
+    primitive,
+    out,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    prefix_index: Tensor,
+    causal: bool,
+    softmax_scale: float,
 ) -> tuple[Tensor, Tensor]:
     o, lse = out
     _check_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     _check_prefix_values(prefix_index)
     if _no_keys_or_queries(q, k, o, lse):  # (no keys anywhere: prefixes included)
         return
-    primitive(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefix_index, causal, softmax_scale,
-              o, lse)
+    primitive(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefix_index, causal, softmax_scale, o, lse
+    )
 
 
 @prefix_attention_op.backward_primitive(outputs=_bwd_outputs)
 def _prefix_attention_bwd(
-    primitive, out, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, output: Tensor, lse: Tensor,
-    grad_lse: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
-    prefix_index: Tensor, causal: bool, softmax_scale: float,
+    primitive,
+    out,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    output: Tensor,
+    lse: Tensor,
+    grad_lse: Tensor | None,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    prefix_index: Tensor,
+    causal: bool,
+    softmax_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     grad_q, grad_k, grad_v = out
     if _zero_grads_if_empty(q, k, out):
         return
-    primitive(grad_out, q, k, v, output, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              prefix_index, causal, softmax_scale, grad_q, grad_k, grad_v)
+    primitive(
+        grad_out,
+        q,
+        k,
+        v,
+        output,
+        lse,
+        grad_lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        prefix_index,
+        causal,
+        softmax_scale,
+        grad_q,
+        grad_k,
+        grad_v,
+    )
 
 
 def _prefix_save(ctx, inputs, output):
     out, lse = output
-    ctx.save_for_backward(inputs.q, inputs.k, inputs.v, out, lse, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
-                          inputs.prefix_index)
+    ctx.save_for_backward(
+        inputs.q, inputs.k, inputs.v, out, lse, inputs.cu_seqlens_q, inputs.cu_seqlens_k, inputs.prefix_index
+    )
     ctx.attrs = (inputs.max_seqlen_q, inputs.max_seqlen_k)
     ctx.flags = (inputs.causal, inputs.softmax_scale)
 
@@ -311,10 +412,18 @@ def attention(
     deterministic and bitwise independent of the packing.
     """
     max_seqlen_q, max_seqlen_k, causal, softmax_scale = _check_arguments(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+    )
     out, lse = _attention_fwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-        max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        cu_seqlens_q.contiguous(),
+        cu_seqlens_k.contiguous(),
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        softmax_scale,
     )
     return (out, lse) if return_lse else out
 
@@ -393,10 +502,19 @@ def prefix_attention(
     bitwise) the sum over the group of each sequence's own computation.
     """
     max_seqlen_q, max_seqlen_k, causal, softmax_scale = _check_arguments(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+    )
     _check_prefix_index(prefix_index, cu_seqlens_q, q.device)
     out, lse = _prefix_attention_fwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-        max_seqlen_q, max_seqlen_k, prefix_index.contiguous(), causal, softmax_scale,
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        cu_seqlens_q.contiguous(),
+        cu_seqlens_k.contiguous(),
+        max_seqlen_q,
+        max_seqlen_k,
+        prefix_index.contiguous(),
+        causal,
+        softmax_scale,
     )
     return (out, lse) if return_lse else out

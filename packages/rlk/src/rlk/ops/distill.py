@@ -38,10 +38,21 @@ def _zero_ignored(hidden: Tensor, targets: Tensor | None, ignore_index: int) -> 
     return torch.where((targets != ignore_index)[:, None], hidden, hidden.new_zeros(()))
 
 
-def _fwd_outputs(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor, teacher_weight: Tensor,
-                 targets: Tensor | None, inv_temperature: Tensor, ignore_index: int, divergence: str, beta: float,
-                 reduction: str, need_grad_hidden: bool, need_grad_weight: bool,
-                 check_temperature: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _fwd_outputs(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    targets: Tensor | None,
+    inv_temperature: Tensor,
+    ignore_index: int,
+    divergence: str,
+    beta: float,
+    reduction: str,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+    check_temperature: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, stats, grad_hidden, grad_weight)``; the gradients are computed by the forward for ``mean`` / ``sum``
     (placeholders otherwise, or when not needed)."""
     fused = reduction != "none"
@@ -49,10 +60,12 @@ def _fwd_outputs(student_hidden: Tensor, student_weight: Tensor, teacher_hidden:
     dtype = checks.stat_dtype(student_hidden)
     loss = student_hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=dtype)
     stats = student_hidden.new_empty((3, n_rows), dtype=dtype)
-    grad_hidden = (torch.empty_like(student_hidden) if fused and need_grad_hidden
-                   else custom_op.placeholder(student_hidden))
-    grad_weight = (torch.empty_like(student_weight) if fused and need_grad_weight
-                   else custom_op.placeholder(student_weight))
+    grad_hidden = (
+        torch.empty_like(student_hidden) if fused and need_grad_hidden else custom_op.placeholder(student_hidden)
+    )
+    grad_weight = (
+        torch.empty_like(student_weight) if fused and need_grad_weight else custom_op.placeholder(student_weight)
+    )
     return loss, stats, grad_hidden, grad_weight
 
 
@@ -97,8 +110,19 @@ def _fused_linear_kl_fwd(
             student_hidden = _zero_ignored(student_hidden, targets, ignore_index)
     row_loss = loss if reduction == "none" else student_hidden.new_empty((n_rows,), dtype=loss.dtype)
     primitive(
-        student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, ignore_index,
-        divergence, beta, row_loss, stats, coef, grad_hidden if coef is not None and need_grad_hidden else None,
+        student_hidden,
+        student_weight,
+        teacher_hidden,
+        teacher_weight,
+        targets,
+        inv_temperature,
+        ignore_index,
+        divergence,
+        beta,
+        row_loss,
+        stats,
+        coef,
+        grad_hidden if coef is not None and need_grad_hidden else None,
         grad_weight if coef is not None and need_grad_weight else None,
     )
     if reduction == "sum":
@@ -133,8 +157,18 @@ def _fused_linear_kl_bwd(
         student_hidden = _zero_ignored(student_hidden, targets, ignore_index)
     if need_grad_hidden or need_grad_weight:
         primitive(
-            student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats,
-            grad_loss, ignore_index, divergence, beta, grad_hidden if need_grad_hidden else None,
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            targets,
+            inv_temperature,
+            stats,
+            grad_loss,
+            ignore_index,
+            divergence,
+            beta,
+            grad_hidden if need_grad_hidden else None,
             grad_weight if need_grad_weight else None,
         )
 
@@ -144,11 +178,21 @@ def _save(ctx, inputs, output):
     ctx.mark_non_differentiable(stats, grad_hidden, grad_weight)
     ctx.set_materialize_grads(False)
     ctx.reduction, ctx.ignore_index, ctx.divergence, ctx.beta = (
-        inputs.reduction, inputs.ignore_index, inputs.divergence, inputs.beta
+        inputs.reduction,
+        inputs.ignore_index,
+        inputs.divergence,
+        inputs.beta,
     )
     if inputs.reduction == "none":
-        ctx.save_for_backward(inputs.student_hidden, inputs.student_weight, inputs.teacher_hidden,
-                              inputs.teacher_weight, inputs.targets, inputs.inv_temperature, stats)
+        ctx.save_for_backward(
+            inputs.student_hidden,
+            inputs.student_weight,
+            inputs.teacher_hidden,
+            inputs.teacher_weight,
+            inputs.targets,
+            inputs.inv_temperature,
+            stats,
+        )
     else:
         ctx.save_for_backward(grad_hidden, grad_weight)
 
@@ -161,7 +205,7 @@ def _scaled(grad: Tensor, scale: Tensor) -> Tensor:
     out = torch.empty_like(grad)
     rows = max(1, _SCALE_CHUNK // max(1, grad.shape[-1]))
     for r0 in range(0, grad.shape[0], rows):
-        out[r0:r0 + rows] = grad[r0:r0 + rows].to(scale.dtype) * scale
+        out[r0 : r0 + rows] = grad[r0 : r0 + rows].to(scale.dtype) * scale
     return out
 
 
@@ -174,9 +218,20 @@ def _backward(ctx, grad_loss, grad_stats, grad_grad_hidden, grad_grad_weight):
             ctx.saved_tensors
         )
         grad_hidden, grad_weight = fused_linear_kl_op.backward(
-            ctx, student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature, stats,
-            grad_loss.to(stats.dtype).contiguous(), ctx.ignore_index, ctx.divergence, ctx.beta,
-            need_hidden, need_weight,
+            ctx,
+            student_hidden,
+            student_weight,
+            teacher_hidden,
+            teacher_weight,
+            targets,
+            inv_temperature,
+            stats,
+            grad_loss.to(stats.dtype).contiguous(),
+            ctx.ignore_index,
+            ctx.divergence,
+            ctx.beta,
+            need_hidden,
+            need_weight,
         )
     else:
         grad_hidden, grad_weight = ctx.saved_tensors
@@ -251,30 +306,44 @@ def fused_linear_kl(
     Batch invariance (on backends that promise it): a row's loss, and its ``grad_hidden`` under ``sum`` or
     ``none``, do not depend on the other rows; ``grad_weight`` is deterministic.
     """
-    for name, x in (("student_hidden", student_hidden), ("student_weight", student_weight),
-                    ("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
+    for name, x in (
+        ("student_hidden", student_hidden),
+        ("student_weight", student_weight),
+        ("teacher_hidden", teacher_hidden),
+        ("teacher_weight", teacher_weight),
+    ):
         check_float(name, x)
     if student_hidden.dim() < 1 or student_hidden.shape[-1] == 0:
         raise ValueError(f"student_hidden: expected shape [..., Hs] with Hs >= 1, got {tuple(student_hidden.shape)}")
     hs = student_hidden.shape[-1]
     if student_weight.dim() != 2 or student_weight.shape[0] == 0 or student_weight.shape[1] != hs:
-        raise ValueError(f"student_weight: expected shape [V, Hs] with V >= 1 and Hs = {hs} (student_hidden's last "
-                         f"dim), got {tuple(student_weight.shape)}")
+        raise ValueError(
+            f"student_weight: expected shape [V, Hs] with V >= 1 and Hs = {hs} (student_hidden's last "
+            f"dim), got {tuple(student_weight.shape)}"
+        )
     lead = student_hidden.shape[:-1]
     if teacher_hidden.dim() < 1 or teacher_hidden.shape[:-1] != lead or teacher_hidden.shape[-1] == 0:
-        raise ValueError(f"teacher_hidden: expected shape [{', '.join(map(str, lead))}{', ' if lead else ''}Ht] "
-                         f"(student_hidden's leading shape) with Ht >= 1, got {tuple(teacher_hidden.shape)}")
+        raise ValueError(
+            f"teacher_hidden: expected shape [{', '.join(map(str, lead))}{', ' if lead else ''}Ht] "
+            f"(student_hidden's leading shape) with Ht >= 1, got {tuple(teacher_hidden.shape)}"
+        )
     vocab, ht = student_weight.shape[0], teacher_hidden.shape[-1]
     if teacher_weight.dim() != 2 or teacher_weight.shape != (vocab, ht):
-        raise ValueError(f"teacher_weight: expected shape [V, Ht] = [{vocab}, {ht}] (V of student_weight, Ht of "
-                         f"teacher_hidden), got {tuple(teacher_weight.shape)}")
-    for name, x in (("student_weight", student_weight), ("teacher_hidden", teacher_hidden),
-                    ("teacher_weight", teacher_weight)):
+        raise ValueError(
+            f"teacher_weight: expected shape [V, Ht] = [{vocab}, {ht}] (V of student_weight, Ht of "
+            f"teacher_hidden), got {tuple(teacher_weight.shape)}"
+        )
+    for name, x in (
+        ("student_weight", student_weight),
+        ("teacher_hidden", teacher_hidden),
+        ("teacher_weight", teacher_weight),
+    ):
         if x.dtype != student_hidden.dtype:
             raise TypeError(f"{name}: expected the dtype of student_hidden ({student_hidden.dtype}), got {x.dtype}")
         if x.device != student_hidden.device:
-            raise ValueError(f"{name}: expected device {student_hidden.device} (the device of student_hidden), "
-                             f"got {x.device}")
+            raise ValueError(
+                f"{name}: expected device {student_hidden.device} (the device of student_hidden), got {x.device}"
+            )
     _check_teacher_frozen("teacher_hidden", teacher_hidden)
     _check_teacher_frozen("teacher_weight", teacher_weight)
     divergence = checks.choice("divergence", divergence, DIVERGENCES)
@@ -289,9 +358,18 @@ def fused_linear_kl(
     inv_t = _inv_temperature(temperature, lead, student_hidden.device, checks.stat_dtype(student_hidden))
     grad_on = torch.is_grad_enabled()
     loss, _, _, _ = _fused_linear_kl_fwd(
-        student_hidden.reshape(-1, hs).contiguous(), student_weight.contiguous(),
-        teacher_hidden.reshape(-1, ht).contiguous(), teacher_weight.contiguous(), targets, inv_t, ignore_index,
-        divergence, beta, reduction, grad_on and student_hidden.requires_grad, grad_on and student_weight.requires_grad,
+        student_hidden.reshape(-1, hs).contiguous(),
+        student_weight.contiguous(),
+        teacher_hidden.reshape(-1, ht).contiguous(),
+        teacher_weight.contiguous(),
+        targets,
+        inv_t,
+        ignore_index,
+        divergence,
+        beta,
+        reduction,
+        grad_on and student_hidden.requires_grad,
+        grad_on and student_weight.requires_grad,
         isinstance(temperature, Tensor),
     )
     return loss.view(lead) if reduction == "none" else loss

@@ -67,28 +67,34 @@ def ema_(target: Sequence[Tensor], source: Sequence[Tensor], decay: float) -> No
     seen: dict[int, int] = {}
     for i, (t, s) in enumerate(zip(targets, sources)):
         if t.dtype not in INPUT_DTYPES:
-            raise TypeError(f"target[{i}]: expected dtype bfloat16, float16 or float32 (float64 for reference "
-                            f"runs), got {t.dtype}")
+            raise TypeError(
+                f"target[{i}]: expected dtype bfloat16, float16 or float32 (float64 for reference runs), got {t.dtype}"
+            )
         if t.device != device:
             raise ValueError(f"target[{i}]: expected device {device} (the device of target[0]), got {t.device}")
         if s.dtype != t.dtype:
             raise TypeError(f"source[{i}]: expected dtype {t.dtype} (the dtype of target[{i}]), got {s.dtype}")
         if s.shape != t.shape:
-            raise ValueError(f"source[{i}]: expected shape {tuple(t.shape)} (the shape of target[{i}]), "
-                             f"got {tuple(s.shape)}")
+            raise ValueError(
+                f"source[{i}]: expected shape {tuple(t.shape)} (the shape of target[{i}]), got {tuple(s.shape)}"
+            )
         if s.device != device:
             raise ValueError(f"source[{i}]: expected device {device} (the device of target), got {s.device}")
         if not t.is_contiguous():
-            raise ValueError(f"target[{i}]: expected a contiguous tensor (updated in place), got strides "
-                             f"{t.stride()} for shape {tuple(t.shape)}")
+            raise ValueError(
+                f"target[{i}]: expected a contiguous tensor (updated in place), got strides "
+                f"{t.stride()} for shape {tuple(t.shape)}"
+            )
         if not s.is_contiguous():
-            raise ValueError(f"source[{i}]: expected a contiguous tensor, got strides {s.stride()} for shape "
-                             f"{tuple(s.shape)}")
+            raise ValueError(
+                f"source[{i}]: expected a contiguous tensor, got strides {s.stride()} for shape {tuple(s.shape)}"
+            )
         if t.numel() == 0:
             continue
         if t.data_ptr() in seen:
-            raise ValueError(f"target[{i}]: the same memory as target[{seen[t.data_ptr()]}] (each tensor is "
-                             "updated once)")
+            raise ValueError(
+                f"target[{i}]: the same memory as target[{seen[t.data_ptr()]}] (each tensor is updated once)"
+            )
         seen[t.data_ptr()] = i
         ts, ss = groups.setdefault(t.dtype, ([], []))
         ts.append(t.detach().view(-1))

@@ -105,8 +105,9 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
     if not isinstance(weight, Tensor):
         raise TypeError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
     if weight.dtype not in INPUT_DTYPES:
-        raise TypeError(f"weight: expected dtype bfloat16, float16 or float32 (float64 for reference runs), "
-                        f"got {weight.dtype}")
+        raise TypeError(
+            f"weight: expected dtype bfloat16, float16 or float32 (float64 for reference runs), got {weight.dtype}"
+        )
     if weight.dim() != 2:
         raise ValueError(f"weight: expected shape [V, H], got {tuple(weight.shape)}")
     if not isinstance(ids, Tensor):
@@ -121,8 +122,9 @@ def embedding(ids: Tensor, weight: Tensor, padding_idx: int | None = None) -> Te
     else:
         padding_idx = checks.integer("padding_idx", padding_idx)
         if not -vocab <= padding_idx < vocab:
-            raise ValueError(f"padding_idx: expected None or an int in [-{vocab}, {vocab}) (V = {vocab}), "
-                             f"got {padding_idx!r}")
+            raise ValueError(
+                f"padding_idx: expected None or an int in [-{vocab}, {vocab}) (V = {vocab}), got {padding_idx!r}"
+            )
         padding = padding_idx % vocab
     flat_ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = _embedding_fwd(weight.contiguous(), flat_ids, padding)

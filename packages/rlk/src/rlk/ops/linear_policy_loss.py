@@ -59,8 +59,15 @@ class ModeDecision:
         return f"fused_linear_policy_loss: {self.mode}{where}: {self.reason}"
 
 
-def decide_mode(hidden: Tensor, weight: Tensor, targets: Tensor, *, mode: str = "auto", loss: str = "ppo",
-                chunk_tokens: int = CHUNK_TOKENS) -> ModeDecision:
+def decide_mode(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    mode: str = "auto",
+    loss: str = "ppo",
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> ModeDecision:
     """The mode :func:`fused_linear_policy_loss` runs for these inputs (``mode`` as given to it), and why.
 
     * ``"lean"``: always lean.
@@ -86,11 +93,15 @@ def decide_mode(hidden: Tensor, weight: Tensor, targets: Tensor, *, mode: str = 
         return ModeDecision("lean", None, "no gradient to compute: the forward is linear_logprob's in both modes")
     lin, stored, explained = _backends(hidden.device, hidden.dtype)
     if lin is None or stored != lin:
-        reason = (f"linear_logprob runs on '{lin}', which does not implement linear_logprob_stored (the one-pass "
-                  "log-probs must be linear_logprob's bits)")
+        reason = (
+            f"linear_logprob runs on '{lin}', which does not implement linear_logprob_stored (the one-pass "
+            "log-probs must be linear_logprob's bits)"
+        )
         if mode == "one_pass":
-            raise dispatch.BackendError(f"fused_linear_policy_loss: mode='one_pass': {reason}; pin a backend that "
-                                        f"implements both (RLK_BACKEND=triton) or use mode='lean'\n{explained}")
+            raise dispatch.BackendError(
+                f"fused_linear_policy_loss: mode='one_pass': {reason}; pin a backend that "
+                f"implements both (RLK_BACKEND=triton) or use mode='lean'\n{explained}"
+            )
         return ModeDecision("lean", lin, reason)
     if mode == "auto":
         if lin not in ONE_PASS_BACKENDS:
@@ -98,8 +109,11 @@ def decide_mode(hidden: Tensor, weight: Tensor, targets: Tensor, *, mode: str = 
             return ModeDecision("lean", lin, f"auto picks one_pass on {where} only")
         length = targets.shape[-1] if targets.dim() else 1
         if loss in SEQUENCE_LEVEL_LOSSES and length > chunk_tokens:
-            return ModeDecision("lean", lin, f"loss={loss!r} needs whole sequences in a chunk, and "
-                                f"T = {length} > chunk_tokens = {chunk_tokens}")
+            return ModeDecision(
+                "lean",
+                lin,
+                f"loss={loss!r} needs whole sequences in a chunk, and T = {length} > chunk_tokens = {chunk_tokens}",
+            )
     return ModeDecision("one_pass", lin, f"mode={mode!r}")
 
 
@@ -118,11 +132,33 @@ def _backends(device: torch.device, dtype: torch.dtype) -> tuple[str | None, str
 # ---------------------------------------------------------------------------
 
 
-def _one_pass_outputs(hidden: Tensor, weight: Tensor, targets, inv_temperature, old_logprob, advantages,
-                      mask: Tensor, importance_weights, ref_logprob, global_tokens, global_seqs, loss_scale,
-                      ignore_index, chunk_tokens: int, agg, loss: str, kl, flags, params, with_entropy_grad,
-                      with_entropy: bool, need_grad_hidden: bool, need_grad_weight: bool, *,
-                      weight_grad_later: bool = False) -> tuple[Tensor, ...]:
+def _one_pass_outputs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets,
+    inv_temperature,
+    old_logprob,
+    advantages,
+    mask: Tensor,
+    importance_weights,
+    ref_logprob,
+    global_tokens,
+    global_seqs,
+    loss_scale,
+    ignore_index,
+    chunk_tokens: int,
+    agg,
+    loss: str,
+    kl,
+    flags,
+    params,
+    with_entropy_grad,
+    with_entropy: bool,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+    *,
+    weight_grad_later: bool = False,
+) -> tuple[Tensor, ...]:
     """``(loss, grad_hidden, grad_weight, logprob, entropy, metrics)`` of the one-pass op (its arguments).
     ``weight_grad_later``: where the weight gradient is summed over chunks (:func:`_weight_grad_summed`), a
     placeholder in its place, allocated by the body once the logits buffer is freed."""
@@ -142,8 +178,9 @@ def _chunk_tokens(b: int, t: int, chunk_tokens: int, whole_rows: bool) -> int:
     return max(1, chunk_tokens // t) * t if whole_rows else min(chunk_tokens, b * t)
 
 
-def _weight_grad_summed(hidden: Tensor, weight: Tensor, mask: Tensor, chunk_tokens: int, loss: str,
-                        need_grad_weight: bool) -> bool:
+def _weight_grad_summed(
+    hidden: Tensor, weight: Tensor, mask: Tensor, chunk_tokens: int, loss: str, need_grad_weight: bool
+) -> bool:
     """Whether a 16-bit weight gradient is summed over several chunks: in fp32, its rounded copy allocated only
     once the logits buffer is freed (the peak holds one of the two)."""
     b, t = mask.shape
@@ -166,8 +203,11 @@ def _chunk_normalizers(agg: str, mask: Tensor, given: dict[str, object], cdt: to
 one_pass_op = custom_op.declare("fused_linear_policy_loss", dispatch_op="linear_logprob_stored")
 
 
-@one_pass_op.forward(outputs=functools.partial(_one_pass_outputs, weight_grad_later=True), fake=_one_pass_outputs,
-                     primitive=("linear_logprob_stored_fwd", "linear_logprob_stored_bwd"))
+@one_pass_op.forward(
+    outputs=functools.partial(_one_pass_outputs, weight_grad_later=True),
+    fake=_one_pass_outputs,
+    primitive=("linear_logprob_stored_fwd", "linear_logprob_stored_bwd"),
+)
 def _one_pass_fwd(
     primitive,
     out,
@@ -203,17 +243,25 @@ def _one_pass_fwd(
     step = _chunk_tokens(b, t, chunk_tokens, loss in SEQUENCE_LEVEL_LOSSES)
     summed = _weight_grad_summed(hidden, weight, mask, chunk_tokens, loss, need_grad_weight)
     logprob_ops.check_target_values(targets, inv_temperature, vocab, ignore_index)
-    checks.check_normalizer_values({"global_tokens": global_tokens, "global_seqs": global_seqs,
-                                    "loss_scale": loss_scale})
+    checks.check_normalizer_values(
+        {"global_tokens": global_tokens, "global_seqs": global_seqs, "loss_scale": loss_scale}
+    )
     given = policy_ops.normalizers([global_tokens, global_seqs, loss_scale], params)
     chunk_norms = _chunk_normalizers(agg, mask, given, cdt)
     policy_fwd = dispatch.select("policy_loss", hidden.device, cdt).primitives["policy_loss_fwd"]
 
     def policy(rows: slice, norms: dict[str, object], entropy_in: Tensor | None) -> tuple[Tensor, ...]:
         """The policy-loss forward over the sequences ``rows`` of the batch (fresh outputs)."""
-        args = (lp[rows], lp[rows] if old_logprob is None else old_logprob[rows], advantages[rows], mask[rows],
-                None if importance_weights is None else importance_weights[rows],
-                None if ref_logprob is None else ref_logprob[rows], entropy_in, with_entropy_grad)
+        args = (
+            lp[rows],
+            lp[rows] if old_logprob is None else old_logprob[rows],
+            advantages[rows],
+            mask[rows],
+            None if importance_weights is None else importance_weights[rows],
+            None if ref_logprob is None else ref_logprob[rows],
+            entropy_in,
+            with_entropy_grad,
+        )
         chunk_out = policy_ops._fwd_outputs(*args)
         policy_ops.launch(policy_fwd, chunk_out, *args, norms, agg, loss, kl, flags, params)
         return chunk_out
@@ -232,8 +280,17 @@ def _one_pass_fwd(
         n1 = min(n, n0 + step)
         rows = slice(n0, n1)
         z = logits[: n1 - n0]
-        stored_fwd(hidden[rows], weight, targets[rows], inv_temperature[rows], ignore_index, lp_flat[rows],
-                   None if ent_flat is None else ent_flat[rows], lse[rows], z)
+        stored_fwd(
+            hidden[rows],
+            weight,
+            targets[rows],
+            inv_temperature[rows],
+            ignore_index,
+            lp_flat[rows],
+            None if ent_flat is None else ent_flat[rows],
+            lse[rows],
+            z,
+        )
         # the policy loss of the chunk's sequences (whole rows, also the parts of other chunks: their results are
         # not used), with the whole batch's normalizers: each token's gradient as in one call over the batch
         b0, b1 = n0 // t, -(-n1 // t)
@@ -243,10 +300,18 @@ def _one_pass_fwd(
         h = hidden[rows]
         stored_bwd(
             h if valid_target is None else torch.where(valid_target[rows], h, h.new_zeros(())),
-            weight, targets[rows], inv_temperature[rows], lse[rows],
-            ent_flat[rows] if with_entropy_grad else None, grad_lp.view(-1)[offset],
-            grad_ent.view(-1)[offset] if with_entropy_grad else None, ignore_index, z,
-            grad_hidden[rows] if need_grad_hidden else None, acc if need_grad_weight else None, n0 > 0,
+            weight,
+            targets[rows],
+            inv_temperature[rows],
+            lse[rows],
+            ent_flat[rows] if with_entropy_grad else None,
+            grad_lp.view(-1)[offset],
+            grad_ent.view(-1)[offset] if with_entropy_grad else None,
+            ignore_index,
+            z,
+            grad_hidden[rows] if need_grad_hidden else None,
+            acc if need_grad_weight else None,
+            n0 > 0,
         )
     del logits, z
     if summed:  # rounded once
@@ -272,8 +337,10 @@ def _backward_one_pass(ctx, grad_loss, grad_grad_hidden, grad_grad_weight, grad_
     grad_hidden, grad_weight = ctx.saved_tensors
     if grad_loss is None:
         return {}
-    return {"hidden": grad_hidden * grad_loss if ctx.need[0] else None,
-            "weight": grad_weight * grad_loss if ctx.need[1] else None}
+    return {
+        "hidden": grad_hidden * grad_loss if ctx.need[0] else None,
+        "weight": grad_weight * grad_loss if ctx.need[1] else None,
+    }
 
 
 one_pass_op.autograd(save=_save_one_pass, backward=_backward_one_pass)
@@ -373,15 +440,20 @@ def fused_linear_policy_loss(
     if "entropy" in options:
         raise TypeError("entropy: computed here from hidden and weight; pass entropy_coef instead")
     flat_hidden, weight_c, flat_targets, inv_t, ignore_index = logprob_ops.linear_inputs(
-        hidden, weight, targets, temperature, ignore_index)
+        hidden, weight, targets, temperature, ignore_index
+    )
     if not isinstance(mask, Tensor):
         raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
     if mask.shape != targets.shape:
         raise ValueError(f"mask: expected the shape of targets {tuple(targets.shape)}, got {tuple(mask.shape)}")
     chunk_tokens = checks.integer("chunk_tokens", chunk_tokens, minimum=1)
     config = resolve_config(config, options)
-    tensors = {"importance_weights": importance_weights, "global_tokens": global_tokens, "global_seqs": global_seqs,
-               "loss_scale": loss_scale}
+    tensors = {
+        "importance_weights": importance_weights,
+        "global_tokens": global_tokens,
+        "global_seqs": global_seqs,
+        "loss_scale": loss_scale,
+    }
     with_entropy = bool(return_entropy) or config.entropy_coef != 0.0
     decision = decide_mode(hidden, weight, targets, mode=mode, loss=config.loss, chunk_tokens=chunk_tokens)
     valid = (mask != 0) & (targets != ignore_index)
@@ -391,13 +463,20 @@ def fused_linear_policy_loss(
         return x.unsqueeze(0) if one_sequence and x is not None and x.dim() == 1 else x
 
     if decision.mode == "lean":  # linear_logprob (its checks done above) then policy_loss
-        logprob, entropy, _ = logprob_ops._linear_logprob_fwd(flat_hidden, weight_c, flat_targets, inv_t,
-                                                              ignore_index, with_entropy)
+        logprob, entropy, _ = logprob_ops._linear_logprob_fwd(
+            flat_hidden, weight_c, flat_targets, inv_t, ignore_index, with_entropy
+        )
         logprob = logprob.view(targets.shape)
         entropy = entropy.view(targets.shape) if with_entropy else None
         loss, metrics = policy_loss(
-            rows(logprob), rows(old_logprob), rows(advantages), rows(valid), ref_logprob=rows(ref_logprob),
-            entropy=rows(entropy), config=config, **tensors,
+            rows(logprob),
+            rows(old_logprob),
+            rows(advantages),
+            rows(valid),
+            ref_logprob=rows(ref_logprob),
+            entropy=rows(entropy),
+            config=config,
+            **tensors,
         )
         if return_entropy:
             return loss, metrics, entropy.detach()
@@ -406,13 +485,40 @@ def fused_linear_policy_loss(
     valid = rows(valid)
     shape = tuple(valid.shape)
     cdt = checks.stat_dtype(hidden)
-    call = policy_ops.prepare(shape, hidden.device, cdt, rows(old_logprob), rows(advantages), valid, config,
-                              entropy=True if with_entropy else None, ref_logprob=rows(ref_logprob), **tensors)
+    call = policy_ops.prepare(
+        shape,
+        hidden.device,
+        cdt,
+        rows(old_logprob),
+        rows(advantages),
+        valid,
+        config,
+        entropy=True if with_entropy else None,
+        ref_logprob=rows(ref_logprob),
+        **tensors,
+    )
     need_grad = torch.is_grad_enabled()
     loss, _, _, _, entropy, metrics = _one_pass_fwd(
-        flat_hidden, weight_c, flat_targets, inv_t, call.old, call.advantages, call.mask, call.importance_weights,
-        call.ref_logprob, *call.norm_tensors, ignore_index, chunk_tokens, call.agg, call.loss, call.kl, call.flags,
-        call.params, call.with_entropy_grad, with_entropy, need_grad and flat_hidden.requires_grad,
+        flat_hidden,
+        weight_c,
+        flat_targets,
+        inv_t,
+        call.old,
+        call.advantages,
+        call.mask,
+        call.importance_weights,
+        call.ref_logprob,
+        *call.norm_tensors,
+        ignore_index,
+        chunk_tokens,
+        call.agg,
+        call.loss,
+        call.kl,
+        call.flags,
+        call.params,
+        call.with_entropy_grad,
+        with_entropy,
+        need_grad and flat_hidden.requires_grad,
         need_grad and weight_c.requires_grad,
     )
     metrics = policy_ops.metrics_dict(call, metrics)

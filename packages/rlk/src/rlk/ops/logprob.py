@@ -30,8 +30,9 @@ def _check_targets(targets: Tensor, lead: torch.Size, lead_name: str, device: to
     if targets.dtype not in _TARGET_DTYPES:
         raise TypeError(f"targets: expected dtype int32 or int64, got {targets.dtype}")
     if targets.shape != lead:
-        raise ValueError(f"targets: expected shape {tuple(lead)} ({lead_name} without its last dim), "
-                         f"got {tuple(targets.shape)}")
+        raise ValueError(
+            f"targets: expected shape {tuple(lead)} ({lead_name} without its last dim), got {tuple(targets.shape)}"
+        )
     if targets.device != device:
         raise ValueError(f"targets: expected device {device} (the device of {lead_name}), got {targets.device}")
 
@@ -45,9 +46,11 @@ def _inv_temperature(temperature: float | Tensor, lead: torch.Size, device: torc
         try:
             t = torch.broadcast_to(temperature, lead)
         except RuntimeError:
-            raise ValueError(f"temperature: shape {tuple(temperature.shape)} does not broadcast to the targets' "
-                             f"shape {tuple(lead)} (for one temperature per sequence of targets [B, T], pass "
-                             "shape [B, 1])") from None
+            raise ValueError(
+                f"temperature: shape {tuple(temperature.shape)} does not broadcast to the targets' "
+                f"shape {tuple(lead)} (for one temperature per sequence of targets [B, T], pass "
+                "shape [B, 1])"
+            ) from None
         t = t.to(dtype)
     else:
         t = torch.full(lead, temperature, dtype=dtype, device=device)
@@ -68,8 +71,10 @@ def _check_values(targets: Tensor, inv_temperature: Tensor, vocab: int, ignore_i
     flags = torch.stack([bad_target.any(), bad_temperature.any()]).tolist()
     if flags[0]:
         i = int(bad_target.nonzero()[0, 0])
-        raise ValueError(f"targets: values must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
-                         f"found {int(targets[i])} at flat position {i}")
+        raise ValueError(
+            f"targets: values must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
+            f"found {int(targets[i])} at flat position {i}"
+        )
     if flags[1]:
         checks.check_positive_values("temperature", inv_temperature, reciprocal=True)
 
@@ -141,8 +146,15 @@ def _backward_selected(ctx, grad_logprob, grad_entropy, grad_lse):
     logits, targets, inv_temperature, lse, entropy = ctx.saved_tensors
     grad_logprob, grad_entropy = _backward_grads(ctx, grad_logprob, grad_entropy, logits)
     grad_logits = selected_logprob_op.backward(
-        ctx, logits, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
-        grad_logprob, grad_entropy, ctx.ignore_index,
+        ctx,
+        logits,
+        targets,
+        inv_temperature,
+        lse,
+        entropy if grad_entropy is not None else None,
+        grad_logprob,
+        grad_entropy,
+        ctx.ignore_index,
     )
     return {"logits": grad_logits}
 
@@ -255,8 +267,17 @@ def _linear_logprob_bwd(
         return
     if need_grad_hidden or need_grad_weight:
         primitive(
-            hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
-            grad_hidden if need_grad_hidden else None, grad_weight if need_grad_weight else None,
+            hidden,
+            weight,
+            targets,
+            inv_temperature,
+            lse,
+            entropy,
+            grad_logprob,
+            grad_entropy,
+            ignore_index,
+            grad_hidden if need_grad_hidden else None,
+            grad_weight if need_grad_weight else None,
         )
 
 
@@ -275,8 +296,18 @@ def _backward_linear(ctx, grad_logprob, grad_entropy, grad_lse):
         # there (padding) never reaches the weight's gradient as 0 * NaN.
         hidden = torch.where((targets != ctx.ignore_index)[:, None], hidden, hidden.new_zeros(()))
     grad_hidden, grad_weight = linear_logprob_op.backward(
-        ctx, hidden, weight, targets, inv_temperature, lse, entropy if grad_entropy is not None else None,
-        grad_logprob, grad_entropy, ctx.ignore_index, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+        ctx,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        lse,
+        entropy if grad_entropy is not None else None,
+        grad_logprob,
+        grad_entropy,
+        ctx.ignore_index,
+        ctx.needs_input_grad[0],
+        ctx.needs_input_grad[1],
     )
     return {
         "hidden": grad_hidden if ctx.needs_input_grad[0] else None,
@@ -315,8 +346,9 @@ def linear_logprob(
         fp32 ``logprob`` (and ``entropy``) of shape ``targets.shape``,
         differentiable w.r.t. ``hidden`` and ``weight``.
     """
-    flat_hidden, weight, flat_targets, inv_t, ignore_index = linear_inputs(hidden, weight, targets, temperature,
-                                                                           ignore_index)
+    flat_hidden, weight, flat_targets, inv_t, ignore_index = linear_inputs(
+        hidden, weight, targets, temperature, ignore_index
+    )
     lead = hidden.shape[:-1]
     logprob, entropy, _ = _linear_logprob_fwd(
         flat_hidden, weight, flat_targets, inv_t, ignore_index, bool(return_entropy)
@@ -326,8 +358,9 @@ def linear_logprob(
     return logprob.view(lead)
 
 
-def linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float | Tensor,
-                  ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+def linear_inputs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float | Tensor, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
     """:func:`linear_logprob`'s argument checks (errors name the argument) and its primitives' inputs:
     ``hidden`` as ``[N, H]``, ``weight`` contiguous, ``targets`` int64 ``[N]``, ``inv_temperature`` ``[N]``
     (fp32; fp64 for fp64 inputs) and ``ignore_index`` as an int."""
@@ -336,8 +369,10 @@ def linear_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: 
     if hidden.dim() < 1 or hidden.shape[-1] == 0:
         raise ValueError(f"hidden: expected shape [..., H] with H >= 1, got {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight: expected shape [V, H] with V >= 1 and H = {hidden.shape[-1]} "
-                         f"(hidden's last dim), got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight: expected shape [V, H] with V >= 1 and H = {hidden.shape[-1]} "
+            f"(hidden's last dim), got {tuple(weight.shape)}"
+        )
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
     if weight.device != hidden.device:

@@ -34,8 +34,9 @@ def _check_tensor(name: str, x, shape: torch.Size | None, device: torch.device |
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected dtype bfloat16, float16 or float32 (float64 for reference runs), "
-                        f"got {x.dtype}")
+        raise TypeError(
+            f"{name}: expected dtype bfloat16, float16 or float32 (float64 for reference runs), got {x.dtype}"
+        )
     _check_like(name, x, shape, device, what)
 
 
@@ -69,8 +70,15 @@ value_loss_op = custom_op.declare("value_loss")
 
 @value_loss_op.forward(outputs=lambda values, *_: (values.new_zeros(()), values.new_zeros((2,))))
 def _value_loss_fwd(
-    primitive, out, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, row_weight: Tensor,
-    clip: float | None, tensor_normalizers: str,
+    primitive,
+    out,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    row_weight: Tensor,
+    clip: float | None,
+    tensor_normalizers: str,
 ) -> tuple[Tensor, Tensor]:
     """``tensor_normalizers``: the names of the normalizers given as tensors ("" if none), whose values reach the op
     only through ``row_weight``: checked there (one synchronization; numbers were checked at the call)."""
@@ -80,8 +88,10 @@ def _value_loss_fwd(
         bad = ~(row_weight > 0) | torch.isinf(row_weight)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"{tensor_normalizers}: must be finite and > 0; the aggregation weight they give row {i} "
-                             f"is {float(row_weight[i])}")
+            raise ValueError(
+                f"{tensor_normalizers}: must be finite and > 0; the aggregation weight they give row {i} "
+                f"is {float(row_weight[i])}"
+            )
     primitive(values, old_values, returns, mask, row_weight, clip, *out)
 
 
@@ -175,15 +185,23 @@ def value_loss(
     if old_values is not None:
         _check_tensor("old_values", old_values, values.shape, values.device, "values")
     cdt = _compute_dtype(values, old_values, returns)
-    weights = aggregation.row_weights(mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
-                                      loss_scale=loss_scale, dtype=cdt)
+    weights = aggregation.row_weights(
+        mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, dtype=cdt
+    )
     v = values.to(cdt).contiguous()
     v_old = v.detach() if old_values is None or clip is None else old_values.detach().to(cdt).contiguous()
     loss, metrics = _value_loss_fwd(
-        v, v_old, returns.detach().to(cdt).contiguous(), (mask if mask.dtype == torch.bool else mask != 0).contiguous(),
-        weights.contiguous(), None if clip is None else float(clip),
-        ", ".join(name for name, x in (("global_tokens", global_tokens), ("global_seqs", global_seqs),
-                                       ("loss_scale", loss_scale)) if isinstance(x, Tensor)),
+        v,
+        v_old,
+        returns.detach().to(cdt).contiguous(),
+        (mask if mask.dtype == torch.bool else mask != 0).contiguous(),
+        weights.contiguous(),
+        None if clip is None else float(clip),
+        ", ".join(
+            name
+            for name, x in (("global_tokens", global_tokens), ("global_seqs", global_seqs), ("loss_scale", loss_scale))
+            if isinstance(x, Tensor)
+        ),
     )
     metrics = metrics.detach()
     return loss, {"vf_clip_fraction": metrics[0], "values_mean": metrics[1]}
@@ -221,8 +239,19 @@ def _dpo_loss_fwd(
     mean: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if chosen.numel():
-        primitive(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type,
-                  label_smoothing, mean, *out)
+        primitive(
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            len_chosen,
+            len_rejected,
+            beta,
+            loss_type,
+            label_smoothing,
+            mean,
+            *out,
+        )
 
 
 @dpo_loss_op.backward_primitive(outputs=_dpo_bwd_outputs)
@@ -244,8 +273,21 @@ def _dpo_loss_bwd(
 ) -> tuple[Tensor, Tensor]:
     if chosen.numel() == 0 or (grad_losses is None and grad_loss is None):
         return
-    primitive(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing,
-              mean, grad_losses, grad_loss, *out)
+    primitive(
+        chosen,
+        rejected,
+        ref_chosen,
+        ref_rejected,
+        len_chosen,
+        len_rejected,
+        beta,
+        loss_type,
+        label_smoothing,
+        mean,
+        grad_losses,
+        grad_loss,
+        *out,
+    )
 
 
 def _save_dpo(ctx, inputs, output):
@@ -326,11 +368,15 @@ def dpo_loss(
     """
     _check_tensor("chosen_logprob", chosen_logprob, None, None, "chosen_logprob")
     if chosen_logprob.dim() != 1:
-        raise ValueError(f"chosen_logprob: expected shape [P] (one log-prob per pair), got "
-                         f"{tuple(chosen_logprob.shape)}")
+        raise ValueError(
+            f"chosen_logprob: expected shape [P] (one log-prob per pair), got {tuple(chosen_logprob.shape)}"
+        )
     shape, device = chosen_logprob.shape, chosen_logprob.device
-    for name, x in (("rejected_logprob", rejected_logprob), ("ref_chosen_logprob", ref_chosen_logprob),
-                    ("ref_rejected_logprob", ref_rejected_logprob)):
+    for name, x in (
+        ("rejected_logprob", rejected_logprob),
+        ("ref_chosen_logprob", ref_chosen_logprob),
+        ("ref_rejected_logprob", ref_rejected_logprob),
+    ):
         _check_tensor(name, x, shape, device, "chosen_logprob")
     beta = checks.number("beta", beta, above=0.0)
     if loss not in DPO_LOSSES:
@@ -345,10 +391,13 @@ def dpo_loss(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: expected one of {', '.join(repr(r) for r in _REDUCTIONS)}, got {reduction!r}")
     if loss == "ipo" and (chosen_length is None or rejected_length is None):
-        missing = " and ".join(n for n, t in (("chosen_length", chosen_length), ("rejected_length", rejected_length))
-                               if t is None)
-        raise ValueError(f"{missing}: loss='ipo' normalizes the log-probs by the completion lengths; pass "
-                         "chosen_length and rejected_length ([P] token counts)")
+        missing = " and ".join(
+            n for n, t in (("chosen_length", chosen_length), ("rejected_length", rejected_length)) if t is None
+        )
+        raise ValueError(
+            f"{missing}: loss='ipo' normalizes the log-probs by the completion lengths; pass "
+            "chosen_length and rejected_length ([P] token counts)"
+        )
     for name, length in (("chosen_length", chosen_length), ("rejected_length", rejected_length)):
         if length is not None:
             _check_length(name, length, shape, device)
@@ -357,9 +406,15 @@ def dpo_loss(
     if loss == "ipo":
         lengths = (chosen_length.detach().to(cdt).contiguous(), rejected_length.detach().to(cdt).contiguous())
     losses, total, metrics = _dpo_loss_fwd(
-        chosen_logprob.to(cdt).contiguous(), rejected_logprob.to(cdt).contiguous(),
-        ref_chosen_logprob.detach().to(cdt).contiguous(), ref_rejected_logprob.detach().to(cdt).contiguous(),
-        *lengths, float(beta), loss, float(label_smoothing), reduction == "mean",
+        chosen_logprob.to(cdt).contiguous(),
+        rejected_logprob.to(cdt).contiguous(),
+        ref_chosen_logprob.detach().to(cdt).contiguous(),
+        ref_rejected_logprob.detach().to(cdt).contiguous(),
+        *lengths,
+        float(beta),
+        loss,
+        float(label_smoothing),
+        reduction == "mean",
     )
     metrics = metrics.detach()
     names = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy")

@@ -99,8 +99,9 @@ def _matmul_bwd(
     if not (need_a or need_b or need_bias):
         return
     if a.dim() == 2:
-        primitive(grad_out, a, b, grad_a if need_a else None, grad_b if need_b else None,
-                  grad_bias if need_bias else None)
+        primitive(
+            grad_out, a, b, grad_a if need_a else None, grad_b if need_b else None, grad_bias if need_bias else None
+        )
     else:
         for i in range(a.shape[0]):
             primitive(grad_out[i], a[i], b[i], grad_a[i] if need_a else None, grad_b[i] if need_b else None, None)
@@ -174,8 +175,9 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         if a.dim() != 3:
             raise ValueError(f"a: expected shape [B, M, K] with a batched b [B, K, N], got {tuple(a.shape)}")
         if b.shape[0] != a.shape[0] or b.shape[1] != a.shape[2]:
-            raise ValueError(f"b: expected shape [B, K, N] with B = {a.shape[0]} and K = {a.shape[2]} "
-                             f"(from a), got {tuple(b.shape)}")
+            raise ValueError(
+                f"b: expected shape [B, K, N] with B = {a.shape[0]} and K = {a.shape[2]} (from a), got {tuple(b.shape)}"
+            )
         return _matmul_fwd(_unit_stride(a), _unit_stride(b), None)
     raise ValueError(f"b: expected shape [K, N] or [B, K, N], got {tuple(b.shape)}")
 
@@ -203,8 +205,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if x.dim() < 1:
         raise ValueError(f"x: expected shape [..., K], got {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"weight: expected shape [N, K] with K = {x.shape[-1]} (x's last dim), "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight: expected shape [N, K] with K = {x.shape[-1]} (x's last dim), got {tuple(weight.shape)}"
+        )
     n = weight.shape[0]
     if bias is not None:
         check_float("bias", bias)

@@ -59,16 +59,24 @@ def _check_inputs(x, weight, residual) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _fwd_outputs(x: Tensor, weight: Tensor, residual: Tensor | None, eps: float,
-                 gemma: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _fwd_outputs(
+    x: Tensor, weight: Tensor, residual: Tensor | None, eps: float, gemma: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     y = x.new_empty(x.shape, dtype=output_dtype(x.dtype, weight.dtype, gemma))
     s = torch.empty_like(x) if residual is not None else custom_op.placeholder(x)
     rstd = x.new_empty((x.shape[0],), dtype=stat_dtype(x))
     return y, s, rstd
 
 
-def _bwd_outputs(grad_out: Tensor, s: Tensor, weight: Tensor, rstd: Tensor, grad_residual: Tensor | None,
-                 gemma: bool, need_grad_weight: bool) -> tuple[Tensor, Tensor]:
+def _bwd_outputs(
+    grad_out: Tensor,
+    s: Tensor,
+    weight: Tensor,
+    rstd: Tensor,
+    grad_residual: Tensor | None,
+    gemma: bool,
+    need_grad_weight: bool,
+) -> tuple[Tensor, Tensor]:
     grad_weight = torch.empty_like(weight) if need_grad_weight else custom_op.placeholder(weight)
     return torch.empty_like(s), grad_weight
 

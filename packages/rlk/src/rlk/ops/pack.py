@@ -36,8 +36,9 @@ def _pack_fwd(primitive, out, x: Tensor, slot: Tensor, total: int) -> Tensor:
         primitive(x, slot, out)
 
 
-@pack_op.backward_primitive(outputs=lambda grad, slot: grad.new_empty((slot.shape[0], grad.shape[1])),
-                            primitive="pack_bwd")
+@pack_op.backward_primitive(
+    outputs=lambda grad, slot: grad.new_empty((slot.shape[0], grad.shape[1])), primitive="pack_bwd"
+)
 def _pack_bwd(primitive, out, grad: Tensor, slot: Tensor) -> Tensor:
     """The gradient of ``pack``: ``grad`` unpacked, 0 at padding."""
     if not out.numel():
@@ -64,8 +65,9 @@ pack_op.autograd(save=_pack_save, backward=_pack_backward)
 unpack_op = custom_op.declare("unpack", dispatch_op="pack")
 
 
-@unpack_op.forward(outputs=lambda packed, slot, fill: packed.new_empty((slot.shape[0], packed.shape[1])),
-                   primitive="pack_bwd")
+@unpack_op.forward(
+    outputs=lambda packed, slot, fill: packed.new_empty((slot.shape[0], packed.shape[1])), primitive="pack_bwd"
+)
 def _unpack_fwd(primitive, out, packed: Tensor, slot: Tensor, fill: float) -> Tensor:
     """``out[n] = packed[slot[n]]`` for the valid tokens, ``fill`` elsewhere."""
     if not out.numel():
@@ -76,8 +78,9 @@ def _unpack_fwd(primitive, out, packed: Tensor, slot: Tensor, fill: float) -> Te
     primitive(packed, slot, fill, out)
 
 
-@unpack_op.backward_primitive(outputs=lambda grad, slot, total: grad.new_empty((total, grad.shape[1])),
-                              primitive="pack_fwd")
+@unpack_op.backward_primitive(
+    outputs=lambda grad, slot, total: grad.new_empty((total, grad.shape[1])), primitive="pack_fwd"
+)
 def _unpack_bwd(primitive, out, grad: Tensor, slot: Tensor, total: int) -> Tensor:
     """The gradient of ``unpack``: ``grad`` packed (the padding positions get none)."""
     if out.numel():
@@ -107,8 +110,9 @@ def _check_mask(attention_mask) -> None:
     if not isinstance(attention_mask, Tensor):
         raise TypeError(f"attention_mask: expected a torch.Tensor, got {type(attention_mask).__name__}")
     if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-        raise TypeError(f"attention_mask: expected dtype bool or an integer dtype (values 0 / 1), "
-                        f"got {attention_mask.dtype}")
+        raise TypeError(
+            f"attention_mask: expected dtype bool or an integer dtype (values 0 / 1), got {attention_mask.dtype}"
+        )
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask: expected shape [B, T], got {tuple(attention_mask.shape)}")
 
@@ -119,8 +123,9 @@ def _check_data(name: str, x, attention_mask: Tensor) -> None:
     if x.dtype not in PACK_DTYPES:
         raise TypeError(f"{name}: expected dtype {_DTYPE_NAMES}, got {x.dtype}")
     if x.device != attention_mask.device:
-        raise ValueError(f"{name}: expected device {attention_mask.device} (the device of attention_mask), "
-                         f"got {x.device}")
+        raise ValueError(
+            f"{name}: expected device {attention_mask.device} (the device of attention_mask), got {x.device}"
+        )
 
 
 def _checked() -> bool:
@@ -154,8 +159,10 @@ def _slots(attention_mask: Tensor, total: int | None, rows: int | None) -> tuple
         found = host[0]
         if checked and host[1]:
             bad = ((flat != 0) & (flat != 1)).nonzero()[0, 0]
-            raise ValueError(f"attention_mask: values must be 0 or 1 (or bool); found {flat[bad].item()} at "
-                             f"[{int(bad) // t}, {int(bad) % t}]")
+            raise ValueError(
+                f"attention_mask: values must be 0 or 1 (or bool); found {flat[bad].item()} at "
+                f"[{int(bad) // t}, {int(bad) % t}]"
+            )
         if total is not None and total != found:
             raise ValueError(f"total: expected the number of valid tokens of attention_mask, {found}; got {total}")
         if rows is not None and rows != found:
@@ -199,8 +206,10 @@ def pack(x: Tensor, attention_mask: Tensor, *, total: int | None = None) -> tupl
     _check_data("x", x, attention_mask)
     b, t = attention_mask.shape
     if x.dim() < 2 or tuple(x.shape[:2]) != (b, t):
-        raise ValueError(f"x: expected shape [B, T, *trailing] with [B, T] = {[b, t]} (the shape of "
-                         f"attention_mask), got {tuple(x.shape)}")
+        raise ValueError(
+            f"x: expected shape [B, T, *trailing] with [B, T] = {[b, t]} (the shape of "
+            f"attention_mask), got {tuple(x.shape)}"
+        )
     if total is not None:
         total = checks.integer("total", total, minimum=0)
     slot, cu, total = _slots(attention_mask, total, None)

@@ -40,13 +40,15 @@ _INF = math.inf
 # ---------------------------------------------------------------------------
 
 
-def _check_tensor(name: str, x, shapes: tuple[tuple[int, ...], ...], device: torch.device,
-                  floating: bool = True) -> None:
+def _check_tensor(
+    name: str, x, shapes: tuple[tuple[int, ...], ...], device: torch.device, floating: bool = True
+) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if floating and x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16 (float64 for reference runs), "
-                        f"got {x.dtype}")
+        raise TypeError(
+            f"{name}: expected dtype float32, bfloat16 or float16 (float64 for reference runs), got {x.dtype}"
+        )
     if tuple(x.shape) not in shapes:
         wanted = " or ".join(str(s) for s in shapes)
         raise ValueError(f"{name}: expected shape {wanted}, got {tuple(x.shape)}")
@@ -63,8 +65,10 @@ def _kl_spec(name: str, estimator) -> tuple[str, bool]:
     base = _KL_ALIASES.get(base, base)
     if base not in KL_ESTIMATORS:
         known = ", ".join(repr(k) for k in (*KL_ESTIMATORS, *_KL_ALIASES))
-        raise ValueError(f"{name}: expected one of {known} (optionally with a trailing '+' for the straight-through "
-                         f"form), got {estimator!r}")
+        raise ValueError(
+            f"{name}: expected one of {known} (optionally with a trailing '+' for the straight-through "
+            f"form), got {estimator!r}"
+        )
     return base, straight
 
 
@@ -173,23 +177,30 @@ def _op_attrs(config: PolicyLossConfig) -> _OpAttrs:
     clip_high = config.clip_high
     if clip_high is None:
         if loss == "cispo" and cispo_form == "upper":
-            raise ValueError("clip_high: cispo_form='upper' caps the ratio at clip_high itself (TRL's epsilon_high, "
-                             "e.g. 5.0); pass it explicitly")
+            raise ValueError(
+                "clip_high: cispo_form='upper' caps the ratio at clip_high itself (TRL's epsilon_high, "
+                "e.g. 5.0); pass it explicitly"
+            )
         clip_high = clip_low
     clip_high = checks.number("clip_high", clip_high, minimum=0.0)
     dual_clip = config.dual_clip
     if dual_clip is not None:
         if loss not in _CAPPED_LOSSES:
-            raise ValueError(f"dual_clip: only loss='ppo' has a dual clip, and 'dppo_tv' / 'dppo_kl' a ratio cap "
-                             f"(loss is {loss!r})")
+            raise ValueError(
+                f"dual_clip: only loss='ppo' has a dual clip, and 'dppo_tv' / 'dppo_kl' a ratio cap (loss is {loss!r})"
+            )
         dual_clip = checks.number("dual_clip", dual_clip, above=1.0)
     clamp_low, clamp_high = _clamp_bounds(config.clamp_log_ratio)
-    tau_pos, tau_neg = (checks.number("sapo_tau", tau, above=0.0)
-                        for tau in _pair("sapo_tau", config.sapo_tau, "for A > 0, for A <= 0"))
-    vespo_k_pos, vespo_k_neg = (checks.number("vespo_k", k, dtype=torch.float32)
-                                for k in _pair("vespo_k", config.vespo_k))
-    vespo_lambda_pos, vespo_lambda_neg = (checks.number("vespo_lambda", lam, above=0.0, dtype=torch.float32)
-                                          for lam in _pair("vespo_lambda", config.vespo_lambda))
+    tau_pos, tau_neg = (
+        checks.number("sapo_tau", tau, above=0.0) for tau in _pair("sapo_tau", config.sapo_tau, "for A > 0, for A <= 0")
+    )
+    vespo_k_pos, vespo_k_neg = (
+        checks.number("vespo_k", k, dtype=torch.float32) for k in _pair("vespo_k", config.vespo_k)
+    )
+    vespo_lambda_pos, vespo_lambda_neg = (
+        checks.number("vespo_lambda", lam, above=0.0, dtype=torch.float32)
+        for lam in _pair("vespo_lambda", config.vespo_lambda)
+    )
     kl, kl_straight = _kl_spec("kl", config.kl)
     kl_coef = checks.number("kl_coef", config.kl_coef)
     kl_clamp = _INF if config.kl_clamp is None else checks.number("kl_clamp", config.kl_clamp, above=0.0)
@@ -197,8 +208,22 @@ def _op_attrs(config: PolicyLossConfig) -> _OpAttrs:
     if config.agg not in AGG_MODES:
         raise ValueError(f"agg: expected one of {', '.join(repr(a) for a in AGG_MODES)}, got {config.agg!r}")
     flags = [cispo_form == "upper", bool(config.kl_k3_clamp), kl_straight, bool(config.kl_unbiased)]
-    params = [clip_low, clip_high, 0.0 if dual_clip is None else dual_clip, clamp_low, clamp_high, tau_pos, tau_neg,
-              kl_coef, kl_clamp, entropy_coef, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg]
+    params = [
+        clip_low,
+        clip_high,
+        0.0 if dual_clip is None else dual_clip,
+        clamp_low,
+        clamp_high,
+        tau_pos,
+        tau_neg,
+        kl_coef,
+        kl_clamp,
+        entropy_coef,
+        vespo_k_pos,
+        vespo_lambda_pos,
+        vespo_k_neg,
+        vespo_lambda_neg,
+    ]
     return _OpAttrs(kl, flags, params)
 
 
@@ -217,13 +242,24 @@ def resolve_config(config: PolicyLossConfig | None, options: dict[str, object]) 
         return config
     unknown = [name for name in options if name not in _CONFIG_FIELDS]
     if unknown:
-        raise TypeError(f"{unknown[0]}: not an argument of the policy loss (its options are the fields of "
-                        f"rlk.PolicyLossConfig: {', '.join(_CONFIG_FIELDS)})")
+        raise TypeError(
+            f"{unknown[0]}: not an argument of the policy loss (its options are the fields of "
+            f"rlk.PolicyLossConfig: {', '.join(_CONFIG_FIELDS)})"
+        )
     return dataclasses.replace(config, **options)
 
 
-def _fwd_outputs(logprob: Tensor, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy,
-                 with_entropy_grad: bool, *_) -> tuple[Tensor, ...]:
+def _fwd_outputs(
+    logprob: Tensor,
+    old_logprob,
+    advantages,
+    mask,
+    importance_weights,
+    ref_logprob,
+    entropy,
+    with_entropy_grad: bool,
+    *_,
+) -> tuple[Tensor, ...]:
     """``(loss, grad_logprob, grad_entropy, row_weight, row_stats, metrics)`` of a ``[B, T]`` call."""
     b, t = logprob.shape
     loss = logprob.new_empty(())
@@ -237,8 +273,22 @@ def _fwd_outputs(logprob: Tensor, old_logprob, advantages, mask, importance_weig
 
 #: The scalar attributes of the forward primitive, passed to the custom op as two lists (the op's
 #: schema stays short: torch's custom-op call path costs time per schema argument and call).
-_FLOAT_ATTRS = ("clip_low", "clip_high", "dual_clip", "clamp_low", "clamp_high", "tau_pos", "tau_neg", "kl_coef",
-                "kl_clamp", "entropy_coef", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+_FLOAT_ATTRS = (
+    "clip_low",
+    "clip_high",
+    "dual_clip",
+    "clamp_low",
+    "clamp_high",
+    "tau_pos",
+    "tau_neg",
+    "kl_coef",
+    "kl_clamp",
+    "entropy_coef",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+)
 _BOOL_ATTRS = ("cispo_upper", "kl_k3_clamp", "kl_straight_through", "kl_unbiased")
 #: The aggregation normalizers: each a number (in ``params`` after the attributes; NaN when absent or given
 #: as a tensor) or a one-element tensor (an optional tensor argument).
@@ -248,24 +298,57 @@ _NORMALIZERS = ("global_tokens", "global_seqs", "loss_scale")
 def normalizers(tensors: list, params: list[float]) -> dict[str, object]:
     """The normalizers by name (numbers, one-element tensors or None) from the custom op's normalizer tensors and
     ``params`` (their numbers after ``_FLOAT_ATTRS``')."""
-    numbers = params[len(_FLOAT_ATTRS):]
-    return {name: t if t is not None else (None if math.isnan(x) else x)
-            for name, t, x in zip(_NORMALIZERS, tensors, numbers)}
+    numbers = params[len(_FLOAT_ATTRS) :]
+    return {
+        name: t if t is not None else (None if math.isnan(x) else x)
+        for name, t, x in zip(_NORMALIZERS, tensors, numbers)
+    }
 
 
-def launch(primitive, out: tuple[Tensor, ...], logprob: Tensor, old_logprob: Tensor, advantages: Tensor,
-           mask: Tensor, importance_weights: Tensor | None, ref_logprob: Tensor | None, entropy: Tensor | None,
-           with_entropy_grad: bool, norms: dict[str, object], agg: str, loss: str, kl: str, flags: list[bool],
-           params: list[float]) -> None:
+def launch(
+    primitive,
+    out: tuple[Tensor, ...],
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    importance_weights: Tensor | None,
+    ref_logprob: Tensor | None,
+    entropy: Tensor | None,
+    with_entropy_grad: bool,
+    norms: dict[str, object],
+    agg: str,
+    loss: str,
+    kl: str,
+    flags: list[bool],
+    params: list[float],
+) -> None:
     """The backend's ``policy_loss_fwd`` on canonical inputs (:class:`PolicyLossCall`'s) into ``out``
     (``_fwd_outputs``'); ``norms`` as :func:`normalizers` gives them. Also the per-chunk calls of
     ``fused_linear_policy_loss``'s one-pass mode."""
     attrs = dict(zip(_BOOL_ATTRS, flags)) | dict(zip(_FLOAT_ATTRS, params))
     loss_out, grad_lp, grad_ent, row_weight, stats, metrics = out
     primitive(
-        logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, norms["global_tokens"],
-        norms["global_seqs"], norms["loss_scale"], loss_out, grad_lp, grad_ent if with_entropy_grad else None,
-        row_weight, stats, metrics, agg=agg, loss=loss, kl=kl, **attrs,
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        importance_weights,
+        ref_logprob,
+        entropy,
+        norms["global_tokens"],
+        norms["global_seqs"],
+        norms["loss_scale"],
+        loss_out,
+        grad_lp,
+        grad_ent if with_entropy_grad else None,
+        row_weight,
+        stats,
+        metrics,
+        agg=agg,
+        loss=loss,
+        kl=kl,
+        **attrs,
     )
 
 
@@ -294,9 +377,24 @@ def _policy_loss_fwd(
     params: list[float],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     checks.check_normalizer_values(dict(zip(_NORMALIZERS, (global_tokens, global_seqs, loss_scale))))
-    launch(primitive, out, logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy,
-           with_entropy_grad, normalizers([global_tokens, global_seqs, loss_scale], params), agg, loss, kl, flags,
-           params)
+    launch(
+        primitive,
+        out,
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        importance_weights,
+        ref_logprob,
+        entropy,
+        with_entropy_grad,
+        normalizers([global_tokens, global_seqs, loss_scale], params),
+        agg,
+        loss,
+        kl,
+        flags,
+        params,
+    )
 
 
 def _bwd_outputs(grad_loss: Tensor, grad_logprob: Tensor, grad_entropy: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -325,7 +423,10 @@ def _backward_policy(ctx, grad_loss, grad_grad_lp, grad_grad_ent, grad_row_weigh
     if grad_loss is None:
         return {}
     grad_lp, grad_ent = policy_loss_op.backward(
-        ctx, grad_loss.to(grad_lp.dtype).contiguous(), grad_lp, grad_ent if ctx.with_entropy_grad else None,
+        ctx,
+        grad_loss.to(grad_lp.dtype).contiguous(),
+        grad_lp,
+        grad_ent if ctx.with_entropy_grad else None,
     )
     return {"logprob": grad_lp, "entropy": grad_ent if ctx.with_entropy_grad else None}
 
@@ -442,9 +543,18 @@ def policy_loss(
     without the backward's extra pass over the tokens.
     """
     loss_value, _, _, metrics = _policy_loss(
-        False, logprob, old_logprob, advantages, mask, resolve_config(config, options),
-        importance_weights=importance_weights, global_tokens=global_tokens, global_seqs=global_seqs,
-        loss_scale=loss_scale, ref_logprob=ref_logprob, entropy=entropy,
+        False,
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        resolve_config(config, options),
+        importance_weights=importance_weights,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        loss_scale=loss_scale,
+        ref_logprob=ref_logprob,
+        entropy=entropy,
     )
     return loss_value, metrics
 
@@ -485,9 +595,18 @@ def policy_loss_and_grad(
         ``metrics`` as :func:`policy_loss`'s.
     """
     loss_value, grad_lp, grad_ent, metrics = _policy_loss(
-        True, logprob, old_logprob, advantages, mask, resolve_config(config, options),
-        importance_weights=importance_weights, global_tokens=global_tokens, global_seqs=global_seqs,
-        loss_scale=loss_scale, ref_logprob=ref_logprob, entropy=entropy,
+        True,
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        resolve_config(config, options),
+        importance_weights=importance_weights,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        loss_scale=loss_scale,
+        ref_logprob=ref_logprob,
+        entropy=entropy,
     )
     return PolicyLossAndGrad(loss_value, grad_lp, grad_ent, metrics)
 
@@ -546,10 +665,13 @@ def prepare(
     if config.entropy_coef != 0 and not has_entropy:
         raise ValueError("entropy: required when entropy_coef != 0")
     aggregation.check_agg(config.agg, device, global_tokens, global_seqs, loss_scale)
-    norm_tensors = [x.detach().reshape(()).to(cdt) if isinstance(x, Tensor) else None
-                    for x in (global_tokens, global_seqs, loss_scale)]
-    norm_numbers = [math.nan if x is None or isinstance(x, Tensor) else float(x)
-                    for x in (global_tokens, global_seqs, loss_scale)]
+    norm_tensors = [
+        x.detach().reshape(()).to(cdt) if isinstance(x, Tensor) else None
+        for x in (global_tokens, global_seqs, loss_scale)
+    ]
+    norm_numbers = [
+        math.nan if x is None or isinstance(x, Tensor) else float(x) for x in (global_tokens, global_seqs, loss_scale)
+    ]
 
     # --- canonical inputs ----------------------------------------------------------------
     mask_bool = mask if mask.dtype == torch.bool else mask != 0
@@ -565,9 +687,21 @@ def prepare(
         names.append("entropy_mean")
     if ref_logprob is not None:
         names.append("kl_mean")
-    return PolicyLossCall(old, adv, mask_bool.contiguous(), detached(importance_weights), detached(ref_logprob),
-                          has_entropy and config.entropy_coef != 0, norm_tensors, config.agg, config.loss, attrs.kl,
-                          attrs.flags, [*attrs.params, *norm_numbers], names)
+    return PolicyLossCall(
+        old,
+        adv,
+        mask_bool.contiguous(),
+        detached(importance_weights),
+        detached(ref_logprob),
+        has_entropy and config.entropy_coef != 0,
+        norm_tensors,
+        config.agg,
+        config.loss,
+        attrs.kl,
+        attrs.flags,
+        [*attrs.params, *norm_numbers],
+        names,
+    )
 
 
 def metrics_dict(call: PolicyLossCall, metrics: Tensor) -> dict[str, Tensor]:
@@ -612,8 +746,20 @@ def _policy_loss(
         grad_ent = torch.zeros_like(ent) if with_entropy_grad else None
     else:
         out_loss, grad_lp, grad_ent, _, _, metrics = _policy_loss_fwd(
-            lp, old, call.advantages, call.mask, call.importance_weights, call.ref_logprob, ent, with_entropy_grad,
-            *call.norm_tensors, call.agg, call.loss, call.kl, call.flags, call.params,
+            lp,
+            old,
+            call.advantages,
+            call.mask,
+            call.importance_weights,
+            call.ref_logprob,
+            ent,
+            with_entropy_grad,
+            *call.norm_tensors,
+            call.agg,
+            call.loss,
+            call.kl,
+            call.flags,
+            call.params,
         )
     metrics = metrics_dict(call, metrics)
     if not fused:
@@ -633,12 +779,27 @@ kl_penalty_op = custom_op.declare("kl_penalty")
 
 @kl_penalty_op.forward(outputs=lambda logprob, *_: (torch.empty_like(logprob), torch.empty_like(logprob)))
 def _kl_penalty_fwd(
-    primitive, out, logprob: Tensor, ref_logprob: Tensor, old_logprob: Tensor | None, estimator: str,
-    straight_through: bool, k3_clamp: bool, clamp: float,
+    primitive,
+    out,
+    logprob: Tensor,
+    ref_logprob: Tensor,
+    old_logprob: Tensor | None,
+    estimator: str,
+    straight_through: bool,
+    k3_clamp: bool,
+    clamp: float,
 ) -> tuple[Tensor, Tensor]:
     if logprob.numel():
-        primitive(logprob, ref_logprob, old_logprob, *out, estimator=estimator, straight_through=straight_through,
-                  k3_clamp=k3_clamp, clamp=clamp)
+        primitive(
+            logprob,
+            ref_logprob,
+            old_logprob,
+            *out,
+            estimator=estimator,
+            straight_through=straight_through,
+            k3_clamp=k3_clamp,
+            clamp=clamp,
+        )
 
 
 @kl_penalty_op.backward_primitive(outputs=lambda grad_kl, coef: torch.empty_like(coef))
@@ -717,6 +878,5 @@ def kl_penalty(
     lp = logprob.to(cdt).reshape(-1).contiguous()
     ref = ref_logprob.detach().to(cdt).reshape(-1).contiguous()
     old = None if old_logprob is None else old_logprob.detach().to(cdt).reshape(-1).contiguous()
-    kl, _ = _kl_penalty_fwd(lp, ref, old, name, bool(straight or straight_through), bool(k3_clamp),
-                                         clamp_value)
+    kl, _ = _kl_penalty_fwd(lp, ref, old, name, bool(straight or straight_through), bool(k3_clamp), clamp_value)
     return kl.view(shape)

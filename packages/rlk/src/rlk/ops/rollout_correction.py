@@ -28,8 +28,9 @@ def _log_probs(name: str, x, like: Tensor | None) -> Tensor:
             raise ValueError(f"{name}: expected shape [B, T] (rows are sequences), got {tuple(x.shape)}")
     else:
         if x.shape != like.shape:
-            raise ValueError(f"{name}: expected shape {tuple(like.shape)} (the shape of old_logprob), "
-                             f"got {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: expected shape {tuple(like.shape)} (the shape of old_logprob), got {tuple(x.shape)}"
+            )
         if x.device != like.device:
             raise ValueError(f"{name}: expected device {like.device} (the device of old_logprob), got {x.device}")
     x = x.detach()
@@ -42,8 +43,9 @@ def _bool_mask(mask, like: Tensor) -> Tensor:
     if mask.is_complex():
         raise TypeError(f"mask: expected dtype bool or 0/1 numbers, got {mask.dtype}")
     if mask.shape != like.shape:
-        raise ValueError(f"mask: expected shape {tuple(like.shape)} (the shape of old_logprob), "
-                         f"got {tuple(mask.shape)}")
+        raise ValueError(
+            f"mask: expected shape {tuple(like.shape)} (the shape of old_logprob), got {tuple(mask.shape)}"
+        )
     if mask.device != like.device:
         raise ValueError(f"mask: expected device {like.device} (the device of old_logprob), got {mask.device}")
     mask = mask.detach()
@@ -59,7 +61,13 @@ rollout_correction_op = custom_op.declare("rollout_correction")
 
 @rollout_correction_op.forward(outputs=_outputs)
 def _rollout_correction_fwd(
-    primitive, out, old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, level: str, mode: str,
+    primitive,
+    out,
+    old_logprob: Tensor,
+    rollout_logprob: Tensor,
+    mask: Tensor,
+    level: str,
+    mode: str,
     params: list[float],
 ) -> tuple[Tensor, Tensor]:
     weights, metrics = out
@@ -68,8 +76,18 @@ def _rollout_correction_fwd(
         metrics.zero_()
         return
     upper, lower, clamp = params
-    primitive(old_logprob, rollout_logprob, mask, weights, metrics, level=level, mode=mode, upper=upper, lower=lower,
-              clamp=clamp)
+    primitive(
+        old_logprob,
+        rollout_logprob,
+        mask,
+        weights,
+        metrics,
+        level=level,
+        mode=mode,
+        upper=upper,
+        lower=lower,
+        clamp=clamp,
+    )
 
 
 def rollout_correction(
@@ -149,8 +167,10 @@ def rollout_correction(
     old = _log_probs("old_logprob", old_logprob, None)
     roll = _log_probs("rollout_logprob", rollout_logprob, old)
     if old.dtype != roll.dtype:
-        raise TypeError(f"rollout_logprob: expected float64 exactly when old_logprob is float64, got "
-                        f"{rollout_logprob.dtype} with old_logprob {old_logprob.dtype}")
+        raise TypeError(
+            f"rollout_logprob: expected float64 exactly when old_logprob is float64, got "
+            f"{rollout_logprob.dtype} with old_logprob {old_logprob.dtype}"
+        )
     m = _bool_mask(mask, old)
     level = checks.choice("level", level, CORRECTION_LEVELS)
     mode = checks.choice("mode", mode, CORRECTION_MODES)
@@ -158,7 +178,10 @@ def rollout_correction(
     lower_value = 0.0 if lower is None else checks.number("lower", lower, above=0.0, dtype=torch.float32)
     if lower_value > upper_value:
         raise ValueError(f"lower: must be <= upper, got lower={lower_value:g} and upper={upper_value:g}")
-    clamp = math.inf if clamp_log_ratio is None else checks.number("clamp_log_ratio", clamp_log_ratio, above=0.0,
-                                                                   dtype=torch.float32)
+    clamp = (
+        math.inf
+        if clamp_log_ratio is None
+        else checks.number("clamp_log_ratio", clamp_log_ratio, above=0.0, dtype=torch.float32)
+    )
     weights, metrics = _rollout_correction_fwd(old, roll, m, level, mode, [upper_value, lower_value, clamp])
     return weights, dict(zip(CORRECTION_METRICS, metrics.unbind()))

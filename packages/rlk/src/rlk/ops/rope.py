@@ -54,7 +54,6 @@ rope_op.autograd(save=_save, backward=_backward)
 # ---------------------------------------------------------------------------
 
 
-
 def _check_tables(q: Tensor, cos: Tensor, sin: Tensor) -> int:
     """Dtype, device and rotary dim of ``cos``/``sin``; returns the rotary dim ``R``."""
     check_float("cos", cos)
@@ -71,19 +70,21 @@ def _check_tables(q: Tensor, cos: Tensor, sin: Tensor) -> int:
     head_dim = q.shape[-1]
     rotary_dim = cos.shape[-1] if cos.dim() > 0 else 0
     if rotary_dim == 0 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"cos: the last dim is the rotary dim R, which must be even, >= 2 and <= the head dim "
-                         f"D = {head_dim}; got R = {rotary_dim}")
+        raise ValueError(
+            f"cos: the last dim is the rotary dim R, which must be even, >= 2 and <= the head dim "
+            f"D = {head_dim}; got R = {rotary_dim}"
+        )
     return rotary_dim
 
 
 def _packed_tables(cos: Tensor, sin: Tensor, batch: int, seq: int) -> tuple[Tensor, Tensor]:
     """``cos``/``sin`` of shape ``[S, R]`` or ``[B or 1, S, R]`` as contiguous ``[B * S, R]``."""
     rotary_dim = cos.shape[-1]
-    ok = (cos.dim() == 2 and cos.shape[0] == seq) or (cos.dim() == 3 and cos.shape[0] in (1, batch)
-                                                      and cos.shape[1] == seq)
+    ok = (cos.dim() == 2 and cos.shape[0] == seq) or (
+        cos.dim() == 3 and cos.shape[0] in (1, batch) and cos.shape[1] == seq
+    )
     if not ok:
-        raise ValueError(f"cos: expected shape [S, R] or [B, S, R] with B = {batch}, S = {seq}, got "
-                         f"{tuple(cos.shape)}")
+        raise ValueError(f"cos: expected shape [S, R] or [B, S, R] with B = {batch}, S = {seq}, got {tuple(cos.shape)}")
     expand = (batch, seq, rotary_dim)
     return (t.expand(expand).reshape(batch * seq, rotary_dim).contiguous() for t in (cos, sin))
 
@@ -162,8 +163,10 @@ def apply_rope(
     seq_dim = 3 - unsqueeze_dim  # the other of dims 1 and 2
     batch, seq = q.shape[0], q.shape[seq_dim]
     if k.shape[0] != batch or k.shape[seq_dim] != seq:
-        raise ValueError(f"k: expected batch {batch} and sequence length {seq} (dims 0 and {seq_dim}) like q, "
-                         f"got shape {tuple(k.shape)}")
+        raise ValueError(
+            f"k: expected batch {batch} and sequence length {seq} (dims 0 and {seq_dim}) like q, "
+            f"got shape {tuple(k.shape)}"
+        )
     cos_p, sin_p = _packed_tables(cos, sin, batch, seq)
     outputs = []
     for x in (q, k):

@@ -31,8 +31,16 @@ def _row_ids(name: str, value, rows: int, device: torch.device) -> Tensor:
 
 
 @torch.compiler.disable
-def sample(logits: Tensor, seed: Tensor, step: Tensor, *, temperature: float = 1.0, top_k: int = 0,
-           top_p: float = 1.0, min_p: float = 0.0) -> tuple[Tensor, Tensor]:
+def sample(
+    logits: Tensor,
+    seed: Tensor,
+    step: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> tuple[Tensor, Tensor]:
     """Sample one token per row, batch-invariantly: ``(tokens int64 [B], logprobs fp32 [B])``.
 
     Gumbel-max over the tokens the filters keep: ``token = argmax_v (z_v + g_v)``, ``z = fp32(logits) * fp32(1 /
@@ -94,5 +102,6 @@ def sample(logits: Tensor, seed: Tensor, step: Tensor, *, temperature: float = 1
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     dispatch.select("sample", logits.device, logits.dtype).primitives["sample_fwd"](
-        logits.detach(), seed, step, inv_temperature, top_k, top_p, min_p, greedy, tokens, logprobs)
+        logits.detach(), seed, step, inv_temperature, top_k, top_p, min_p, greedy, tokens, logprobs
+    )
     return tokens, logprobs

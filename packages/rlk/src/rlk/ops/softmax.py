@@ -65,8 +65,9 @@ def _over_dim(x: Tensor, dim: int, log: bool) -> Tensor:
             raise IndexError(f"dim: out of range for a 0-d tensor (expected -1 or 0), got {dim}")
         return _over_dim(x.reshape(1), 0, log).reshape(())
     if not -x.dim() <= dim < x.dim():
-        raise IndexError(f"dim: out of range for a {x.dim()}-d tensor (expected [{-x.dim()}, {x.dim() - 1}]), "
-                         f"got {dim}")
+        raise IndexError(
+            f"dim: out of range for a {x.dim()}-d tensor (expected [{-x.dim()}, {x.dim() - 1}]), got {dim}"
+        )
     moved = x.movedim(dim, -1)
     rows = moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1]).contiguous()
     out = _softmax_fwd(rows, log)

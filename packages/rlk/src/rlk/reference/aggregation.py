@@ -70,8 +70,10 @@ def check_agg(
     checks.normalizer("global_seqs", global_seqs, device)
     checks.normalizer("loss_scale", loss_scale, device)
     if agg == "seq-mean-token-sum-norm" and loss_scale is None:
-        raise ValueError("loss_scale: agg='seq-mean-token-sum-norm' needs loss_scale, a constant such as the "
-                         "maximum response length (never the padded length of the micro-batch)")
+        raise ValueError(
+            "loss_scale: agg='seq-mean-token-sum-norm' needs loss_scale, a constant such as the "
+            "maximum response length (never the padded length of the micro-batch)"
+        )
     if agg != "seq-mean-token-sum-norm" and loss_scale is not None:
         raise ValueError(f"loss_scale: only agg='seq-mean-token-sum-norm' uses it (agg is {agg!r})")
 
@@ -142,8 +144,7 @@ def token_weights(
     Same arguments as :func:`row_weights`. Use ``torch.where(w != 0, w * L, 0).sum()`` (or
     mask ``L`` first) when masked-out positions of ``L`` may hold inf or NaN.
     """
-    c = row_weights(mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale,
-                    dtype=dtype)
+    c = row_weights(mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, dtype=dtype)
     m = mask if mask.dtype == torch.bool else mask != 0
     return torch.where(m, c[:, None], torch.zeros((), dtype=dtype, device=mask.device))
 
@@ -162,8 +163,9 @@ def aggregate(
     Masked-out positions of ``loss`` never contribute, even when they hold inf or NaN.
     Differentiable through ``loss`` (plain PyTorch: a readable spec, not a kernel).
     """
-    c = row_weights(mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale,
-                    dtype=loss.dtype)
+    c = row_weights(
+        mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, dtype=loss.dtype
+    )
     m = mask if mask.dtype == torch.bool else mask != 0
     per_row = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)).sum(dim=1)
     return (c * per_row).sum()

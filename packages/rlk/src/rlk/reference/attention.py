@@ -79,14 +79,14 @@ def _sequence_fwd(q, kb, vb, q0, q1, causal, softmax_scale, out, lse_out):
     n_q, n_k = q1 - q0, kb.shape[0]
     for r0 in range(0, n_q, Q_CHUNK):
         r1 = min(n_q, r0 + Q_CHUNK)
-        qb = q[q0 + r0:q0 + r1].to(kb.dtype)
+        qb = q[q0 + r0 : q0 + r1].to(kb.dtype)
         rows = torch.arange(r0, r1, device=q.device)
         s = torch.einsum("ihd,jhd->hij", qb, kb) * softmax_scale  # [Hq, rows, Lk]
         s = torch.where(_visible(rows, n_q, n_k, causal)[None], s, -torch.inf)
         lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key
         p = _probabilities(qb, kb, lse, rows, n_q, causal, softmax_scale)
-        out[q0 + r0:q0 + r1] = torch.einsum("hij,jhd->ihd", p, vb).to(out.dtype)
-        lse_out[:, q0 + r0:q0 + r1] = lse.to(lse_out.dtype)
+        out[q0 + r0 : q0 + r1] = torch.einsum("hij,jhd->ihd", p, vb).to(out.dtype)
+        lse_out[:, q0 + r0 : q0 + r1] = lse.to(lse_out.dtype)
 
 
 def _sequence_bwd(grad_out, q, kb, vb, out, lse, grad_lse, q0, q1, causal, softmax_scale, grad_q_out):
@@ -125,8 +125,7 @@ def _sum_groups(grad, n_kv_heads):
     return grad.view(n, n_kv_heads, n_heads // n_kv_heads, head_dim).sum(2)
 
 
-def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                  out, lse_out):
+def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out, lse_out):
     """Varlen attention forward: ``out [Tq, Hq, D]`` and ``lse_out [Hq, Tq]`` (see the module docstring).
 
     ``max_seqlen_*`` are not needed here (the reference reads the lengths from ``cu_seqlens``).
@@ -134,19 +133,48 @@ def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     cdt = compute_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
-        _sequence_fwd(q, _heads(k[k0:k1], cdt, group), _heads(v[k0:k1], cdt, group), q0, q1, causal, softmax_scale,
-                      out, lse_out)
+        _sequence_fwd(
+            q, _heads(k[k0:k1], cdt, group), _heads(v[k0:k1], cdt, group), q0, q1, causal, softmax_scale, out, lse_out
+        )
 
 
-def attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out):
+def attention_bwd(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    softmax_scale,
+    grad_q_out,
+    grad_k_out,
+    grad_v_out,
+):
     """Gradients of ``q``, ``k``, ``v`` from ``grad_out`` and (optionally) ``grad_lse`` (module docstring)."""
     cdt = compute_dtype(q.dtype)
     n_kv_heads = k.shape[1]
     group = q.shape[1] // n_kv_heads
     for q0, q1, k0, k1 in _sequences(cu_seqlens_q, cu_seqlens_k):
-        dk, dv = _sequence_bwd(grad_out, q, _heads(k[k0:k1], cdt, group), _heads(v[k0:k1], cdt, group), out, lse,
-                               grad_lse, q0, q1, causal, softmax_scale, grad_q_out)
+        dk, dv = _sequence_bwd(
+            grad_out,
+            q,
+            _heads(k[k0:k1], cdt, group),
+            _heads(v[k0:k1], cdt, group),
+            out,
+            lse,
+            grad_lse,
+            q0,
+            q1,
+            causal,
+            softmax_scale,
+            grad_q_out,
+        )
         # sum the query heads of each key/value head's group
         grad_k_out[k0:k1] = _sum_groups(dk, n_kv_heads).to(grad_k_out.dtype)
         grad_v_out[k0:k1] = _sum_groups(dv, n_kv_heads).to(grad_v_out.dtype)
@@ -167,20 +195,47 @@ def _logical_keys(x, seqs, prefix, b, cdt, group):
     return _heads(torch.cat([x[p0:p1], x[k0:k1]]), cdt, group)
 
 
-def prefix_attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefix_index, causal,
-                         softmax_scale, out, lse_out):
+def prefix_attention_fwd(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prefix_index, causal, softmax_scale, out, lse_out
+):
     """Attention with shared prefixes (module docstring): ``attention_fwd`` of each sequence over its logical keys."""
     cdt = compute_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     seqs = _sequences(cu_seqlens_q, cu_seqlens_k)
     prefix = prefix_index.tolist()
     for b, (q0, q1, _, _) in enumerate(seqs):
-        _sequence_fwd(q, _logical_keys(k, seqs, prefix, b, cdt, group), _logical_keys(v, seqs, prefix, b, cdt, group),
-                      q0, q1, causal, softmax_scale, out, lse_out)
+        _sequence_fwd(
+            q,
+            _logical_keys(k, seqs, prefix, b, cdt, group),
+            _logical_keys(v, seqs, prefix, b, cdt, group),
+            q0,
+            q1,
+            causal,
+            softmax_scale,
+            out,
+            lse_out,
+        )
 
 
-def prefix_attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, prefix_index, causal, softmax_scale, grad_q_out, grad_k_out, grad_v_out):
+def prefix_attention_bwd(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    prefix_index,
+    causal,
+    softmax_scale,
+    grad_q_out,
+    grad_k_out,
+    grad_v_out,
+):
     """Gradients of :func:`prefix_attention_fwd`. Each sequence's backward runs over its logical keys; the part of
     its ``dk`` / ``dv`` on the prefix rows is added to the prefix sequence's own part, in ascending sequence order."""
     cdt = compute_dtype(q.dtype)
@@ -190,9 +245,20 @@ def prefix_attention_bwd(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu
     prefix = prefix_index.tolist()
     own, borrowed = [], []  # per sequence: dk, dv of its own keys; of its prefix's keys (None without a prefix)
     for b, (q0, q1, k0, k1) in enumerate(seqs):
-        dk, dv = _sequence_bwd(grad_out, q, _logical_keys(k, seqs, prefix, b, cdt, group),
-                               _logical_keys(v, seqs, prefix, b, cdt, group), out, lse, grad_lse, q0, q1, causal,
-                               softmax_scale, grad_q_out)
+        dk, dv = _sequence_bwd(
+            grad_out,
+            q,
+            _logical_keys(k, seqs, prefix, b, cdt, group),
+            _logical_keys(v, seqs, prefix, b, cdt, group),
+            out,
+            lse,
+            grad_lse,
+            q0,
+            q1,
+            causal,
+            softmax_scale,
+            grad_q_out,
+        )
         n_p = dk.shape[0] - (k1 - k0)
         own.append((dk[n_p:], dv[n_p:]))
         borrowed.append((dk[:n_p], dv[:n_p]) if prefix[b] >= 0 else None)

@@ -89,7 +89,8 @@ def _pass1(tiles: _Tiles, r0: int, r1: int, vocab: int, divergence: str) -> tupl
         if divergence != "jsd":
             # a = the weighting distribution, c = the other one
             (m_a, s_a, r_a, e_a, d_a, shift_a), (m_c, d_c, shift_c) = (
-                ((m_p, s_p, r_p, ep, dp, shift_p), (m_q, dq, shift_q)) if divergence == "forward_kl"
+                ((m_p, s_p, r_p, ep, dp, shift_p), (m_q, dq, shift_q))
+                if divergence == "forward_kl"
                 else ((m_q, s_q, r_q, eq, dq, shift_q), (m_p, dp, shift_p))
             )
             # b so far is relative to the old shifts; move it to the new ones
@@ -140,8 +141,9 @@ def _grad_z(zq, zp, lse_q, lse_p, aux, divergence: str, beta: float) -> torch.Te
     return (1.0 - beta) * torch.where(q > 0, q * ((log_q - log_m) - aux[:, None]), 0.0)
 
 
-def _gradients(tiles: _Tiles, targets, ignore_index, stats, coef, divergence, beta, grad_hidden_out,
-               grad_weight_out) -> None:
+def _gradients(
+    tiles: _Tiles, targets, ignore_index, stats, coef, divergence, beta, grad_hidden_out, grad_weight_out
+) -> None:
     """``grad_hidden_out`` / ``grad_weight_out`` (either may be None) of ``sum_i coef_i loss_i``; vocab chunks
     outer (``grad_hidden`` sums them in order in an fp32 accumulator), row chunks inner (``grad_weight``'s
     chunk sums them in order)."""
@@ -175,9 +177,22 @@ def _gradients(tiles: _Tiles, targets, ignore_index, stats, coef, divergence, be
 # ---------------------------------------------------------------------------
 
 
-def fused_linear_kl_fwd(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature,
-                        ignore_index, divergence, beta, loss_out, stats_out, grad_coef, grad_hidden_out,
-                        grad_weight_out):
+def fused_linear_kl_fwd(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    targets,
+    inv_temperature,
+    ignore_index,
+    divergence,
+    beta,
+    loss_out,
+    stats_out,
+    grad_coef,
+    grad_hidden_out,
+    grad_weight_out,
+):
     tiles = _Tiles(student_hidden, student_weight, teacher_hidden, teacher_weight, inv_temperature)
     n_rows, vocab = student_hidden.shape[0], student_weight.shape[0]
     for r0 in range(0, n_rows, ROW_CHUNK):
@@ -197,12 +212,26 @@ def fused_linear_kl_fwd(student_hidden, student_weight, teacher_hidden, teacher_
         stats_out[0, r0:r1], stats_out[1, r0:r1] = lse_q, lse_p
         stats_out[2, r0:r1] = torch.where(valid, aux, 0.0)
     if grad_coef is not None and (grad_hidden_out is not None or grad_weight_out is not None):
-        _gradients(tiles, targets, ignore_index, stats_out, grad_coef, divergence, beta, grad_hidden_out,
-                   grad_weight_out)
+        _gradients(
+            tiles, targets, ignore_index, stats_out, grad_coef, divergence, beta, grad_hidden_out, grad_weight_out
+        )
 
 
-def fused_linear_kl_bwd(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, inv_temperature,
-                        stats, grad_loss, ignore_index, divergence, beta, grad_hidden_out, grad_weight_out):
+def fused_linear_kl_bwd(
+    student_hidden,
+    student_weight,
+    teacher_hidden,
+    teacher_weight,
+    targets,
+    inv_temperature,
+    stats,
+    grad_loss,
+    ignore_index,
+    divergence,
+    beta,
+    grad_hidden_out,
+    grad_weight_out,
+):
     if grad_hidden_out is None and grad_weight_out is None:
         return
     tiles = _Tiles(student_hidden, student_weight, teacher_hidden, teacher_weight, inv_temperature)

@@ -168,8 +168,16 @@ def _tree_states(
     return state, z_target[0]
 
 
-def _finish(state: State, z_target: torch.Tensor, t: torch.Tensor, ignore_index: int, rows: slice,
-            logprob_out: torch.Tensor, entropy_out: torch.Tensor | None, lse_out: torch.Tensor) -> None:
+def _finish(
+    state: State,
+    z_target: torch.Tensor,
+    t: torch.Tensor,
+    ignore_index: int,
+    rows: slice,
+    logprob_out: torch.Tensor,
+    entropy_out: torch.Tensor | None,
+    lse_out: torch.Tensor,
+) -> None:
     m, s, b = state
     lse = m + torch.log(s)
     valid = t != ignore_index
@@ -245,8 +253,15 @@ def selected_logprob_bwd(
         for v0 in range(0, vocab, VOCAB_CHUNK):
             v1 = min(vocab, v0 + VOCAB_CHUNK)
             g = _grad_z(
-                tile(r0, r1, v0, v1), targets[rows], v0, inv_temperature[rows], lse[rows], ent,
-                grad_logprob[rows], g_ent, ignore_index,
+                tile(r0, r1, v0, v1),
+                targets[rows],
+                v0,
+                inv_temperature[rows],
+                lse[rows],
+                ent,
+                grad_logprob[rows],
+                g_ent,
+                ignore_index,
             )
             grad_logits_out[r0:r1, v0:v1] = g
 
@@ -263,8 +278,9 @@ def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, l
     _forward(tile, hidden.shape[0], vocab, leaves, targets, ignore_index, logprob_out, entropy_out, lse_out)
 
 
-def linear_logprob_stored_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
-                              lse_out, logits_out):
+def linear_logprob_stored_fwd(
+    hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, logits_out
+):
     """:func:`linear_logprob_fwd`, and every tile of scaled logits ``z`` it reduces is also written to
     ``logits_out`` ``[N, V]`` (compute dtype): the same tiles in the same order, so the log-prob, entropy and lse
     are ``linear_logprob_fwd``'s bits."""
@@ -306,13 +322,24 @@ def linear_logprob_combine_fwd(states, z_target, targets, ignore_index, logprob_
         r1 = min(n_rows, r0 + ROW_CHUNK)
         rows = slice(r0, r1)
         state = tree_reduce(lambda j, rows=rows: tuple(states[j, :, rows]), states.shape[0], _merge)
-        _finish(state, z_target[r0:r1], targets[r0:r1], ignore_index, slice(r0, r1), logprob_out, entropy_out,
-                lse_out)
+        _finish(state, z_target[r0:r1], targets[r0:r1], ignore_index, slice(r0, r1), logprob_out, entropy_out, lse_out)
 
 
 def _linear_bwd_leaves(
-    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
-    grad_weight_out, need_grad_hidden, tile: ZTile | None = None, accumulate: bool = False,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    leaves,
+    grad_weight_out,
+    need_grad_hidden,
+    tile: ZTile | None = None,
+    accumulate: bool = False,
 ):
     """``grad_weight_out`` (if given) and the leaf tree's sum of ``G @ weight`` (if ``need_grad_hidden``), in the
     compute dtype: each leaf sums its ``VOCAB_CHUNK`` chunks in order, the leaves are summed by :func:`tree_reduce`.
@@ -339,8 +366,15 @@ def _linear_bwd_leaves(
                 ent = None if entropy is None else entropy[rows]
                 g_ent = None if grad_entropy is None else grad_entropy[rows]
                 g = _grad_z(
-                    tile(r0, r1, v0, v1), targets[rows], v0, inv_temperature[rows], lse[rows], ent,
-                    grad_logprob[rows], g_ent, ignore_index,
+                    tile(r0, r1, v0, v1),
+                    targets[rows],
+                    v0,
+                    inv_temperature[rows],
+                    lse[rows],
+                    ent,
+                    grad_logprob[rows],
+                    g_ent,
+                    ignore_index,
                 )
                 if acc is not None:
                     acc[rows] += g @ w
@@ -357,31 +391,73 @@ def _linear_bwd_leaves(
 
 
 def linear_logprob_bwd(
-    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
-    grad_hidden_out, grad_weight_out,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    grad_hidden_out,
+    grad_weight_out,
 ):
     acc = _linear_bwd_leaves(
-        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
-        tree_leaves(weight.shape[0], MAX_TREE_LEAVES), grad_weight_out, grad_hidden_out is not None,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        lse,
+        entropy,
+        grad_logprob,
+        grad_entropy,
+        ignore_index,
+        tree_leaves(weight.shape[0], MAX_TREE_LEAVES),
+        grad_weight_out,
+        grad_hidden_out is not None,
     )
     if grad_hidden_out is not None:
         grad_hidden_out.copy_(acc)
 
 
 def linear_logprob_stored_bwd(
-    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, logits,
-    grad_hidden_out, grad_weight_out, accumulate,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    logits,
+    grad_hidden_out,
+    grad_weight_out,
+    accumulate,
 ):
     """:func:`linear_logprob_bwd` with the scaled logits read from ``logits`` ``[N, V]`` (the forward's
     ``logits_out``) instead of recomputed: the same tiles, sums and tree. ``grad_weight_out`` (compute dtype, or
     ``weight.dtype`` when not accumulating) gets ``G.T @ hidden``, added to it with ``accumulate``; ``logits`` is
     left as it is (the ABI lets a backend overwrite it)."""
+
     def stored(r0: int, r1: int, v0: int, v1: int) -> torch.Tensor:
         return logits[r0:r1, v0:v1]
 
     acc = _linear_bwd_leaves(
-        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index,
-        tree_leaves(weight.shape[0], MAX_TREE_LEAVES), grad_weight_out, grad_hidden_out is not None, tile=stored,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        lse,
+        entropy,
+        grad_logprob,
+        grad_entropy,
+        ignore_index,
+        tree_leaves(weight.shape[0], MAX_TREE_LEAVES),
+        grad_weight_out,
+        grad_hidden_out is not None,
+        tile=stored,
         accumulate=accumulate,
     )
     if grad_hidden_out is not None:
@@ -389,16 +465,36 @@ def linear_logprob_stored_bwd(
 
 
 def linear_logprob_shard_bwd(
-    hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
-    grad_hidden_partial_out, grad_weight_out,
+    hidden,
+    weight,
+    targets,
+    inv_temperature,
+    lse,
+    entropy,
+    grad_logprob,
+    grad_entropy,
+    ignore_index,
+    leaves,
+    grad_hidden_partial_out,
+    grad_weight_out,
 ):
     """The backward of one vocab shard (``leaves`` whole leaves; ``targets`` relative to the shard, ``lse`` and
     ``entropy`` the combined ones): ``grad_weight_out`` ``[V_s, H]`` (the shard's rows of the full gradient) and
     ``grad_hidden_partial_out`` ``[N, H]`` in :func:`partial_dtype`, the shard's subtree of the ``grad_hidden``
     sum (either may be None)."""
     acc = _linear_bwd_leaves(
-        hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, leaves,
-        grad_weight_out, grad_hidden_partial_out is not None,
+        hidden,
+        weight,
+        targets,
+        inv_temperature,
+        lse,
+        entropy,
+        grad_logprob,
+        grad_entropy,
+        ignore_index,
+        leaves,
+        grad_weight_out,
+        grad_hidden_partial_out is not None,
     )
     if grad_hidden_partial_out is not None:
         grad_hidden_partial_out.copy_(acc)

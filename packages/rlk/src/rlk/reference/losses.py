@@ -107,8 +107,9 @@ def _dpo_inputs(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_reje
 
 def _dpo_terms(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, eps):
     """Per-pair loss, dl/dx, d x / d lc, d x / d lr and the rewards."""
-    lc, lr, lc_ref, lr_ref = _dpo_inputs(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected,
-                                         loss_type)
+    lc, lr, lc_ref, lr_ref = _dpo_inputs(
+        chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, loss_type
+    )
     x = (lc - lr) - (lc_ref - lr_ref)
     u = beta * x
     if loss_type == "sigmoid":
@@ -132,10 +133,24 @@ def _dpo_terms(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejec
     return loss, dl_dx, dx_dc, dx_dr, beta * (lc - lc_ref), beta * (lr - lr_ref)
 
 
-def dpo_loss_fwd(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type,
-                 label_smoothing, mean, losses_out, loss_out, metrics_out):
-    loss, _, _, _, r_c, r_r = _dpo_terms(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected,
-                                         beta, loss_type, label_smoothing)
+def dpo_loss_fwd(
+    chosen,
+    rejected,
+    ref_chosen,
+    ref_rejected,
+    len_chosen,
+    len_rejected,
+    beta,
+    loss_type,
+    label_smoothing,
+    mean,
+    losses_out,
+    loss_out,
+    metrics_out,
+):
+    loss, _, _, _, r_c, r_r = _dpo_terms(
+        chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing
+    )
     losses_out.copy_(loss)
     loss_out.copy_(loss.mean() if mean else loss.sum())
     metrics_out[0] = r_c.mean()
@@ -144,10 +159,25 @@ def dpo_loss_fwd(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rej
     metrics_out[3] = (r_c > r_r).to(chosen.dtype).mean()
 
 
-def dpo_loss_bwd(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type,
-                 label_smoothing, mean, grad_losses, grad_loss, grad_chosen_out, grad_rejected_out):
-    _, dl_dx, dx_dc, dx_dr, _, _ = _dpo_terms(chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected,
-                                              beta, loss_type, label_smoothing)
+def dpo_loss_bwd(
+    chosen,
+    rejected,
+    ref_chosen,
+    ref_rejected,
+    len_chosen,
+    len_rejected,
+    beta,
+    loss_type,
+    label_smoothing,
+    mean,
+    grad_losses,
+    grad_loss,
+    grad_chosen_out,
+    grad_rejected_out,
+):
+    _, dl_dx, dx_dc, dx_dr, _, _ = _dpo_terms(
+        chosen, rejected, ref_chosen, ref_rejected, len_chosen, len_rejected, beta, loss_type, label_smoothing
+    )
     g = torch.zeros_like(chosen)
     if grad_losses is not None:
         g = g + grad_losses

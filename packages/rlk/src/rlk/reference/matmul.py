@@ -156,7 +156,7 @@ def matmul_bwd(grad_out, a, b, grad_a_out, grad_b_out, grad_bias_out):
     if grad_bias_out is not None:
         acc = torch.zeros(grad_out.shape[1], dtype=torch.float64, device=grad_out.device)
         for r0 in range(0, grad_out.shape[0], ROW_CHUNK):
-            acc += grad_out[r0:r0 + ROW_CHUNK].to(torch.float64).sum(dim=0)
+            acc += grad_out[r0 : r0 + ROW_CHUNK].to(torch.float64).sum(dim=0)
         grad_bias_out.copy_(acc)
 
 

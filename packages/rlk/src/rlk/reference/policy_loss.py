@@ -198,16 +198,18 @@ def kl_grad_terms(delta: Tensor, *, k3_clamp: bool) -> Tensor:
     return 1.0 + delta.abs() + torch.exp(exponent)
 
 
-def kl_penalty_fwd(logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estimator, straight_through, k3_clamp,
-                   clamp):
+def kl_penalty_fwd(
+    logprob, ref_logprob, old_logprob, kl_out, coef_out, *, estimator, straight_through, k3_clamp, clamp
+):
     """Per-element KL estimate ``kl_out`` and its derivative ``coef_out = d kl / d logprob`` (all ``[N]``).
 
     With ``old_logprob`` both are multiplied by the detached weight ``exp(logprob - old_logprob)``.
     """
     cdt = compute_dtype(logprob.dtype)
     lp = logprob.to(cdt)
-    value, grad = kl_estimate(lp - ref_logprob.to(cdt), estimator, k3_clamp=k3_clamp, clamp=clamp,
-                              straight_through=straight_through)
+    value, grad = kl_estimate(
+        lp - ref_logprob.to(cdt), estimator, k3_clamp=k3_clamp, clamp=clamp, straight_through=straight_through
+    )
     if old_logprob is not None:
         w = torch.exp(lp - old_logprob.to(cdt))
         value, grad = times(value, w), times(grad, w)
@@ -248,8 +250,24 @@ def kl_penalty_bwd(grad_kl, coef, grad_logprob_out):
     torch.mul(grad_kl, coef, out=grad_logprob_out)
 
 
-def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high, dual_clip, clamp_low, clamp_high,
-                  tau_pos, tau_neg, vespo=None):
+def _token_losses(
+    lp,
+    old,
+    adv,
+    m,
+    n1,
+    *,
+    loss,
+    cispo_upper,
+    clip_low,
+    clip_high,
+    dual_clip,
+    clamp_low,
+    clamp_high,
+    tau_pos,
+    tau_neg,
+    vespo=None,
+):
     """Per-token ``L``, ``g``, ratio, clipped / lower-clipped flags and the log-ratio of the metrics.
 
     All inputs are already masked (0 off the mask). For ``geo_mean`` ``L`` and ``g`` are the
@@ -279,8 +297,11 @@ def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high
             grad = torch.where(lower, 0.0, grad)
         return value, grad, ratio, clipped, lower, log_ratio
     if loss == "cispo":
-        w = torch.minimum(ratio, torch.full_like(ratio, clip_high)) if cispo_upper else \
-            ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        w = (
+            torch.minimum(ratio, torch.full_like(ratio, clip_high))
+            if cispo_upper
+            else ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        )
         return -w * adv * lp, -w * adv, ratio, w != ratio, no, log_ratio
     if loss == "gpg":
         return -adv * lp, -adv, ratio, no, no, log_ratio
@@ -302,8 +323,9 @@ def _token_losses(lp, old, adv, m, n1, *, loss, cispo_upper, clip_low, clip_high
         ratio = seq_ratio[:, None].expand_as(d)
         return seq_loss[:, None].expand_as(d), grad, ratio, clipped, no, log_ratio
     if loss in ("dppo_tv", "dppo_kl"):
-        return _dppo_token_losses(lp, old, adv, m, log_ratio, ratio, loss=loss, clip_low=clip_low,
-                                  clip_high=clip_high, cap=dual_clip)
+        return _dppo_token_losses(
+            lp, old, adv, m, log_ratio, ratio, loss=loss, clip_low=clip_low, clip_high=clip_high, cap=dual_clip
+        )
     if loss == "vespo":
         log_w, w, k, lam, _ = vespo_weights(log_ratio, adv, m, **vespo)
         log_phi = lam + k * log_w - lam * w
@@ -353,10 +375,38 @@ def vespo_weights(log_ratio, adv, m, *, iw, k_pos, lambda_pos, k_neg, lambda_neg
     return log_w, torch.exp(log_w), k, lam, terms.abs().sum(dim=1, keepdim=True)
 
 
-def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, *, loss,
-           cispo_upper, clip_low, clip_high, dual_clip, clamp_low, clamp_high, tau_pos, tau_neg, kl, kl_coef,
-           kl_k3_clamp, kl_clamp, kl_straight_through, kl_unbiased, entropy_coef, vespo_k_pos=2.0,
-           vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, bounds=False) -> dict[str, Tensor]:
+def _terms(
+    logprob,
+    old_logprob,
+    advantages,
+    mask,
+    row_weight,
+    importance_weights,
+    ref_logprob,
+    entropy,
+    *,
+    loss,
+    cispo_upper,
+    clip_low,
+    clip_high,
+    dual_clip,
+    clamp_low,
+    clamp_high,
+    tau_pos,
+    tau_neg,
+    kl,
+    kl_coef,
+    kl_k3_clamp,
+    kl_clamp,
+    kl_straight_through,
+    kl_unbiased,
+    entropy_coef,
+    vespo_k_pos=2.0,
+    vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0,
+    bounds=False,
+) -> dict[str, Tensor]:
     """Every per-token quantity of the objective (``[B, T]``, 0 off the mask) and the row weights ``c``; with
     ``bounds`` also ``coef_terms``, the gradient coefficient's terms by absolute value (for the contract)."""
     cdt = compute_dtype(logprob.dtype)
@@ -370,24 +420,54 @@ def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weight
     n = m.sum(dim=1).to(cdt)
     vespo = None
     if loss == "vespo":  # the importance weights enter the sequence ratio, not a factor of L
-        vespo = {"iw": None if importance_weights is None else masked(importance_weights), "k_pos": vespo_k_pos,
-                 "lambda_pos": vespo_lambda_pos, "k_neg": vespo_k_neg, "lambda_neg": vespo_lambda_neg}
+        vespo = {
+            "iw": None if importance_weights is None else masked(importance_weights),
+            "k_pos": vespo_k_pos,
+            "lambda_pos": vespo_lambda_pos,
+            "k_neg": vespo_k_neg,
+            "lambda_neg": vespo_lambda_neg,
+        }
         importance_weights = None
     value, grad, ratio, clipped, lower, log_ratio = _token_losses(
-        lp, old, adv, m, n.clamp(min=1.0), loss=loss, cispo_upper=cispo_upper, clip_low=clip_low,
-        clip_high=clip_high, dual_clip=dual_clip, clamp_low=clamp_low, clamp_high=clamp_high, tau_pos=tau_pos,
-        tau_neg=tau_neg, vespo=vespo)
+        lp,
+        old,
+        adv,
+        m,
+        n.clamp(min=1.0),
+        loss=loss,
+        cispo_upper=cispo_upper,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        clamp_low=clamp_low,
+        clamp_high=clamp_high,
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        vespo=vespo,
+    )
     if importance_weights is not None:
         iw = masked(importance_weights)
         value = times(iw, value)
         grad = times(iw, grad) if loss != "geo_mean" else times(iw.sum(dim=1, keepdim=True), grad)
     elif loss == "geo_mean":
         grad = grad * n[:, None]
-    t = {"m": m, "c": row_weight.to(cdt), "n": n, "policy": value, "objective": value, "coef": grad,
-         **({"coef_terms": grad.abs()} if bounds else {}),
-         "clipped": clipped.to(cdt), "lower": lower.to(cdt), "neg_log_ratio": -log_ratio, "ratio": ratio,
-         "log_ratio": lp - old, "kl": torch.zeros_like(lp), "kl_log_ratio": torch.zeros_like(lp),
-         "entropy": torch.zeros_like(lp)}
+    t = {
+        "m": m,
+        "c": row_weight.to(cdt),
+        "n": n,
+        "policy": value,
+        "objective": value,
+        "coef": grad,
+        **({"coef_terms": grad.abs()} if bounds else {}),
+        "clipped": clipped.to(cdt),
+        "lower": lower.to(cdt),
+        "neg_log_ratio": -log_ratio,
+        "ratio": ratio,
+        "log_ratio": lp - old,
+        "kl": torch.zeros_like(lp),
+        "kl_log_ratio": torch.zeros_like(lp),
+        "entropy": torch.zeros_like(lp),
+    }
     if ref_logprob is not None:
         delta = lp - masked(ref_logprob)
         k, dk = kl_estimate(delta, kl, k3_clamp=kl_k3_clamp, clamp=kl_clamp, straight_through=kl_straight_through)
@@ -413,26 +493,61 @@ def _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weight
 
 def _row_stats(t: dict[str, Tensor]) -> Tensor:
     """``[B, len(ROW_STATS)]``: the row sums (and the ratio max) of the per-token quantities."""
-    return torch.stack([
-        t["c"] * t["objective"].sum(dim=1), t["n"], t["clipped"].sum(dim=1), t["lower"].sum(dim=1),
-        t["neg_log_ratio"].sum(dim=1), t["ratio"].sum(dim=1), t["ratio"].amax(dim=1), t["entropy"].sum(dim=1),
-        t["kl"].sum(dim=1),
-    ], dim=1)
+    return torch.stack(
+        [
+            t["c"] * t["objective"].sum(dim=1),
+            t["n"],
+            t["clipped"].sum(dim=1),
+            t["lower"].sum(dim=1),
+            t["neg_log_ratio"].sum(dim=1),
+            t["ratio"].sum(dim=1),
+            t["ratio"].amax(dim=1),
+            t["entropy"].sum(dim=1),
+            t["kl"].sum(dim=1),
+        ],
+        dim=1,
+    )
 
 
 def _metrics(stats: Tensor) -> Tensor:
     total = stats.sum(dim=0)
     tokens = total[1]
     inv = torch.where(tokens > 0, 1.0 / tokens.clamp(min=1.0), 0.0)
-    return torch.stack([
-        total[2] * inv, total[3] * inv, total[4] * inv, total[5] * inv, stats[:, 6].amax(), total[7] * inv,
-        total[8] * inv, tokens,
-    ])
+    return torch.stack(
+        [
+            total[2] * inv,
+            total[3] * inv,
+            total[4] * inv,
+            total[5] * inv,
+            stats[:, 6].amax(),
+            total[7] * inv,
+            total[8] * inv,
+            tokens,
+        ]
+    )
 
 
-def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, ref_logprob, entropy, global_tokens,
-                    global_seqs, loss_scale, loss_out, grad_logprob_out, grad_entropy_out, row_weight_out,
-                    row_stats_out, metrics_out, *, agg, **attrs):
+def policy_loss_fwd(
+    logprob,
+    old_logprob,
+    advantages,
+    mask,
+    importance_weights,
+    ref_logprob,
+    entropy,
+    global_tokens,
+    global_seqs,
+    loss_scale,
+    loss_out,
+    grad_logprob_out,
+    grad_entropy_out,
+    row_weight_out,
+    row_stats_out,
+    metrics_out,
+    *,
+    agg,
+    **attrs,
+):
     """The fused policy loss: loss, its gradient, row weights, per-row partials and metrics, in one pass.
 
     Args (module docstring for the math):
@@ -455,8 +570,14 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
 
     The backward of an upstream gradient ``G`` is ``grad * G`` (:func:`policy_loss_bwd`).
     """
-    row_weight = aggregation.row_weights(mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
-                                         loss_scale=loss_scale, dtype=compute_dtype(logprob.dtype))
+    row_weight = aggregation.row_weights(
+        mask,
+        agg,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        loss_scale=loss_scale,
+        dtype=compute_dtype(logprob.dtype),
+    )
     row_weight_out.copy_(row_weight)
     t = _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, **attrs)
     c = t["c"][:, None]
@@ -469,8 +590,9 @@ def policy_loss_fwd(logprob, old_logprob, advantages, mask, importance_weights, 
     metrics_out.copy_(_metrics(stats))
 
 
-def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy,
-                   **attrs) -> dict[str, Tensor]:
+def contract_scale(
+    logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy, **attrs
+) -> dict[str, Tensor]:
     """The numerical contract's scales of ``loss`` ``[]``, ``row_stats`` ``[B, 9]`` and ``metrics`` ``[8]``.
 
     Every output is a sum over tokens (a mean: a sum over ``n``). fp32 gets each summand ``x``
@@ -481,21 +603,41 @@ def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importanc
     is ``|I L| + |beta K| + |eta H|``); a mean divides it by ``n``; ``ratio_max`` takes
     ``max_t ratio_t (1 + |d_t| + |delta_t|)``. Call it with the fp64 inputs of the ground truth.
     """
-    t = _terms(logprob, old_logprob, advantages, mask, row_weight, importance_weights, ref_logprob, entropy,
-               bounds=True, **attrs)
+    t = _terms(
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        row_weight,
+        importance_weights,
+        ref_logprob,
+        entropy,
+        bounds=True,
+        **attrs,
+    )
     m = t["m"]
     amp = torch.where(m, 1.0 + t["log_ratio"].abs() + t["kl_log_ratio"].abs(), 0.0)
-    loss_terms = t["policy"].abs() + abs(attrs["kl_coef"]) * t["kl"].abs() + abs(attrs["entropy_coef"]) * t[
-        "entropy"].abs()
+    loss_terms = (
+        t["policy"].abs() + abs(attrs["kl_coef"]) * t["kl"].abs() + abs(attrs["entropy_coef"]) * t["entropy"].abs()
+    )
 
     def row_scale(x: Tensor) -> Tensor:
         return ((1.0 + x.abs()) * amp).sum(dim=1)
 
-    stats = torch.stack([
-        t["c"].abs() * row_scale(loss_terms), row_scale(t["n"][:, None] * 0.0), row_scale(t["clipped"]),
-        row_scale(t["lower"]), row_scale(t["neg_log_ratio"]), row_scale(t["ratio"]),
-        (t["ratio"] * amp).amax(dim=1), row_scale(t["entropy"]), row_scale(t["kl"]),
-    ], dim=1)
+    stats = torch.stack(
+        [
+            t["c"].abs() * row_scale(loss_terms),
+            row_scale(t["n"][:, None] * 0.0),
+            row_scale(t["clipped"]),
+            row_scale(t["lower"]),
+            row_scale(t["neg_log_ratio"]),
+            row_scale(t["ratio"]),
+            (t["ratio"] * amp).amax(dim=1),
+            row_scale(t["entropy"]),
+            row_scale(t["kl"]),
+        ],
+        dim=1,
+    )
     grad_max_scale = torch.ones((), dtype=stats.dtype, device=stats.device)
     if attrs["loss"] == "vespo":
         extra, phi_rel = _vespo_scale(t, advantages, importance_weights, attrs)
@@ -504,13 +646,26 @@ def contract_scale(logprob, old_logprob, advantages, mask, row_weight, importanc
     total = stats.sum(dim=0)
     tokens = t["n"].sum()
     inv = torch.where(tokens > 0, 1.0 / tokens.clamp(min=1.0), 0.0)
-    metrics = torch.stack([
-        total[2] * inv, total[3] * inv, total[4] * inv, total[5] * inv, stats[:, 6].amax(), total[7] * inv,
-        total[8] * inv, torch.ones_like(tokens),
-    ])
+    metrics = torch.stack(
+        [
+            total[2] * inv,
+            total[3] * inv,
+            total[4] * inv,
+            total[5] * inv,
+            stats[:, 6].amax(),
+            total[7] * inv,
+            total[8] * inv,
+            torch.ones_like(tokens),
+        ]
+    )
     grad_magnitude = t["c"].abs()[:, None] * t["coef_terms"]
-    return {"loss": total[0], "row_stats": stats, "metrics": metrics, "grad_max_scale": grad_max_scale,
-            "grad_magnitude": grad_magnitude}
+    return {
+        "loss": total[0],
+        "row_stats": stats,
+        "metrics": metrics,
+        "grad_max_scale": grad_max_scale,
+        "grad_magnitude": grad_magnitude,
+    }
 
 
 def _vespo_scale(t: dict[str, Tensor], advantages, importance_weights, attrs) -> Tensor:
@@ -526,11 +681,16 @@ def _vespo_scale(t: dict[str, Tensor], advantages, importance_weights, attrs) ->
         return torch.where(m, x.to(cdt).expand(m.shape), 0.0)
 
     iw = None if importance_weights is None else masked(importance_weights)
-    log_w, w, k, lam, size = vespo_weights(-t["neg_log_ratio"], masked(advantages), m, iw=iw,
-                                           k_pos=attrs.get("vespo_k_pos", 2.0),
-                                           lambda_pos=attrs.get("vespo_lambda_pos", 3.0),
-                                           k_neg=attrs.get("vespo_k_neg", 3.0),
-                                           lambda_neg=attrs.get("vespo_lambda_neg", 2.0))
+    log_w, w, k, lam, size = vespo_weights(
+        -t["neg_log_ratio"],
+        masked(advantages),
+        m,
+        iw=iw,
+        k_pos=attrs.get("vespo_k_pos", 2.0),
+        lambda_pos=attrs.get("vespo_lambda_pos", 3.0),
+        k_neg=attrs.get("vespo_k_neg", 3.0),
+        lambda_neg=attrs.get("vespo_lambda_neg", 2.0),
+    )
     phi_rel = torch.where(m, (k - lam * w).abs() * size + lam.abs() + (k * log_w).abs() + (lam * w).abs(), 0.0)
     extra = torch.zeros(m.shape[0], len(ROW_STATS), dtype=cdt, device=m.device)
     extra[:, 0] = t["c"].abs() * (t["policy"].abs() * phi_rel).sum(dim=1)

@@ -72,8 +72,17 @@ from rlk.core.abi import (
 )
 
 
-def _terms(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *, level: str, mode: str, upper: float,
-           lower: float, clamp: float) -> dict[str, Tensor]:
+def _terms(
+    old_logprob: Tensor,
+    rollout_logprob: Tensor,
+    mask: Tensor,
+    *,
+    level: str,
+    mode: str,
+    upper: float,
+    lower: float,
+    clamp: float,
+) -> dict[str, Tensor]:
     """Every per-token quantity (``[B, T]``, 0 off the mask) and the per-row sums."""
     m = mask
     zero = torch.zeros((), dtype=old_logprob.dtype, device=old_logprob.device)
@@ -91,8 +100,18 @@ def _terms(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *, level:
         w = torch.where((r >= lower) & (r <= upper), r, zero)
     w = torch.where(m, w, zero)
     dc = d.clamp(-clamp, clamp)
-    return {"m": m, "old": old, "raw": raw, "scored": scored, "d": d, "s": s, "dc": dc, "r": r, "w": w,
-            "n_row": m.sum(dim=1).to(old.dtype)}
+    return {
+        "m": m,
+        "old": old,
+        "raw": raw,
+        "scored": scored,
+        "d": d,
+        "s": s,
+        "dc": dc,
+        "r": r,
+        "w": w,
+        "n_row": m.sum(dim=1).to(old.dtype),
+    }
 
 
 def _masked_max(x: Tensor, keep: Tensor) -> Tensor:
@@ -125,11 +144,22 @@ def _metrics(t: dict[str, Tensor], *, upper: float, lower: float, clamp: float) 
     abs_raw = t["raw"].abs()
     rho = torch.exp(dc)
     token = [
-        weight_mean, _masked_max(w, m), _masked_min(w, m), var.sqrt(),
+        weight_mean,
+        _masked_max(w, m),
+        _masked_min(w, m),
+        var.sqrt(),
         torch.where(mean_sq > 0, weight_mean * weight_mean / torch.where(mean_sq > 0, mean_sq, 1.0), 0.0),
-        _masked_max(r, m), _masked_min(r, m), mean((r > high).to(w.dtype)), mean((r < low).to(w.dtype)),
-        mean((w != r).to(w.dtype)), _mean(torch.where(t["scored"], abs_raw, 0.0).sum(), n_scored),
-        _masked_max(abs_raw, t["scored"]), mean(-d), mean(rho - dc - 1.0), mean(rho * rho - 1.0), n,
+        _masked_max(r, m),
+        _masked_min(r, m),
+        mean((r > high).to(w.dtype)),
+        mean((r < low).to(w.dtype)),
+        mean((w != r).to(w.dtype)),
+        _mean(torch.where(t["scored"], abs_raw, 0.0).sum(), n_scored),
+        _masked_max(abs_raw, t["scored"]),
+        mean(-d),
+        mean(rho - dc - 1.0),
+        mean(rho * rho - 1.0),
+        n,
     ]
 
     n_row = t["n_row"]
@@ -139,30 +169,44 @@ def _metrics(t: dict[str, Tensor], *, upper: float, lower: float, clamp: float) 
     seq_w = w.sum(dim=1) / n1
     seq_r = r.sum(dim=1) / n1
     clipped_row = (m & (w != r)).any(dim=1)
-    log_old = t["old"].sum(dim=1) / n1          # L_i
-    log_diff = t["s"] / n1                      # D_i
+    log_old = t["old"].sum(dim=1) / n1  # L_i
+    log_diff = t["s"] / n1  # D_i
     log_roll = log_old - log_diff
 
     def row_mean(x: Tensor) -> Tensor:
         return _mean(torch.where(rows, x, 0.0).sum(), s_count)
 
     seq_mean = row_mean(seq_w)
-    seq_var = torch.where(s_count > 1, torch.where(rows, (seq_w - seq_mean) ** 2, 0.0).sum()
-                          / (s_count - 1.0).clamp(min=1.0), 0.0)
+    seq_var = torch.where(
+        s_count > 1, torch.where(rows, (seq_w - seq_mean) ** 2, 0.0).sum() / (s_count - 1.0).clamp(min=1.0), 0.0
+    )
     seq = [
-        seq_mean, _masked_max(seq_w, rows), _masked_min(seq_w, rows), seq_var.sqrt(),
-        _masked_max((seq_w - 1.0).abs(), rows), row_mean((seq_r > high).to(w.dtype)),
-        row_mean((seq_r < low).to(w.dtype)), row_mean(clipped_row.to(w.dtype)),
-        row_mean(torch.exp(2.0 * t["s"].clamp(-clamp, clamp)) - 1.0), row_mean(torch.exp(-log_old)),
-        row_mean(-log_old), row_mean(torch.exp(-log_roll)), row_mean(-log_roll), row_mean(-log_diff),
-        row_mean(log_diff.abs()), _masked_max(-log_diff, rows), _masked_min(-log_diff, rows),
-        row_mean(torch.exp(-log_diff)), s_count,
+        seq_mean,
+        _masked_max(seq_w, rows),
+        _masked_min(seq_w, rows),
+        seq_var.sqrt(),
+        _masked_max((seq_w - 1.0).abs(), rows),
+        row_mean((seq_r > high).to(w.dtype)),
+        row_mean((seq_r < low).to(w.dtype)),
+        row_mean(clipped_row.to(w.dtype)),
+        row_mean(torch.exp(2.0 * t["s"].clamp(-clamp, clamp)) - 1.0),
+        row_mean(torch.exp(-log_old)),
+        row_mean(-log_old),
+        row_mean(torch.exp(-log_roll)),
+        row_mean(-log_roll),
+        row_mean(-log_diff),
+        row_mean(log_diff.abs()),
+        _masked_max(-log_diff, rows),
+        _masked_min(-log_diff, rows),
+        row_mean(torch.exp(-log_diff)),
+        s_count,
     ]
     return torch.stack(token + seq)
 
 
-def rollout_correction_fwd(old_logprob, rollout_logprob, mask, weights_out, metrics_out, *, level, mode, upper,
-                           lower, clamp):
+def rollout_correction_fwd(
+    old_logprob, rollout_logprob, mask, weights_out, metrics_out, *, level, mode, upper, lower, clamp
+):
     """Importance weights and their metrics (module docstring for the math).
 
     Args:
@@ -177,8 +221,17 @@ def rollout_correction_fwd(old_logprob, rollout_logprob, mask, weights_out, metr
     metrics_out.copy_(_metrics(t, upper=upper, lower=lower, clamp=clamp))
 
 
-def contract_scale(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *, level: str, mode: str,
-                   upper: float, lower: float, clamp: float) -> dict[str, Tensor]:
+def contract_scale(
+    old_logprob: Tensor,
+    rollout_logprob: Tensor,
+    mask: Tensor,
+    *,
+    level: str,
+    mode: str,
+    upper: float,
+    lower: float,
+    clamp: float,
+) -> dict[str, Tensor]:
     """The numerical contract's scales of ``weights`` ``[B, T]`` and ``metrics`` ``[len(CORRECTION_METRICS)]``.
 
     fp32 gets a log-ratio ``x`` to about ``2^-24 a`` with ``a = 1 + min(|d_t|, c)`` (token level) or
@@ -217,11 +270,22 @@ def contract_scale(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *
     rho = torch.exp(dc)
     amp = torch.where(m, 1.0 + dc.abs(), 0.0)  # token-level log-ratios (the k3 / chi2 terms)
     token = [
-        mean(w), top(w), top(w), top(w), 1.0 + _masked_max(a, m), top(r), top(r), one, one, one,
+        mean(w),
+        top(w),
+        top(w),
+        top(w),
+        1.0 + _masked_max(a, m),
+        top(r),
+        top(r),
+        one,
+        one,
+        one,
         1.0 + _mean(torch.where(t["scored"], t["raw"].abs(), 0.0).sum(), t["scored"].sum().to(w.dtype)),
-        1.0 + _masked_max(t["raw"].abs(), t["scored"]), 1.0 + _mean(abs_d.sum(), n),
+        1.0 + _masked_max(t["raw"].abs(), t["scored"]),
+        1.0 + _mean(abs_d.sum(), n),
         1.0 + _mean(torch.where(m, (rho + dc.abs() + 1.0) * amp, 0.0).sum(), n),
-        1.0 + _mean(torch.where(m, (rho * rho + 1.0) * amp, 0.0).sum(), n), one,
+        1.0 + _mean(torch.where(m, (rho * rho + 1.0) * amp, 0.0).sum(), n),
+        one,
     ]
 
     n_row = t["n_row"]
@@ -229,8 +293,8 @@ def contract_scale(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *
     s_count = rows.sum().to(w.dtype)
     n1 = n_row.clamp(min=1.0)
     w_row = torch.where(m, amplified(w), 0.0).sum(dim=1) / n1  # the scale of W_i (a mean over the row)
-    old_row = t["old"].abs().sum(dim=1) / n1            # mean |old| of the row
-    d_row = abs_d.sum(dim=1) / n1                       # mean |d| of the row
+    old_row = t["old"].abs().sum(dim=1) / n1  # mean |old| of the row
+    d_row = abs_d.sum(dim=1) / n1  # mean |d| of the row
     log_old = t["old"].sum(dim=1) / n1
     log_diff = t["s"] / n1
     s_amp = 1.0 + 2.0 * abs_d.sum(dim=1).clamp(max=clamp)
@@ -242,11 +306,24 @@ def contract_scale(old_logprob: Tensor, rollout_logprob: Tensor, mask: Tensor, *
         return 1.0 + _masked_max(x.abs(), rows & torch.isfinite(x))
 
     seq = [
-        row_mean(w_row), row_top(w_row), row_top(w_row), row_top(w_row), row_top(w_row), one, one, one,
+        row_mean(w_row),
+        row_top(w_row),
+        row_top(w_row),
+        row_top(w_row),
+        row_top(w_row),
+        one,
+        one,
+        one,
         row_mean((torch.exp(2.0 * t["s"].clamp(-clamp, clamp)) + 1.0) * s_amp),
-        row_mean(torch.exp(-log_old) * (1.0 + old_row)), row_mean(old_row),
+        row_mean(torch.exp(-log_old) * (1.0 + old_row)),
+        row_mean(old_row),
         row_mean(torch.exp(log_diff - log_old) * (1.0 + old_row + d_row)),
-        row_mean(old_row + d_row), row_mean(d_row), row_mean(d_row), row_top(d_row), row_top(d_row),
-        row_mean(torch.exp(-log_diff) * (1.0 + d_row)), one,
+        row_mean(old_row + d_row),
+        row_mean(d_row),
+        row_mean(d_row),
+        row_top(d_row),
+        row_top(d_row),
+        row_mean(torch.exp(-log_diff) * (1.0 + d_row)),
+        one,
     ]
     return {"weights": 1.0 + amplified(w), "metrics": torch.stack(token + seq)}

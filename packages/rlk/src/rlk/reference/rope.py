@@ -43,8 +43,9 @@ def _pair_slices(rotary_dim: int, interleaved: bool) -> tuple[slice, slice]:
     return slice(0, half), slice(half, rotary_dim)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, transpose: bool,
-            out: torch.Tensor) -> None:
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, transpose: bool, out: torch.Tensor
+) -> None:
     rotary_dim = cos.shape[-1]
     a, b = _pair_slices(rotary_dim, interleaved)
     cdt = compute_dtype(x.dtype)
@@ -72,8 +73,9 @@ def rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved:
     _rotate(x, cos, sin, interleaved, False, out)
 
 
-def rope_bwd(grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-             grad_x_out: torch.Tensor) -> None:
+def rope_bwd(
+    grad_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, grad_x_out: torch.Tensor
+) -> None:
     """Gradient of :func:`rope_fwd` w.r.t. ``x``: the transpose rotation of ``grad_out`` (module docstring).
 
     Args:
@@ -98,5 +100,5 @@ def error_scale(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleav
     ca, cb, sa, sb = cos[:, None, a], cos[:, None, b], sin[:, None, a], sin[:, None, b]
     scale[..., a] = x[..., a] * ca + x[..., b] * sa
     scale[..., b] = x[..., b] * cb + x[..., a] * sb
-    scale[..., cos.shape[-1]:] = x[..., cos.shape[-1]:]
+    scale[..., cos.shape[-1] :] = x[..., cos.shape[-1] :]
     return scale

@@ -32,21 +32,21 @@ def softmax_fwd(x, log, out):
     """``out = log_softmax(x)`` if ``log`` else ``softmax(x)``, over the last dim of ``x [N, V]``."""
     cdt = compute_dtype(x.dtype)
     for r0 in range(0, x.shape[0], ROW_CHUNK):
-        z = x[r0:r0 + ROW_CHUNK].to(cdt)
+        z = x[r0 : r0 + ROW_CHUNK].to(cdt)
         shifted = z - z.amax(dim=1, keepdim=True)
         s = torch.exp(shifted).sum(dim=1, keepdim=True)
         y = shifted - torch.log(s) if log else torch.exp(shifted) / s
-        out[r0:r0 + ROW_CHUNK] = y.to(out.dtype)
+        out[r0 : r0 + ROW_CHUNK] = y.to(out.dtype)
 
 
 def softmax_bwd(grad_out, out, log, grad_x_out):
     """Gradient of ``sum(grad_out * y)`` w.r.t. ``x``, from the forward's output ``y = out``."""
     cdt = compute_dtype(out.dtype)
     for r0 in range(0, out.shape[0], ROW_CHUNK):
-        g = grad_out[r0:r0 + ROW_CHUNK].to(cdt)
-        y = out[r0:r0 + ROW_CHUNK].to(cdt)
+        g = grad_out[r0 : r0 + ROW_CHUNK].to(cdt)
+        y = out[r0 : r0 + ROW_CHUNK].to(cdt)
         if log:
             grad = g - torch.exp(y) * g.sum(dim=1, keepdim=True)
         else:
             grad = y * (g - (g * y).sum(dim=1, keepdim=True))
-        grad_x_out[r0:r0 + ROW_CHUNK] = grad.to(grad_x_out.dtype)
+        grad_x_out[r0 : r0 + ROW_CHUNK] = grad.to(grad_x_out.dtype)

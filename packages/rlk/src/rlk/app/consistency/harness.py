@@ -21,24 +21,74 @@ MODELS = ("tiny", "tiny-llama", "qwen3-8b-shape", "llama3-8b-shape")
 #: ``initializer_range`` is larger than the default 0.02 so that a 2-layer, 64-wide model has non-flat
 #: next-token distributions (log-probs far from ``-log(vocab)``), which makes the comparisons meaningful.
 _CONFIGS: dict[str, tuple[str, dict]] = {
-    "tiny": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
-                           rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                           initializer_range=0.1)),
-    "tiny-llama": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
-                                 rope_theta=5e5, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                 initializer_range=0.1)),
+    "tiny": (
+        "qwen3",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            initializer_range=0.1,
+        ),
+    ),
+    "tiny-llama": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            rope_theta=5e5,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            initializer_range=0.1,
+        ),
+    ),
     # Qwen3-8B: 36 layers, hidden 4096, 32 query / 8 key-value heads of 128, SwiGLU 12288, vocab 151936
-    "qwen3-8b-shape": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                     max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
-                                     tie_word_embeddings=False)),
+    "qwen3-8b-shape": (
+        "qwen3",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
     # Llama-3-8B: 32 layers, hidden 4096, 32 query / 8 key-value heads of 128, SwiGLU 14336, vocab 128256
-    "llama3-8b-shape": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                                      max_position_embeddings=8192, rope_theta=5e5, rms_norm_eps=1e-5,
-                                      tie_word_embeddings=False)),
+    "llama3-8b-shape": (
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            rope_theta=5e5,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -50,8 +100,9 @@ def _transformers():
     return transformers
 
 
-def build_model(name: str, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
-                num_layers: int | None = None):
+def build_model(
+    name: str, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0, num_layers: int | None = None
+):
     """A standard causal LM: one of :data:`MODELS` built from its config, or a local checkpoint directory.
 
     ``name`` in :data:`MODELS`: transformers' ``Qwen3ForCausalLM`` ("tiny", "qwen3-8b-shape") or
@@ -68,16 +119,20 @@ def build_model(name: str, *, dtype: torch.dtype, device: str | torch.device, se
         model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
         return model.to(device).eval()
     if name not in _CONFIGS:
-        raise ValueError(f"unknown model {name!r}: expected one of {', '.join(MODELS)} or an existing checkpoint "
-                         "directory")
+        raise ValueError(
+            f"unknown model {name!r}: expected one of {', '.join(MODELS)} or an existing checkpoint directory"
+        )
     arch, fields = _CONFIGS[name]
     fields = dict(fields)
     if num_layers is not None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         fields["num_hidden_layers"] = num_layers
-    config_cls, model_cls = ((transformers.Qwen3Config, transformers.Qwen3ForCausalLM) if arch == "qwen3"
-                             else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    config_cls, model_cls = (
+        (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
+        if arch == "qwen3"
+        else (transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    )
     config = config_cls(attn_implementation="sdpa", **fields)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -99,8 +154,9 @@ def make_prompts(n: int, *, vocab_size: int, seed: int = 0, min_len: int = 3, ma
     return [torch.randint(0, vocab_size, (length,), generator=g).tolist() for length in lengths]
 
 
-def reference_logprobs(model, prompts: list[list[int]], responses: list[list[int]], *,
-                       dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def reference_logprobs(
+    model, prompts: list[list[int]], responses: list[list[int]], *, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """Ground truth: ``log p(response[t] | prompt + response[:t])`` for every response token, fp32 ``[len]`` on
     the CPU, per sequence.
 
@@ -130,7 +186,7 @@ def reference_logprobs(model, prompts: list[list[int]], responses: list[list[int
                 continue
             ids = torch.tensor([list(prompt) + list(response)], device=device)
             logits = ref(ids, use_cache=False).logits[0]  # [L, V]
-            logp = torch.log_softmax(logits[len(prompt) - 1:-1].to(dtype), -1)
+            logp = torch.log_softmax(logits[len(prompt) - 1 : -1].to(dtype), -1)
             target = torch.tensor(response, device=device)
             out.append(logp.gather(1, target[:, None])[:, 0].float().cpu())
     del ref

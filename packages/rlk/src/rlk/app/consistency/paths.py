@@ -175,9 +175,18 @@ def _sample(logits: Tensor, seeds: Tensor, steps: Tensor, temperature: float) ->
     return tokens
 
 
-def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chunk: int | None = None, seed: int = 0,
-            temperature: float = 1.0, eos_token_id: int | None = None, on_forward: OnForward = None,
-            pad_token_id: int = 0) -> Rollout:
+def rollout(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    prefill_chunk: int | None = None,
+    seed: int = 0,
+    temperature: float = 1.0,
+    eos_token_id: int | None = None,
+    on_forward: OnForward = None,
+    pad_token_id: int = 0,
+) -> Rollout:
     """Rollout-style sampling and scoring of ``prompts`` (lists of token ids).
 
     Prefill: the prompts left-padded to the longest, ``ids [B, P]`` (``pad_token_id`` in the pads),
@@ -218,8 +227,8 @@ def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chu
     ids = torch.full((n, width), pad_token_id, dtype=torch.int64)
     mask = torch.zeros((n, width), dtype=torch.int64)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.int64)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.int64)
+        mask[i, width - len(p) :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     ids, mask, position_ids = ids.to(device), mask.to(device), position_ids.to(device)
 
@@ -233,16 +242,18 @@ def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chu
             seq = torch.tensor(active, dtype=torch.int64, device=device)[:, None].expand_as(step_pos)
             slots = torch.stack([seq, step_pos.to(torch.int64)], -1)
             on_forward(torch.where(slot_valid[..., None], slots, torch.full_like(slots, -1)))
-        out = compat.cached_forward(model, cache, input_ids=step_ids, attention_mask=step_mask, position_ids=step_pos,
-                                    logits_to_keep=1)
+        out = compat.cached_forward(
+            model, cache, input_ids=step_ids, attention_mask=step_mask, position_ids=step_pos, logits_to_keep=1
+        )
         return out.logits[:, -1]  # [B, V]
 
     with torch.no_grad():
         chunk = prefill_chunk or width
         for start in range(0, width, chunk):
             stop = min(width, start + chunk)
-            logits = forward(ids[:, start:stop], mask[:, :stop], position_ids[:, start:stop],
-                             mask[:, start:stop].bool())
+            logits = forward(
+                ids[:, start:stop], mask[:, :stop], position_ids[:, start:stop], mask[:, start:stop].bool()
+            )
         next_pos = position_ids[:, -1] + 1  # [B]: every prompt is non-empty
         while True:
             steps = torch.tensor([len(responses[i]) for i in active], dtype=torch.int64, device=device)
@@ -266,8 +277,9 @@ def rollout(model, prompts: list[list[int]], *, max_new_tokens: int, prefill_chu
             step_pos = next_pos[:, None]
             logits = forward(token_t[:, None], mask, step_pos, torch.ones_like(step_pos, dtype=torch.bool))
             next_pos = next_pos + 1
-    return Rollout(prompts=prompts, responses=responses,
-                   logprobs=[torch.stack(lp) if lp else torch.zeros(0) for lp in logprobs])
+    return Rollout(
+        prompts=prompts, responses=responses, logprobs=[torch.stack(lp) if lp else torch.zeros(0) for lp in logprobs]
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -284,14 +296,21 @@ def _check_micro_batches(micro_batches, n: int) -> list[list[int]]:
             raise ValueError(f"micro_batches has an empty or non-list entry {mb!r}")
         seen.extend(mb)
     if sorted(seen) != list(range(n)) or not all(isinstance(i, int) for i in seen):
-        raise ValueError(f"micro_batches {micro_batches!r} must partition the sequence indices 0..{n - 1} "
-                         "(every index exactly once)")
+        raise ValueError(
+            f"micro_batches {micro_batches!r} must partition the sequence indices 0..{n - 1} (every index exactly once)"
+        )
     return [list(mb) for mb in micro_batches]
 
 
-def training_logprobs(model, prompts: list[list[int]], responses: list[list[int]], *,
-                      micro_batches: list[list[int]], backward: bool = False,
-                      on_forward: OnForward = None) -> tuple[list[Tensor], list[Tensor] | None]:
+def training_logprobs(
+    model,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    *,
+    micro_batches: list[list[int]],
+    backward: bool = False,
+    on_forward: OnForward = None,
+) -> tuple[list[Tensor], list[Tensor] | None]:
     """Training-style teacher forcing of ``prompt + response`` per sequence, in packed micro-batches.
 
     Each micro-batch (a list of sequence indices, all of them together a partition of ``range(len(prompts))``)
@@ -311,8 +330,10 @@ def training_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     """
     _check_prompts(model, prompts)
     if not isinstance(responses, (list, tuple)) or len(responses) != len(prompts):
-        raise ValueError(f"need one response per prompt: {len(prompts)} prompts, "
-                         f"{len(responses) if isinstance(responses, (list, tuple)) else responses!r} responses")
+        raise ValueError(
+            f"need one response per prompt: {len(prompts)} prompts, "
+            f"{len(responses) if isinstance(responses, (list, tuple)) else responses!r} responses"
+        )
     _check_tokens("responses", responses, _vocab_size(model), allow_empty=True)
     micro_batches = _check_micro_batches(micro_batches, len(prompts))
     device = _device(model)
@@ -340,12 +361,12 @@ def training_logprobs(model, prompts: list[list[int]], responses: list[list[int]
             for k, i in enumerate(mb):
                 p, r = len(prompts[i]), len(responses[i])
                 rows = slice(starts[k] + p - 1, starts[k] + p + r - 1)
-                lps.append(_logprob_of(logits[rows], tokens[starts[k] + p:starts[k] + p + r]))
+                lps.append(_logprob_of(logits[rows], tokens[starts[k] + p : starts[k] + p + r]))
         if backward:
             total = torch.stack([lp.sum() for lp in lps]).sum()
             (grad,) = torch.autograd.grad(total, x)
             for k, i in enumerate(mb):
-                out_grad[i] = grad[0, starts[k]:starts[k + 1]].detach().cpu()
+                out_grad[i] = grad[0, starts[k] : starts[k + 1]].detach().cpu()
         for k, i in enumerate(mb):
             out_lp[i] = lps[k].detach().cpu()
     return out_lp, (out_grad if backward else None)

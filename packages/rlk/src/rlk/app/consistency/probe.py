@@ -53,8 +53,22 @@ import torch
 from torch import Tensor, nn
 
 #: Op names of a Llama / Qwen3-style decoder layer, in computation order (``q_norm`` / ``k_norm``: Qwen3 only).
-OPS = ("input_layernorm", "q_proj", "q_norm", "k_proj", "k_norm", "v_proj", "attention", "o_proj",
-       "post_attention_layernorm", "gate_proj", "up_proj", "act", "down_proj", "layer")
+OPS = (
+    "input_layernorm",
+    "q_proj",
+    "q_norm",
+    "k_proj",
+    "k_norm",
+    "v_proj",
+    "attention",
+    "o_proj",
+    "post_attention_layernorm",
+    "gate_proj",
+    "up_proj",
+    "act",
+    "down_proj",
+    "layer",
+)
 
 #: Ops captured with a forward pre-hook: the input of the named module.
 _PRE_HOOK_OPS = {"o_proj": "attention", "down_proj": "act"}
@@ -73,8 +87,9 @@ def find_layers(model: nn.Module) -> nn.ModuleList:
             if best is None or len(module) > len(best):
                 best = module
     if best is None:
-        raise ValueError(f"Probe: found no decoder layers (no nn.ModuleList of identical modules) in "
-                         f"{type(model).__name__}")
+        raise ValueError(
+            f"Probe: found no decoder layers (no nn.ModuleList of identical modules) in {type(model).__name__}"
+        )
     return best
 
 
@@ -132,13 +147,13 @@ class Probe:
         self.keep_ops = None if ops is None else set(ops)
         self.keep_positions = None if positions is None else {(int(s), int(p)) for s, p in positions}
         self.max_tokens = max_tokens
-        self.duplicates = 0          # (layer, op, key) seen again: the first copy is kept
-        self.unannounced = 0         # forwards without an on_forward announcement (skipped)
+        self.duplicates = 0  # (layer, op, key) seen again: the first copy is kept
+        self.unannounced = 0  # forwards without an on_forward announcement (skipped)
         self._states: dict[tuple[int, str], dict[tuple[int, int], Tensor]] = {}
         self._order: list[tuple[int, str]] = []  # (layer, op) in the order the hooks first fired
-        self._op_rank: dict[str, int] = {}       # op name -> first firing order over all layers
+        self._op_rank: dict[str, int] = {}  # op name -> first firing order over all layers
         self._kept: set[tuple[int, int]] = set()  # keys accepted so far (for max_tokens)
-        self._pending: Tensor | None = None       # announced slots, not yet consumed by a forward
+        self._pending: Tensor | None = None  # announced slots, not yet consumed by a forward
         self._current: tuple[int, int, list[tuple[int, int]], Tensor] | None = None  # B, S, keys, rows
         self._warned = False
         self._handles = []
@@ -217,11 +232,13 @@ class Probe:
     def _hook(self, layer: int, op: str):
         def hook(module, args, output):
             self._store(layer, op, _first_tensor(output))
+
         return hook
 
     def _pre_hook(self, layer: int, op: str):
         def hook(module, args):
             self._store(layer, op, _first_tensor(args))
+
         return hook
 
     def _store(self, layer: int, op: str, x: Tensor | None) -> None:
@@ -240,16 +257,22 @@ class Probe:
         elif x.dim() >= 1 and x.shape[0] == batch * seq:
             flat = x.detach().reshape(batch * seq, -1)
         else:
-            raise ValueError(f"Probe: layer {layer} op {op!r} produced {tuple(x.shape)}, which does not match the "
-                             f"announced slots [B={batch}, S={seq}]")
+            raise ValueError(
+                f"Probe: layer {layer} op {op!r} produced {tuple(x.shape)}, which does not match the "
+                f"announced slots [B={batch}, S={seq}]"
+            )
         store = self._states[(layer, op)]
         new = [i for i, key in enumerate(keys) if key not in store]
         if len(new) < len(keys):
             self.duplicates += len(keys) - len(new)
             if not self._warned:
                 self._warned = True
-                warnings.warn(f"Probe: (sequence, position) slots seen twice (first at layer {layer} op {op!r}); "
-                              f"keeping the first copy", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"Probe: (sequence, position) slots seen twice (first at layer {layer} op {op!r}); "
+                    f"keeping the first copy",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if not new:
             return
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -319,8 +342,10 @@ def compare(a: Probe, b: Probe, *, positions: set[tuple[int, int]] | None = None
     sa, sb = a.states(), b.states()
     order = [lo for lo in a.order() if lo in sb]
     if not order:
-        raise ValueError("compare: the two probes captured no common (layer, op); were they run on the same "
-                         "model architecture, with the same layers= / ops=?")
+        raise ValueError(
+            "compare: the two probes captured no common (layer, op); were they run on the same "
+            "model architecture, with the same layers= / ops=?"
+        )
     wanted = None if positions is None else {(int(s), int(p)) for s, p in positions}
     per_op: dict[str, dict] = {}
     layers: dict[int, dict] = {}
@@ -340,17 +365,28 @@ def compare(a: Probe, b: Probe, *, positions: set[tuple[int, int]] | None = None
         xb = [sb[(layer, op)][k] for k in keys]
         for k, u, v in zip(keys, xa, xb):
             if u.shape != v.shape:
-                raise ValueError(f"compare: layer {layer} op {op!r} token {k}: width {tuple(u.shape)} vs "
-                                 f"{tuple(v.shape)}")
+                raise ValueError(
+                    f"compare: layer {layer} op {op!r} token {k}: width {tuple(u.shape)} vs {tuple(v.shape)}"
+                )
         xa, xb = torch.stack(xa), torch.stack(xb)  # [T, D]
         delta = (xa.double() - xb.double()).abs()
         equal = _bitwise_equal(xa, xb)
         entry.update(max_abs=float(delta.max()), mean_abs=float(delta.mean()), equal=equal)
         if not equal and first is None:
             first = (layer, op)
-        acc = layers.setdefault(layer, {"layer": layer, "max_abs": 0.0, "sum_abs": 0.0, "count": 0,
-                                        "first_op": None, "equal": True, "out_max_abs": None,
-                                        "out_mean_abs": None})
+        acc = layers.setdefault(
+            layer,
+            {
+                "layer": layer,
+                "max_abs": 0.0,
+                "sum_abs": 0.0,
+                "count": 0,
+                "first_op": None,
+                "equal": True,
+                "out_max_abs": None,
+                "out_mean_abs": None,
+            },
+        )
         acc["max_abs"] = _nan_max(acc["max_abs"], entry["max_abs"])
         acc["sum_abs"] += float(delta.sum())
         acc["count"] += delta.numel()
@@ -360,13 +396,23 @@ def compare(a: Probe, b: Probe, *, positions: set[tuple[int, int]] | None = None
         if op == "layer":
             acc["out_max_abs"], acc["out_mean_abs"] = entry["max_abs"], entry["mean_abs"]
     if not all_keys:
-        raise ValueError("compare: the two probes share no (sequence, position) token"
-                         + ("" if wanted is None else " within `positions`")
-                         + "; were both paths announced with on_forward(slots) over the same sequences?")
+        raise ValueError(
+            "compare: the two probes share no (sequence, position) token"
+            + ("" if wanted is None else " within `positions`")
+            + "; were both paths announced with on_forward(slots) over the same sequences?"
+        )
     per_layer = []
     for layer in sorted(layers):
         acc = layers[layer]
-        per_layer.append({"layer": layer, "max_abs": acc["max_abs"], "mean_abs": acc["sum_abs"] / acc["count"],
-                          "first_op": acc["first_op"], "equal": acc["equal"], "out_max_abs": acc["out_max_abs"],
-                          "out_mean_abs": acc["out_mean_abs"]})
+        per_layer.append(
+            {
+                "layer": layer,
+                "max_abs": acc["max_abs"],
+                "mean_abs": acc["sum_abs"] / acc["count"],
+                "first_op": acc["first_op"],
+                "equal": acc["equal"],
+                "out_max_abs": acc["out_max_abs"],
+                "out_mean_abs": acc["out_mean_abs"],
+            }
+        )
     return Drift(first_divergent=first, per_layer=per_layer, per_op=per_op, tokens=len(all_keys), ops=order)

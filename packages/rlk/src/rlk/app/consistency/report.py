@@ -83,19 +83,31 @@ def summary_rows(report: dict) -> list[tuple[str, str, str]]:
         ("rollout vs training: tokens bitwise equal", *both(lambda c, _: equal(c["rollout_vs_training"]))),
         ("training split A vs B: max |delta lp|", *both(lambda c, _: _num(c["split_a_vs_b"]["max_abs"]))),
         ("training split A vs B: tokens bitwise equal", *both(lambda c, _: equal(c["split_a_vs_b"]))),
-        ("input gradients equal across splits (seqs)",
-         *both(lambda c, _: f"{c['gradients']['equal_sequences']}/{c['gradients']['sequences']}")),
+        (
+            "input gradients equal across splits (seqs)",
+            *both(lambda c, _: f"{c['gradients']['equal_sequences']}/{c['gradients']['sequences']}"),
+        ),
         ("input gradients: max |delta|", *both(lambda c, _: _num(c["gradients"]["max_abs"]))),
-        ("rollout vs reference: max |delta lp|",
-         *both(lambda c, k: _num(con.get(f"{k}.rollout", {}).get("max_abs")))),
-        ("training vs reference: max |delta lp|",
-         *both(lambda c, k: _num(con.get(f"{k}.training", {}).get("max_abs")))),
-        ("contract ratio (worst / allowed, <= 1 ok)",
-         *both(lambda c, k: _num(max((con.get(f"{k}.{p}", {}).get("ratio") or 0.0) for p in ("rollout", "training"))))),
+        ("rollout vs reference: max |delta lp|", *both(lambda c, k: _num(con.get(f"{k}.rollout", {}).get("max_abs")))),
+        (
+            "training vs reference: max |delta lp|",
+            *both(lambda c, k: _num(con.get(f"{k}.training", {}).get("max_abs"))),
+        ),
+        (
+            "contract ratio (worst / allowed, <= 1 ok)",
+            *both(
+                lambda c, k: _num(max((con.get(f"{k}.{p}", {}).get("ratio") or 0.0) for p in ("rollout", "training")))
+            ),
+        ),
         ("probe: first divergent (layer, op)", *both(lambda c, _: _first(c["probe"]))),
-        ("probe: max |delta| over all layers",
-         *both(lambda c, _: _num(max((r.get("max_abs") or 0.0) for r in c["probe"]["per_layer"]) if
-                                 c["probe"]["per_layer"] else None))),
+        (
+            "probe: max |delta| over all layers",
+            *both(
+                lambda c, _: _num(
+                    max((r.get("max_abs") or 0.0) for r in c["probe"]["per_layer"]) if c["probe"]["per_layer"] else None
+                )
+            ),
+        ),
         ("forward tokens/s, rollout", *both(lambda c, _: _rate(c.get("timings", {}), "rollout_tokens_per_s"))),
         ("forward tokens/s, training", *both(lambda c, _: _rate(c.get("timings", {}), "training_tokens_per_s"))),
     ]
@@ -135,18 +147,26 @@ def format_table(report: dict) -> str:
         lines.append(f"  {'layer':>5}  {'rlk off max':>11} {'mean':>9} {'first op':<24} {'rlk on max':>10} {'mean':>9}")
         for layer in sorted(off_layers):
             a, b = off_layers[layer], on_layers.get(layer, {})
-            lines.append(f"  {layer:>5}  {_num(a.get('max_abs')):>11} {_num(a.get('mean_abs')):>9} "
-                         f"{a.get('first_op') or '-':<24} {_num(b.get('max_abs')):>10} {_num(b.get('mean_abs')):>9}")
+            lines.append(
+                f"  {layer:>5}  {_num(a.get('max_abs')):>11} {_num(a.get('mean_abs')):>9} "
+                f"{a.get('first_op') or '-':<24} {_num(b.get('max_abs')):>10} {_num(b.get('mean_abs')):>9}"
+            )
     hist = report.get("histogram")
     if hist:
         lines += ["", f"histogram of {hist['what']}:"]
-        lines.append("  " + "  ".join(f"{lab}: {a}/{b}" for lab, a, b in zip(hist["labels"], hist["off"], hist["on"])
-                                      if a or b) + "   (rlk off / rlk on)")
+        lines.append(
+            "  "
+            + "  ".join(f"{lab}: {a}/{b}" for lab, a, b in zip(hist["labels"], hist["off"], hist["on"]) if a or b)
+            + "   (rlk off / rlk on)"
+        )
     con = report.get("contract")
     if con:
-        lines += ["", f"ground truth: {report['reference']['dtype']} ({report['reference']['how']}); judged with the "
-                      f"contract entry {con['op']}/{con['dtype']} (atol {con['atol']:g}, rtol {con['rtol']:g}, scale "
-                      f"{con['scale']})"]
+        lines += [
+            "",
+            f"ground truth: {report['reference']['dtype']} ({report['reference']['how']}); judged with the "
+            f"contract entry {con['op']}/{con['dtype']} (atol {con['atol']:g}, rtol {con['rtol']:g}, scale "
+            f"{con['scale']})",
+        ]
     lines += ["", "verdicts:"]
     for v in report["verdicts"]:
         mark = {"pass": "PASS", "fail": "FAIL", "info": "INFO"}[v["status"]]
@@ -158,8 +178,9 @@ def format_table(report: dict) -> str:
         written = [p for k, p in files.items() if k in ("json", "html", "png") and p]
         lines += ["", "wrote " + ", ".join(written)]
     lines.append("")
-    lines.append("PASSED: every rlk-on claim holds bit for bit" if report["passed"] else
-                 f"FAILED: {', '.join(report['failed'])}")
+    lines.append(
+        "PASSED: every rlk-on claim holds bit for bit" if report["passed"] else f"FAILED: {', '.join(report['failed'])}"
+    )
     return "\n".join(lines)
 
 
@@ -183,8 +204,9 @@ def write_json(report: dict, path: str) -> str:
 
 def layer_series(report: dict, key: str = "max_abs") -> dict[str, list[tuple[int, float | None]]]:
     """Per chain: ``[(layer, value)]`` from the probe's per-layer drift."""
-    return {name: [(r["layer"], r.get(key)) for r in report["chains"][name]["probe"]["per_layer"]]
-            for name, _, _ in CHAINS}
+    return {
+        name: [(r["layer"], r.get(key)) for r in report["chains"][name]["probe"]["per_layer"]] for name, _, _ in CHAINS
+    }
 
 
 def log_range(values) -> tuple[int, int]:
@@ -214,8 +236,11 @@ def write_png(report: dict, path: str) -> tuple[str | None, str | None]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return None, "drift.png not written: matplotlib is not installed (pip install matplotlib); drift.html has " \
-                     "the same charts"
+        return (
+            None,
+            "drift.png not written: matplotlib is not installed (pip install matplotlib); drift.html has "
+            "the same charts",
+        )
     series = layer_series(report)
     lo, hi = log_range([v for s in series.values() for _, v in s])
     floor = 10.0 ** (lo - 1)
@@ -232,8 +257,9 @@ def write_png(report: dict, path: str) -> tuple[str | None, str | None]:
     ax1.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax1.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax1.axhline(floor, color="gray", linestyle=":", linewidth=1)
-    ax1.text(0.01, floor, " 0 (bitwise equal)", transform=ax1.get_yaxis_transform(), va="bottom", fontsize=8,
-             color="gray")
+    ax1.text(
+        0.01, floor, " 0 (bitwise equal)", transform=ax1.get_yaxis_transform(), va="bottom", fontsize=8, color="gray"
+    )
     ax1.set_xlabel("decoder layer")
     ax1.set_ylabel("max |delta| of the layer's op outputs")
     ax1.set_title("per-layer drift, rollout vs training")
@@ -283,24 +309,27 @@ def svg_layer_chart(report: dict, width: int = 640, height: int = 320) -> str:
     def ypos(v):
         return sy(floor_dec if v is None or v <= 0 else math.log10(v))
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="per-layer drift">',
-           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fff" stroke="#999"/>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="per-layer drift">',
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fff" stroke="#999"/>',
+    ]
     for dec in range(lo, hi + 1):
         y = sy(dec)
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
         out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11">1e{dec}</text>')
     yf = sy(floor_dec)
-    out.append(f'<line x1="{left}" x2="{left + pw}" y1="{yf:.1f}" y2="{yf:.1f}" stroke="#666" '
-               f'stroke-dasharray="2,3"/>')
+    out.append(f'<line x1="{left}" x2="{left + pw}" y1="{yf:.1f}" y2="{yf:.1f}" stroke="#666" stroke-dasharray="2,3"/>')
     out.append(f'<text x="{left - 6}" y="{yf + 4:.1f}" text-anchor="end" font-size="11">0</text>')
     out.append(f'<text x="{left + 6}" y="{yf - 5:.1f}" font-size="11" fill="#666">0 (bitwise equal)</text>')
     step = max(1, len(layers) // 12)
     for x in layers[::step]:
         out.append(f'<text x="{sx(x):.1f}" y="{top + ph + 16}" text-anchor="middle" font-size="11">{x}</text>')
     out.append(f'<text x="{left + pw / 2}" y="{height - 8}" text-anchor="middle" font-size="12">decoder layer</text>')
-    out.append(f'<text x="14" y="{top + ph / 2}" text-anchor="middle" font-size="12" '
-               f'transform="rotate(-90 14 {top + ph / 2})">|delta| (log scale)</text>')
+    out.append(
+        f'<text x="14" y="{top + ph / 2}" text-anchor="middle" font-size="12" '
+        f'transform="rotate(-90 14 {top + ph / 2})">|delta| (log scale)</text>'
+    )
     for i, (name, label, color) in enumerate(CHAINS):
         for data, dash in ((series[name], ""), (means[name], ' stroke-dasharray="5,4"')):
             pts = " ".join(f"{sx(x):.1f},{ypos(v):.1f}" for x, v in data)
@@ -308,14 +337,20 @@ def svg_layer_chart(report: dict, width: int = 640, height: int = 320) -> str:
                 out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
         for x, v in series[name]:
             tip = "0" if not v else f"{v:.3g}"
-            out.append(f'<circle cx="{sx(x):.1f}" cy="{ypos(v):.1f}" r="3.5" fill="{color}">'
-                       f'<title>{html.escape(label)}, layer {x}: max |delta| {tip}</title></circle>')
+            out.append(
+                f'<circle cx="{sx(x):.1f}" cy="{ypos(v):.1f}" r="3.5" fill="{color}">'
+                f"<title>{html.escape(label)}, layer {x}: max |delta| {tip}</title></circle>"
+            )
         ly = top + 14 + 16 * i
-        out.append(f'<line x1="{left + pw - 250}" x2="{left + pw - 225}" y1="{ly - 4}" y2="{ly - 4}" '
-                   f'stroke="{color}" stroke-width="2"/>')
+        out.append(
+            f'<line x1="{left + pw - 250}" x2="{left + pw - 225}" y1="{ly - 4}" y2="{ly - 4}" '
+            f'stroke="{color}" stroke-width="2"/>'
+        )
         out.append(f'<text x="{left + pw - 220}" y="{ly}" font-size="11">{html.escape(label)}</text>')
-    out.append(f'<text x="{left + pw - 250}" y="{top + 14 + 16 * len(CHAINS)}" font-size="10" fill="#555">'
-               f'solid: max, dashed: mean</text>')
+    out.append(
+        f'<text x="{left + pw - 250}" y="{top + 14 + 16 * len(CHAINS)}" font-size="10" fill="#555">'
+        f"solid: max, dashed: mean</text>"
+    )
     out.append("</svg>")
     return "\n".join(out)
 
@@ -335,9 +370,11 @@ def svg_histogram(report: dict, width: int = 640, height: int = 300) -> str:
     def sy(c):
         return top + ph - c / ymax * ph
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="histogram of the final log-prob drift">',
-           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fff" stroke="#999"/>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="histogram of the final log-prob drift">',
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fff" stroke="#999"/>',
+    ]
     for c in range(0, ymax + 1, tick):
         out.append(f'<text x="{left - 6}" y="{sy(c) + 4:.1f}" text-anchor="end" font-size="11">{c:.0f}</text>')
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(c):.1f}" y2="{sy(c):.1f}" stroke="#eee"/>')
@@ -345,19 +382,26 @@ def svg_histogram(report: dict, width: int = 640, height: int = 300) -> str:
         for j, (counts, (_, label, color)) in enumerate(((off, CHAINS[0]), (on, CHAINS[1]))):
             c = counts[i]
             x = left + i * bw + bw * (0.1 + 0.4 * j)
-            out.append(f'<rect x="{x:.1f}" y="{sy(c):.1f}" width="{bw * 0.4:.1f}" height="{top + ph - sy(c):.1f}" '
-                       f'fill="{color}"><title>{html.escape(label)}: {c} tokens in {html.escape(lab)}</title></rect>')
+            out.append(
+                f'<rect x="{x:.1f}" y="{sy(c):.1f}" width="{bw * 0.4:.1f}" height="{top + ph - sy(c):.1f}" '
+                f'fill="{color}"><title>{html.escape(label)}: {c} tokens in {html.escape(lab)}</title></rect>'
+            )
             if c:
-                out.append(f'<text x="{x + bw * 0.2:.1f}" y="{sy(c) - 3:.1f}" text-anchor="middle" '
-                           f'font-size="9">{c}</text>')
+                out.append(
+                    f'<text x="{x + bw * 0.2:.1f}" y="{sy(c) - 3:.1f}" text-anchor="middle" font-size="9">{c}</text>'
+                )
         cx, cy = left + (i + 0.5) * bw, top + ph + 10
-        out.append(f'<text x="{cx:.1f}" y="{cy:.1f}" font-size="10" text-anchor="end" '
-                   f'transform="rotate(-45 {cx:.1f} {cy:.1f})">{html.escape(lab)}</text>')
+        out.append(
+            f'<text x="{cx:.1f}" y="{cy:.1f}" font-size="10" text-anchor="end" '
+            f'transform="rotate(-45 {cx:.1f} {cy:.1f})">{html.escape(lab)}</text>'
+        )
     for j, (_, label, color) in enumerate(CHAINS):
         out.append(f'<rect x="{left + pw - 240}" y="{top + 6 + 16 * j}" width="12" height="10" fill="{color}"/>')
         out.append(f'<text x="{left + pw - 222}" y="{top + 15 + 16 * j}" font-size="11">{html.escape(label)}</text>')
-    out.append(f'<text x="{left + pw / 2}" y="{height - 4}" text-anchor="middle" font-size="12">'
-               f'|rollout lp - training lp| per response token</text>')
+    out.append(
+        f'<text x="{left + pw / 2}" y="{height - 4}" text-anchor="middle" font-size="12">'
+        f"|rollout lp - training lp| per response token</text>"
+    )
     out.append("</svg>")
     return "\n".join(out)
 
@@ -387,10 +431,13 @@ def render_html(report: dict) -> str:
     esc = html.escape
     m, dev, s = report["model"], report["device"], report["settings"]
     title = f"rlk consistency: {m['name']}, {report['dtype']} on {dev['device']}"
-    verdict = ("PASSED: every rlk-on claim holds bit for bit" if report["passed"]
-               else "FAILED: " + ", ".join(report["failed"]))
+    verdict = (
+        "PASSED: every rlk-on claim holds bit for bit" if report["passed"] else "FAILED: " + ", ".join(report["failed"])
+    )
     parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{esc(title)}</title>",
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{esc(title)}</title>",
         f"<style>{_CSS}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
         f'<p class="{"pass" if report["passed"] else "fail"}"><b>{esc(verdict)}</b></p>',
@@ -405,9 +452,11 @@ def render_html(report: dict) -> str:
         f"sample the same tokens wherever their logits are bitwise equal. "
         f"Split A: {esc(s['split_a'])}; split B: {esc(s['split_b'])}.</p>",
         "<h2>Verdicts</h2>",
-        _table(["status", "claim", "detail"],
-               [[v["status"].upper(), v["claim"], v["detail"]] for v in report["verdicts"]],
-               [v["status"] for v in report["verdicts"]]),
+        _table(
+            ["status", "claim", "detail"],
+            [[v["status"].upper(), v["claim"], v["detail"]] for v in report["verdicts"]],
+            [v["status"] for v in report["verdicts"]],
+        ),
         "<h2>rlk off vs on</h2>",
         _table(["", "rlk off", "rlk on"], [list(r) for r in summary_rows(report)]),
         "<h2>Per-layer drift, rollout vs training</h2>",
@@ -423,8 +472,17 @@ def render_html(report: dict) -> str:
     on_layers = {r["layer"]: r for r in report["chains"]["on"]["probe"]["per_layer"]}
     for r in report["chains"]["off"]["probe"]["per_layer"]:
         b = on_layers.get(r["layer"], {})
-        rows.append([r["layer"], _num(r.get("max_abs")), _num(r.get("mean_abs")), r.get("first_op") or "-",
-                     _num(b.get("max_abs")), _num(b.get("mean_abs")), b.get("first_op") or "-"])
+        rows.append(
+            [
+                r["layer"],
+                _num(r.get("max_abs")),
+                _num(r.get("mean_abs")),
+                r.get("first_op") or "-",
+                _num(b.get("max_abs")),
+                _num(b.get("mean_abs")),
+                b.get("first_op") or "-",
+            ]
+        )
     parts.append(_table(["layer", "off max", "off mean", "off first op", "on max", "on mean", "on first op"], rows))
     hist = report["histogram"]
     parts += [f"<h2>Final log-prob drift</h2><p class='small'>{esc(hist['what'])}</p>", svg_histogram(report)]
@@ -432,31 +490,72 @@ def render_html(report: dict) -> str:
     on_seqs = report["chains"]["on"]["sequences"]
     rows = []
     for a, b in zip(report["chains"]["off"]["sequences"], on_seqs):
-        rows.append([a["index"], a["prompt_len"], f"{a['response_len']} / {b['response_len']}",
-                     _num(a["rollout_vs_training_max_abs"]), _num(b["rollout_vs_training_max_abs"]),
-                     _num(a["split_a_vs_b_max_abs"]), _num(b["split_a_vs_b_max_abs"]),
-                     _num(a["grad_equal"]), _num(b["grad_equal"]),
-                     _num(a.get("training_vs_reference_max_abs")), _num(b.get("training_vs_reference_max_abs"))])
-    parts.append(_table(["seq", "prompt", "response off / on", "roll vs train off", "on", "split A vs B off", "on",
-                         "grads equal off", "on", "train vs ref off", "on"], rows))
+        rows.append(
+            [
+                a["index"],
+                a["prompt_len"],
+                f"{a['response_len']} / {b['response_len']}",
+                _num(a["rollout_vs_training_max_abs"]),
+                _num(b["rollout_vs_training_max_abs"]),
+                _num(a["split_a_vs_b_max_abs"]),
+                _num(b["split_a_vs_b_max_abs"]),
+                _num(a["grad_equal"]),
+                _num(b["grad_equal"]),
+                _num(a.get("training_vs_reference_max_abs")),
+                _num(b.get("training_vs_reference_max_abs")),
+            ]
+        )
+    parts.append(
+        _table(
+            [
+                "seq",
+                "prompt",
+                "response off / on",
+                "roll vs train off",
+                "on",
+                "split A vs B off",
+                "on",
+                "grads equal off",
+                "on",
+                "train vs ref off",
+                "on",
+            ],
+            rows,
+        )
+    )
     con = report.get("contract")
     if con:
-        parts.append(f"<p class='small'>Ground truth: {esc(report['reference']['dtype'])}, "
-                     f"{esc(report['reference']['how'])}. Judged with the contract entry <code>{esc(con['op'])}/"
-                     f"{esc(con['dtype'])}</code>: atol {con['atol']:g}, rtol {con['rtol']:g}, scale "
-                     f"{esc(con['scale'])}.</p>")
+        parts.append(
+            f"<p class='small'>Ground truth: {esc(report['reference']['dtype'])}, "
+            f"{esc(report['reference']['how'])}. Judged with the contract entry <code>{esc(con['op'])}/"
+            f"{esc(con['dtype'])}</code>: atol {con['atol']:g}, rtol {con['rtol']:g}, scale "
+            f"{esc(con['scale'])}.</p>"
+        )
     t_rows = []
     for name, label, _ in CHAINS:
         t = report["chains"][name].get("timings", {})
-        t_rows.append([label, _num(t.get("rollout_s")), _rate(t, "rollout_tokens_per_s"),
-                       _num(t.get("training_forward_s")), _rate(t, "training_tokens_per_s")])
-    parts += ["<h2>Timings</h2>", _table(["", "rollout s", "rollout tokens/s", "training forward s",
-                                          "training tokens/s"], t_rows)]
+        t_rows.append(
+            [
+                label,
+                _num(t.get("rollout_s")),
+                _rate(t, "rollout_tokens_per_s"),
+                _num(t.get("training_forward_s")),
+                _rate(t, "training_tokens_per_s"),
+            ]
+        )
+    parts += [
+        "<h2>Timings</h2>",
+        _table(["", "rollout s", "rollout tokens/s", "training forward s", "training tokens/s"], t_rows),
+    ]
     parts.append("<h2>Environment</h2>")
-    env_rows = [["device", f"{dev['device']} ({dev.get('name')})"], ["chain backend", dev.get("chain_backend")],
-                ["dtype", report["dtype"]], ["seeds", json.dumps(report["seeds"])],
-                ["prompt lengths", " ".join(map(str, report["prompt_lengths"]))],
-                ["model config", json.dumps(m.get("config", {}))]]
+    env_rows = [
+        ["device", f"{dev['device']} ({dev.get('name')})"],
+        ["chain backend", dev.get("chain_backend")],
+        ["dtype", report["dtype"]],
+        ["seeds", json.dumps(report["seeds"])],
+        ["prompt lengths", " ".join(map(str, report["prompt_lengths"]))],
+        ["model config", json.dumps(m.get("config", {}))],
+    ]
     env_rows += [[k, v] for k, v in report["versions"].items()]
     env_rows += [["created", report.get("created")], ["run time", f"{report.get('seconds', 0):.1f} s"]]
     parts.append(_table(["", ""], env_rows))
@@ -477,8 +576,12 @@ def write_all(report: dict, out_dir: str) -> dict:
     ``{"json", "html", "png", "png_note"}`` (paths, None where not written), which is also stored in the JSON."""
     os.makedirs(out_dir, exist_ok=True)
     png, note = write_png(report, os.path.join(out_dir, "drift.png"))
-    files = {"json": os.path.join(out_dir, "report.json"), "html": os.path.join(out_dir, "drift.html"),
-             "png": png, "png_note": note}
+    files = {
+        "json": os.path.join(out_dir, "report.json"),
+        "html": os.path.join(out_dir, "drift.html"),
+        "png": png,
+        "png_note": note,
+    }
     report["files"] = files
     if note:
         report.setdefault("notes", []).append(note)

@@ -49,6 +49,7 @@ SPLIT_B_NAME = "[0], [1, 2], [3, ...] (three packed micro-batches)"
 
 def split_description(micro_batches: list[list[int]]) -> str:
     """``[[0], [1, 2], [3, 4, 5]]`` -> ``"[0], [1, 2], [3..5] (3 packed micro-batches)"``."""
+
     def one(mb):
         return f"[{mb[0]}..{mb[-1]}]" if len(mb) > 2 else str(list(mb))
 
@@ -69,7 +70,8 @@ def ensure_interpreter() -> None:
         raise RuntimeError(
             "rlk consistency on the CPU runs rlk's chain through the Triton interpreter, but triton was imported "
             "without TRITON_INTERPRET=1; set TRITON_INTERPRET=1 in the environment before starting Python "
-            "(the `rlk consistency` command does this itself)")
+            "(the `rlk consistency` command does this itself)"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 
@@ -99,8 +101,11 @@ def _device_info(device: torch.device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return {"device": str(device), "name": props.name, "chain_backend": "GPU kernels"}
-    return {"device": str(device), "name": platform.processor() or platform.machine(),
-            "chain_backend": "Triton interpreter (TRITON_INTERPRET=1): slow, for checking, not timing"}
+    return {
+        "device": str(device),
+        "name": platform.processor() or platform.machine(),
+        "chain_backend": "Triton interpreter (TRITON_INTERPRET=1): slow, for checking, not timing",
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -128,8 +133,13 @@ class _Progress:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, desc="rlk consistency", file=sys.stderr, leave=False,
-                                bar_format="{desc:<52} {bar:20} {n_fmt}/{total_fmt} [{elapsed}]")
+                self.bar = tqdm(
+                    total=total,
+                    desc="rlk consistency",
+                    file=sys.stderr,
+                    leave=False,
+                    bar_format="{desc:<52} {bar:20} {n_fmt}/{total_fmt} [{elapsed}]",
+                )
             except ImportError:
                 self.bar = None
 
@@ -183,9 +193,13 @@ def _tokenwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[list[dict]
             raise ValueError(f"log-prob vectors of different lengths: {tuple(x.shape)} vs {tuple(y.shape)}")
         d = (x.double() - y.double()).abs()
         deltas.append(d)
-        rows.append({"max_abs": float(d.max()) if d.numel() else 0.0,
-                     "equal": bool(torch.equal(x, y)),
-                     "equal_tokens": int((x == y).sum())})
+        rows.append(
+            {
+                "max_abs": float(d.max()) if d.numel() else 0.0,
+                "equal": bool(torch.equal(x, y)),
+                "equal_tokens": int((x == y).sum()),
+            }
+        )
     all_d = torch.cat(deltas) if deltas else torch.zeros(0, dtype=torch.float64)
     agg = {
         "tokens": int(all_d.numel()),
@@ -203,13 +217,18 @@ def _grad_compare(ga: list[torch.Tensor], gb: list[torch.Tensor]) -> tuple[list[
     rows = []
     for x, y in zip(ga, gb):
         x, y = x.detach().cpu(), y.detach().cpu()
-        rel = float(torch.linalg.vector_norm((x - y).double()) / max(float(torch.linalg.vector_norm(y.double())),
-                                                                       1e-300))
-        rows.append({"equal": bool(torch.equal(x, y)), "max_abs": float((x.double() - y.double()).abs().max()),
-                     "rel_l2": rel})
-    agg = {"equal_sequences": sum(r["equal"] for r in rows), "sequences": len(rows),
-           "max_abs": max((r["max_abs"] for r in rows), default=0.0),
-           "max_rel_l2": max((r["rel_l2"] for r in rows), default=0.0)}
+        rel = float(
+            torch.linalg.vector_norm((x - y).double()) / max(float(torch.linalg.vector_norm(y.double())), 1e-300)
+        )
+        rows.append(
+            {"equal": bool(torch.equal(x, y)), "max_abs": float((x.double() - y.double()).abs().max()), "rel_l2": rel}
+        )
+    agg = {
+        "equal_sequences": sum(r["equal"] for r in rows),
+        "sequences": len(rows),
+        "max_abs": max((r["max_abs"] for r in rows), default=0.0),
+        "max_rel_l2": max((r["rel_l2"] for r in rows), default=0.0),
+    }
     agg["bitwise"] = agg["equal_sequences"] == agg["sequences"]
     return rows, agg
 
@@ -237,8 +256,9 @@ def histogram_labels(edges: list[float] = HIST_EDGES) -> list[str]:
     return labels
 
 
-def _contract_verdict(dtype: torch.dtype, path_lp: dict[str, list[torch.Tensor]],
-                      reference: list[torch.Tensor]) -> dict:
+def _contract_verdict(
+    dtype: torch.dtype, path_lp: dict[str, list[torch.Tensor]], reference: list[torch.Tensor]
+) -> dict:
     """The error of a path's log-probs against the ground truth, judged by the contract.
 
     Entry: ``selected_logprob`` of the model's dtype (the op that turns logits into a token's log-prob; the
@@ -255,17 +275,28 @@ def _contract_verdict(dtype: torch.dtype, path_lp: dict[str, list[torch.Tensor]]
     ref = torch.cat([r.detach().double().cpu() for r in reference]) if reference else torch.zeros(0)
     scale = 1.0 + ref.abs()
     judged = dtype == torch.float32
-    summary = {"op": "selected_logprob", "dtype": e.dtype, "atol": e.atol, "rtol": e.rtol,
-               "scale": "1 + |ref logprob| (never looser than the contract's 1 + |lse| + |z_target|)",
-               "judged": judged, "paths": {}}
+    summary = {
+        "op": "selected_logprob",
+        "dtype": e.dtype,
+        "atol": e.atol,
+        "rtol": e.rtol,
+        "scale": "1 + |ref logprob| (never looser than the contract's 1 + |lse| + |z_target|)",
+        "judged": judged,
+        "paths": {},
+    }
     ok = True
     for name, lps in path_lp.items():
         value = torch.cat([x.detach().double().cpu() for x in lps]) if lps else torch.zeros(0)
         dev = contract.compare_outputs(e, name, value, ref, scale)
         delta = (value - ref).abs()
-        summary["paths"][name] = {"worst": dev.worst, "allowed": dev.allowed, "ratio": _finite(dev.ratio),
-                                  "ok": dev.ok, "max_abs": float(delta.max()) if delta.numel() else 0.0,
-                                  "mean_abs": float(delta.mean()) if delta.numel() else 0.0}
+        summary["paths"][name] = {
+            "worst": dev.worst,
+            "allowed": dev.allowed,
+            "ratio": _finite(dev.ratio),
+            "ok": dev.ok,
+            "max_abs": float(delta.max()) if delta.numel() else 0.0,
+            "mean_abs": float(delta.mean()) if delta.numel() else 0.0,
+        }
         ok = ok and dev.ok
     summary["ok"] = ok
     return summary
@@ -278,15 +309,30 @@ def _finite(x: float) -> float | None:
 
 def _model_summary(name: str, model) -> dict:
     cfg = model.config
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+    keys = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "tie_word_embeddings",
+    )
     config = {}
     for k in keys:
         v = getattr(cfg, k, None)
         if isinstance(v, (int, float, bool, str)):
             config[k] = v
-    return {"name": name, "class": type(model).__name__, "model_type": getattr(cfg, "model_type", None),
-            "parameters": sum(p.numel() for p in model.parameters()), "config": config}
+    return {
+        "name": name,
+        "class": type(model).__name__,
+        "model_type": getattr(cfg, "model_type", None),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "config": config,
+    }
 
 
 def _split_b(n: int) -> list[list[int]]:
@@ -302,8 +348,18 @@ def _split_b(n: int) -> list[list[int]]:
 # ---------------------------------------------------------------------------
 
 
-def _run_chain(model, prompts, *, enabled: bool, max_new_tokens: int, prefill_chunk: int | None, seed: int,
-               timing: bool, progress: _Progress, device: torch.device) -> dict:
+def _run_chain(
+    model,
+    prompts,
+    *,
+    enabled: bool,
+    max_new_tokens: int,
+    prefill_chunk: int | None,
+    seed: int,
+    timing: bool,
+    progress: _Progress,
+    device: torch.device,
+) -> dict:
     from rlk.app.consistency import paths, probe
     from rlk.integrations.batch_invariant import served_calls
 
@@ -317,28 +373,40 @@ def _run_chain(model, prompts, *, enabled: bool, max_new_tokens: int, prefill_ch
         with probe.Probe(model) as probe_rollout:
             _sync(device)
             t0 = time.perf_counter()
-            roll = paths.rollout(model, prompts, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
-                                 seed=seed, on_forward=_observer(progress, probe_rollout))
+            roll = paths.rollout(
+                model,
+                prompts,
+                max_new_tokens=max_new_tokens,
+                prefill_chunk=prefill_chunk,
+                seed=seed,
+                on_forward=_observer(progress, probe_rollout),
+            )
             _sync(device)
             rollout_probe_s = time.perf_counter() - t0
         progress.done()
 
         progress.start(f"{tag}: training split A + backward")
-        lp_a, grad_a = paths.training_logprobs(model, prompts, roll.responses, micro_batches=split_a, backward=True,
-                                               on_forward=_observer(progress))
+        lp_a, grad_a = paths.training_logprobs(
+            model, prompts, roll.responses, micro_batches=split_a, backward=True, on_forward=_observer(progress)
+        )
         progress.done()
 
         progress.start(f"{tag}: training split B + backward")
         with probe.Probe(model) as probe_training:
-            lp_b, grad_b = paths.training_logprobs(model, prompts, roll.responses, micro_batches=split_b,
-                                                   backward=True, on_forward=_observer(progress, probe_training))
+            lp_b, grad_b = paths.training_logprobs(
+                model,
+                prompts,
+                roll.responses,
+                micro_batches=split_b,
+                backward=True,
+                on_forward=_observer(progress, probe_training),
+            )
         progress.done()
 
         timings = {"rollout_with_probe_s": rollout_probe_s}
         if timing:
             progress.start(f"{tag}: timed forwards (no probe)")
-            timings.update(_timed(model, prompts, roll, max_new_tokens, prefill_chunk, seed, split_a, device,
-                                  progress))
+            timings.update(_timed(model, prompts, roll, max_new_tokens, prefill_chunk, seed, split_a, device, progress))
             progress.done()
     served = sum(served_calls.values()) - served_before
 
@@ -346,25 +414,35 @@ def _run_chain(model, prompts, *, enabled: bool, max_new_tokens: int, prefill_ch
     rows_ab, agg_ab, _ = _tokenwise(lp_a, lp_b)
     rows_g, agg_g = _grad_compare(grad_a, grad_b)
     drift = probe.compare(probe_rollout, probe_training)
-    out.update({
-        "responses": [list(map(int, r)) for r in roll.responses],
-        "response_lengths": [len(r) for r in roll.responses],
-        "rollout_vs_training": agg_rt,
-        "split_a_vs_b": agg_ab,
-        "gradients": agg_g,
-        "probe": _drift_dict(drift),
-        "histogram": histogram(delta_rt),
-        "timings": timings,
-        "rlk_calls": served,
-        "sequences": [
-            {"index": i, "prompt_len": len(prompts[i]), "response_len": len(roll.responses[i]),
-             "rollout_vs_training_max_abs": rt["max_abs"], "rollout_vs_training_equal": rt["equal"],
-             "rollout_vs_training_equal_tokens": rt["equal_tokens"],
-             "split_a_vs_b_max_abs": ab["max_abs"], "split_a_vs_b_equal": ab["equal"],
-             "grad_equal": g["equal"], "grad_max_abs": g["max_abs"], "grad_rel_l2": g["rel_l2"]}
-            for i, (rt, ab, g) in enumerate(zip(rows_rt, rows_ab, rows_g))
-        ],
-    })
+    out.update(
+        {
+            "responses": [list(map(int, r)) for r in roll.responses],
+            "response_lengths": [len(r) for r in roll.responses],
+            "rollout_vs_training": agg_rt,
+            "split_a_vs_b": agg_ab,
+            "gradients": agg_g,
+            "probe": _drift_dict(drift),
+            "histogram": histogram(delta_rt),
+            "timings": timings,
+            "rlk_calls": served,
+            "sequences": [
+                {
+                    "index": i,
+                    "prompt_len": len(prompts[i]),
+                    "response_len": len(roll.responses[i]),
+                    "rollout_vs_training_max_abs": rt["max_abs"],
+                    "rollout_vs_training_equal": rt["equal"],
+                    "rollout_vs_training_equal_tokens": rt["equal_tokens"],
+                    "split_a_vs_b_max_abs": ab["max_abs"],
+                    "split_a_vs_b_equal": ab["equal"],
+                    "grad_equal": g["equal"],
+                    "grad_max_abs": g["max_abs"],
+                    "grad_rel_l2": g["rel_l2"],
+                }
+                for i, (rt, ab, g) in enumerate(zip(rows_rt, rows_ab, rows_g))
+            ],
+        }
+    )
     # kept out of the JSON: the tensors the reference comparison needs
     out["_logprobs"] = {"rollout": roll.logprobs, "training_a": lp_a, "training_b": lp_b}
     return out
@@ -382,22 +460,36 @@ def _timed(model, prompts, roll, max_new_tokens, prefill_chunk, seed, split_a, d
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
-        again = paths.rollout(model, prompts, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, seed=seed,
-                              on_forward=_observer(progress))
+        again = paths.rollout(
+            model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            prefill_chunk=prefill_chunk,
+            seed=seed,
+            on_forward=_observer(progress),
+        )
         _sync(device)
         t_roll = time.perf_counter() - t0
         t0 = time.perf_counter()
-        paths.training_logprobs(model, prompts, roll.responses, micro_batches=split_a, backward=False,
-                                on_forward=_observer(progress))
+        paths.training_logprobs(
+            model, prompts, roll.responses, micro_batches=split_a, backward=False, on_forward=_observer(progress)
+        )
         _sync(device)
         t_train = time.perf_counter() - t0
     rollout_tokens = n_prompt + n_resp - len(prompts)
     training_tokens = n_prompt + n_resp
-    rerun_same = again.responses == roll.responses and all(torch.equal(x.cpu(), y.cpu())
-                                                            for x, y in zip(again.logprobs, roll.logprobs))
-    return {"rollout_s": t_roll, "rollout_tokens": rollout_tokens, "rollout_tokens_per_s": rollout_tokens / t_roll,
-            "training_forward_s": t_train, "training_tokens": training_tokens,
-            "training_tokens_per_s": training_tokens / t_train, "rollout_rerun_identical": bool(rerun_same)}
+    rerun_same = again.responses == roll.responses and all(
+        torch.equal(x.cpu(), y.cpu()) for x, y in zip(again.logprobs, roll.logprobs)
+    )
+    return {
+        "rollout_s": t_roll,
+        "rollout_tokens": rollout_tokens,
+        "rollout_tokens_per_s": rollout_tokens / t_roll,
+        "training_forward_s": t_train,
+        "training_tokens": training_tokens,
+        "training_tokens_per_s": training_tokens / t_train,
+        "rollout_rerun_identical": bool(rerun_same),
+    }
 
 
 def _drift_dict(drift) -> dict:
@@ -428,39 +520,78 @@ def _verdict(name: str, claim: str, kind: str, status: str, gates: bool, detail:
 def _verdicts(off: dict, on: dict, contract_summary: dict, device: torch.device) -> list[dict]:
     v = []
     rt, ab, g = on["rollout_vs_training"], on["split_a_vs_b"], on["gradients"]
-    v.append(_verdict(
-        "on.rollout_equals_training", "rlk on: rollout log-probs == training log-probs, every response token",
-        "bitwise", "pass" if rt["bitwise"] else "fail", True,
-        f"{rt['equal_tokens']}/{rt['tokens']} tokens equal, max |delta| {rt['max_abs']:.3g}"))
-    v.append(_verdict(
-        "on.split_invariant_logprobs", "rlk on: training log-probs do not depend on the micro-batch split",
-        "bitwise", "pass" if ab["bitwise"] else "fail", True,
-        f"{ab['equal_sequences']}/{ab['sequences']} sequences equal, max |delta| {ab['max_abs']:.3g}"))
-    v.append(_verdict(
-        "on.split_invariant_gradients", "rlk on: per-sequence input-embedding gradients do not depend on the split",
-        "bitwise", "pass" if g["bitwise"] else "fail", True,
-        f"{g['equal_sequences']}/{g['sequences']} sequences equal, max |delta| {g['max_abs']:.3g}"))
-    v.append(_verdict(
-        "on.rlk_kernels_ran", "rlk on: the batch-invariant kernels served the model's ops",
-        "check", "pass" if on["rlk_calls"] > 0 else "fail", True,
-        f"{on['rlk_calls']} aten calls served by rlk (rlk off: {off['rlk_calls']})"))
+    v.append(
+        _verdict(
+            "on.rollout_equals_training",
+            "rlk on: rollout log-probs == training log-probs, every response token",
+            "bitwise",
+            "pass" if rt["bitwise"] else "fail",
+            True,
+            f"{rt['equal_tokens']}/{rt['tokens']} tokens equal, max |delta| {rt['max_abs']:.3g}",
+        )
+    )
+    v.append(
+        _verdict(
+            "on.split_invariant_logprobs",
+            "rlk on: training log-probs do not depend on the micro-batch split",
+            "bitwise",
+            "pass" if ab["bitwise"] else "fail",
+            True,
+            f"{ab['equal_sequences']}/{ab['sequences']} sequences equal, max |delta| {ab['max_abs']:.3g}",
+        )
+    )
+    v.append(
+        _verdict(
+            "on.split_invariant_gradients",
+            "rlk on: per-sequence input-embedding gradients do not depend on the split",
+            "bitwise",
+            "pass" if g["bitwise"] else "fail",
+            True,
+            f"{g['equal_sequences']}/{g['sequences']} sequences equal, max |delta| {g['max_abs']:.3g}",
+        )
+    )
+    v.append(
+        _verdict(
+            "on.rlk_kernels_ran",
+            "rlk on: the batch-invariant kernels served the model's ops",
+            "check",
+            "pass" if on["rlk_calls"] > 0 else "fail",
+            True,
+            f"{on['rlk_calls']} aten calls served by rlk (rlk off: {off['rlk_calls']})",
+        )
+    )
     drifted = off["rollout_vs_training"]["max_abs"] > 0 or off["split_a_vs_b"]["max_abs"] > 0
     on_gpu = device.type == "cuda"
-    v.append(_verdict(
-        "off.drift_nonzero", "rlk off (stock kernels): the paths drift, so the comparison can fail",
-        "control", "pass" if drifted else ("fail" if on_gpu else "info"), on_gpu,
-        f"max |delta| rollout vs training {off['rollout_vs_training']['max_abs']:.3g}, split A vs B "
-        f"{off['split_a_vs_b']['max_abs']:.3g}"
-        + ("" if on_gpu else "; on the CPU stock kernels may agree: reported, not judged")))
+    v.append(
+        _verdict(
+            "off.drift_nonzero",
+            "rlk off (stock kernels): the paths drift, so the comparison can fail",
+            "control",
+            "pass" if drifted else ("fail" if on_gpu else "info"),
+            on_gpu,
+            f"max |delta| rollout vs training {off['rollout_vs_training']['max_abs']:.3g}, split A vs B "
+            f"{off['split_a_vs_b']['max_abs']:.3g}"
+            + ("" if on_gpu else "; on the CPU stock kernels may agree: reported, not judged"),
+        )
+    )
     paths = contract_summary["paths"]
     worst = max((p["ratio"] if p["ratio"] is not None else math.inf) for p in paths.values())
-    v.append(_verdict(
-        "reference_contract",
-        f"both chains, both paths: |lp - reference| <= atol + rtol * (1 + |ref|) "
-        f"(contract selected_logprob/{contract_summary['dtype']})",
-        "contract", ("pass" if contract_summary["ok"] else "fail") if contract_summary["judged"] else "info", False,
-        f"worst ratio {worst:.3g} (deviation / allowed)"
-        + ("" if contract_summary["judged"] else "; 16-bit model vs a high-precision reference: reported, not judged")))
+    v.append(
+        _verdict(
+            "reference_contract",
+            f"both chains, both paths: |lp - reference| <= atol + rtol * (1 + |ref|) "
+            f"(contract selected_logprob/{contract_summary['dtype']})",
+            "contract",
+            ("pass" if contract_summary["ok"] else "fail") if contract_summary["judged"] else "info",
+            False,
+            f"worst ratio {worst:.3g} (deviation / allowed)"
+            + (
+                ""
+                if contract_summary["judged"]
+                else "; 16-bit model vs a high-precision reference: reported, not judged"
+            ),
+        )
+    )
     return v
 
 
@@ -469,9 +600,20 @@ def _verdicts(off: dict, on: dict, contract_summary: dict, device: torch.device)
 # ---------------------------------------------------------------------------
 
 
-def run_consistency(model: str = "tiny", *, device=None, dtype=None, prompts: int = 8, max_new_tokens: int = 16,
-                    out: str | None = None, progress: bool = True, seed: int = 0, prefill_chunk: int | None = None,
-                    timing: bool = True, print_table: bool = True) -> dict:
+def run_consistency(
+    model: str = "tiny",
+    *,
+    device=None,
+    dtype=None,
+    prompts: int = 8,
+    max_new_tokens: int = 16,
+    out: str | None = None,
+    progress: bool = True,
+    seed: int = 0,
+    prefill_chunk: int | None = None,
+    timing: bool = True,
+    print_table: bool = True,
+) -> dict:
     """Run the chain test and return the report dict (JSON-serializable; see the module docstring).
 
     ``device``: default the GPU if any, else ``"cpu"`` (then ``TRITON_INTERPRET=1`` is set if triton is not
@@ -488,8 +630,10 @@ def run_consistency(model: str = "tiny", *, device=None, dtype=None, prompts: in
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cpu":
         if dtype != torch.float32:
-            raise ValueError(f"on the CPU rlk's chain runs in the Triton interpreter, which serves float32 only, "
-                             f"not {dtype}; use --dtype float32 (the default there)")
+            raise ValueError(
+                f"on the CPU rlk's chain runs in the Triton interpreter, which serves float32 only, "
+                f"not {dtype}; use --dtype float32 (the default there)"
+            )
         ensure_interpreter()
     if prompts < 1 or max_new_tokens < 1:
         raise ValueError("prompts and max_new_tokens must be >= 1")
@@ -512,15 +656,26 @@ def run_consistency(model: str = "tiny", *, device=None, dtype=None, prompts: in
         chains = {}
         for enabled in (False, True):
             chains["on" if enabled else "off"] = _run_chain(
-                net, prompt_ids, enabled=enabled, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
-                seed=seed, timing=timing, progress=bar, device=device)
+                net,
+                prompt_ids,
+                enabled=enabled,
+                max_new_tokens=max_new_tokens,
+                prefill_chunk=prefill_chunk,
+                seed=seed,
+                timing=timing,
+                progress=bar,
+                device=device,
+            )
 
         bar.start("ground truth (reference log-probs)")
         ref_by_chain = {}
         for key, c in chains.items():
             same = key == "on" and c["responses"] == chains["off"]["responses"]
-            ref_by_chain[key] = ref_by_chain["off"] if same else harness.reference_logprobs(
-                net, prompt_ids, [list(r) for r in c["responses"]])
+            ref_by_chain[key] = (
+                ref_by_chain["off"]
+                if same
+                else harness.reference_logprobs(net, prompt_ids, [list(r) for r in c["responses"]])
+            )
         bar.done()
     finally:
         bar.close()
@@ -551,20 +706,31 @@ def run_consistency(model: str = "tiny", *, device=None, dtype=None, prompts: in
         "dtype": str(dtype).removeprefix("torch."),
         "versions": _versions(),
         "seeds": {"weights": seed, "prompts": seed, "sampling": seed},
-        "settings": {"prompts": prompts, "max_new_tokens": max_new_tokens, "prefill_chunk": prefill_chunk,
-                     "temperature": 1.0,
-                     "sampler": "rlk.sample (Gumbel-max with Philox, per-sequence seed from the sampling seed and "
-                                "the sequence index, step = the token's index in its response)",
-                     "scoring": "log_softmax(logits.float())[token], temperature 1",
-                     "split_a": SPLIT_A_NAME, "split_b": split_description(_split_b(prompts)),
-                     "split_b_micro_batches": _split_b(prompts)},
+        "settings": {
+            "prompts": prompts,
+            "max_new_tokens": max_new_tokens,
+            "prefill_chunk": prefill_chunk,
+            "temperature": 1.0,
+            "sampler": "rlk.sample (Gumbel-max with Philox, per-sequence seed from the sampling seed and "
+            "the sequence index, step = the token's index in its response)",
+            "scoring": "log_softmax(logits.float())[token], temperature 1",
+            "split_a": SPLIT_A_NAME,
+            "split_b": split_description(_split_b(prompts)),
+            "split_b_micro_batches": _split_b(prompts),
+        },
         "prompt_lengths": [len(p) for p in prompt_ids],
-        "reference": {"dtype": "float64" if device.type == "cpu" else "float32",
-                      "how": "each sequence alone, teacher-forced, on a high-precision copy of the model"},
+        "reference": {
+            "dtype": "float64" if device.type == "cpu" else "float32",
+            "how": "each sequence alone, teacher-forced, on a high-precision copy of the model",
+        },
         "contract": contract_summary,
-        "histogram": {"what": "|rollout lp - training lp| per response token (split A)",
-                      "edges": [_finite(e) for e in HIST_EDGES], "labels": histogram_labels(),
-                      "off": chains["off"].pop("histogram"), "on": chains["on"].pop("histogram")},
+        "histogram": {
+            "what": "|rollout lp - training lp| per response token (split A)",
+            "edges": [_finite(e) for e in HIST_EDGES],
+            "labels": histogram_labels(),
+            "off": chains["off"].pop("histogram"),
+            "on": chains["on"].pop("histogram"),
+        },
         "chains": chains,
         "throughput": _throughput(chains),
         "verdicts": verdicts,
@@ -574,12 +740,16 @@ def run_consistency(model: str = "tiny", *, device=None, dtype=None, prompts: in
         "notes": notes,
     }
     if device.type == "cpu" and timing:
-        notes.append("CPU: rlk's chain runs in the Triton interpreter, stock kernels natively: the tokens/s "
-                     "compare an interpreter with compiled code and say nothing about the GPU overhead.")
+        notes.append(
+            "CPU: rlk's chain runs in the Triton interpreter, stock kernels natively: the tokens/s "
+            "compare an interpreter with compiled code and say nothing about the GPU overhead."
+        )
     if device.type != "cpu" and timing:
-        notes.append("the tokens/s time the consistency prompt set (a few short sequences, one timed pass each): "
-                     "host-bound and noisy; tools/bench_chain_forward.py measures the chain's throughput at "
-                     "realistic shapes (docs/consistency.md)")
+        notes.append(
+            "the tokens/s time the consistency prompt set (a few short sequences, one timed pass each): "
+            "host-bound and noisy; tools/bench_chain_forward.py measures the chain's throughput at "
+            "realistic shapes (docs/consistency.md)"
+        )
     if not timing:
         notes.append("timed forward passes skipped (tokens/s not measured)")
     if out is not None:
@@ -605,8 +775,14 @@ def _throughput(chains: dict) -> dict:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in names:
         raise ValueError(f"unknown dtype {name!r}; one of {', '.join(names)}")
     return names[name]

@@ -30,8 +30,10 @@ def transformers_version() -> str:
 
 
 def _unsupported(what: str) -> UnsupportedTransformers:
-    return UnsupportedTransformers(f"{what} (transformers {transformers_version()}; rlk supports transformers "
-                                   f"{SUPPORTED}, tested with {', '.join(TESTED)})")
+    return UnsupportedTransformers(
+        f"{what} (transformers {transformers_version()}; rlk supports transformers "
+        f"{SUPPORTED}, tested with {', '.join(TESTED)})"
+    )
 
 
 def check_version() -> None:
@@ -59,8 +61,9 @@ def cache_keyword(model) -> str:
     forward = type(model).forward
     name = _cache_keyword_of(forward)
     if name is None:
-        raise _unsupported(f"{type(model).__name__}.forward takes its KV cache neither as cache= nor as "
-                           "past_key_values=")
+        raise _unsupported(
+            f"{type(model).__name__}.forward takes its KV cache neither as cache= nor as past_key_values="
+        )
     return name
 
 
@@ -84,6 +87,8 @@ def cached_forward(model, cache, **kwargs):
     out = model(**kwargs, use_cache=True, **{cache_keyword(model): cache})
     after = cache.get_seq_length()
     if after != before + columns:
-        raise _unsupported(f"the KV cache did not advance in {type(model).__name__}'s forward ({before} -> {after} "
-                           f"positions after {columns} new columns)")
+        raise _unsupported(
+            f"the KV cache did not advance in {type(model).__name__}'s forward ({before} -> {after} "
+            f"positions after {columns} new columns)"
+        )
     return out

@@ -63,16 +63,18 @@ class GroupBatch:
 def _token_list(name: str, value) -> list[int]:
     if isinstance(value, Tensor):
         if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
-            raise ValueError(f"{name}: expected a 1-D integer tensor of token ids, got {value.dtype} of shape "
-                             f"{tuple(value.shape)}")
+            raise ValueError(
+                f"{name}: expected a 1-D integer tensor of token ids, got {value.dtype} of shape {tuple(value.shape)}"
+            )
         return [int(t) for t in value.tolist()]
     if not isinstance(value, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got {type(value).__name__}")
     return list(value)
 
 
-def group_batch(prompts: Sequence, responses: Sequence[Sequence], *, device: torch.device | str = "cpu",
-                ignore_index: int = -100) -> GroupBatch:
+def group_batch(
+    prompts: Sequence, responses: Sequence[Sequence], *, device: torch.device | str = "cpu", ignore_index: int = -100
+) -> GroupBatch:
     """Pack ``prompts[g]`` and its responses ``responses[g]`` (token ids: 1-D tensors or lists of ints) into one row.
 
     Every prompt needs at least one token and every response at least one; a group needs at least one response.
@@ -80,8 +82,10 @@ def group_batch(prompts: Sequence, responses: Sequence[Sequence], *, device: tor
     if isinstance(prompts, Tensor) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts: expected a non-empty list of prompts (one per group)")
     if not isinstance(responses, Sequence) or len(responses) != len(prompts):
-        raise ValueError(f"responses: expected one list of responses per prompt ({len(prompts)}), got "
-                         f"{len(responses) if isinstance(responses, Sequence) else type(responses).__name__}")
+        raise ValueError(
+            f"responses: expected one list of responses per prompt ({len(prompts)}), got "
+            f"{len(responses) if isinstance(responses, Sequence) else type(responses).__name__}"
+        )
     ids: list[int] = []
     positions: list[int] = []
     targets: list[int] = []
@@ -115,16 +119,25 @@ def group_batch(prompts: Sequence, responses: Sequence[Sequence], *, device: tor
             rows.append((start, len(ids)))
         spans.append(rows)
     lengths = [b - a for a, b in zip(cuts, cuts[1:])]
-    layout = PrefixLayout(cu_seqlens=torch.tensor(cuts, dtype=torch.int32, device=device),
-                          prefix_index=torch.tensor(prefix_index, dtype=torch.int32, device=device),
-                          max_seqlen=max(lengths), total=len(ids))
+    layout = PrefixLayout(
+        cu_seqlens=torch.tensor(cuts, dtype=torch.int32, device=device),
+        prefix_index=torch.tensor(prefix_index, dtype=torch.int32, device=device),
+        max_seqlen=max(lengths),
+        total=len(ids),
+    )
     row = dict(dtype=torch.int64, device=device)
-    return GroupBatch(input_ids=torch.tensor([ids], **row), position_ids=torch.tensor([positions], **row),
-                      targets=torch.tensor([targets], **row), layout=layout, spans=spans)
+    return GroupBatch(
+        input_ids=torch.tensor([ids], **row),
+        position_ids=torch.tensor([positions], **row),
+        targets=torch.tensor([targets], **row),
+        layout=layout,
+        spans=spans,
+    )
 
 
-def group_logprobs(model, prompts: Sequence, responses: Sequence[Sequence], *,
-                   temperature: float | None = None) -> list[list[Tensor]]:
+def group_logprobs(
+    model, prompts: Sequence, responses: Sequence[Sequence], *, temperature: float | None = None
+) -> list[list[Tensor]]:
     """Per-token log-probs of every response of every group, the prompts computed once: ``out[g][j]`` fp32
     ``[len(responses[g][j])]``, differentiable like the applied model's log-prob path.
 
@@ -136,16 +149,26 @@ def group_logprobs(model, prompts: Sequence, responses: Sequence[Sequence], *,
     """
     state = getattr(model, "_rlk_apply", None)
     if state is None or getattr(model, "_rlk_patch", None) is None:
-        raise ValueError("model: expected a model after rlk.integrations.hf.apply(model, batch_invariant=True) "
-                         "(or apply + patch_model): prefix sharing runs in rlk's patched attention")
+        raise ValueError(
+            "model: expected a model after rlk.integrations.hf.apply(model, batch_invariant=True) "
+            "(or apply + patch_model): prefix sharing runs in rlk's patched attention"
+        )
     attention = getattr(model.config, "_attn_implementation", None)
     if attention != "rlk":
-        raise ValueError(f"model: its attention implementation is {attention!r}, not rlk's (the layout would be "
-                         "ignored): leave the one patch_model set")
+        raise ValueError(
+            f"model: its attention implementation is {attention!r}, not rlk's (the layout would be "
+            "ignored): leave the one patch_model set"
+        )
     device = model.get_output_embeddings().weight.device
     batch = group_batch(prompts, responses, device=device, ignore_index=state.ignore_index)
     kwargs = {} if temperature is None else {"temperature": temperature}
-    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, logprob_targets=batch.targets,
-                use_cache=False, **{LAYOUT_KEYWORD: batch.layout}, **kwargs)
+    out = model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        logprob_targets=batch.targets,
+        use_cache=False,
+        **{LAYOUT_KEYWORD: batch.layout},
+        **kwargs,
+    )
     logprobs = out.logprobs[0]
     return [[logprobs[a:b] for a, b in group] for group in batch.spans]

@@ -58,8 +58,11 @@ _warned: set[str] = set()
 def _warn_once(what: str) -> None:
     if what not in _warned:
         _warned.add(what)
-        warnings.warn(f"rlk.patch_model: {what}; running the stock transformers code (not batch-invariant)",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"rlk.patch_model: {what}; running the stock transformers code (not batch-invariant)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -95,8 +98,13 @@ def _is_rms_norm(module: torch.nn.Module) -> bool:
     """The Llama / Qwen pattern: a 1-D ``weight`` parameter and a float ``variance_epsilon``."""
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", None)
-    return (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1 and isinstance(eps, (int, float))
-            and not isinstance(eps, bool) and "gemma" not in type(module).__name__.lower())
+    return (
+        isinstance(weight, torch.nn.Parameter)
+        and weight.dim() == 1
+        and isinstance(eps, (int, float))
+        and not isinstance(eps, bool)
+        and "gemma" not in type(module).__name__.lower()
+    )
 
 
 def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
@@ -107,8 +115,9 @@ def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
     if x.dtype == weight.dtype and x.device == weight.device and x.shape[-1:] == (hidden,) and x.numel() > 0:
         backend = _invariant_backend("rms_norm", x.device, x.dtype)
     if backend is None:
-        _warn_once(f"no batch-invariant rms_norm for {x.dtype} activations and {weight.dtype} weight on "
-                   f"{x.device.type}")
+        _warn_once(
+            f"no batch-invariant rms_norm for {x.dtype} activations and {weight.dtype} weight on {x.device.type}"
+        )
         return type(self).forward(self, hidden_states)
     rows = x.reshape(-1, hidden).contiguous()
     return _RMSNorm.apply(rows, weight.contiguous(), float(self.variance_epsilon), backend.name).view(x.shape)
@@ -129,8 +138,15 @@ def _tensor_key(x: Tensor | None) -> tuple | None:
     return None if x is None else (x.data_ptr(), x.storage_offset(), x._version, tuple(x.shape), x.device)
 
 
-def _varlen_layout(attention_mask: Tensor | None, position_ids: Tensor | None, cache_position: Tensor | None,
-                   batch: int, seq_q: int, seq_k: int, device: torch.device):
+def _varlen_layout(
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+    cache_position: Tensor | None,
+    batch: int,
+    seq_q: int,
+    seq_k: int,
+    device: torch.device,
+):
     """:func:`_varlen_index`, computed once per (mask, position ids, cache positions, shapes) for all the layers of
     a forward; computed afresh while a CUDA graph is captured (the graph must recompute it from its buffers)."""
     if attention_mask is None and position_ids is None:
@@ -140,8 +156,11 @@ def _varlen_layout(attention_mask: Tensor | None, position_ids: Tensor | None, c
         return _varlen_index(*sources, batch, seq_q, seq_k, device)
     key = (*map(_tensor_key, sources), batch, seq_q, seq_k, device)
     refs = _last_layout.get("refs")
-    if _last_layout.get("key") == key and refs is not None and all(
-            (ref is None and x is None) or (ref is not None and ref() is x) for ref, x in zip(refs, sources)):
+    if (
+        _last_layout.get("key") == key
+        and refs is not None
+        and all((ref is None and x is None) or (ref is not None and ref() is x) for ref, x in zip(refs, sources))
+    ):
         return _last_layout["layout"]
     layout = _varlen_index(*sources, batch, seq_q, seq_k, device)
     _last_layout.update(key=key, layout=layout, refs=tuple(None if x is None else weakref.ref(x) for x in sources))
@@ -169,9 +188,15 @@ def _one_run_per_row(mask: Tensor) -> bool:
     return bool((edges <= 2).all())
 
 
-def _varlen_index(attention_mask: Tensor | None, position_ids: Tensor | None, cache_position: Tensor | None,
-                  batch: int, seq_q: int, seq_k: int,
-                  device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor, int, int] | None:
+def _varlen_index(
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+    cache_position: Tensor | None,
+    batch: int,
+    seq_q: int,
+    seq_k: int,
+    device: torch.device,
+) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor, int, int] | None:
     """Rows of the flattened ``[B * S]`` tokens to keep (None: all) for queries and keys, ``cu_seqlens_q``,
     ``cu_seqlens_k`` and the max lengths; None when the layout is not one this path handles.
 
@@ -194,14 +219,19 @@ def _varlen_index(attention_mask: Tensor | None, position_ids: Tensor | None, ca
         cu_q = torch.cat([zero, q_len.cumsum(0).to(torch.int32)])
         cu_k = torch.cat([zero, k_len.cumsum(0).to(torch.int32)])
         lengths = torch.stack([q_len.max(), k_len.max()]).tolist()
-        return (q_mask.reshape(-1).nonzero().squeeze(1), mask.reshape(-1).nonzero().squeeze(1), cu_q, cu_k,
-                int(lengths[0]), int(lengths[1]))
+        return (
+            q_mask.reshape(-1).nonzero().squeeze(1),
+            mask.reshape(-1).nonzero().squeeze(1),
+            cu_q,
+            cu_k,
+            int(lengths[0]),
+            int(lengths[1]),
+        )
     if position_ids is not None and seq_q == seq_k and position_ids.shape[-1] == seq_q:
         pos = position_ids.to(device).expand(batch, seq_q).reshape(-1)
         starts = pos == 0
         starts[::seq_q] = True  # every row starts a sequence
-        bounds = torch.cat([starts.nonzero().squeeze(1),
-                            torch.tensor([batch * seq_q], device=device)]).to(torch.int32)
+        bounds = torch.cat([starts.nonzero().squeeze(1), torch.tensor([batch * seq_q], device=device)]).to(torch.int32)
         longest = int((bounds[1:] - bounds[:-1]).max())
         return None, None, bounds, bounds, longest, longest
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * seq_q
@@ -245,12 +275,19 @@ def _query_slots(module, attention_mask: Tensor | None, seq_k: int, kwargs) -> T
     recorded, cache = getattr(module, "_rlk_cache_call", (None, None))
     if slots is None:
         slots = recorded
-    if (slots is None and cache is not None and getattr(cache, "is_compileable", False)
-            and attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == seq_k):
+    if (
+        slots is None
+        and cache is not None
+        and getattr(cache, "is_compileable", False)
+        and attention_mask is not None
+        and attention_mask.dim() == 2
+        and attention_mask.shape[1] == seq_k
+    ):
         raise ValueError(
             f"rlk.patch_model: attention_mask spans all {seq_k} slots of a static KV cache, and the queries' slots "
             "are not known: pass cache_position= (the slots of this forward's tokens) to the model, or a mask of "
-            "[batch, past + new tokens]")
+            "[batch, past + new tokens]"
+        )
     return slots
 
 
@@ -265,8 +302,16 @@ def _unsupported(module, query: Tensor, key: Tensor, value: Tensor, dropout: flo
     return None
 
 
-def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                          scaling: float | None = None, dropout: float = 0.0, **kwargs):
+def rlk_attention_forward(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
     """The ``"rlk"`` entry of ``transformers.AttentionInterface``.
 
     ``query [B, Hq, Sq, D]``, ``key``/``value`` ``[B, Hkv, Sk, D]``, ``attention_mask`` the 2-D padding mask
@@ -281,8 +326,15 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
     layout = None
     backend = None
     if why is None:
-        layout = _varlen_layout(attention_mask, kwargs.get("position_ids"),
-                                _query_slots(module, attention_mask, seq_k, kwargs), batch, seq_q, seq_k, query.device)
+        layout = _varlen_layout(
+            attention_mask,
+            kwargs.get("position_ids"),
+            _query_slots(module, attention_mask, seq_k, kwargs),
+            batch,
+            seq_q,
+            seq_k,
+            query.device,
+        )
         if layout is None:
             why = f"an attention mask of shape {tuple(attention_mask.shape)}"
         else:
@@ -293,8 +345,9 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
         _warn_once(why)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     q_rows, k_rows, cu_q, cu_k, max_q, max_k = layout
     in_place = q_rows is not None and q_rows.dtype == torch.bool  # one run per row: the query mask
     q = query.transpose(1, 2).reshape(batch * seq_q, heads, head_dim)
@@ -307,8 +360,17 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
     causal = bool(getattr(module, "is_causal", True))
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
     with dispatch.use_backend(backend.name), checks.trusted_values():  # offsets built above from the mask
-        out = attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                        causal=causal, softmax_scale=scale)
+        out = attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            causal=causal,
+            softmax_scale=scale,
+        )
     if in_place:  # the pad sequences attend among themselves: their rows are set to 0
         out = torch.where(q_rows[:, None, None], out, 0.0)
     elif q_rows is not None:
@@ -316,15 +378,18 @@ def rlk_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, att
     return out.view(batch, seq_q, heads, head_dim), None
 
 
-def _prefix_shared_forward(module, query: Tensor, key: Tensor, value: Tensor, layout, scaling: float | None,
-                           dropout: float, kwargs):
+def _prefix_shared_forward(
+    module, query: Tensor, key: Tensor, value: Tensor, layout, scaling: float | None, dropout: float, kwargs
+):
     """The ``"rlk"`` attention over a :class:`~rlk.integrations.hf.groups.PrefixLayout` row (GRPO groups whose
     responses read their prompt's keys once): :func:`rlk.prefix_attention`. Refuses what it cannot honour (there is
     no stock fallback for a shared prefix)."""
     batch, heads, seq, head_dim = query.shape
     if batch != 1 or key.shape[2] != seq or seq != layout.total:
-        raise ValueError(f"{LAYOUT_KEYWORD}: the layout packs {layout.total} tokens in one row, the attention got "
-                         f"queries {tuple(query.shape)} and keys {tuple(key.shape)} (a KV cache, or other inputs?)")
+        raise ValueError(
+            f"{LAYOUT_KEYWORD}: the layout packs {layout.total} tokens in one row, the attention got "
+            f"queries {tuple(query.shape)} and keys {tuple(key.shape)} (a KV cache, or other inputs?)"
+        )
     why = _unsupported(module, query, key, value, dropout, kwargs)
     if why is None and not getattr(module, "is_causal", True):
         why = "non-causal attention"
@@ -342,9 +407,18 @@ def _prefix_shared_forward(module, query: Tensor, key: Tensor, value: Tensor, la
     v = value.transpose(1, 2).reshape(seq, key.shape[1], head_dim)
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
     with dispatch.use_backend(backend.name), checks.trusted_values():  # the layout was built from token lists
-        out = prefix_attention(q, k, v, cu_seqlens_q=layout.cu_seqlens, cu_seqlens_k=layout.cu_seqlens,
-                               max_seqlen_q=layout.max_seqlen, max_seqlen_k=layout.max_seqlen,
-                               prefix_index=layout.prefix_index, causal=True, softmax_scale=scale)
+        out = prefix_attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q=layout.cu_seqlens,
+            cu_seqlens_k=layout.cu_seqlens,
+            max_seqlen_q=layout.max_seqlen,
+            max_seqlen_k=layout.max_seqlen,
+            prefix_index=layout.prefix_index,
+            causal=True,
+            softmax_scale=scale,
+        )
     return out.view(1, seq, heads, head_dim), None
 
 

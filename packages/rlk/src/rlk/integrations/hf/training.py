@@ -51,10 +51,16 @@ class _State:
     patched: bool  # apply called patch_model (unapply undoes it)
 
     def same_options(self, other: _State) -> bool:
-        same_t = (self.temperature is other.temperature if isinstance(self.temperature, Tensor)
-                  else not isinstance(other.temperature, Tensor) and self.temperature == other.temperature)
+        same_t = (
+            self.temperature is other.temperature
+            if isinstance(self.temperature, Tensor)
+            else not isinstance(other.temperature, Tensor) and self.temperature == other.temperature
+        )
         return same_t and (self.ignore_index, self.return_entropy, self.batch_invariant) == (
-            other.ignore_index, other.return_entropy, other.batch_invariant)
+            other.ignore_index,
+            other.return_entropy,
+            other.batch_invariant,
+        )
 
 
 @dataclasses.dataclass
@@ -85,20 +91,28 @@ def _check_model(model) -> None:
     """Refuse what the fused head cannot compute exactly, naming the model type and the reason."""
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(model, "get_output_embeddings", None)):
-        raise TypeError(f"model: expected a transformers causal LM (a config and get_output_embeddings()), got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"model: expected a transformers causal LM (a config and get_output_embeddings()), got "
+            f"{type(model).__name__}"
+        )
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"model: {_kind(model)} is an encoder-decoder model; "
-                         "rlk.integrations.hf.apply supports decoder-only causal LMs")
+        raise ValueError(
+            f"model: {_kind(model)} is an encoder-decoder model; "
+            "rlk.integrations.hf.apply supports decoder-only causal LMs"
+        )
     text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     if text_config is not config or getattr(config, "vision_config", None) is not None:
-        raise ValueError(f"model: {_kind(model)} is a multimodal model (its config holds a text config); "
-                         "rlk.integrations.hf.apply supports text-only causal LMs")
+        raise ValueError(
+            f"model: {_kind(model)} is a multimodal model (its config holds a text config); "
+            "rlk.integrations.hf.apply supports text-only causal LMs"
+        )
     for field, what in _LOGIT_TRANSFORMS:
         value = getattr(text_config, field, None)
         if value is not None:
-            raise ValueError(f"model: {_kind(model)} has {what} ({field}={value!r}) after its LM head; "
-                             "rlk.integrations.hf.apply computes the log-probs of a plain linear head only")
+            raise ValueError(
+                f"model: {_kind(model)} has {what} ({field}={value!r}) after its LM head; "
+                "rlk.integrations.hf.apply computes the log-probs of a plain linear head only"
+            )
     _check_head(model, model.get_output_embeddings())
 
 
@@ -106,11 +120,15 @@ def _check_head(model, head) -> None:
     if head is None:
         raise ValueError(f"model: {_kind(model)} has no LM head (get_output_embeddings() is None)")
     if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
-        raise ValueError(f"model: the LM head of {_kind(model)} is a {type(head).__name__}, not a plain "
-                         "torch.nn.Linear (quantized, LoRA or tensor-parallel heads are not supported)")
+        raise ValueError(
+            f"model: the LM head of {_kind(model)} is a {type(head).__name__}, not a plain "
+            "torch.nn.Linear (quantized, LoRA or tensor-parallel heads are not supported)"
+        )
     if head.bias is not None:
-        raise ValueError(f"model: the LM head of {_kind(model)} has a bias; "
-                         "rlk.integrations.hf.apply supports a bias-free linear head")
+        raise ValueError(
+            f"model: the LM head of {_kind(model)} has a bias; "
+            "rlk.integrations.hf.apply supports a bias-free linear head"
+        )
 
 
 def _is_dtensor(x: Tensor) -> bool:
@@ -126,8 +144,14 @@ def _is_dtensor(x: Tensor) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def apply(model, *, temperature: float | Tensor = 1.0, ignore_index: int = -100, return_entropy: bool = False,
-          batch_invariant: bool = False):
+def apply(
+    model,
+    *,
+    temperature: float | Tensor = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    batch_invariant: bool = False,
+):
     """Give a transformers causal LM a fused log-prob path; returns ``model``.
 
     Afterwards ``out = model(input_ids, ..., logprob_targets=targets)`` returns, for ``targets [B, S]`` int
@@ -233,8 +257,9 @@ def _forward(model, args: tuple, kwargs: dict, targets: Tensor | None):
     return_entropy = checks.flag("return_entropy", kwargs.pop("return_entropy", state.return_entropy))
     for name in ("labels", "shift_labels"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"{name}: not with logprob_targets (the log-prob path returns no loss; compute it "
-                             "from out.logprobs)")
+            raise ValueError(
+                f"{name}: not with logprob_targets (the log-prob path returns no loss; compute it from out.logprobs)"
+            )
     if kwargs.get("return_dict", True) is False:
         raise ValueError("return_dict: must not be False with logprob_targets (the log-probs come in the output)")
     kwargs["return_dict"] = True
@@ -257,16 +282,19 @@ def _head_forward(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> T
     """The LM head during a log-prob call: ``[..., H] -> [..., 1]`` log-probs (``[..., 2]`` with the entropy)."""
     request.calls += 1
     if request.calls > 1:
-        raise RuntimeError("rlk.integrations.hf.apply: the model called its LM head more than once in one forward; the "
-                           "log-prob path supports one head call per forward")
+        raise RuntimeError(
+            "rlk.integrations.hf.apply: the model called its LM head more than once in one forward; the "
+            "log-prob path supports one head call per forward"
+        )
     result = _fused_head(head, request, hidden)
     packed = torch.stack(result, -1) if request.return_entropy else result.unsqueeze(-1)
     request.output, request.version = packed, packed._version
     return packed
 
 
-def logprobs_from_hidden(model, hidden: Tensor, targets: Tensor, *, temperature: float | Tensor | None = None,
-                         return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def logprobs_from_hidden(
+    model, hidden: Tensor, targets: Tensor, *, temperature: float | Tensor | None = None, return_entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
     """What the log-prob path of an applied ``model`` computes for ``hidden`` ``[..., H]``, the states its LM head
     receives, and ``targets`` ``[...]``: the same op, head weight, options and (batch-invariant mode) backend.
 
@@ -280,8 +308,13 @@ def logprobs_from_hidden(model, hidden: Tensor, targets: Tensor, *, temperature:
     head = model.get_output_embeddings()
     _check_head(model, head)
     temperature = state.temperature if temperature is None else temperature
-    request = _Request(targets, checks.positive_scalar_or_tensor("temperature", temperature, torch.float32),
-                       state.ignore_index, checks.flag("return_entropy", return_entropy), state.batch_invariant)
+    request = _Request(
+        targets,
+        checks.positive_scalar_or_tensor("temperature", temperature, torch.float32),
+        state.ignore_index,
+        checks.flag("return_entropy", return_entropy),
+        state.batch_invariant,
+    )
     return _fused_head(head, request, hidden)
 
 
@@ -289,11 +322,15 @@ def _fused_head(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> Ten
     """``linear_logprob`` of ``hidden`` with the head's weight and the request's options."""
     weight = head.weight  # read now: FSDP and ZeRO-3 gather it around the head's forward
     if _is_dtensor(weight):
-        raise ValueError("model: the LM head's weight is a DTensor (a tensor-parallel head); rlk.integrations.hf.apply "
-                         "needs the full [V, H] weight on one device")
+        raise ValueError(
+            "model: the LM head's weight is a DTensor (a tensor-parallel head); rlk.integrations.hf.apply "
+            "needs the full [V, H] weight on one device"
+        )
     if weight.device.type == "meta":
-        raise ValueError("model: the LM head's weight is on the meta device (offloaded?); "
-                         "rlk.integrations.hf.apply needs it materialized on the device of the hidden states")
+        raise ValueError(
+            "model: the LM head's weight is on the meta device (offloaded?); "
+            "rlk.integrations.hf.apply needs it materialized on the device of the hidden states"
+        )
     hidden = hidden.to(weight.device)
     device_type = hidden.device.type
     autocast = torch.is_autocast_enabled(device_type)
@@ -302,16 +339,24 @@ def _fused_head(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> Ten
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     targets = request.targets
     if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"logprob_targets: expected shape {tuple(hidden.shape[:-1])}, the positions whose hidden "
-                         f"states reach the LM head ([B, S]; [B, k] with logits_to_keep=k), got "
-                         f"{tuple(targets.shape)}")
+        raise ValueError(
+            f"logprob_targets: expected shape {tuple(hidden.shape[:-1])}, the positions whose hidden "
+            f"states reach the LM head ([B, S]; [B, k] with logits_to_keep=k), got "
+            f"{tuple(targets.shape)}"
+        )
     temperature = request.temperature
     if isinstance(temperature, Tensor):
         temperature = temperature.to(hidden.device)
     no_autocast = torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext()
     with _logprob_backend(request, hidden), no_autocast:
-        return linear_logprob(hidden, weight, targets.to(hidden.device), temperature=temperature,
-                              ignore_index=request.ignore_index, return_entropy=request.return_entropy)
+        return linear_logprob(
+            hidden,
+            weight,
+            targets.to(hidden.device),
+            temperature=temperature,
+            ignore_index=request.ignore_index,
+            return_entropy=request.return_entropy,
+        )
 
 
 _warned: set[str] = set()
@@ -326,8 +371,11 @@ def _logprob_backend(request: _Request, hidden: Tensor):
         what = f"no batch-invariant linear_logprob for {hidden.dtype} on {hidden.device.type}"
         if what not in _warned:
             _warned.add(what)
-            warnings.warn(f"rlk.integrations.hf.apply: {what}; the log-probs are not batch-invariant", RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(
+                f"rlk.integrations.hf.apply: {what}; the log-probs are not batch-invariant",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return contextlib.nullcontext()
     return dispatch.use_backend(backend.name)
 
@@ -336,20 +384,29 @@ def _untouched(returned, request: _Request) -> bool:
     """``returned`` is the head's output as it left the head (the tensor, or an alias of it that a hook made),
     neither a transformed copy nor modified in place since."""
     packed = request.output
-    return (isinstance(returned, Tensor) and returned.data_ptr() == packed.data_ptr()
-            and returned.shape == packed.shape and returned.stride() == packed.stride()
-            and returned.dtype == packed.dtype and returned._version == request.version)
+    return (
+        isinstance(returned, Tensor)
+        and returned.data_ptr() == packed.data_ptr()
+        and returned.shape == packed.shape
+        and returned.stride() == packed.stride()
+        and returned.dtype == packed.dtype
+        and returned._version == request.version
+    )
 
 
 def _logprob_output(model, out, request: _Request):
     if request.output is None:
-        raise RuntimeError(f"rlk.integrations.hf.apply: the forward of {_kind(model)} did not call its LM head "
-                           "(get_output_embeddings()); the log-prob path cannot serve it")
+        raise RuntimeError(
+            f"rlk.integrations.hf.apply: the forward of {_kind(model)} did not call its LM head "
+            "(get_output_embeddings()); the log-prob path cannot serve it"
+        )
     returned = out.get("logits") if isinstance(out, dict) else None
     if not _untouched(returned, request):
-        raise RuntimeError(f"rlk.integrations.hf.apply: the forward of {_kind(model)} changes the LM head's "
-                           "output before returning it as logits (soft-capping, scaling, ...); the log-probs of "
-                           "the plain head would be those of another distribution")
+        raise RuntimeError(
+            f"rlk.integrations.hf.apply: the forward of {_kind(model)} changes the LM head's "
+            "output before returning it as logits (soft-capping, scaling, ...); the log-probs of "
+            "the plain head would be those of another distribution"
+        )
     fields = {name: value for name, value in out.items() if name != "logits"}
     if request.return_entropy:
         logprobs, entropy = (x.contiguous() for x in returned.unbind(-1))
@@ -362,7 +419,8 @@ def _logprob_output(model, out, request: _Request):
 def _output_type(base: type) -> type:
     """``base`` (the model's output dataclass, e.g. ``CausalLMOutputWithPast``) with ``logprobs`` and
     ``entropy`` fields; ``logits`` stays None."""
-    cls = dataclasses.make_dataclass(f"Logprob{base.__name__}", [("logprobs", Tensor | None, None),
-                                                                  ("entropy", Tensor | None, None)], bases=(base,))
+    cls = dataclasses.make_dataclass(
+        f"Logprob{base.__name__}", [("logprobs", Tensor | None, None), ("entropy", Tensor | None, None)], bases=(base,)
+    )
     cls.__module__ = __name__
     return cls
