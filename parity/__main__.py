@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from parity import report
+from parity import report, stored_cli
 from parity.rl import RL_OPS
 from parity.run import ALL_OPS as OPS
 from parity.run import FAIL, Config, run_matrix, runnable_backends
@@ -49,8 +49,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
     parser.add_argument("--quick", action="store_true", help="a small subset of the cases (CI smoke)")
     parser.add_argument("--out", type=Path, help="write parity.md and parity.json into this folder")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default: 0)")
+    parser.add_argument("--seed", type=int, help="seed of the generated inputs (default: 0; --against: the stored one)")
+    stored = parser.add_mutually_exclusive_group()
+    stored.add_argument(
+        "--save-outputs",
+        type=Path,
+        metavar="DIR",
+        help="run the fixed stored case set (parity/stored.py) on --backends, each case on the first that serves it, "
+        "and write DIR/outputs.pt and DIR/manifest.json",
+    )
+    stored.add_argument(
+        "--against",
+        type=Path,
+        metavar="DIR",
+        help="compare this machine's backends with the outputs stored in DIR by --save-outputs, under the contract",
+    )
     args = parser.parse_args(argv)
+    _check_stored_mode(parser, args)
+    args.seed = 0 if args.seed is None else args.seed
     try:
         args.dtypes = list(dict.fromkeys(DTYPE_ALIASES[d] for d in _split(args.dtypes)))
     except KeyError as exc:
@@ -73,13 +89,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _check_stored_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors of --save-outputs / --against (parity/stored_cli.py)."""
+    mode = "--save-outputs" if args.save_outputs is not None else "--against" if args.against is not None else None
+    if mode is not None and args.quick:
+        parser.error(f"--quick does not apply to {mode}: it runs the fixed stored case set")
+    if args.save_outputs is not None and not args.backends:
+        parser.error("--save-outputs needs --backends: the backend(s) whose outputs are stored, in order of preference")
+    if args.against is not None and args.seed is not None:
+        parser.error("--seed does not apply to --against: the inputs are regenerated from the seed stored in DIR")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    command = shlex.join(["python", "-m", "parity", *argv])
     # The Triton interpreter evaluates both sides of tl.where on masked lanes (log(0), 0 * -inf); numpy warns.
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
+    if args.save_outputs is not None:
+        return stored_cli.save(args, command)
+    if args.against is not None:
+        return stored_cli.against(args, command)
     config = Config(args.device, args.backends, args.dtypes, args.ops, args.quick, args.seed)
-    env = report.environment(config.device, shlex.join(["python", "-m", "parity", *argv]))
+    env = report.environment(config.device, command)
     start = time.perf_counter()
     cells = run_matrix(config)
     seconds = time.perf_counter() - start
