@@ -30,10 +30,12 @@ import torch
 import rlk
 from parity.cases import generator
 from rlk.core import abi, contract
+from rlk.ops.rewards import primitive_inputs as scatter_primitive_inputs
 from rlk.reference import advantages as ref_adv
 from rlk.reference import aggregation
 from rlk.reference import losses as ref_losses
 from rlk.reference import policy_loss as ref_pl
+from rlk.reference import rewards as ref_rewards
 from rlk.reference import rollout_correction as ref_rc
 
 RL_OPS = (
@@ -46,6 +48,7 @@ RL_OPS = (
     "discounted_returns",
     "gae",
     "rollout_correction",
+    "scatter_rewards",
 )
 INF = float("inf")
 
@@ -58,12 +61,16 @@ GROUP_ROWS = {"cuda": (1, 64, 512), "cpu": (1, 7, 264)}
 INVARIANCE_T = {"cuda": 8192, "cpu": 64}
 INVARIANCE_BATCHES = {"cuda": (7, 133, 512), "cpu": (7, 33)}
 QUICK_INVARIANCE_BATCHES = (7,)
-INVARIANT_OPS = ("policy_loss", "discounted_returns", "gae", "rollout_correction")
+INVARIANT_OPS = ("policy_loss", "discounted_returns", "gae", "rollout_correction", "scatter_rewards")
 
 #: Dyadic discount / lambda: exact in float32, so fp32 and fp64 runs use the same constants.
 GAMMA = 1 - 2**-7
 LAM = 15 / 16
 GROUP_SIZE = 8
+#: ``scatter_rewards``: weights of its reward columns (dyadic: the same in float32 and float64), and the size of the
+#: probe group of its invariance check (a group of 3 alone, then among other groups at several positions).
+REWARD_WEIGHTS = (1.0, 0.5, 0.25)
+PROBE_GROUP = 3
 
 
 # ---------------------------------------------------------------------------
@@ -156,6 +163,21 @@ VARIANTS: dict[str, tuple[tuple[str, tuple], ...]] = {
         ),
         ("sequence truncate [0.5, 2]", _p(level="sequence", mode="truncate", lower=0.5, upper=2.0)),
     ),
+    "scatter_rewards": (
+        (
+            "grpo broadcast, 3 columns, overlong, regions, costs",
+            _p(group_mode="grpo", placement="broadcast", columns=3, overlong=True, regions=True, costs=True),
+        ),
+        (
+            "rloo last, regions, ragged group_index",
+            _p(group_mode="rloo", placement="last", columns=1, overlong=False, regions=True, ragged=True),
+        ),
+        ("no group, last (verl's reward tensor), overlong", _p(group_mode=None, placement="last", overlong=True)),
+        (
+            "dr_grpo last, 2 columns, region costs",
+            _p(group_mode="dr_grpo", placement="last", columns=2, regions=True, costs=True),
+        ),
+    ),
 }
 
 
@@ -210,8 +232,8 @@ def invariance_plan(op: str, device_type: str, quick: bool) -> RLInvariancePlan 
                 _GSPO + _p(agg="seq-mean-token-mean", global_tokens=4096.0, global_seqs=64.0),
             ),
         )
-    elif op == "rollout_correction":
-        variants = VARIANTS[op][:2]  # both levels
+    elif op in ("rollout_correction", "scatter_rewards"):
+        variants = VARIANTS[op][:2]  # both levels; both placements
     else:
         variants = VARIANTS[op][1:2]  # a discount below 1 (and reset mode for the returns)
     return RLInvariancePlan(op, INVARIANCE_T[device_type], batches, variants)
@@ -283,6 +305,8 @@ def make_inputs(case: RLCase, seed: int, rows: int | None = None) -> dict[str, t
             "len_rejected": len_r,
             "c": torch.randn(b, generator=gen),
         }
+    if op == "scatter_rewards":
+        return _scatter_inputs(case.kwargs, b, t, gen)
     if op == "group_advantages":
         scores = (torch.rand(b, generator=gen) < 0.5).float() + 0.1 * torch.randn(b, generator=gen)
         out = {"scores": scores}
@@ -299,6 +323,29 @@ def make_inputs(case: RLCase, seed: int, rows: int | None = None) -> dict[str, t
     out = {"rewards": rewards, "mask": mask}
     if op == "gae":
         out["values"] = torch.randn(b, t, generator=gen) * 0.5
+    return out
+
+
+def _scatter_inputs(params: dict, b: int, t: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """``scatter_rewards``: verifier-like reward columns (0 / 1 plus noise; NaN in every third entry of the second
+    column: a reward function that does not apply there), a ragged mask, two regions per sequence (random spans,
+    empty ones included) with values, 0 / 1 costs and region costs, arbitrary group ids (``ragged``)."""
+    columns = params.get("columns", 1)
+    rewards = (torch.rand(b, columns, generator=gen) < 0.5).float() + 0.1 * torch.randn(b, columns, generator=gen)
+    if columns > 1:
+        rewards[::3, 1] = float("nan")
+    out = {"rewards": rewards, "mask": _ragged_mask(b, t, gen)}
+    if params.get("regions"):
+        start = torch.randint(0, t + 1, (2 * b,), generator=gen)
+        end = start + (torch.rand(2 * b, generator=gen) * (t + 1 - start)).long()
+        out["region_spans"] = torch.stack([torch.arange(b).repeat_interleave(2), start, end], 1)
+        out["region_values"] = torch.randn(2 * b, generator=gen)
+    if params.get("costs"):
+        out["costs"] = (torch.rand(b, generator=gen) < 0.3).float()
+        if params.get("regions"):
+            out["region_costs"] = (torch.rand(2 * b, generator=gen) < 0.2).float()
+    if params.get("ragged"):
+        out["group_index"] = 37 * torch.randint(0, b // 4 + 1, (b,), generator=gen) - 5
     return out
 
 
@@ -327,6 +374,31 @@ def _policy_kwargs(params: dict, x: dict) -> dict:
         "kl_coef": 0.1,
         "entropy_coef": 0.01,
     }
+
+
+def _scatter_arguments(params: dict, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``scatter_rewards``' ``(rewards, response_mask, keywords)`` for a case: one column as ``[B]``, the weights of
+    :data:`REWARD_WEIGHTS`, the overlong penalty at ``(T, T // 4, 1)``, groups by ``group_index`` when the inputs
+    have one, else of :data:`GROUP_SIZE` (one group when it does not divide B)."""
+    b, t = x["mask"].shape
+    columns = x["rewards"].shape[1]
+    kw: dict = {"placement": params["placement"], "group_mode": params["group_mode"]}
+    if params["group_mode"] is not None:
+        if "group_index" in x:
+            kw["group_index"] = x["group_index"]
+        else:
+            kw["group_size"] = GROUP_SIZE if b % GROUP_SIZE == 0 else b
+    if columns > 1:
+        kw["reward_weights"] = list(REWARD_WEIGHTS[:columns])
+    if params.get("overlong"):
+        kw["overlong"] = (t, t // 4, 1.0)
+    if "region_values" in x:
+        kw["region_rewards"] = (x["region_values"], x["region_spans"])
+    if "costs" in x:
+        kw["costs"] = x["costs"]
+    if "region_costs" in x:
+        kw["region_costs"] = (x["region_costs"], x["region_spans"])
+    return (x["rewards"][:, 0] if columns == 1 else x["rewards"]), x["mask"], kw
 
 
 def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOutputs:
@@ -374,6 +446,12 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOut
         else:
             adv = rlk.group_advantages(x["scores"], group_size=params["group_size"], mode=params["mode"])
         return RLOutputs({"advantages": adv}, {})
+    if op == "scatter_rewards":
+        rewards, mask, kw = _scatter_arguments(params, x)
+        out = rlk.scatter_rewards(rewards, mask, **kw)
+        if isinstance(out, tuple):
+            return RLOutputs({"token_rewards": out[0], "token_costs": out[1]}, {})
+        return RLOutputs({"token_rewards": out}, {})
     if op == "masked_whiten":
         return RLOutputs({"whitened": rlk.masked_whiten(x["x"], x["mask"], **params).reshape(-1)}, {})
     if op == "discounted_returns":
@@ -516,6 +594,10 @@ def scales(case: RLCase, x: dict[str, torch.Tensor], truth: RLOutputs) -> tuple[
                 v["advantages"], x.get("group_index"), params.get("group_size", 0)
             )
         }, 1.0
+    if op == "scatter_rewards":
+        rewards, mask, kw = _scatter_arguments(params, x)
+        per_channel = ref_rewards.contract_scale(*scatter_primitive_inputs(rewards, mask, **kw))
+        return {f"token_{name}": scale for name, scale in per_channel.items()}, 1.0
     if op == "masked_whiten":
         scale = ref_adv.whiten_contract_scale(
             x["x"], x["mask"], params["unbiased"], 1e-8, "add", v["whitened"].view_as(x["x"])
@@ -587,6 +669,9 @@ def invariance_checks(
     plan: RLInvariancePlan, seed: int, backend: str, device: torch.device, record: Callable[[int, int, list[str]], None]
 ) -> None:
     """Run the probe of ``plan`` on ``backend``; ``record(batch, position, differing outputs)`` per check."""
+    if plan.op == "scatter_rewards":
+        _scatter_invariance_checks(plan, seed, backend, device, record)
+        return
     for label, params in plan.variants:
         case = RLCase(plan.op, max(plan.batches), plan.cols, f"invariance {label}", params)
         everything = make_inputs(case, seed)
@@ -604,3 +689,49 @@ def invariance_checks(
                         f"{name} ({label})" for name, value in alone.items() if not torch.equal(value, row[name])
                     ]
                     record(batch, position, differs)
+
+
+def _scatter_rows(x: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``scatter_rewards``' inputs of the sequences ``rows`` (in that order): their rows, ids and regions (renumbered,
+    ordered by their new sequence, keeping their order within a sequence)."""
+    out = {k: x[k][rows] for k in ("rewards", "mask", "group_index", "costs") if k in x}
+    if "region_spans" in x:
+        where = torch.full((x["mask"].shape[0],), -1, dtype=torch.long, device=rows.device)
+        where[rows] = torch.arange(rows.shape[0], device=rows.device)
+        seq = where[x["region_spans"][:, 0]]
+        keep = (seq >= 0).nonzero().squeeze(1)
+        keep = keep[torch.sort(seq[keep], stable=True).indices]
+        out["region_spans"] = torch.cat([seq[keep, None], x["region_spans"][keep, 1:]], 1)
+        for k in ("region_values", "region_costs"):
+            if k in x:
+                out[k] = x[k][keep]
+    return out
+
+
+def _scatter_invariance_checks(plan: RLInvariancePlan, seed: int, backend: str, device: torch.device, record) -> None:
+    """``scatter_rewards``: a group of :data:`PROBE_GROUP` sequences (with its regions) alone, then among other groups
+    (random ids) at the first, middle and last position of each batch; its token rewards and costs must be equal
+    bit for bit."""
+    for label, variant in plan.variants:
+        n = max(plan.batches)
+        case = RLCase(plan.op, n, plan.cols, f"invariance {label}", variant)
+        params = dict(variant)
+        everything = make_inputs(case, seed)
+        ids = torch.randint(0, 4, (n,), generator=generator(seed, f"{case.label()} ids"))
+        ids[:PROBE_GROUP] = -1  # the probe group: the first rows
+        everything["group_index"] = ids
+        x = cast(everything, torch.float32, device)
+        probe = torch.arange(PROBE_GROUP, device=device)
+        with rlk.use_backend(backend):
+            alone = forward_backward(plan.op, params, _scatter_rows(x, probe)).values
+            for batch in plan.batches:
+                others = torch.arange(PROBE_GROUP, batch, device=device)
+                for position in sorted({0, (batch - PROBE_GROUP) // 2, batch - PROBE_GROUP}):
+                    rows = torch.cat([others[:position], probe, others[position:]])
+                    got = forward_backward(plan.op, params, _scatter_rows(x, rows)).values
+                    window = slice(position, position + PROBE_GROUP)
+                    record(
+                        batch,
+                        position,
+                        [f"{name} ({label})" for name, v in alone.items() if not torch.equal(v, got[name][window])],
+                    )

@@ -60,7 +60,7 @@ def test_the_standin_serves_the_cpu_only_when_pinned(standin):
 
 def test_every_abi_primitive_is_implemented(standin):
     table = dispatch.discover()["domestic"].backend.primitives
-    assert set(table) == set(abi.PRIMITIVES) and len(table) == 39
+    assert set(table) == set(abi.PRIMITIVES)
 
 
 def test_the_probe_reports_a_plugin_that_does_not_import(monkeypatch, tmp_path):

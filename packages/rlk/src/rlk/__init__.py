@@ -6,10 +6,12 @@ Public API:
   :func:`group_advantages`, :func:`masked_whiten`, :func:`discounted_returns`, :func:`gae`,
   :func:`policy_loss`, :func:`policy_loss_and_grad` (options: :class:`PolicyLossConfig`), :func:`kl_penalty`,
   :func:`fused_linear_policy_loss`,
-  :func:`rollout_correction`, :func:`fused_linear_kl` (distillation: KL / JSD between a student and a teacher
-  from their hidden states and LM heads); :func:`pack` / :func:`unpack` (padded batches to varlen rows with
-  ``cu_seqlens`` and position ids, and back); :func:`ema_` (in-place exponential moving average of a list of
-  tensors: reference / target model weights); :func:`sample` (batch-invariant fused token sampling:
+  :func:`rollout_correction`, :func:`scatter_rewards` (sequence / region rewards and costs to token rewards or
+  advantages: weighted reward columns, overlong penalty, group normalization), :func:`fused_linear_kl`
+  (distillation: KL / JSD between a student and a teacher from their hidden states and LM heads); :func:`pack` /
+  :func:`unpack` (padded batches to varlen rows with ``cu_seqlens`` and position ids, and back); :func:`ema_`
+  (in-place exponential moving average of a list of tensors: reference / target model weights); :func:`sample`
+  (batch-invariant fused token sampling:
   temperature, top-k, top-p, min-p, per-row seed / step);
 * the batch-invariant forward chain: :func:`rms_norm`, :func:`matmul`, :func:`linear`,
   :func:`attention` (and :func:`prefix_attention`: sequences that share another's keys as a prefix, such as a
@@ -65,6 +67,7 @@ from rlk.ops.matmul import linear, matmul
 from rlk.ops.norm import rms_norm
 from rlk.ops.pack import pack, unpack
 from rlk.ops.policy_loss import PolicyLossAndGrad, PolicyLossConfig, kl_penalty, policy_loss, policy_loss_and_grad
+from rlk.ops.rewards import scatter_rewards
 from rlk.ops.rollout_correction import rollout_correction
 from rlk.ops.rope import apply_rope
 from rlk.ops.sampling import sample
@@ -104,6 +107,7 @@ __all__ = [
     "policy_loss_and_grad",
     "prefix_attention",
     "sample",
+    "scatter_rewards",
     "PolicyLossAndGrad",
     "PolicyLossConfig",
     "rms_norm",

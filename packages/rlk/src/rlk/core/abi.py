@@ -193,6 +193,21 @@ PRIMITIVES: dict[str, Primitive] = {
             "(rewards[B,T] fp32, mask[B,T] bool, gamma: float (rounded to fp32 by the op layer), "
             "mask_mode: str ('carry' | 'reset' | 'zero'), out[B,T] fp32) -> None",
         ),
+        # Rewards to tokens (spec: rlk.reference.rewards); not differentiable. Per sequence a score (the weighted
+        # reward columns, NaN skipped, plus the overlong penalty of its length when overlong_max_len is not None), an
+        # optional cost; per region (seq, start, end) a value; each normalized over its group by group_advantages' math
+        # (mode None: as is), then placed on the sequence's / region's last masked token or on all of them.
+        Primitive(
+            "scatter_rewards_fwd",
+            "scatter_rewards",
+            "(rewards[B,R] fp32, reward_weights[R] fp32, mask[B,T] bool, costs[B] fp32 | None (iff costs_out), "
+            "region_values[S] fp32 | None (S >= 1), region_spans[S,3] int64 | None (seq, start, end: 0 <= seq < B, "
+            "0 <= start <= end <= T), cost_region_values[S2] fp32 | None, cost_region_spans[S2,3] int64 | None, "
+            "group_index[B] int64 | None, group_size: int (used when group_index is None; divides B), "
+            "mode: str | None (REWARD_GROUP_MODES; None: no normalization), eps: float, placement: str (PLACEMENTS), "
+            "overlong_max_len: int | None, overlong_cache: int, overlong_penalty: float, rewards_out[B,T] fp32, "
+            "costs_out[B,T] fp32 | None) -> None",
+        ),
         Primitive(
             "gae_fwd",
             "gae",
@@ -401,6 +416,7 @@ OPS: dict[str, Op] = {
         Op("masked_whiten", "masked_whiten_fwd", None, ("float32",)),
         Op("discounted_returns", "discounted_returns_fwd", None, ("float32",)),
         Op("gae", "gae_fwd", None, ("float32",)),
+        Op("scatter_rewards", "scatter_rewards_fwd", None, ("float32",)),
         Op("policy_loss", "policy_loss_fwd", "policy_loss_bwd", ("float32",)),
         Op("kl_penalty", "kl_penalty_fwd", "kl_penalty_bwd", ("float32",)),
         Op("rollout_correction", "rollout_correction_fwd", None, ("float32",)),
@@ -484,6 +500,10 @@ PASSK_MODES = ("grpo_passk", "dr_grpo_passk")
 #: What a masked step does to the running return; how ``eps`` enters the std.
 RETURN_MASK_MODES = ("carry", "reset", "zero")
 EPS_MODES = ("add", "clamp")
+#: scatter_rewards: the group normalizations of a sequence's score (group_advantages' modes whose value depends on the
+#: group only), and where a sequence's or a region's value lands on its tokens.
+REWARD_GROUP_MODES = ("grpo", "dr_grpo", "rloo")
+PLACEMENTS = ("last", "broadcast")
 
 #: Rollout correction: levels of the ratio (``level``), what happens outside the thresholds (``mode``) and the
 #: entries of ``metrics_out``, in order.

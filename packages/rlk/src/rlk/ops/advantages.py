@@ -76,6 +76,24 @@ def _bool_mask(mask: Tensor) -> Tensor:
     return mask != 0
 
 
+def _groups(
+    group_size: int | None, group_index: Tensor | None, like: Tensor, like_name: str
+) -> tuple[Tensor | None, int]:
+    """The primitives' ``(group_index, group_size)`` from exactly one of the two (``like``: the ``[B]`` tensor whose
+    rows they group): int64 ids and 0, or None and a size that divides ``B``."""
+    if (group_size is None) == (group_index is None):
+        raise ValueError("group_size, group_index: pass exactly one of them")
+    if group_size is not None:
+        group_size = checks.integer("group_size", group_size, minimum=1)
+        if like.shape[0] % group_size:
+            raise ValueError(f"group_size: {group_size} does not divide the batch size B = {like.shape[0]}")
+        return None, group_size
+    _check_like("group_index", group_index, like, like_name)
+    if group_index.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"group_index: expected an integer dtype, got {group_index.dtype}")
+    return group_index.detach().to(torch.int64).contiguous(), 0
+
+
 def _like_first(x: Tensor, *_) -> Tensor:
     """The output allocator of a one-output op: ``torch.empty_like`` of its first input."""
     return torch.empty_like(x)
@@ -166,24 +184,10 @@ def group_advantages(
     x = _float_input("scores", scores)
     if x.dim() != 1:
         raise ValueError(f"scores: expected shape [B] (one score per sequence), got {tuple(x.shape)}")
-    n_rows = x.shape[0]
     if mode not in PASSK_MODES:
         mode = checks.choice("mode", mode, GROUP_MODES)
     eps = checks.number("eps", eps, above=0.0, dtype=torch.float32)
-    if (group_size is None) == (group_index is None):
-        raise ValueError("group_size, group_index: pass exactly one of them")
-    index = None
-    size = 0
-    if group_size is not None:
-        group_size = checks.integer("group_size", group_size, minimum=1)
-        if n_rows % group_size:
-            raise ValueError(f"group_size: {group_size} does not divide the batch size B = {n_rows}")
-        size = group_size
-    else:
-        _check_like("group_index", group_index, x, "scores")
-        if group_index.dtype not in _INDEX_DTYPES:
-            raise TypeError(f"group_index: expected an integer dtype, got {group_index.dtype}")
-        index = group_index.detach().to(torch.int64).contiguous()
+    index, size = _groups(group_size, group_index, x, "scores")
     lens = None
     if mode == "opo":
         if lengths is None:
