@@ -2,8 +2,8 @@
 // conversion: `.noconvert()`, CUDA, C-contiguous), checks dtypes, shapes and devices, and calls the
 // launchers of rlk_cuda.h on the stream the caller passes (an integer: a cudaStream_t). No libtorch:
 // any framework whose tensors speak DLPack works, and one wheel serves every torch version. The array
-// checks, selected_logprob and rms_norm are bindings_common.h's (shared with rlk-rocm); linear_logprob and
-// fused_linear_kl are here.
+// checks, selected_logprob, rms_norm and the GEMM-core linear_logprob are bindings_common.h's (shared with
+// rlk-rocm); the Hopper linear_logprob kernels and fused_linear_kl are here.
 #include "rlk_cuda.h"
 
 #define RLK_NB_DEVICE nb::device::cuda
@@ -19,94 +19,17 @@
 
 namespace {
 
-// ---- linear_logprob --------------------------------------------------------------------------
-
-// hidden [N, H] and weight [V, H] of one 16-bit dtype; returns (N, V, H, dtype, device) after the checks
-// shared by the forward and the backward.
-struct LinearShapes {
-  int64_t n, v, h;
-  DType dtype;
-  int device;
-};
-
-LinearShapes linear_shapes(const Array& hidden, const Array& weight, const Array& targets,
-                           const Array& inv_temperature) {
-  if (hidden.ndim() != 2) fail("hidden: expected shape [N, H], got " + shape_of(hidden));
-  if (weight.ndim() != 2) fail("weight: expected shape [V, H], got " + shape_of(weight));
-  LinearShapes s{static_cast<int64_t>(hidden.shape(0)), static_cast<int64_t>(weight.shape(0)),
-                 static_cast<int64_t>(hidden.shape(1)), float_dtype(hidden, "hidden"), hidden.device_id()};
-  expect_dtype(weight, s.dtype, "weight");
-  expect_shape(weight, {s.v, s.h}, "weight");
-  expect_int64(targets, "targets");
-  expect_shape(targets, {s.n}, "targets");
-  expect_dtype(inv_temperature, DType::kFloat32, "inv_temperature");
-  expect_shape(inv_temperature, {s.n}, "inv_temperature");
-  return s;
-}
-
-void expect_f32_vector(const OptArray& a, int64_t n, const char* name) {
-  if (a) {
-    expect_dtype(*a, DType::kFloat32, name);
-    expect_shape(*a, {n}, name);
-  }
-}
-
-// The forward's checks, then the mma.sync launcher (wgmma = false) or the Hopper one (wgmma = true).
-void linear_logprob_fwd_impl(bool wgmma, const Array& hidden, const Array& weight, const Array& targets,
-                             const Array& inv_temperature, int64_t ignore_index, const Array& logprob_out,
-                             const OptArray& entropy_out, const Array& lse_out, const Array& part_m,
-                             const Array& part_s, const OptArray& part_b, const Array& z_target, std::uintptr_t stream,
-                             const OptArray& logits_out = std::nullopt) {
-  const LinearShapes s = linear_shapes(hidden, weight, targets, inv_temperature);
-  for (auto [a, name] : {std::pair{&logprob_out, "logprob_out"}, {&lse_out, "lse_out"}, {&z_target, "z_target"}}) {
-    expect_dtype(*a, DType::kFloat32, name);
-    expect_shape(*a, {s.n}, name);
-  }
-  expect_f32_vector(entropy_out, s.n, "entropy_out");
-  const int64_t splits = rlk_cuda::linear_logprob_num_splits(s.v);
-  for (auto [a, name] : {std::pair{&part_m, "part_m"}, {&part_s, "part_s"}}) {
-    expect_dtype(*a, DType::kFloat32, name);
-    expect_shape(*a, {splits, s.n}, name);
-  }
-  if (entropy_out && !part_b) fail("part_b: required when entropy_out is given");
-  if (part_b) {
-    expect_dtype(*part_b, DType::kFloat32, "part_b");
-    expect_shape(*part_b, {splits, s.n}, "part_b");
-  }
-  if (logits_out) {
-    expect_dtype(*logits_out, DType::kFloat32, "logits_out");
-    expect_shape(*logits_out, {s.n, s.v}, "logits_out");
-  }
-  const int d = s.device;
-  auto call = [&](auto launcher, auto... store) {
-    launcher(s.dtype, on(hidden, d, "hidden"), on(weight, d, "weight"), on<const int64_t>(targets, d, "targets"),
-             on<const float>(inv_temperature, d, "inv_temperature"), s.n, s.v, s.h, ignore_index,
-             on<float>(logprob_out, d, "logprob_out"), on<float>(entropy_out, d, "entropy_out"),
-             on<float>(lse_out, d, "lse_out"), on<float>(part_m, d, "part_m"), on<float>(part_s, d, "part_s"),
-             on<float>(part_b, d, "part_b"), on<float>(z_target, d, "z_target"), d, stream, store...);
-  };
-  if (wgmma) {
-    call(&rlk_cuda::linear_logprob_fwd_wgmma, on<float>(logits_out, d, "logits_out"), s.v);
-  } else {
-    call(&rlk_cuda::linear_logprob_fwd);
-  }
-}
-
-void linear_logprob_fwd(const Array& hidden, const Array& weight, const Array& targets, const Array& inv_temperature,
-                        int64_t ignore_index, const Array& logprob_out, const OptArray& entropy_out,
-                        const Array& lse_out, const Array& part_m, const Array& part_s, const OptArray& part_b,
-                        const Array& z_target, std::uintptr_t stream) {
-  linear_logprob_fwd_impl(false, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
-                          lse_out, part_m, part_s, part_b, z_target, stream);
-}
+// ---- linear_logprob: the Hopper launchers (the checks and the GEMM-core entry points: bindings_common.h) ----
 
 void linear_logprob_fwd_wgmma(const Array& hidden, const Array& weight, const Array& targets,
                               const Array& inv_temperature, int64_t ignore_index, const Array& logprob_out,
                               const OptArray& entropy_out, const Array& lse_out, const Array& part_m,
                               const Array& part_s, const OptArray& part_b, const Array& z_target,
                               std::uintptr_t stream) {
-  linear_logprob_fwd_impl(true, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
-                          lse_out, part_m, part_s, part_b, z_target, stream);
+  linear_logprob_fwd_checked(
+      [](const LinearShapes& s, auto... args) { rlk_cuda::linear_logprob_fwd_wgmma(args..., nullptr, s.v); }, hidden,
+      weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, part_m, part_s, part_b,
+      z_target, stream);
 }
 
 void linear_logprob_stored_fwd_wgmma(const Array& hidden, const Array& weight, const Array& targets,
@@ -114,65 +37,12 @@ void linear_logprob_stored_fwd_wgmma(const Array& hidden, const Array& weight, c
                                      const OptArray& entropy_out, const Array& lse_out, const Array& part_m,
                                      const Array& part_s, const OptArray& part_b, const Array& z_target,
                                      const Array& logits_out, std::uintptr_t stream) {
-  linear_logprob_fwd_impl(true, hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out,
-                          lse_out, part_m, part_s, part_b, z_target, stream, logits_out);
-}
-
-// The backward's per-row inputs: lse, grad_logprob (and entropy, grad_entropy when given) fp32 [N].
-void expect_bwd_rows(int64_t n, const Array& lse, const OptArray& entropy, const Array& grad_logprob,
-                     const OptArray& grad_entropy) {
-  for (auto [a, name] : {std::pair{&lse, "lse"}, {&grad_logprob, "grad_logprob"}}) {
-    expect_dtype(*a, DType::kFloat32, name);
-    expect_shape(*a, {n}, name);
-  }
-  expect_f32_vector(entropy, n, "entropy");
-  expect_f32_vector(grad_entropy, n, "grad_entropy");
-}
-
-// The backward's checks, then the mma.sync launcher (wgmma = false) or the Hopper one (wgmma = true).
-void linear_logprob_bwd_impl(bool wgmma, const Array& hidden, const Array& weight, const Array& targets,
-                             const Array& inv_temperature, const Array& lse, const OptArray& entropy,
-                             const Array& grad_logprob, const OptArray& grad_entropy, int64_t ignore_index,
-                             const OptArray& grad_hidden_out, const OptArray& grad_weight_out,
-                             const OptArray& g_scratch, const OptArray& grad_hidden_acc, std::uintptr_t stream) {
-  const LinearShapes s = linear_shapes(hidden, weight, targets, inv_temperature);
-  expect_bwd_rows(s.n, lse, entropy, grad_logprob, grad_entropy);
-  if (grad_hidden_out) {
-    expect_dtype(*grad_hidden_out, s.dtype, "grad_hidden_out");
-    expect_shape(*grad_hidden_out, {s.n, s.h}, "grad_hidden_out");
-  }
-  if (grad_weight_out) {
-    expect_dtype(*grad_weight_out, s.dtype, "grad_weight_out");
-    expect_shape(*grad_weight_out, {s.v, s.h}, "grad_weight_out");
-  }
-  const int64_t g_cols = rlk_cuda::linear_logprob_bwd_chunk_cols(s.v);
-  if (g_scratch) {
-    expect_dtype(*g_scratch, s.dtype, "g_scratch");
-    expect_shape(*g_scratch, {s.n, g_cols}, "g_scratch");
-  } else if (grad_hidden_out || grad_weight_out) {
-    fail("g_scratch: required when a gradient is requested");
-  }
-  if (grad_hidden_acc) {
-    expect_dtype(*grad_hidden_acc, DType::kFloat32, "grad_hidden_acc");
-    expect_shape(*grad_hidden_acc, {s.n, s.h}, "grad_hidden_acc");
-  }
-  const int d = s.device;
-  auto* launcher = wgmma ? &rlk_cuda::linear_logprob_bwd_wgmma : &rlk_cuda::linear_logprob_bwd;
-  launcher(s.dtype, on(hidden, d, "hidden"), on(weight, d, "weight"), on<const int64_t>(targets, d, "targets"),
-           on<const float>(inv_temperature, d, "inv_temperature"), on<const float>(lse, d, "lse"),
-           on<const float>(entropy, d, "entropy"), on<const float>(grad_logprob, d, "grad_logprob"),
-           on<const float>(grad_entropy, d, "grad_entropy"), s.n, s.v, s.h, ignore_index,
-           on(grad_hidden_out, d, "grad_hidden_out"), on(grad_weight_out, d, "grad_weight_out"),
-           on(g_scratch, d, "g_scratch"), g_cols, on<float>(grad_hidden_acc, d, "grad_hidden_acc"), d, stream);
-}
-
-void linear_logprob_bwd(const Array& hidden, const Array& weight, const Array& targets, const Array& inv_temperature,
-                        const Array& lse, const OptArray& entropy, const Array& grad_logprob,
-                        const OptArray& grad_entropy, int64_t ignore_index, const OptArray& grad_hidden_out,
-                        const OptArray& grad_weight_out, const OptArray& g_scratch, const OptArray& grad_hidden_acc,
-                        std::uintptr_t stream) {
-  linear_logprob_bwd_impl(false, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
-                          ignore_index, grad_hidden_out, grad_weight_out, g_scratch, grad_hidden_acc, stream);
+  linear_logprob_fwd_checked(
+      [&](const LinearShapes& s, auto... args) {
+        rlk_cuda::linear_logprob_fwd_wgmma(args..., on<float>(logits_out, s.device, "logits_out"), s.v);
+      },
+      hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, part_m, part_s, part_b,
+      z_target, stream, logits_out);
 }
 
 void linear_logprob_bwd_wgmma(const Array& hidden, const Array& weight, const Array& targets,
@@ -180,8 +50,9 @@ void linear_logprob_bwd_wgmma(const Array& hidden, const Array& weight, const Ar
                               const Array& grad_logprob, const OptArray& grad_entropy, int64_t ignore_index,
                               const OptArray& grad_hidden_out, const OptArray& grad_weight_out,
                               const OptArray& g_scratch, const OptArray& grad_hidden_acc, std::uintptr_t stream) {
-  linear_logprob_bwd_impl(true, hidden, weight, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
-                          ignore_index, grad_hidden_out, grad_weight_out, g_scratch, grad_hidden_acc, stream);
+  linear_logprob_bwd_checked([](auto... args) { rlk_cuda::linear_logprob_bwd_wgmma(args...); }, hidden, weight, targets,
+                             inv_temperature, lse, entropy, grad_logprob, grad_entropy, ignore_index, grad_hidden_out,
+                             grad_weight_out, g_scratch, grad_hidden_acc, stream);
 }
 
 void linear_logprob_stored_bwd_wgmma(const Array& hidden, const Array& weight, const Array& targets,
@@ -327,14 +198,6 @@ NB_MODULE(_C, m) {
   m.attr("distribution") = RLK_CUDA_DISTRIBUTION;
 
   def_shared_ops(m);
-  m.def("linear_logprob_fwd", &linear_logprob_fwd, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
-        nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(), nb::arg("ignore_index"),
-        nb::arg("logprob_out").noconvert(), nb::arg("entropy_out").noconvert().none(), nb::arg("lse_out").noconvert(),
-        nb::arg("part_m").noconvert(), nb::arg("part_s").noconvert(), nb::arg("part_b").noconvert().none(),
-        nb::arg("z_target").noconvert(), nb::arg("stream"),
-        "linear_logprob forward (rlk.abi), float16 / bfloat16: logprob, entropy (optional) and lse of each row of "
-        "hidden @ weight.T. Scratch: part_m, part_s, part_b fp32 [linear_logprob_num_splits(V), N] (part_b only "
-        "with entropy), z_target fp32 [N].");
   m.def("linear_logprob_fwd_wgmma", &linear_logprob_fwd_wgmma, nb::arg("hidden").noconvert(),
         nb::arg("weight").noconvert(), nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(),
         nb::arg("ignore_index"), nb::arg("logprob_out").noconvert(), nb::arg("entropy_out").noconvert().none(),
@@ -363,15 +226,6 @@ NB_MODULE(_C, m) {
       "grad_hidden_out is given and linear_logprob_bwd_num_chunks(V) > 1.");
   m.def("linear_logprob_wgmma_problem", &rlk_cuda::linear_logprob_wgmma_problem, nb::arg("device"),
         "'' if the wgmma forward can run on the device (sm_90a compiled in, compute capability 9.0), else why not.");
-  m.def("linear_logprob_bwd", &linear_logprob_bwd, nb::arg("hidden").noconvert(), nb::arg("weight").noconvert(),
-        nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(), nb::arg("lse").noconvert(),
-        nb::arg("entropy").noconvert().none(), nb::arg("grad_logprob").noconvert(),
-        nb::arg("grad_entropy").noconvert().none(), nb::arg("ignore_index"),
-        nb::arg("grad_hidden_out").noconvert().none(), nb::arg("grad_weight_out").noconvert().none(),
-        nb::arg("g_scratch").noconvert().none(), nb::arg("grad_hidden_acc").noconvert().none(), nb::arg("stream"),
-        "linear_logprob backward (rlk.abi), float16 / bfloat16: the gradients of hidden and weight (each optional). "
-        "Scratch: g_scratch [N, linear_logprob_bwd_chunk_cols(V)] of hidden's dtype; grad_hidden_acc fp32 [N, H] "
-        "when grad_hidden_out is given and linear_logprob_bwd_num_chunks(V) > 1.");
   m.def("linear_logprob_bwd_wgmma", &linear_logprob_bwd_wgmma, nb::arg("hidden").noconvert(),
         nb::arg("weight").noconvert(), nb::arg("targets").noconvert(), nb::arg("inv_temperature").noconvert(),
         nb::arg("lse").noconvert(), nb::arg("entropy").noconvert().none(), nb::arg("grad_logprob").noconvert(),
@@ -380,9 +234,6 @@ NB_MODULE(_C, m) {
         nb::arg("g_scratch").noconvert().none(), nb::arg("grad_hidden_acc").noconvert().none(), nb::arg("stream"),
         "Hopper (sm_90a) linear_logprob backward: the chunk GEMMs on TMA + wgmma. Same arguments and scratch as "
         "linear_logprob_bwd; raises RuntimeError where linear_logprob_wgmma_problem(device) is not ''.");
-  m.def("linear_logprob_num_splits", &rlk_cuda::linear_logprob_num_splits, nb::arg("vocab"));
-  m.def("linear_logprob_bwd_chunk_cols", &rlk_cuda::linear_logprob_bwd_chunk_cols, nb::arg("vocab"));
-  m.def("linear_logprob_bwd_num_chunks", &rlk_cuda::linear_logprob_bwd_num_chunks, nb::arg("vocab"));
   m.def("fused_linear_kl_fwd_wgmma", &fused_linear_kl_fwd_wgmma, nb::arg("student_hidden").noconvert(),
         nb::arg("student_weight").noconvert(), nb::arg("teacher_hidden").noconvert(),
         nb::arg("teacher_weight").noconvert(), nb::arg("targets").noconvert().none(),

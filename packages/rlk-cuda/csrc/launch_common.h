@@ -1,6 +1,7 @@
 // Host-side launch helpers both backends' launchers share (rlk-cuda's launch.cuh, rlk-rocm's launch.h; single
 // source, read by rlk-rocm from here in a checkout, from csrc/shared in its sdist): device guard, error checks,
-// dtype dispatch, grid sizes. Nothing here is a kernel. On the CUDA runtime, or the HIP one where
+// dtype dispatch, grid sizes, the linear_logprob input checks. Nothing here is a kernel. On the CUDA runtime, or the
+// HIP one where
 // __HIP_PLATFORM_AMD__ is defined (the names differ by prefix only: cudaGetDevice / hipGetDevice, ...). The
 // includer first includes its launchers header (rlk_cuda.h, rlk_rocm.h), which defines RLK_NAMESPACE.
 #pragma once
@@ -8,6 +9,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #if defined(__HIP_PLATFORM_AMD__)
 #include <hip/hip_runtime.h>
@@ -90,6 +92,18 @@ void dispatch_float(DType dtype, F&& f) {
   throw std::invalid_argument(std::string(error_prefix()) + "unknown dtype");
 }
 
+// Calls f(T{}) for the 16-bit dtypes (the tensor-core kernels: linear_logprob, fused_linear_kl); throws for the
+// others.
+template <typename F>
+void dispatch_half(DType dtype, const char* what, F&& f) {
+  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    throw std::invalid_argument(std::string(error_prefix()) + what + ": only float16 and bfloat16 are implemented");
+  }
+  dispatch_float(dtype, [&](auto tag) {
+    if constexpr (!std::is_same_v<decltype(tag), float>) f(tag);
+  });
+}
+
 inline int64_t max_grid_x() { return 2147483647; }
 
 inline bool host_aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
@@ -98,6 +112,18 @@ inline bool host_aligned16(const void* p) { return (reinterpret_cast<std::uintpt
 inline unsigned grid_of(int64_t blocks, const char* what) {
   require(blocks >= 1 && blocks <= max_grid_x(), std::string(what) + ": problem too large for one grid");
   return static_cast<unsigned>(blocks);
+}
+
+// The checks every linear_logprob launcher makes: sizes, H a positive multiple of 8, 16-byte aligned operands.
+inline void check_linear_inputs(const char* what, const void* hidden, const void* weight, int64_t n_rows, int64_t vocab,
+                                int64_t hidden_size) {
+  const std::string w(what);
+  require(n_rows >= 1, w + ": n_rows must be >= 1");
+  require(vocab >= 1, w + ": vocab must be >= 1");
+  require(hidden_size >= 8 && hidden_size % 8 == 0,
+          w + ": hidden size must be a positive multiple of 8 (the Python layer pads other sizes), got " +
+              std::to_string(hidden_size));
+  require(host_aligned16(hidden) && host_aligned16(weight), w + ": hidden and weight must be 16-byte aligned");
 }
 
 }  // namespace RLK_NAMESPACE

@@ -1,6 +1,9 @@
 // linear_logprob kernels: per-row log-prob of the target, entropy and logsumexp of the scaled logits
 // z = (hidden @ weight.T) * inv_temperature, and the gradients of hidden and weight, without ever
-// materializing the [N, V] logits. bf16 / fp16 inputs; tensor-core GEMM core in mma.cuh.
+// materializing the [N, V] logits. bf16 / fp16 inputs. The GEMMs run on a GEMM core of a fixed interface
+// (namespace mma: tile sizes, Operand, gemm_tile / gemm_tiles, and the accumulator layout the epilogues
+// read): the mma.sync core mma.cuh on CUDA (rlk-cuda), the MFMA core mma_amd.cuh on HIP (rlk-rocm,
+// wavefront 64). Numbers below are mma.cuh's, with mma_amd.cuh's in brackets.
 //
 // Spec (rlk.reference.logprob), per row n with target y:
 //     x = hidden[n] . weight[v]  (fp32 accumulation),   z_v = x_v * inv_t   (one rounded fp32 multiply)
@@ -11,11 +14,12 @@
 //
 // Forward: block (row tile of kBM = 128 rows, vocab split of kVocabSplit = 4096 columns) walks its
 // split in 32 vocab tiles of kBN = 128 columns; each tile's logits come from a K loop over H in kBK
-// steps. Each thread keeps an online softmax state (m, s, b) for each of the 8 rows it holds in the
-// accumulator layout (s and b relative to the max m: SoftmaxState of logprob.cuh, so entropy =
-// log s - b / s has no |z|-sized cancellation), folding its 8 columns of each vocab tile (fold_pack of
-// logprob.cuh). At the end of the split the 4 lanes of a row (xor-shuffle merge) and then the 4 warps
-// along N (fixed order 0..3, through shared memory) are merged; the split's state goes to
+// steps. Each thread keeps an online softmax state (m, s, b) for each of the kRowTiles x kTileRows = 8 [2]
+// rows it holds in the accumulator layout (s and b relative to the max m: SoftmaxState of logprob.cuh, so
+// entropy = log s - b / s has no |z|-sized cancellation), folding its kColTiles x kTileCols = 8 [32]
+// columns of each vocab tile (fold_pack of logprob.cuh). At the end of the split the kRowLanes = 4 [2]
+// lanes of a row (xor-shuffle merge) and then the kWarpsN = 4 [2] warps along N (fixed order, through
+// shared memory) are merged; the split's state goes to
 // part_{m,s,b}[split, row] (merge of logprob.cuh: each state moved to the common max). The target
 // logit is written to z_target[row] by the one thread that computes it. A combine kernel then merges
 // the splits of a row in split order. Every row goes through the same instruction sequence whatever
@@ -26,13 +30,21 @@
 // dtype into a scratch buffer; grad_hidden (+)= G_c @ W_c through an fp32 [N, H] scratch accumulator
 // (first chunk writes it, later chunks add, the last one stores hidden's dtype); grad_weight[c] =
 // G_c.T @ hidden, its K loop over all N rows in kBK steps (a fixed row partition, fixed order).
+//
+// The epilogues loop over a thread's accumulators as (i < kRowTiles, h < kTileRows, n < kColTiles,
+// e < kTileCols), the nesting the CUDA kernels were first written in: rlk-cuda's generated code is the
+// same as before the GEMM core was abstracted (byte-identical cubins; a flat loop changed the PTX).
 #pragma once
 
 #include <cmath>
 
 #include "common.cuh"
 #include "logprob.cuh"
-#include "mma.cuh"
+#if defined(__HIP_PLATFORM_AMD__)
+#include "mma_amd.cuh"  // the MFMA core (gfx9, wavefront 64): rlk-rocm
+#else
+#include "mma.cuh"  // the mma.sync core
+#endif
 
 namespace rlk_cuda {
 
@@ -51,8 +63,8 @@ __host__ __device__ constexpr int64_t linear_num_splits(int64_t vocab) {
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);
 template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low 16 bits), .y = hi
+__device__ __forceinline__ uint32_t pack2<bf16>(float lo, float hi) {
+  const bf16x2 v = floats_to_bf16x2_rn(lo, hi);  // lo in the low 16 bits, hi in the high ones
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 template <>
@@ -73,7 +85,6 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
                               int64_t n_rows, int64_t vocab, int64_t hidden_size, int64_t ignore_index,
                               float* __restrict__ part_m, float* __restrict__ part_s, float* __restrict__ part_b,
                               float* __restrict__ z_target) {
-  using mma::kBK;
   using mma::kBM;
   using mma::kBN;
   extern __shared__ uint4 smem_raw[];
@@ -88,7 +99,7 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
   const int64_t v_begin = split * kVocabSplit;
   const int64_t v_end = min(v_begin + kVocabSplit, vocab);
   const int64_t n_vtiles = (v_end - v_begin + kBN - 1) / kBN;
-  const int64_t k_steps = (hidden_size + kBK - 1) / kBK;
+  const int64_t k_steps = (hidden_size + mma::kBK - 1) / mma::kBK;
 
   if (threadIdx.x < kBM) {
     const int64_t row = row0 + threadIdx.x;
@@ -108,79 +119,65 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
   // The split's weight rows: vocab rows v_begin .. v_end - 1.
   const mma::Operand b{weight + v_begin * hidden_size, hidden_size, v_end - v_begin, hidden_size};
 
-  // State of accumulator row slot (mi, h): block row warp_m0 + mi*16 + h*8 + lane/4 (D layout rows).
-  SoftmaxState st[mma::kMT][2];
+  // State of the thread's accumulator row (i, h): block row mma::slot_row(i, h).
+  SoftmaxState st[mma::kRowTiles][mma::kTileRows];
 #pragma unroll
-  for (int mi = 0; mi < mma::kMT; ++mi)
+  for (int i = 0; i < mma::kRowTiles; ++i)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) st[mi][h] = SoftmaxState{-INFINITY, 0.0f, 0.0f};
+    for (int h = 0; h < mma::kTileRows; ++h) st[i][h] = SoftmaxState{-INFINITY, 0.0f, 0.0f};
 
   mma::Acc acc;
-  mma::zero(acc);
   // One flat pipeline over (vocab tile, k step): loads of the next vocab tile overlap this one's fold.
-  mma::pipeline(
-      smem, n_vtiles * k_steps,
-      [&](T* sa, T* sb, int64_t step) {
-        const int64_t vt = step / k_steps;
-        const int64_t k0 = (step % k_steps) * kBK;
-        mma::load_tile<T, true>(sa, a, row0, k0);
-        mma::load_tile<T, true>(sb, b, vt * kBN, k0);
-      },
-      [&](const T* sa, const T* sb, int64_t step) {
-        mma::compute_stage<T, true, true>(sa, sb, acc);
-        if (step % k_steps != k_steps - 1) return;
-        // Last k step of vocab tile vt: fold the tile's logits into the row states.
-        const int64_t vt = step / k_steps;
+  mma::gemm_tiles<T, true, true>(smem, a, row0, b, 0, n_vtiles, k_steps, acc, [&](int64_t vt) {
+  // Vocab tile vt's logits are in acc: fold each of the thread's rows' values into its state.
 #pragma unroll
-        for (int mi = 0; mi < mma::kMT; ++mi) {
+    for (int i = 0; i < mma::kRowTiles; ++i) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = mma::acc_row(mi, 2 * h);
-            const float inv_t = row_inv_t[r];
-            const int target_col = row_target_col[r];
-            float z[2 * mma::kNT];
+      for (int h = 0; h < mma::kTileRows; ++h) {
+        const int r = mma::slot_row(i, h);
+        const float inv_t = row_inv_t[r];
+        const int target_col = row_target_col[r];
+        float z[mma::kColTiles * mma::kTileCols];
 #pragma unroll
-            for (int ni = 0; ni < mma::kNT; ++ni) {
+        for (int n = 0; n < mma::kColTiles; ++n) {
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int col = static_cast<int>(vt * kBN) + mma::acc_col(ni, e);  // column within the split
-                float zv = __fmul_rn(acc[mi][ni][2 * h + e], inv_t);               // z = x * inv_t, rounded on its own
-                if (col == target_col) z_target[row0 + r] = zv;
-                z[2 * ni + e] = v_begin + col < v_end ? zv : -INFINITY;
-              }
-            }
-            fold_pack<2 * mma::kNT, kEntropy, true>(st[mi][h], z);
+          for (int e = 0; e < mma::kTileCols; ++e) {
+            const int col = static_cast<int>(vt * kBN) + mma::slot_col(n, e);  // column within the split
+            float zv = __fmul_rn(mma::acc_value(acc, i, h, n, e), inv_t);      // z = x * inv_t, rounded on its own
+            if (col == target_col) z_target[row0 + r] = zv;
+            z[mma::kTileCols * n + e] = v_begin + col < v_end ? zv : -INFINITY;
           }
         }
-        mma::zero(acc);
-      });
+        fold_pack<mma::kColTiles * mma::kTileCols, kEntropy, true>(st[i][h], z);
+      }
+    }
+  });
 
-  // Merge the 4 lanes holding a row (lanes 4g .. 4g+3): xor-shuffle tree; lane 4g's result is used.
-  const int lane = threadIdx.x & 31;
+  // Merge the kRowLanes lanes holding a row (xor-shuffle tree); the row's first lane's result is used.
+  const int lane = mma::lane_id();
 #pragma unroll
-  for (int mi = 0; mi < mma::kMT; ++mi) {
+  for (int i = 0; i < mma::kRowTiles; ++i) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < mma::kTileRows; ++h) {
 #pragma unroll
-      for (int offset = 1; offset < 4; offset <<= 1) {
-        SoftmaxState o{__shfl_xor_sync(kFullMask, st[mi][h].m, offset), __shfl_xor_sync(kFullMask, st[mi][h].s, offset),
-                       __shfl_xor_sync(kFullMask, st[mi][h].b, offset)};
-        st[mi][h] = merge(st[mi][h], o);
+      for (int offset = mma::kRowLaneStride; offset < mma::kRowLaneStride * mma::kRowLanes; offset <<= 1) {
+        SoftmaxState o{shfl_xor(st[i][h].m, offset), shfl_xor(st[i][h].s, offset), shfl_xor(st[i][h].b, offset)};
+        st[i][h] = merge(st[i][h], o);
       }
     }
   }
   // Then the kWarpsN warps sharing a row, in warp order, through the (now idle) pipeline smem.
   float* red = reinterpret_cast<float*>(smem_raw);  // [kWarpsN][kBM][3]
-  const int warp_n = (threadIdx.x / 32) % mma::kWarpsN;
-  if (lane % 4 == 0) {
+  const int warp_n = mma::warp_n();
+  if (lane / mma::kRowLaneStride % mma::kRowLanes == 0) {
 #pragma unroll
-    for (int mi = 0; mi < mma::kMT; ++mi) {
+    for (int i = 0; i < mma::kRowTiles; ++i) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float* slot = red + (warp_n * kBM + mma::acc_row(mi, 2 * h)) * 3;
-        slot[0] = st[mi][h].m;
-        slot[1] = st[mi][h].s;
-        slot[2] = st[mi][h].b;
+      for (int h = 0; h < mma::kTileRows; ++h) {
+        float* slot = red + (warp_n * kBM + mma::slot_row(i, h)) * 3;
+        slot[0] = st[i][h].m;
+        slot[1] = st[i][h].s;
+        slot[2] = st[i][h].b;
       }
     }
   }
@@ -310,20 +307,23 @@ __global__ void __launch_bounds__(mma::kThreads, 1)
   mma::gemm_tile<T, true, true>(smem, a, row0, b, col0, hidden_size, acc);
 
 #pragma unroll
-  for (int mi = 0; mi < mma::kMT; ++mi) {
+  for (int i = 0; i < mma::kRowTiles; ++i) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row0 + mma::acc_row(mi, 2 * h);
+    for (int h = 0; h < mma::kTileRows; ++h) {
+      const int64_t row = row0 + mma::slot_row(i, h);
       if (row >= n_rows) continue;
       const GradRow r = load_grad_row<kEntropy>(row, targets, inv_temperature, lse, entropy, grad_logprob, grad_entropy,
                                                 ignore_index);
 #pragma unroll
-      for (int ni = 0; ni < mma::kNT; ++ni) {
-        const int64_t c = col0 + mma::acc_col(ni, 0);  // even; c + 1 < g_stride too (g_stride % 8 == 0)
-        if (c >= g_stride) continue;
-        const float lo = grad_logit<kEntropy>(r, acc[mi][ni][2 * h], v_start + c, c < cols);
-        const float hi = grad_logit<kEntropy>(r, acc[mi][ni][2 * h + 1], v_start + c + 1, c + 1 < cols);
-        *reinterpret_cast<uint32_t*>(g + row * g_stride + c) = pack2<T>(lo, hi);
+      for (int n = 0; n < mma::kColTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < mma::kTileCols; e += 2) {
+          const int64_t c = col0 + mma::slot_col(n, e);  // even; c + 1 < g_stride too (g_stride % 8 == 0)
+          if (c >= g_stride) continue;
+          const float lo = grad_logit<kEntropy>(r, mma::acc_value(acc, i, h, n, e), v_start + c, c < cols);
+          const float hi = grad_logit<kEntropy>(r, mma::acc_value(acc, i, h, n, e + 1), v_start + c + 1, c + 1 < cols);
+          *reinterpret_cast<uint32_t*>(g + row * g_stride + c) = pack2<T>(lo, hi);
+        }
       }
     }
   }
@@ -359,21 +359,26 @@ template <typename T>
 __device__ __forceinline__ void store_tile(const mma::Acc& acc, int64_t row0, int64_t col0, int64_t rows, int64_t cols,
                                            AccumulateMode mode, float* acc_buf, T* out) {
 #pragma unroll
-  for (int mi = 0; mi < mma::kMT; ++mi) {
+  for (int i = 0; i < mma::kRowTiles; ++i) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t row = row0 + mma::acc_row(mi, 2 * h);
+    for (int h = 0; h < mma::kTileRows; ++h) {
+      const int64_t row = row0 + mma::slot_row(i, h);
       if (row >= rows) continue;
 #pragma unroll
-      for (int ni = 0; ni < mma::kNT; ++ni) {
-        const int64_t c = col0 + mma::acc_col(ni, 0);  // even, and cols % 8 == 0: c + 1 < cols when c < cols
-        if (c >= cols) continue;
-        store_pair<T>(mode, acc_buf, out, row * cols + c, float2{acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]});
+      for (int n = 0; n < mma::kColTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < mma::kTileCols; e += 2) {
+          const int64_t c = col0 + mma::slot_col(n, e);  // even, and cols % 8 == 0: c + 1 < cols when c < cols
+          if (c >= cols) continue;
+          store_pair<T>(mode, acc_buf, out, row * cols + c,
+                        float2{mma::acc_value(acc, i, h, n, e), mma::acc_value(acc, i, h, n, e + 1)});
+        }
       }
     }
   }
 }
 
+#if !defined(__HIP_PLATFORM_AMD__)
 // GEMMs 2 and 3 of one vocab chunk of the Hopper backward (linear_logprob_wgmma.cu, sm_90a only), from the
 // chunk's G (g: [n_rows, k_cols] at row stride g_stride, k_cols = cols rounded up to 8, zeros past cols; 16-byte
 // aligned; w_chunk: the chunk's `cols` weight rows): grad_hidden_out (+)= G_c @ W_c under grad_hidden_mode(chunk,
@@ -385,13 +390,15 @@ void wgmma_chunk_grad_gemms(DType dtype, const void* hidden, const void* w_chunk
                             void* grad_hidden_out, float* grad_hidden_acc, void* grad_weight_chunk,
                             bool grad_weight_fp32, bool accumulate, cudaStream_t s);
 
-// Host side (linear_logprob.cu), shared by the mma.sync and the wgmma backward: the argument checks (false:
-// nothing to compute) and the grad_hidden mode of chunk `chunk` of `n_chunks`.
+// Host side (linear_logprob_launchers.h, compiled in linear_logprob.cu), shared by the mma.sync and the wgmma
+// backward: the argument checks (false: nothing to compute) and the grad_hidden mode of chunk `chunk` of
+// `n_chunks`. (rlk-rocm defines them in its own namespace, from the same header.)
 bool check_linear_bwd_args(const char* what, const void* hidden, const void* weight, int64_t n_rows, int64_t vocab,
                            int64_t hidden_size, const float* entropy, const float* grad_entropy,
                            const void* grad_hidden_out, const void* grad_weight_out, const void* g_scratch,
                            int64_t g_stride, const float* grad_hidden_acc);
 AccumulateMode grad_hidden_mode(int64_t chunk, int64_t n_chunks);
+#endif
 
 // grad_hidden contribution of one chunk: r[N, H] = G_c[N, k_cols] @ W_c[k_rows, H], where G_c has k_cols
 // columns (k_rows rounded up to 8, zeros past k_rows) and W_c is weight rows v_start .. v_start + k_rows.

@@ -272,6 +272,54 @@ __device__ __forceinline__ void gemm_tile(T* smem, const Operand& a, int64_t m0,
       [&](const T* sa, const T* sb, int64_t) { compute_stage<T, kAKMajor, kBKMajor>(sa, sb, acc); });
 }
 
+// acc = A[m0 : m0 + 128, 0 : K] * B[0 : K, n0 + t * 128 : n0 + (t + 1) * 128] for t = 0 .. n_tiles - 1, K in
+// k_steps = ceil(K / kBK) steps, one flat pipeline over (tile t, k step), so that the loads of tile t + 1
+// overlap tile t's last steps and done(t). done(t) runs once tile t's product is complete in acc (every
+// thread calls it, in tile order); acc is zeroed after it. (The linear_logprob forward: one N tile per
+// vocab tile of a split.)
+template <typename T, bool kAKMajor, bool kBKMajor, typename Done>
+__device__ __forceinline__ void gemm_tiles(T* smem, const Operand& a, int64_t m0, const Operand& b, int64_t n0,
+                                           int64_t n_tiles, int64_t k_steps, Acc& acc, Done&& done) {
+  zero(acc);
+  pipeline(
+      smem, n_tiles * k_steps,
+      [&](T* sa, T* sb, int64_t step) {
+        const int64_t t = step / k_steps;
+        const int64_t k0 = (step % k_steps) * kBK;
+        load_tile<T, kAKMajor>(sa, a, m0, k0);
+        load_tile<T, kBKMajor>(sb, b, n0 + t * kBN, k0);
+      },
+      [&](const T* sa, const T* sb, int64_t step) {
+        compute_stage<T, kAKMajor, kBKMajor>(sa, sb, acc);
+        if (step % k_steps != k_steps - 1) return;
+        done(step / k_steps);
+        zero(acc);
+      });
+}
+
+// ---- the accumulator layout, as the epilogues see it (linear_logprob.cuh) -----------------------
+// The same names exist in the MFMA core (mma_amd.cuh), so one epilogue serves both. A thread's
+// accumulators cover kRowTiles x kTileRows rows of the block tile, row (i, h) at slot_row(i, h), and in
+// each row kColTiles x kTileCols values, value (n, e) at column slot_col(n, e), read by
+// acc_value(acc, i, h, n, e); values (n, 2q) and (n, 2q + 1) are adjacent columns, the first even. The
+// other columns of a row are held by kRowLanes lanes of the same warp, lane ^ (kRowLaneStride << b), and by
+// the kWarpsN warps along N (warp_n). (Epilogues loop over i, h, n, e in this nesting, the one the CUDA
+// kernels were written in, which keeps their generated code as it was.)
+//   mma.sync: row (i, h) = warp_m0 + 16 i + 8 h + lane / 4, value (n, e) at column warp_n0 + 8 n +
+//   2 (lane % 4) + e, acc[i][n][2 h + e] (the D fragment layout); lanes 4g .. 4g + 3 share a row.
+constexpr int kRowTiles = kMT;  // 4
+constexpr int kTileRows = 2;
+constexpr int kColTiles = kNT;  // 4
+constexpr int kTileCols = 2;
+constexpr int kRowLanes = 4;
+constexpr int kRowLaneStride = 1;
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ int warp_n() { return (threadIdx.x / 32) % kWarpsN; }
+__device__ __forceinline__ int slot_row(int i, int h) { return acc_row(i, 2 * h); }
+__device__ __forceinline__ int slot_col(int n, int e) { return acc_col(n, e); }
+__device__ __forceinline__ float acc_value(const Acc& acc, int i, int h, int n, int e) { return acc[i][n][2 * h + e]; }
+
 // Block index -> (tile_m, tile_n), with `group` consecutive M tiles scheduled together so that
 // concurrent blocks share B tiles in L2. Changes the schedule only, never the arithmetic.
 __device__ __forceinline__ void grouped_tile(int64_t pid, int64_t n_m, int64_t n_n, int64_t group, int64_t& tile_m,

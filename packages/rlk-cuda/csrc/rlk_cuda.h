@@ -13,41 +13,14 @@
 #include <string>
 #include <vector>
 
-// DType, selected_logprob_* and rms_norm_*: launchers_common.h (shared with rlk-rocm).
+// DType, selected_logprob_*, rms_norm_* and linear_logprob_* (the GEMM-core launchers): launchers_common.h
+// (shared with rlk-rocm).
 #define RLK_NAMESPACE rlk_cuda
 #include "launchers_common.h"
 
 namespace rlk_cuda {
 
-// ---- linear_logprob ----------------------------------------------------------------------------
-
-// hidden [n_rows, hidden_size] and weight [vocab, hidden_size] of dtype (float16 or bfloat16 only: fp32 is
-// not implemented here), 16-byte aligned, hidden_size a positive multiple of 8; targets [n_rows] int64,
-// inv_temperature [n_rows] fp32; outputs logprob, entropy (nullable), lse: [n_rows] fp32.
-// Scratch (fp32): part_m, part_s, part_b [linear_logprob_num_splits(vocab), n_rows] (part_b required
-// with entropy_out, else ignored), z_target [n_rows].
-void linear_logprob_fwd(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
-                        const float* inv_temperature, int64_t n_rows, int64_t vocab, int64_t hidden_size,
-                        int64_t ignore_index, float* logprob_out, float* entropy_out, float* lse_out, float* part_m,
-                        float* part_s, float* part_b, float* z_target, int device, std::uintptr_t stream);
-
-// Vocab splits of the forward (ceil(vocab / 4096)).
-int64_t linear_logprob_num_splits(int64_t vocab);
-// Columns of the backward's G scratch: min(4096, vocab rounded up to 128).
-int64_t linear_logprob_bwd_chunk_cols(int64_t vocab);
-// Vocab chunks of the backward (ceil(vocab / 4096)).
-int64_t linear_logprob_bwd_num_chunks(int64_t vocab);
-
-// Same inputs as the forward plus lse [n_rows] fp32, entropy and grad_entropy [n_rows] fp32 (both null: no
-// entropy term), grad_logprob [n_rows] fp32. Outputs (nullable, 16-byte aligned): grad_hidden_out
-// [n_rows, hidden_size] and grad_weight_out [vocab, hidden_size] of dtype. Scratch: g_scratch
-// [n_rows, g_stride] of dtype with g_stride = linear_logprob_bwd_chunk_cols(vocab); grad_hidden_acc fp32
-// [n_rows, hidden_size], required with grad_hidden_out when linear_logprob_bwd_num_chunks(vocab) > 1.
-void linear_logprob_bwd(DType dtype, const void* hidden, const void* weight, const int64_t* targets,
-                        const float* inv_temperature, const float* lse, const float* entropy, const float* grad_logprob,
-                        const float* grad_entropy, int64_t n_rows, int64_t vocab, int64_t hidden_size,
-                        int64_t ignore_index, void* grad_hidden_out, void* grad_weight_out, void* g_scratch,
-                        int64_t g_stride, float* grad_hidden_acc, int device, std::uintptr_t stream);
+// ---- linear_logprob (the mma.sync launchers: launchers_common.h) -------------------------------
 
 // Hopper forward (csrc/linear_logprob_wgmma.cu: TMA + wgmma, warp-specialized), chosen by rlk_cuda/logprob.py:
 // the same arguments, scratch and results contract as linear_logprob_fwd (not the same bits). Throws

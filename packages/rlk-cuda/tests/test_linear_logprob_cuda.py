@@ -1,10 +1,13 @@
 """CUDA linear_logprob primitives (tensor-core path, float16 / bfloat16) against the reference run in fp64
 (contract tolerances), bitwise batch invariance, deterministic grad_weight, and dispatch (cuda for 16-bit,
-float32 falls through). Needs a GPU (marker ``gpu``).
+float32 falls through). Needs a GPU (marker ``gpu``). The same tests run on the rocm backend (the same kernel
+bodies, linear_logprob.cuh, over the MFMA core) from packages/rlk-rocm/tests/test_linear_logprob_rocm.py
+(``BACKEND``).
 
-Every test runs once per kernel pair (fixture ``kernel``): the mma.sync kernels everywhere, and the Hopper
+On cuda every test runs once per kernel pair (fixture ``kernel``): the mma.sync kernels everywhere, and the Hopper
 (wgmma) kernels where they can run (compute capability 9.0, sm_90a built), or everywhere with
-``RLK_REQUIRE_WGMMA=1`` (then they fail saying why where they cannot run).
+``RLK_REQUIRE_WGMMA=1`` (then they fail saying why where they cannot run). ``-k "not wgmma"`` selects the mma.sync
+runs alone (the kernel bodies rlk-rocm shares). On rocm the one kernel pair is ``mfma``.
 
 Each contract check prints ``RATIO <test> <output> <dtype> <worst/allowed>`` (``pytest -s``).
 """
@@ -17,15 +20,28 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("rlk_cuda", reason="rlk-cuda is not installed (bash ci/build_cuda.sh)")
-
-from test_logprob_cuda import check_entropy_of_large_logits, check_row_outputs  # noqa: E402  (sibling's helpers)
-
-import rlk  # noqa: E402
+import rlk
 from rlk.core import contract, dispatch
 from rlk.reference import logprob as ref
 
+# The backend under test. packages/rlk-rocm/tests loads this file with BACKEND = "rocm" set before it runs
+# (_shared_tests.py there), so the same tests cover rlk-rocm's linear_logprob.
+BACKEND = globals().get("BACKEND", "cuda")
+pytest.importorskip(f"rlk_{BACKEND}", reason=f"rlk-{BACKEND} is not installed (bash ci/build_{BACKEND}.sh)")
+
+if BACKEND == "cuda":
+    from test_logprob_cuda import check_entropy_of_large_logits, check_row_outputs  # noqa: E402  (sibling's helpers)
+else:  # the sibling file as rlk-rocm runs it (importing test_logprob_cuda itself would ask for rlk_cuda)
+    from _shared_tests import load_cuda_tests  # noqa: E402  (packages/rlk-rocm/tests)
+
+    _sibling = load_cuda_tests("test_logprob_cuda", BACKEND)
+    check_entropy_of_large_logits = _sibling.check_entropy_of_large_logits
+    check_row_outputs = _sibling.check_row_outputs
+
 pytestmark = pytest.mark.gpu
+if BACKEND == "rocm":
+    # Deselected on any torch that is not a ROCm build (conftest): rlk-rocm serves AMD GPUs.
+    pytestmark = [pytestmark, pytest.mark.rocm]
 
 DTYPES = [torch.float16, torch.bfloat16]
 IGNORE = -100
@@ -68,9 +84,8 @@ def probe_placements(probe: int, batches=(7, 133, 1024), device: str = "cuda"):
 
 
 def _cuda():
-    from rlk_cuda import logprob as ck
-
-    return ck
+    """The primitives' module of the backend under test (rlk_cuda.logprob, or rlk_rocm.logprob)."""
+    return importlib.import_module(f"rlk_{BACKEND}.logprob")
 
 
 def wgmma_problem_here() -> str | None:
@@ -82,12 +97,17 @@ def wgmma_problem_here() -> str | None:
 
 
 REQUIRE_WGMMA = os.environ.get("RLK_REQUIRE_WGMMA") == "1"
-KERNELS = ["mma"] + (["wgmma"] if REQUIRE_WGMMA or wgmma_problem_here() is None else [])
+if BACKEND == "cuda":
+    KERNELS = ["mma"] + (["wgmma"] if REQUIRE_WGMMA or wgmma_problem_here() is None else [])
+else:
+    KERNELS = ["mfma"]  # rlk-rocm: one kernel pair, linear_logprob.cuh over the MFMA core
 
 
 @pytest.fixture(autouse=True, params=KERNELS)
 def kernel(request, monkeypatch) -> str:
     """Runs the test with the primitives on one kernel pair (RLK_CUDA_LINEAR_FWD / RLK_CUDA_LINEAR_BWD)."""
+    if BACKEND != "cuda":
+        return request.param
     ck = _cuda()
     if request.param == "wgmma" and wgmma_problem_here() is not None:
         pytest.fail(f"RLK_REQUIRE_WGMMA=1 but the wgmma kernels cannot run here: {wgmma_problem_here()}", pytrace=False)
@@ -343,15 +363,16 @@ def test_runs_on_the_callers_stream():
 def test_dispatch_takes_16_bit_and_declines_float32():
     device = torch.device("cuda", torch.cuda.current_device())
     for dtype in DTYPES:
-        assert dispatch.decide("linear_logprob", device, dtype).backend == "cuda"
+        assert dispatch.decide("linear_logprob", device, dtype).backend == BACKEND
     decision = dispatch.decide("linear_logprob", device, torch.float32)
-    assert decision.backend != "cuda"
-    assert any(name == "cuda" and "float32" in reason for name, reason in decision.skipped), str(decision)
+    assert decision.backend != BACKEND
+    assert any(name == BACKEND and "float32" in reason for name, reason in decision.skipped), str(decision)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *DTYPES])
 def test_public_op(dtype):
-    """rlk.linear_logprob with autograd (cuda for 16-bit, the next backend for float32) against the reference."""
+    """rlk.linear_logprob with autograd (the backend under test for 16-bit, the next one for float32) against the
+    reference."""
     hidden, weight, targets, inv_t, _, _ = make_inputs(2 * 9, 3000, 64, dtype, seed=9)
     hidden = hidden.view(2, 9, 64)
     targets = targets.view(2, 9)
@@ -377,4 +398,4 @@ def test_public_op(dtype):
     assert contract.compare_grad(e, "grad_hidden", hc.grad, h64.grad, float(scale.max())).ok
     assert contract.compare_grad(e, "grad_weight", wc.grad, w64.grad, float(scale.max())).ok
     backend = dispatch.decide("linear_logprob", hidden.device, dtype).backend
-    assert (backend == "cuda") == (dtype != torch.float32), backend
+    assert (backend == BACKEND) == (dtype != torch.float32), backend

@@ -1,5 +1,6 @@
 // The nanobind layer of rlk_rocm (module rlk_rocm._C): rlk-cuda's bindings_common.h (the DLPack array
-// checks, selected_logprob and rms_norm; read from ../rlk-cuda/csrc in a checkout, csrc/shared in the sdist)
+// checks, selected_logprob, linear_logprob and rms_norm; read from ../rlk-cuda/csrc in a checkout, csrc/shared in
+// the sdist)
 // on ROCm devices, calling the launchers of rlk_rocm.h on the stream the caller passes (an integer: a
 // hipStream_t), and the probe's build and device facts. No libtorch: one wheel serves every torch version of
 // its ROCm major.

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-// DType, selected_logprob_* and rms_norm_*: rlk-cuda's launchers_common.h.
+// DType, selected_logprob_*, linear_logprob_* and rms_norm_*: rlk-cuda's launchers_common.h.
 #define RLK_NAMESPACE rlk_rocm
 #include "launchers_common.h"
 

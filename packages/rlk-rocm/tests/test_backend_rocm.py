@@ -1,5 +1,6 @@
-"""The rlk-rocm backend without an AMD GPU: registration, the native module and its GPU targets, the probe's
-reasons, the primitive table. These run wherever rlk-rocm is installed (CI's CPU machine, with Debian's ROCm
+"""The rlk-rocm backend without an AMD GPU: registration, the native module and its GPU targets (the linear_logprob
+MFMA kernels among its code objects), the probe's reasons, the primitive table, the argument checks that run
+before a kernel. These run wherever rlk-rocm is installed (CI's CPU machine, with Debian's ROCm
 5.2 runtime and no GPU); the GPU checks are marked ``gpu``.
 """
 
@@ -22,7 +23,15 @@ from rlk.reference import norm as ref_norm
 rlk_rocm = pytest.importorskip("rlk_rocm", reason="rlk-rocm is not installed (bash ci/build_rocm.sh)")
 _native = importlib.import_module("rlk_rocm._native")
 
-IMPLEMENTED = ("selected_logprob_fwd", "selected_logprob_bwd", "rms_norm_fwd", "rms_norm_bwd")
+IMPLEMENTED = (
+    "selected_logprob_fwd",
+    "selected_logprob_bwd",
+    "linear_logprob_fwd",
+    "linear_logprob_bwd",
+    "rms_norm_fwd",
+    "rms_norm_bwd",
+)
+logprob = importlib.import_module("rlk_rocm.logprob")
 
 
 @pytest.fixture
@@ -76,19 +85,59 @@ def test_primitive_table_follows_the_abi():
     assert sorted(backend.primitives) == sorted(IMPLEMENTED)
     assert set(IMPLEMENTED) <= set(abi.PRIMITIVES)
     for name, fn in backend.primitives.items():
-        spec = getattr(ref_logprob if name.startswith("selected") else ref_norm, name)
+        spec = getattr(ref_norm if name.startswith("rms_norm") else ref_logprob, name)
         assert list(inspect.signature(fn).parameters) == list(inspect.signature(spec).parameters), name
 
 
 def test_ops_it_lacks_fall_through():
-    """linear_logprob (and every op but two) is not in the table: dispatch skips rocm for it ("does not implement")
-    and the ROCm chain goes on to triton, then reference."""
+    """linear_logprob_stored (and every op but three) is not in the table: dispatch skips rocm for it ("does not
+    implement") and the ROCm chain goes on to triton, then reference."""
     table = rlk_rocm.backend().primitives
-    assert not set(abi.OPS["linear_logprob"].primitives) & set(table)
-    assert set(abi.OPS["selected_logprob"].primitives) <= set(table) and set(abi.OPS["rms_norm"].primitives) <= set(
-        table
-    )
+    for op in ("selected_logprob", "linear_logprob", "rms_norm"):
+        assert set(abi.OPS[op].primitives) <= set(table), op
+    assert not set(abi.OPS["linear_logprob_stored"].primitives) & set(table)
     assert dispatch._CHAINS["rocm"] == ("rocm", "triton", "reference")
+
+
+def test_linear_logprob_kernels_are_in_the_code_objects():
+    """The MFMA linear_logprob kernels (forward, combine, and the backward's three GEMM kernels, for both 16-bit
+    dtypes) are compiled into the module's code objects: their symbol names are in its offload bundle."""
+    blob = Path(_native.C.__file__).read_bytes()
+    for kernel in (
+        "linear_logprob_fwd_kernel",
+        "linear_logprob_combine_kernel",
+        "linear_logprob_grad_logits_kernel",
+        "linear_logprob_grad_hidden_kernel",
+        "linear_logprob_grad_weight_kernel",
+    ):
+        for dtype in ("6__half", "NS_4bf16E"):
+            if kernel != "linear_logprob_combine_kernel":
+                assert f"{kernel}I{dtype}".encode() in blob, (kernel, dtype)
+        assert kernel.encode() in blob, kernel
+
+
+def test_linear_logprob_sizes():
+    """The scratch sizes the native module gives the wrapper (the same splits and chunks of 4096 as rlk-cuda)."""
+    c = _native.C
+    assert [c.linear_logprob_num_splits(v) for v in (1, 4096, 4097, 151936)] == [1, 1, 2, 38]
+    assert [c.linear_logprob_bwd_chunk_cols(v) for v in (1, 128, 1000, 4096, 151936)] == [128, 128, 1024, 4096, 4096]
+    assert [c.linear_logprob_bwd_num_chunks(v) for v in (1, 4096, 4097, 151936)] == [1, 1, 2, 38]
+
+
+def test_linear_logprob_wrapper_checks():
+    """What the Python wrappers refuse before any kernel: float32 (declined by supports, so dispatch never sends it),
+    and an entropy gradient without the forward's entropy."""
+    h = torch.zeros(2, 8)
+    w = torch.zeros(3, 8)
+    t = torch.zeros(2, dtype=torch.int64)
+    f = torch.ones(2)
+    with pytest.raises(ValueError, match="float32 not implemented|dtype torch.float32 not implemented"):
+        logprob.linear_logprob_fwd(h, w, t, f, -100, f, None, f)
+    hb, wb = h.bfloat16(), w.bfloat16()
+    with pytest.raises(ValueError, match="entropy: required when grad_entropy is given"):
+        logprob.linear_logprob_bwd(hb, wb, t, f, f, None, f, f, -100, torch.empty_like(hb), None)
+    # nothing requested: nothing to compute, no kernel
+    assert logprob.linear_logprob_bwd(hb, wb, t, f, f, None, f, None, -100, None, None) is None
 
 
 @pytest.mark.no_gpu
@@ -163,6 +212,10 @@ def test_probe_available_on_a_built_target(fresh_probe, monkeypatch):
     assert rlk_rocm._device_types() == ("cuda",)
     assert rlk_rocm._supports("rms_norm_fwd", torch.device("cuda", 0), torch.bfloat16) is None
     assert "gfx1100" in rlk_rocm._supports("rms_norm_fwd", torch.device("cuda", 1), torch.bfloat16)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert rlk_rocm._supports("linear_logprob_fwd", torch.device("cuda", 0), dtype) is None
+    assert "float32 not implemented" in rlk_rocm._supports("linear_logprob_bwd", torch.device("cuda", 0), torch.float32)
+    assert rlk_rocm._supports("selected_logprob_fwd", torch.device("cuda", 0), torch.float32) is None
 
 
 def test_probe_on_a_cuda_torch(fresh_probe, monkeypatch):
@@ -190,6 +243,13 @@ def test_native_layer_rejects_cpu_tensors():
     f = torch.ones(2)
     with pytest.raises(TypeError):
         _native.C.selected_logprob_fwd(x, t, f, -100, f, None, f, 0)
+    hb = torch.zeros(2, 8, dtype=torch.bfloat16)
+    wb = torch.zeros(3, 8, dtype=torch.bfloat16)
+    parts = torch.zeros(1, 2)
+    with pytest.raises(TypeError):
+        _native.C.linear_logprob_fwd(hb, wb, t, f, -100, f, None, f, parts, parts, None, f, 0)
+    with pytest.raises(TypeError):
+        _native.C.linear_logprob_bwd(hb, wb, t, f, f, None, f, None, -100, hb, None, None, None, 0)
 
 
 def test_supports_declines_other_dtypes_and_devices():
@@ -205,4 +265,7 @@ def test_available_on_an_amd_gpu():
     for op in ("selected_logprob", "rms_norm"):
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             assert dispatch.decide(op, torch.device("cuda", 0), dtype).backend == "rocm"
-    assert dispatch.decide("linear_logprob", torch.device("cuda", 0), torch.bfloat16).backend != "rocm"
+    for dtype in (torch.float16, torch.bfloat16):
+        assert dispatch.decide("linear_logprob", torch.device("cuda", 0), dtype).backend == "rocm"
+    assert dispatch.decide("linear_logprob", torch.device("cuda", 0), torch.float32).backend != "rocm"
+    assert dispatch.decide("linear_logprob_stored", torch.device("cuda", 0), torch.bfloat16).backend != "rocm"

@@ -1,12 +1,15 @@
 """rlk-rocm: the native ROCm (HIP) backend of rlk (distribution ``rlk-rocm6``, importing ``rlk_rocm``).
 
 rlk finds it through the entry point ``rlk.backends: rocm = rlk_rocm:backend``. The kernel bodies are rlk-cuda's
-(``common.cuh``, ``logprob.cuh``, ``norm.cuh`` over the portability layer ``portable.cuh``), compiled for
-wavefront-64 AMD GPUs (gfx90a, gfx942) behind a thin nanobind layer (``rlk_rocm._C``): DLPack tensors,
-caller-allocated outputs, torch's current stream as an integer, no libtorch. Batch-invariant by construction.
+(``common.cuh``, ``logprob.cuh``, ``norm.cuh``, ``linear_logprob.cuh`` over the portability layer ``portable.cuh``;
+``linear_logprob.cuh``'s GEMMs on the MFMA core ``mma_amd.cuh``), compiled for wavefront-64 AMD GPUs (gfx90a,
+gfx942) behind a thin nanobind layer (``rlk_rocm._C``): DLPack tensors, caller-allocated outputs, torch's current
+stream as an integer, no libtorch. Batch-invariant by construction.
 
-Implemented primitives: ``selected_logprob_fwd/bwd`` (``logprob.py``) and ``rms_norm_fwd/bwd`` (``norm.py``), in
-float32 / float16 / bfloat16. Every other op (``linear_logprob`` among them) falls through to triton, reference.
+Implemented primitives: ``selected_logprob_fwd/bwd`` and ``linear_logprob_fwd/bwd`` (``logprob.py``;
+``linear_logprob`` in float16 / bfloat16 only: ``supports`` declines float32, which falls through to triton) and
+``rms_norm_fwd/bwd`` (``norm.py``), in float32 / float16 / bfloat16. Every other op (``linear_logprob_stored``
+among them) falls through to triton, reference.
 
 Importing this package never fails for a missing runtime or GPU: the probe says why the backend is unavailable
 (no ROCm runtime, no AMD GPU, no code object for the GPU's target, torch not a ROCm build, version mismatch).
@@ -22,6 +25,8 @@ __version__ = "0.1.0"
 ABI_VERSION = 3
 
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
+#: Primitives with a matrix-core path only (MFMA on 16-bit inputs): float32 falls through.
+_HALF_ONLY = ("linear_logprob_",)
 
 
 def _hip_version(version: int) -> str:
@@ -120,6 +125,8 @@ def _supports(primitive: str, device, dtype) -> str | None:
         return f"dtype {name} not supported (bfloat16, float16, float32)"
     if device.type != "cuda":
         return f"device type {device.type} not served (AMD GPUs, device type cuda on a ROCm torch)"
+    if name == "float32" and primitive.startswith(_HALF_ONLY):
+        return f"{primitive}: float32 not implemented in rlk-rocm (MFMA path for bfloat16 / float16 only)"
     import torch
 
     return _device_problem(torch.cuda.current_device() if device.index is None else device.index)
