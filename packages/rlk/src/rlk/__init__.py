@@ -29,6 +29,8 @@ Public API:
 * profiling: :func:`set_profiler_ranges` (or ``RLK_NVTX=1``) names every primitive call in NVTX and
   ``torch.profiler`` timelines;
 * the numerical contract: :mod:`rlk.core.contract`.
+* multimodal RL batches (``rlk.multimodal``, :mod:`rlk.integrations.multimodal`): the span schema, synthetic
+  fixtures, and the rollout-vs-training processor-layout checker (``rlk multimodal-parity``).
 
 Layers (imports run downward only, ``tests/test_layers.py``): :mod:`rlk.core` (ABI, backends, dispatch, the op
 declaration helper, checks, contract) < :mod:`rlk.reference` (the spec backend) < :mod:`rlk.ops` <
@@ -36,6 +38,8 @@ declaration helper, checks, contract) < :mod:`rlk.reference` (the spec backend) 
 """
 
 from __future__ import annotations
+
+import sys
 
 from rlk.app.info import info
 from rlk.core.abi import ABI_VERSION
@@ -48,6 +52,7 @@ from rlk.core.tensor_parallel import (
     tensor_parallel_invariant,
 )
 from rlk.core.version import __version__
+from rlk.integrations import multimodal
 from rlk.integrations.batch_invariant import (
     batch_invariant,
     disable_batch_invariant,
@@ -72,6 +77,9 @@ from rlk.ops.rollout_correction import rollout_correction
 from rlk.ops.rope import apply_rope
 from rlk.ops.sampling import sample
 from rlk.ops.softmax import log_softmax, softmax
+
+# ``import rlk.multimodal`` / ``from rlk.multimodal import ...``: the public name of rlk.integrations.multimodal
+sys.modules.setdefault(f"{__name__}.multimodal", multimodal)
 
 __all__ = [
     "ABI_VERSION",
@@ -102,6 +110,7 @@ __all__ = [
     "masked_whiten",
     "pack",
     "matmul",
+    "multimodal",
     "patch_model",
     "policy_loss",
     "policy_loss_and_grad",

@@ -1,4 +1,5 @@
-"""The ``rlk`` command line: ``rlk info``, ``rlk consistency`` and ``rlk demo`` (and ``rlk --version``).
+"""The ``rlk`` command line: ``rlk info``, ``rlk consistency``, ``rlk demo`` and ``rlk multimodal-parity`` (and
+``rlk --version``).
 
 Exit codes: 0 success; 1 a failed verdict (a consistency claim, a selfcheck); 2 a usage error, reported in one
 line without a traceback (bad arguments, no GPU for ``--device cuda``, a missing optional dependency, an input the
@@ -23,7 +24,13 @@ from rlk.app.consistency.harness import MODELS as MODEL_NAMES  # any existing di
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: Optional dependencies the commands import, and the extra that installs each.
-OPTIONAL_DEPENDENCIES = {"transformers": "rlk[hf]", "matplotlib": "rlk[hf]", "tqdm": "rlk[hf]", "triton": "rlk[triton]"}
+OPTIONAL_DEPENDENCIES = {
+    "transformers": "rlk[hf]",
+    "tokenizers": "rlk[hf]",
+    "matplotlib": "rlk[hf]",
+    "tqdm": "rlk[hf]",
+    "triton": "rlk[triton]",
+}
 DEVICE_HELP = "torch device (default: the GPU if any, else cpu)"
 
 
@@ -135,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", type=_device_arg, default=None, help=DEVICE_HELP)
     demo.add_argument("--out", default=None, help="folder for the consistency report (default: ./rlk-demo)")
     demo.add_argument("--skip-consistency", action="store_true", help="only the linear_logprob memory showcase")
+    from rlk.app import multimodal_parity
+
+    multimodal_parity.add_parser(sub)
     return parser
 
 
@@ -148,7 +158,7 @@ def _device_of(args) -> str:
 
 
 def _needs_interpreter(args) -> bool:
-    if args.command == "info":
+    if args.command in ("info", "multimodal-parity"):
         return False
     if args.command == "demo" and args.skip_consistency:
         return False
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out = args.out or "rlk-consistency"
     elif args.command == "demo":
         args.out = args.out or "rlk-demo"
-    if args.command != "info" and not (args.command == "demo" and args.skip_consistency):
+    if args.command in ("consistency", "demo") and not (args.command == "demo" and args.skip_consistency):
         _check_out(parser, args.out)
     if _needs_interpreter(args) and os.environ.get("TRITON_INTERPRET") != "1":
         if "triton" in sys.modules:
@@ -177,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             return subprocess.run([sys.executable, "-m", "rlk", *argv], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
     try:
-        return _run(args)
+        return _run(args, parser)
     except ModuleNotFoundError as exc:
         extra = OPTIONAL_DEPENDENCIES.get((exc.name or "").split(".")[0])
         if extra is None:
@@ -189,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _run(args) -> int:
+def _run(args, parser: argparse.ArgumentParser) -> int:
+    if args.command == "multimodal-parity":
+        from rlk.app import multimodal_parity
+
+        return multimodal_parity.run(args, parser)
     if args.command == "info":
         from rlk.app.info import info, report, selfcheck
 

@@ -14,7 +14,14 @@ Guide: docs/multimodal.md.
 
 from __future__ import annotations
 
-from rlk.integrations.multimodal.fixtures import FIXTURE_TOKENS, KINDS, RawSample, synthetic_batch, synthetic_samples
+from rlk.integrations.multimodal.fixtures import (
+    FIXTURE_TOKENS,
+    IMAGE_PLACEHOLDER,
+    KINDS,
+    RawSample,
+    synthetic_batch,
+    synthetic_samples,
+)
 from rlk.integrations.multimodal.layout_parity import Encoding, LayoutReport, Mismatch, compare_layouts
 from rlk.integrations.multimodal.processor import OfflineQwen2VLProcessor, layout_config, mrope_positions
 from rlk.integrations.multimodal.schema import (
@@ -35,6 +42,7 @@ from rlk.integrations.multimodal.schema import (
 __all__ = [
     "COORDINATE_SYSTEMS",
     "FIXTURE_TOKENS",
+    "IMAGE_PLACEHOLDER",
     "KINDS",
     "MODALITIES",
     "QWEN2_VL_TOKENS",

@@ -371,7 +371,8 @@ def compare_layouts(
             elif grid is not None and grid.shape[0] != used:
                 emit(
                     "batch",
-                    f"the {name} side: {kind}_grid_thw has {grid.shape[0]} rows but its tokens hold {used} {kind}(s)",
+                    f"the {name} side: {kind}_grid_thw has {grid.shape[0]} rows but its tokens hold {used} {kind}(s) "
+                    f"(runs of the {kind} placeholder id {getattr(tokens, kind)})",
                 )
     positions = r_enc.position_ids is not None and t_enc.position_ids is not None
     if positions and r_enc.position_ids.dim() != t_enc.position_ids.dim():
