@@ -11,7 +11,8 @@ differentiable):
   documented to cost one synchronization each) stay on, except in the tests whose ops have one, which turn
   them off: ``group_advantages`` mode ``opo`` (``lengths`` finite and >= 0), the log-prob ops (targets in
   ``[0, V)``, temperature > 0), ``attention`` (``cu_seqlens``), ``prefix_attention`` (also ``prefix_index``;
-  its backward builds the readers' CSR on the device) and ``embedding`` (ids in ``[0, V)``);
+  its backward builds the readers' CSR on the device), ``embedding`` (ids in ``[0, V)``) and ``scatter_rewards``
+  with regions (their spans);
 * captured in a CUDA graph (which fails on any synchronization or host read of device data), new inputs
   copied into the captured ones, the graph replayed: every output the same bits as an eager call on the new
   inputs (``torch.equal``), so nothing was baked into the graph from the first inputs.
@@ -227,6 +228,50 @@ def test_group_advantages_gpu(mode, monkeypatch):
         )
 
     check_no_sync_and_graph_replay(score_inputs, op)
+
+
+def scatter_inputs(seed: int, b: int = 64, t: int = 1024) -> Inputs:
+    """``scatter_rewards``: two reward columns and their weights on the device, a ragged mask, costs, a shuffled
+    group index and two regions per sequence."""
+    g = _gen(seed)
+    x = token_inputs(seed, b, t)
+    start = torch.randint(0, t, (2 * b,), generator=g, device="cuda")
+    return {
+        "rewards": torch.randint(0, 2, (b, 2), generator=g, device="cuda").float(),
+        "weights": torch.tensor([1.0, 0.5], device="cuda"),
+        "mask": x["mask"],
+        "costs": torch.rand(b, generator=g, device="cuda"),
+        "group_index": torch.randperm(b, generator=g, device="cuda") % (b // 8),
+        "values": torch.randn(2 * b, generator=g, device="cuda"),
+        "spans": torch.stack([torch.arange(b, device="cuda").repeat_interleave(2), start, start + (t - start) // 2], 1),
+    }
+
+
+@pytest.mark.parametrize("placement", ["last", "broadcast"])
+def test_scatter_rewards_gpu(placement, monkeypatch):
+    def op(x):
+        kw = {"reward_weights": x["weights"], "overlong": (1024, 256, 1.0), "placement": placement}
+        return (
+            rlk.scatter_rewards(x["rewards"], x["mask"], costs=x["costs"], group_mode="grpo", group_size=8, **kw),
+            rlk.scatter_rewards(x["rewards"], x["mask"], group_mode="rloo", group_index=x["group_index"], **kw),
+        )
+
+    check_no_sync_and_graph_replay(scatter_inputs, op)
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")  # the spans' check reads them (documented; off for capture)
+
+    def with_regions(x):
+        regions = (x["values"], x["spans"])
+        return rlk.scatter_rewards(
+            x["rewards"][:, 0],
+            x["mask"],
+            region_rewards=regions,
+            region_costs=regions,
+            placement=placement,
+            group_mode="dr_grpo",
+            group_index=x["group_index"],
+        )
+
+    check_no_sync_and_graph_replay(scatter_inputs, with_regions)
 
 
 def test_dpo_loss_gpu():

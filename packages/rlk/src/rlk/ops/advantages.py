@@ -64,15 +64,16 @@ def _mask_input(mask: Tensor, like: Tensor, like_name: str) -> Tensor:
     return mask.detach().contiguous()
 
 
-def _bool_mask(mask: Tensor) -> Tensor:
-    """The ABI's bool mask; inside the custom op, so the value check may synchronize."""
+def _bool_mask(mask: Tensor, name: str = "mask") -> Tensor:
+    """The ABI's bool mask; inside the custom op, so the value check may synchronize (its error names ``name``)."""
     if mask.dtype == torch.bool:
         return mask
     if checks.values_checked():
         bad = (mask != 0) & (mask != 1)
         if bool(bad.any()):
             i = int(bad.reshape(-1).nonzero()[0, 0])
-            raise ValueError(f"mask: values must be 0 or 1; found {mask.reshape(-1)[i].item()} at flat position {i}")
+            found = mask.reshape(-1)[i].item()
+            raise ValueError(f"{name}: values must be 0 or 1; found {found} at flat position {i}")
     return mask != 0
 
 

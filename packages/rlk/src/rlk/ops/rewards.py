@@ -105,24 +105,21 @@ def _overlong(overlong) -> tuple[int | None, int, float]:
     return max_len, cache, penalty
 
 
-def _check_values(weights: Tensor, spans: tuple[tuple[str, Tensor | None], ...], n_rows: int, n_cols: int) -> None:
-    """Value checks, one synchronization for all (inside the op; ``RLK_CHECK_VALUES=0`` skips them): finite
-    weights; regions with ``0 <= seq < B`` and ``0 <= start <= end <= T``."""
-    if not checks.values_checked():
-        return
+def _check_spans(spans: tuple[tuple[str, Tensor | None], ...], n_rows: int, n_cols: int) -> None:
+    """Value check of the regions given, one synchronization for all (inside the op; ``RLK_CHECK_VALUES=0`` skips
+    it): ``0 <= seq < B`` and ``0 <= start <= end <= T``."""
     given = [(name, s) for name, s in spans if s is not None]
-    flags = [~torch.isfinite(weights).all()]
-    for _, s in given:
+    if not given or not checks.values_checked():
+        return
+
+    def outside(s: Tensor) -> Tensor:
         seq, start, end = s.unbind(1)
-        flags.append(((seq < 0) | (seq >= n_rows) | (start < 0) | (start > end) | (end > n_cols)).any())
-    bad = torch.stack(flags).tolist()
-    if bad[0]:
-        k = int((~torch.isfinite(weights)).nonzero()[0, 0])
-        raise ValueError(f"reward_weights: must be finite; found {weights[k].item()} at position {k}")
-    for (name, s), wrong in zip(given, bad[1:]):
+        return (seq < 0) | (seq >= n_rows) | (start < 0) | (start > end) | (end > n_cols)
+
+    bad = torch.stack([outside(s).any() for _, s in given]).tolist()
+    for (name, s), wrong in zip(given, bad):
         if wrong:
-            seq, start, end = s.unbind(1)
-            k = int(((seq < 0) | (seq >= n_rows) | (start < 0) | (start > end) | (end > n_cols)).nonzero()[0, 0])
+            k = int(outside(s).nonzero()[0, 0])
             i, a, b = s[k].tolist()
             raise ValueError(
                 f"{name} spans: region {k} is (seq, start, end) = ({i}, {a}, {b}); "
@@ -165,14 +162,13 @@ def _scatter_rewards_fwd(
     overlong_penalty: float,
 ) -> tuple[Tensor, Tensor]:
     token_rewards, token_costs = out
-    spans = (("region_rewards", region_spans), ("region_costs", cost_region_spans))
-    _check_values(reward_weights, spans, mask.shape[0], mask.shape[1])
+    _check_spans((("region_rewards", region_spans), ("region_costs", cost_region_spans)), *mask.shape)
     if token_rewards.numel() == 0:
         return
     primitive(
         rewards,
         reward_weights,
-        _bool_mask(mask),
+        _bool_mask(mask, "response_mask"),
         costs,
         region_values,
         region_spans,
@@ -243,12 +239,13 @@ def scatter_rewards(
             sequence, or ``R`` reward columns. NaN entries are skipped; an inf propagates.
         response_mask: ``[B, T]``; bool, or int/float 0/1 (checked, one synchronization; ``RLK_CHECK_VALUES=0``
             skips it).
-        reward_weights: ``R`` finite weights (a list, or a ``[R]`` tensor on ``rewards``' device); default 1 each
-            (TRL's ``reward_weights``).
+        reward_weights: ``R`` weights: a list of finite numbers (copied to the device on every call), or a ``[R]``
+            float tensor on ``rewards``' device (used as it is: what CUDA graph capture needs); default 1 each (TRL's
+            ``reward_weights``).
         region_rewards: ``(values [S], spans [S, 3])``: a float value per region and integer ``(seq, start, end)``
             rows, the half-open token span ``[start, end)`` of sequence ``seq`` (``0 <= seq < B``,
-            ``0 <= start <= end <= T``; checked, one synchronization for every value check of the call).
-            Regions may overlap.
+            ``0 <= start <= end <= T``; checked, one host synchronization for all the spans of the call, which
+            ``RLK_CHECK_VALUES=0`` skips: then a span outside the row reads nothing outside it). Regions may overlap.
         overlong: ``(max_len, cache, penalty)``: verl's ``overlong_buffer`` (``max_resp_len``, ``len``,
             ``penalty_factor``); TRL's ``get_soft_overlong_punishment(max_len, cache)`` is ``penalty = 1``.
             ``0 <= cache <= max_len``, ``penalty >= 0``. ``L_i`` counts the masked tokens of the row.
@@ -267,6 +264,9 @@ def scatter_rewards(
     Batch invariance: on backends that promise it, a sequence's outputs are bitwise the same whatever the other
     groups and wherever its group sits in the batch, as long as the group's members and their regions keep their
     relative order; without ``group_mode`` they depend on the sequence's own row and regions only.
+
+    Host synchronization: none, but for the value checks of the regions' spans and of a mask that is not bool
+    (``RLK_CHECK_VALUES=0`` turns them off, e.g. for CUDA graph capture).
     """
     inputs = primitive_inputs(
         rewards,
