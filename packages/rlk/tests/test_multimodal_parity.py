@@ -218,7 +218,7 @@ def test_loss_mask_over_visual_tokens():
     assert (first.check, first.sample, first.span) == ("loss_mask", 0, (4, 20))
     assert (
         first.message
-        == "sample 0: the loss mask covers visual tokens 4..19 (image 0, all 16 of them) on the training side"
+        == "sample 0: the loss mask covers visual tokens 4..19 (image 0: all 16 of its tokens) on the training side"
     )
     assert len(report.mismatches) == 1, "the visual tokens explain the whole difference"
     rollout.loss_mask = training.loss_mask
@@ -242,7 +242,7 @@ def test_first_mismatch_is_ordered_by_sample_then_check():
     training.input_ids[2, 0] = 9
     report = _compare(_encode(SAMPLES), training)
     assert [(m.sample, m.check) for m in report.mismatches] == [(0, "position_ids"), (0, "loss_mask"), (2, "tokens")]
-    assert "covers visual tokens 4..5 (image 0, of tokens 4..19)" in report.mismatches[1].message
+    assert "covers visual tokens 4..5 (image 0: 2 of its 16 tokens 4..19)" in report.mismatches[1].message
     assert "training = rollout + 2" in report.mismatches[0].message
     text = report.format()
     assert text.startswith("layout parity: FAIL (3 mismatch(es) over 4 samples")

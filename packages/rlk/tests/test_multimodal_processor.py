@@ -185,8 +185,8 @@ def test_loss_mask_over_the_visual_prefix(processor, samples):
     first = report.first
     assert (first.check, first.sample, first.span) == ("loss_mask", 0, (first_token, last_token + 1))
     assert first.message == (
-        f"sample 0: the loss mask covers visual tokens {first_token}..{last_token} (image 0, all 64 of them) on the "
-        "training side"
+        f"sample 0: the loss mask covers visual tokens {first_token}..{last_token} (image 0: all 64 of its tokens) "
+        "on the training side"
     )
     assert "loss masks differ from token 0 (text before any media)" in report.mismatches[1].message
 

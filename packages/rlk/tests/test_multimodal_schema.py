@@ -17,6 +17,8 @@ from rlk.multimodal import (
     SPAN_DTYPE,
     MultimodalBatch,
     mask_to_spans,
+    media_cache_key,
+    processor_fingerprint,
     spans_to_mask,
     synthetic_batch,
 )
@@ -84,6 +86,18 @@ def test_spans_round_trip_through_dense_masks():
     assert not bool((loss & media).any())
     assert spans_to_mask(batch.modality_spans, (batch.batch_size, batch.seq_len), tags=(2,)).sum() == 0
     assert mask_to_spans(torch.zeros(2, 4, dtype=torch.bool)).shape == (0, 4)
+
+
+def test_cache_keys_and_fingerprints():
+    image = torch.arange(12, dtype=torch.uint8).reshape(2, 2, 3)
+    key = media_cache_key(image, "f1")
+    assert len(key) == 32 and key == media_cache_key(image.clone(), "f1")
+    assert key != media_cache_key(image, "f2"), "another processor: another key"
+    assert key != media_cache_key(image.flip(0), "f1") and key != media_cache_key(image.reshape(3, 4), "f1")
+    assert media_cache_key(image.numpy().tobytes(), "f1") != key, "raw bytes carry no shape"
+    fingerprint = processor_fingerprint({"b": [1, 2], "a": {"x": 1}})
+    assert fingerprint == processor_fingerprint({"a": {"x": 1}, "b": [1, 2]}) and len(fingerprint) == 16
+    assert fingerprint != processor_fingerprint({"b": [1, 2], "a": {"x": 2}})
 
 
 def test_rlk_multimodal_is_the_public_name():
@@ -246,3 +260,47 @@ def test_meta_batch_checks_metadata_only():
     assert batch.device.type == "meta"
     with pytest.raises(ValueError, match="media_ids: expected device meta"):
         _replace(batch, media_ids=torch.zeros(batch.num_media, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_without_host_synchronization(monkeypatch):
+    """On CUDA: validation with RLK_CHECK_VALUES=0 and the span-to-mask helpers run under sync-debug mode "error"
+    (any synchronizing call raises) and replay from a CUDA graph with new spans; with value checks on, a valid
+    batch passes and an overlap is caught on the device."""
+    cpu = synthetic_batch("gui-trajectory", seed=0)
+    batch = cpu.to("cuda")
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = _replace(batch)
+        loss, image = again.loss_mask(), again.modality_mask("image")
+        region = spans_to_mask(again.region_spans, (again.batch_size, again.seq_len), tags=(0, 1, 2))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(loss.cpu(), cpu.loss_mask()) and torch.equal(image.cpu(), cpu.modality_mask("image"))
+    keep = (cpu.region_spans[:, 3] <= 2).nonzero()[:, 0]
+    assert torch.equal(region.cpu(), spans_to_mask(cpu.region_spans[keep], (cpu.batch_size, cpu.seq_len)))
+
+    spans = batch.loss_spans.clone()
+    shape = (batch.batch_size, batch.seq_len)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        spans_to_mask(spans, shape)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = spans_to_mask(spans, shape)
+    other = synthetic_batch("gui-trajectory", seed=0).loss_spans.clone()
+    other[:, 2] = other[:, 1] + 1  # one token per span
+    spans.copy_(other.to("cuda"))
+    graph.replay()
+    assert torch.equal(captured.cpu(), spans_to_mask(other, shape))
+
+    monkeypatch.delenv("RLK_CHECK_VALUES")
+    batch.validate()
+    overlapping = batch.loss_spans.clone()
+    overlapping[1] = overlapping[0]
+    with pytest.raises(ValueError, match="loss_spans row 1 .* overlaps loss_spans row 0"):
+        _replace(batch, loss_spans=overlapping)

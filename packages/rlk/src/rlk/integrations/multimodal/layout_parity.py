@@ -598,10 +598,14 @@ def compare_layouts(
                     break
         for (kind, number, lo, hi, start, end), names in covering.items():
             where = "on both sides" if len(names) == 2 else f"on the {names[0]} side"
-            whole = f"all {end - start} of them" if (lo, hi) == (start, end - 1) else f"of tokens {start}..{end - 1}"
+            whole = (
+                f"all {end - start} of its tokens"
+                if (lo, hi) == (start, end - 1)
+                else f"{hi - lo + 1} of its {end - start} tokens {start}..{end - 1}"
+            )
             emit(
                 "loss_mask",
-                f"sample {b}: the loss mask covers visual tokens {lo}..{hi} ({kind} {number}, {whole}) {where}",
+                f"sample {b}: the loss mask covers visual tokens {lo}..{hi} ({kind} {number}: {whole}) {where}",
                 b,
                 lo,
                 (lo, hi + 1),

@@ -69,10 +69,12 @@ def processor_fingerprint(config: Mapping) -> str:
 
 
 def media_cache_key(content: bytes | Tensor, fingerprint: str) -> str:
-    """The cache key of one media item's vision-encoder output: a hash of its content (raw bytes, or a tensor's
-    bytes) and the processor fingerprint (the same pixels under another processor give other tokens)."""
-    if isinstance(content, Tensor):
-        content = content.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    """The cache key (32 hex digits) of one media item's vision-encoder output: a hash of its content (raw bytes, or
+    a tensor's shape, dtype and bytes) and the processor fingerprint (the same pixels under another processor give
+    other tokens)."""
+    if isinstance(content, Tensor):  # its bytes, shape and dtype
+        header = f"{tuple(content.shape)}:{content.dtype}:".encode()
+        content = header + content.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return hashlib.sha256(content + fingerprint.encode()).hexdigest()[:32]
 
 
@@ -88,15 +90,24 @@ def spans_to_mask(spans: Tensor, shape: tuple[int, int], *, tags: tuple[int, ...
     Built on ``spans``' device by a difference array and a cumulative sum (no host synchronization).
     """
     batch, length = shape
+    # spans whose tag is not in ``tags`` weigh 0 (a boolean filter would synchronize to size its output)
+    weight = torch.ones(spans.shape[0], dtype=torch.int32, device=spans.device)
     if tags is not None:
-        keep = torch.isin(spans[:, 3], torch.tensor(tags, dtype=spans.dtype, device=spans.device))
-        spans = spans[keep]
-    marks = torch.zeros(batch, length + 1, dtype=torch.int32, device=spans.device)
-    rows = spans[:, 0].long()
-    ones = torch.ones(rows.shape[0], dtype=torch.int32, device=spans.device)
-    marks.index_put_((rows, spans[:, 1].long()), ones, accumulate=True)
-    marks.index_put_((rows, spans[:, 2].long()), -ones, accumulate=True)
+        keep = torch.zeros_like(weight)
+        for tag in tags:
+            keep |= (spans[:, 3] == tag).int()
+        weight = keep
+    marks = _marks(spans[:, 0].long(), spans[:, 1].long(), spans[:, 2].long(), weight, batch, length)
     return marks.cumsum(1)[:, :length] > 0
+
+
+def _marks(rows: Tensor, starts: Tensor, ends: Tensor, weight: Tensor, batch: int, length: int) -> Tensor:
+    """The difference array ``[B, T + 1]``: ``+weight`` at ``(row, start)``, ``-weight`` at ``(row, end)`` (integer
+    adds: exact in any order)."""
+    marks = torch.zeros(batch * (length + 1), dtype=weight.dtype, device=weight.device)
+    marks.scatter_add_(0, rows * (length + 1) + starts, weight)
+    marks.scatter_add_(0, rows * (length + 1) + ends, -weight)
+    return marks.view(batch, length + 1)
 
 
 def mask_to_spans(mask: Tensor, *, tag: int = 0) -> Tensor:
@@ -115,14 +126,12 @@ def mask_to_spans(mask: Tensor, *, tag: int = 0) -> Tensor:
 def _covered_counts(spans: Tensor, batch: int, length: int) -> Tensor:
     """int64 ``[B, T + 1]``: ``out[b, t]`` = tokens of row ``b`` before column ``t`` that ``spans`` cover (indices
     clamped into range: a row out of range is reported by the range checks first)."""
-    marks = torch.zeros(batch, length + 1, dtype=torch.int64, device=spans.device)
     if batch == 0:
-        return marks
+        return torch.zeros(batch, length + 1, dtype=torch.int64, device=spans.device)
     rows = spans[:, 0].long().clamp(0, batch - 1)
     ones = torch.ones(rows.shape[0], dtype=torch.int64, device=spans.device)
-    marks.index_put_((rows, spans[:, 1].long().clamp(0, length)), ones, accumulate=True)
-    marks.index_put_((rows, spans[:, 2].long().clamp(0, length)), -ones, accumulate=True)
-    covered = (marks.cumsum(1)[:, :length] > 0).long()
+    starts, ends = spans[:, 1].long().clamp(0, length), spans[:, 2].long().clamp(0, length)
+    covered = (_marks(rows, starts, ends, ones, batch, length).cumsum(1)[:, :length] > 0).long()
     return torch.nn.functional.pad(covered.cumsum(1), (1, 0))
 
 
@@ -135,6 +144,11 @@ def _count_in(counts: Tensor, spans: Tensor) -> Tensor:
     if batch == 0:
         return torch.zeros_like(start)
     return counts[rows, end] - counts[rows, start]
+
+
+def _numbers(row: Tensor) -> str:
+    """A row of coordinates for a message: ``[1003.92, 96.4894, 1290, nan]``."""
+    return "[" + ", ".join(f"{v:.6g}" for v in row.tolist()) + "]"
 
 
 # ---------------------------------------------------------------------------
@@ -346,10 +360,9 @@ class MultimodalBatch:
             self._span_checks(name, spans, checks)
 
         modality = self.modality_spans
-        known = torch.tensor(sorted(MODALITIES.values()), dtype=SPAN_DTYPE, device=self.device)
         checks.append(
             (
-                ~torch.isin(modality[:, 3], known),
+                ~((modality[:, 3] == MODALITIES["image"]) | (modality[:, 3] == MODALITIES["video"])),
                 lambda i: (
                     f"modality_spans row {i}: modality code {int(modality[i, 3])} is not one of "
                     f"{', '.join(f'{v} ({k})' for k, v in MODALITIES.items())}"
@@ -439,7 +452,7 @@ class MultimodalBatch:
                 (
                     torch.isnan(targets).any(1) & ~no_point,
                     lambda i: (
-                        f"point_targets row {i}: {targets[i].tolist()} has one NaN coordinate (a row of two "
+                        f"point_targets row {i}: {_numbers(targets[i])} has one NaN coordinate (a row of two "
                         "NaNs means no point)"
                     ),
                 )
@@ -450,14 +463,14 @@ class MultimodalBatch:
                 (
                     (targets[:, 0] > targets[:, 2]) | (targets[:, 1] > targets[:, 3]),
                     lambda i: (
-                        f"bbox_targets row {i}: (x0, y0, x1, y1) = {targets[i].tolist()} needs x0 <= x1 and y0 <= y1"
+                        f"bbox_targets row {i}: (x0, y0, x1, y1) = {_numbers(targets[i])} needs x0 <= x1 and y0 <= y1"
                     ),
                 )
             )
         checks.append(
             (
                 ~torch.isfinite(targets).all(1) & ~no_point,
-                lambda i: f"{name} row {i}: {targets[i].tolist()} is not finite",
+                lambda i: f"{name} row {i}: {_numbers(targets[i])} is not finite",
             )
         )
         if system in _COORDINATE_LIMIT:
@@ -467,7 +480,7 @@ class MultimodalBatch:
                 (
                     outside,
                     lambda i: (
-                        f"{name} row {i}: {targets[i].tolist()} is not normalized to [0, {limit:g}] "
+                        f"{name} row {i}: {_numbers(targets[i])} is not normalized to [0, {limit:g}] "
                         f"(coordinate_system={system!r})"
                     ),
                 )
@@ -484,7 +497,7 @@ class MultimodalBatch:
             (
                 outside,
                 lambda i: (
-                    f"{name} row {i}: {targets[i].tolist()} lies outside the screen of media item "
+                    f"{name} row {i}: {_numbers(targets[i])} lies outside the screen of media item "
                     f"{int(media[i])} ({int(size[i, 0])} x {int(size[i, 1])} pixels, coordinate_system='pixels')"
                 ),
             )
