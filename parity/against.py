@@ -105,26 +105,43 @@ def _label(name: str, record: dict) -> str:
     return name if "full" in record else f"{name}[sample]"
 
 
+def _value_bound(entry: contract.Entry, scale: torch.Tensor) -> float:
+    """``||atol + rtol scale||_2`` over all elements (a non-finite scale counts 0, as in ``compare_outputs``): the
+    per-element bounds taken together bound ``||v - ref||_2``."""
+    finite = torch.where(torch.isfinite(scale), scale.double(), 0.0)
+    return _norm(entry.atol + entry.rtol * finite)
+
+
 def value_checks(
     entry: contract.Entry, name: str, got: torch.Tensor, record: dict, ref: torch.Tensor, scale: torch.Tensor
 ) -> list[Check]:
-    """An output (per element): this backend against the reference (all of it) and against the stored part,
-    ``|got - stored| <= 2 (atol + rtol scale)``."""
+    """An output: this backend against the reference (all of it, per element), against the stored part
+    (``|got - stored| <= 2 (atol + rtol scale)``) and, when sampled, the norms' gap within twice
+    :func:`_value_bound`."""
     stored = st.stored_tensor(record).to(got.device).reshape(-1)
     part, part_scale = st.take(got, record).reshape(-1), st.take(scale, record).reshape(-1)
-    return [
+    checks = [
         Check(VS_FP64, contract.compare_outputs(entry, name, got.reshape(-1), ref.reshape(-1), scale.reshape(-1))),
         Check(VS_STORED, contract.compare_outputs(_twice(entry), _label(name, record), part, stored, part_scale)),
     ]
+    if "full" in record:
+        return checks
+    gap = _norm_gap(_norm(got), record["norm"])
+    return checks + [Check(VS_STORED, contract.Deviation(f"{name}[norm]", gap, 2 * _value_bound(entry, scale)))]
 
 
 def stored_value_checks(
     entry: contract.Entry, name: str, record: dict, ref: torch.Tensor, scale: torch.Tensor
 ) -> list[Check]:
-    """A stored output (whole or its sample) against the reference, per element."""
+    """A stored output against the reference: per element (whole or its sample) and, when sampled, its norm's gap
+    to the reference's within :func:`_value_bound`."""
     stored = st.stored_tensor(record).to(ref.device).reshape(-1)
     part, part_scale = st.take(ref, record).reshape(-1), st.take(scale, record).reshape(-1)
-    return [Check(STORED_VS_FP64, contract.compare_outputs(entry, _label(name, record), stored, part, part_scale))]
+    checks = [Check(STORED_VS_FP64, contract.compare_outputs(entry, _label(name, record), stored, part, part_scale))]
+    if "full" in record:
+        return checks
+    gap = _norm_gap(record["norm"], _norm(ref))
+    return checks + [Check(STORED_VS_FP64, contract.Deviation(f"{name}[norm]", gap, _value_bound(entry, scale)))]
 
 
 def grad_bound(
@@ -154,6 +171,11 @@ def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t.double()))
 
 
+def _norm_gap(a: float, b: float) -> float:
+    """``|a - b|`` of two norms (0 for equal infinities; NaN, a failure, for a NaN norm)."""
+    return 0.0 if a == b else abs(a - b)
+
+
 def grad_checks(entry: contract.Entry, name: str, got: torch.Tensor, record: dict, truth: st.Truth, bound: float):
     """A gradient: this backend against the reference (``compare_grad``) and against the stored tensor within
     ``2 bound`` (L2; a sample's gap and the norms' gap)."""
@@ -163,7 +185,8 @@ def grad_checks(entry: contract.Entry, name: str, got: torch.Tensor, record: dic
     stored = st.stored_tensor(record)
     if "full" in record:
         return checks + [Check(VS_STORED, contract.Deviation(name, _l2_gap(got, stored), 2 * bound))]
-    gaps = {f"{name}[sample]": _l2_gap(st.take(got, record), stored), f"{name}[norm]": abs(_norm(got) - record["norm"])}
+    gaps = {f"{name}[sample]": _l2_gap(st.take(got, record), stored)}
+    gaps[f"{name}[norm]"] = _norm_gap(_norm(got), record["norm"])
     return checks + [Check(VS_STORED, contract.Deviation(n, gap, 2 * bound)) for n, gap in gaps.items()]
 
 
@@ -175,7 +198,8 @@ def stored_grad_checks(entry: contract.Entry, name: str, record: dict, truth: st
     if "full" in record:
         mag = truth.magnitudes.get(name)
         return [Check(STORED_VS_FP64, contract.compare_grad(entry, name, stored, ref, truth.max_scale, mag))]
-    gaps = {f"{name}[sample]": _l2_gap(stored, st.take(ref, record)), f"{name}[norm]": abs(record["norm"] - _norm(ref))}
+    gaps = {f"{name}[sample]": _l2_gap(stored, st.take(ref, record))}
+    gaps[f"{name}[norm]"] = _norm_gap(record["norm"], _norm(ref))
     return [Check(STORED_VS_FP64, contract.Deviation(n, gap, bound)) for n, gap in gaps.items()]
 
 
@@ -244,9 +268,9 @@ def _run_cell(sc: st.StoredCase, record: dict, low, truth: st.Truth, bounds: dic
 def compare_case(sc: st.StoredCase, record: dict, seed: int, backends: list[str], device: torch.device) -> Outcome:
     """The reference here, the stored side's checks, then every backend of ``backends`` (n/a where it declines)."""
     outcome = Outcome(sc, record["backend"])
-    low_cpu = st.make_low(sc, seed)
-    low = st.to_device(sc, low_cpu, device)
     try:
+        low_cpu = st.make_low(sc, seed)
+        low = st.to_device(sc, low_cpu, device)
         truth = st.reference(sc, low, low_cpu, device)
         bounds = _bounds(sc, truth)
         outcome.stored_checks = stored_side(sc, record, truth, bounds)
@@ -259,6 +283,7 @@ def compare_case(sc: st.StoredCase, record: dict, seed: int, backends: list[str]
         outcome.cells.append(cell)
         if cell.na_reason is None:
             _run_cell(sc, record, low, truth, bounds, cell)
+    del low, truth
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return outcome

@@ -17,6 +17,8 @@ import datetime
 import hashlib
 import json
 import subprocess
+import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,8 @@ FORMAT = "rlk-parity-stored-outputs"
 FORMAT_VERSION = 1
 CASE_SET_VERSION = 1
 OUTPUTS_FILE, MANIFEST_FILE = "outputs.pt", "manifest.json"
+#: What a manifest must hold besides the format (:func:`manifest_of` writes them; reports read them).
+MANIFEST_KEYS = ("backends", "device", "device_name", "versions", "commit", "command", "created", "outputs_sha256")
 
 #: Tensors of at most this many elements are stored whole; larger ones as a sample and their norm.
 FULL_LIMIT = 4096
@@ -374,6 +378,9 @@ def _read_manifest(folder: Path) -> dict:
     if not isinstance(manifest, dict):
         raise StoredError(f"{path}: not a JSON object")
     _versions_ok(str(path), manifest)
+    missing = [key for key in MANIFEST_KEYS if key not in manifest]
+    if missing or not isinstance(manifest["backends"], dict) or not isinstance(manifest["versions"], dict):
+        raise StoredError(f"{path}: missing or malformed {', '.join(missing) or 'backends / versions'}")
     return manifest
 
 
@@ -392,6 +399,8 @@ def load(folder: Path) -> tuple[dict, dict]:
         raise StoredError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from exc
     if not isinstance(payload, dict) or not isinstance(payload.get("cases"), dict):
         raise StoredError(f"{path}: no 'cases' table")
+    if not isinstance(payload.get("seed"), int):
+        raise StoredError(f"{path}: no integer 'seed'")
     _versions_ok(str(path), payload)
     known = case_table()
     for key, record in payload["cases"].items():
@@ -490,6 +499,7 @@ def save_case(sc: StoredCase, backends: list[str], device: torch.device, seed: i
         saved.record = record | summarize_all(sc, got, seed)
     except Exception as exc:
         saved.error = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc(file=sys.stderr)
     return saved
 
 
