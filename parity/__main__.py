@@ -49,7 +49,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default: {','.join(OPS)})")
     parser.add_argument("--quick", action="store_true", help="a small subset of the cases (CI smoke)")
     parser.add_argument("--out", type=Path, help="write parity.md and parity.json into this folder")
-    parser.add_argument("--seed", type=int, help="seed of the generated inputs (default: 0; --against uses the stored one)")
+    parser.add_argument(
+        "--seed", type=int, help="seed of the generated inputs (default: 0; --against uses the stored one)"
+    )
     stored = parser.add_mutually_exclusive_group()
     stored.add_argument(
         "--save-outputs",
