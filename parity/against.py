@@ -9,9 +9,9 @@ here, and every output and gradient gets three checks under the contract (``rlk.
 * ``vs stored``: this backend against the stored outputs within the sum of both allowances, twice the contract's
   bound against the reference (implied by the two above, by the triangle inequality; reported as a ratio).
 
-A gradient stored as a sample and a norm is checked on the sample and on the norm with the whole tensor's bound:
-``||a[I] - b[I]|| <= ||a - b||`` and ``| ||a|| - ||b|| | <= ||a - b||``, so a backend within the contract never
-fails these.
+A tensor stored as a sample and a norm is checked on the sample (outputs per element, gradients in L2) and on the
+norm, with the whole tensor's bound: ``||a[I] - b[I]|| <= ||a - b||`` and ``| ||a|| - ||b|| | <= ||a - b||``, so a
+backend within the contract never fails these.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import rlk
 from parity import run as pr
 from parity import stored as st
-from rlk.core import abi, contract, dispatch
+from rlk.core import contract
 
 PASS, FAIL, NA = "PASS", "FAIL", "n/a"
 VS_STORED, VS_FP64, STORED_VS_FP64 = "vs stored", "vs fp64", "stored vs fp64"
@@ -246,13 +246,6 @@ def backend_side(sc: st.StoredCase, record: dict, got: st.Produced, truth: st.Tr
     return checks
 
 
-def _why_not(sc: st.StoredCase, backend: str, device: torch.device) -> str | None:
-    reason = dispatch.why_not(backend, abi.OPS[sc.op], device, pr.DTYPES[sc.dtype])
-    if reason is None and sc.family == st.LOGPROB:
-        reason = st.cs.skip_reason(backend, device, sc.case)
-    return reason
-
-
 def _run_cell(sc: st.StoredCase, record: dict, low, truth: st.Truth, bounds: dict[str, float], cell: Cell) -> None:
     start = time.perf_counter()
     try:
@@ -279,7 +272,7 @@ def compare_case(sc: st.StoredCase, record: dict, seed: int, backends: list[str]
         traceback.print_exc(file=sys.stderr)
         return outcome
     for backend in backends:
-        cell = Cell(backend, na_reason=_why_not(sc, backend, device))
+        cell = Cell(backend, na_reason=st.why_not(sc, backend, device))
         outcome.cells.append(cell)
         if cell.na_reason is None:
             _run_cell(sc, record, low, truth, bounds, cell)

@@ -468,13 +468,20 @@ class Saved:
         return self.error is None and all(d.ok for d in self.deviations)
 
 
+def why_not(sc: StoredCase, backend: str, device: torch.device) -> str | None:
+    """Why ``backend`` does not run ``sc`` on ``device`` (it declines the op or dtype, or the suite's run-time
+    limit of the Triton interpreter), or None."""
+    reason = dispatch.why_not(backend, abi.OPS[sc.op], device, pr.DTYPES[sc.dtype])
+    if reason is None and sc.family == LOGPROB:
+        reason = cs.skip_reason(backend, device, sc.case)
+    return reason
+
+
 def _serving_backend(sc: StoredCase, backends: list[str], device: torch.device) -> tuple[str | None, str]:
     """The first of ``backends`` that runs ``sc`` here, or None and every backend's reason."""
     reasons = []
     for name in backends:
-        reason = dispatch.why_not(name, abi.OPS[sc.op], device, pr.DTYPES[sc.dtype])
-        if reason is None and sc.family == LOGPROB:
-            reason = cs.skip_reason(name, device, sc.case)
+        reason = why_not(sc, name, device)
         if reason is None:
             return name, ""
         reasons.append(f"{name}: {reason}")

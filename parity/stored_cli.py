@@ -62,7 +62,9 @@ def against(args: argparse.Namespace, command: str) -> int:
             return _bad_input(f"--against {folder}: --ops / --dtypes select none of its {len(payload['cases'])} cases")
         st.verify_inputs(cases, payload)
     except st.StoredError as exc:
-        return _bad_input(str(exc))
+        message = str(exc)
+        named = message.startswith(("--against", str(folder)))
+        return _bad_input(message if named else f"--against {folder}: {message}")
     env = report.environment(args.device, command)
     start = time.perf_counter()
     outcomes = ag.compare_all(cases, payload, args.backends, args.device, _say)
