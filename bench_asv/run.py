@@ -42,6 +42,7 @@ OPS = {
     "policy_loss": ("rl_objectives", "PolicyLoss"),
     "gae": ("rl_objectives", "Gae"),
     "rollout_correction": ("rl_objectives", "RolloutCorrection"),
+    "scatter_rewards": ("rewards", "ScatterRewards"),
     "fused_linear_policy_loss": ("rl_objectives", "FusedLinearPolicyLoss"),
     "fused_linear_kl": ("distill", "FusedLinearKL"),
     "rms_norm": ("norm", "RmsNorm"),

@@ -2,7 +2,7 @@
 
 Ops: ``policy_loss``, ``kl_penalty``, ``value_loss``, ``dpo_loss`` (differentiable: values and
 gradients), ``group_advantages``, ``masked_whiten``, ``discounted_returns``, ``gae``,
-``rollout_correction`` (values only). They declare float32 only (16-bit inputs are upcast by the op
+``rollout_correction``, ``scatter_rewards`` (values only). They declare float32 only (16-bit inputs are upcast by the op
 layer), so each gets one row of the matrix, ``op x float32``.
 
 Each case runs the public op on the pinned backend with fp32 inputs; ground truth is the same
@@ -10,14 +10,15 @@ public op on fp64 copies of the same values, pinned to the reference backend. Th
 the ones each op's contract entry describes (its ``"scale"`` string), computed from the fp64
 inputs and ground truth with the helpers of the reference modules
 (``rlk.reference.policy_loss.contract_scale``, ``rlk.reference.advantages.*_contract_scale``,
-``rlk.reference.rollout_correction.contract_scale``).
+``rlk.reference.rollout_correction.contract_scale``, ``rlk.reference.rewards.contract_scale``).
 The recurrence constants (``gamma``, ``gamma * lam``) are dyadic, so the float32-rounded
 constants the op layer passes equal the fp64 ones.
 
 Batch invariance (``policy_loss`` with token-sum and with global normalizers,
 ``discounted_returns``, ``gae``, ``rollout_correction``'s weights): a probe row alone versus inside
 batches at first, middle and last position; its per-token outputs / gradient must be equal bit for bit
-(``torch.equal``).
+(``torch.equal``). ``scatter_rewards``: a probe group (its rows, regions and costs) alone versus inside
+batches of other groups, likewise.
 """
 
 from __future__ import annotations

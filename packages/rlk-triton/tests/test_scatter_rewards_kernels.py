@@ -247,7 +247,8 @@ def test_batch_invariance(small_tiles, mode, placement):
             assert all(torch.equal(a[pos : pos + PROBE], b) for a, b in zip(got, alone)), (batch, pos)
     if mode is not None:  # group_size: the probe as the k-th block of 5
         for k in (0, 2, 4):
-            rows = torch.cat([torch.arange(PROBE, PROBE + 5 * k), probe, torch.arange(PROBE + 5 * k, 25)]).to(DEVICE)
+            before, after = torch.arange(PROBE, PROBE + 5 * k), torch.arange(PROBE + 5 * k, 25)
+            rows = torch.cat([before.to(DEVICE), probe, after.to(DEVICE)])
             got = run_rows(take_rows(case, rows, rows), mode, placement, by_size=PROBE)
             window = slice(5 * k, 5 * k + PROBE)
             assert all(torch.equal(a[window], b) for a, b in zip(got, alone)), k

@@ -1,6 +1,6 @@
-"""The PyTorch baselines of ``bench_asv/benchmarks/rl_objectives.py``, ``distill.py`` and ``pack.py`` compute what
-the rlk implementations they are timed against compute: a speedup over a baseline that does something else would
-mean nothing."""
+"""The PyTorch baselines of ``bench_asv/benchmarks/rl_objectives.py``, ``distill.py``, ``pack.py`` and ``rewards.py``
+compute what the rlk implementations they are timed against compute: a speedup over a baseline that does something
+else would mean nothing."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import rlk
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench_asv"))
 from benchmarks import distill as bench_distill  # noqa: E402
 from benchmarks import pack as bench_pack  # noqa: E402
+from benchmarks import rewards as bench_rewards  # noqa: E402
 from benchmarks import rl_objectives as bench  # noqa: E402
 
 
@@ -106,3 +107,16 @@ def test_pack_baseline_matches_rlk(option):
     for a, b in zip(ours, theirs):
         assert a.dtype == b.dtype and torch.equal(a.detach(), b.detach())
     assert torch.equal(grad, base_grad)
+
+
+@pytest.mark.parametrize("option", bench_rewards.OPTIONS)
+def test_scatter_rewards_baseline_matches_rlk(option):
+    """The framework composition (nansum of weighted columns, overlong penalty, view(-1, G) statistics, placement)
+    gives rlk.scatter_rewards' token rewards / advantages."""
+    gen = torch.Generator(bench_rewards.DEVICE).manual_seed(4)
+    rewards, weights, mask = bench_rewards.make_inputs(32, 40, gen)
+    base = bench_rewards.torch_scatter_rewards(rewards, weights, mask, option)
+    with rlk.use_backend("reference"):
+        ours = bench_rewards.rlk_scatter_rewards(rewards, weights, mask, option)
+    assert bool((base != 0).any())
+    torch.testing.assert_close(ours, base, rtol=1e-5, atol=1e-6)

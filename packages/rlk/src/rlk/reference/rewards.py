@@ -59,8 +59,9 @@ from rlk.reference import advantages
 def overlong_penalty(lengths: torch.Tensor, max_len: int, cache: int, penalty: float, dtype: torch.dtype):
     """``o_i`` of the module docstring for integer ``lengths`` ``[B]``, in ``dtype``: ``-penalty * ratio`` with
     ``ratio = 1`` past ``max_len``, else ``e / cache`` (``e`` an exact integer, one correctly rounded division)."""
-    excess = (lengths - (max_len - cache)).clamp(min=0, max=cache)
-    ratio = torch.where(lengths > max_len, 1.0, excess.to(dtype) / max(cache, 1))
+    excess = (lengths - (max_len - cache)).clamp(min=0, max=cache).to(dtype)
+    # tensor / tensor: torch divides by a Python number through its reciprocal on CUDA (not correctly rounded)
+    ratio = torch.where(lengths > max_len, 1.0, excess / torch.full_like(excess, max(cache, 1)))
     return -(penalty * ratio)
 
 
