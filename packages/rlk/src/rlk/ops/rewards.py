@@ -14,9 +14,9 @@ from torch import Tensor
 
 from rlk.core import checks, custom_op
 from rlk.core.abi import PLACEMENTS, REWARD_GROUP_MODES
-from rlk.ops.advantages import _INDEX_DTYPES, _bool_mask, _float_input, _groups
+from rlk.ops.advantages import _FLOAT_DTYPES, _INDEX_DTYPES, _bool_mask, _float_input, _groups
 
-_MASK_DTYPES = (torch.bool, torch.float32, torch.float64, torch.float16, torch.bfloat16) + _INDEX_DTYPES
+_MASK_DTYPES = (torch.bool, *_FLOAT_DTYPES, *_INDEX_DTYPES)
 
 
 # ---------------------------------------------------------------------------
@@ -225,11 +225,12 @@ def scatter_rewards(
 
     Region rewards (a span of one sequence's tokens: a reasoning step scored by a process reward model, a
     sentence or a grounded box of a multimodal answer) are normalized the same way over the regions of the
-    group (a GRPO group's step rewards pooled, as DeepSeekMath's process supervision) and placed on their span:
-    at its last masked token or on all of them. Values landing on one token add up: the sequence's value first,
-    then the regions' in ascending region index. ``placement="last"`` followed by
-    ``rlk.discounted_returns(gamma=1)`` gives each token the sum of the values from it to the end (process
-    supervision's advantage); ``group_mode=None`` with ``"last"`` gives the token rewards GAE takes.
+    group (a GRPO group's step rewards pooled, as DeepSeekMath's process supervision; a group's only region keeps
+    its value, the singleton convention) and placed on their span: at its last masked token or on all of them.
+    Values landing on one token add up: the sequence's value first, then the regions' in ascending region index.
+    ``placement="last"`` followed by ``rlk.discounted_returns(gamma=1)`` gives each token the sum of the values from
+    it to the end (process supervision's advantage); ``group_mode=None`` with ``"last"`` gives the token rewards
+    GAE takes.
 
     Costs (constrained / safety objectives) go through the same steps on their own, never mixed with the rewards:
     their own statistics, their own output.
