@@ -46,15 +46,30 @@ RLK_REQUIRE_TRL=0 "$out/venv-transformers/bin/python" -m pytest -n 2 packages/rl
 echo "== verl 0.9.1: the verl integration against the real verl in a second environment"
 bash ci/install_verl_env.sh "$out/venv-verl"
 RLK_REQUIRE_VERL=1 "$out/venv-verl/bin/python" -m pytest -n 2 -m verl packages/rlk/tests
-echo "== triton 3.9.0 + numpy 2.4.6 (what the newest torch brings): the Triton kernels under its interpreter"
-second_env "$out/venv-triton" triton==3.9.0 numpy==2.4.6
+# The torch range rlk declares (torch>=2.11), both ends, on the CPU: the oldest with the pinned Triton, the newest with
+# the Triton and NumPy it brings. Each is a full CUDA build of torch from PyPI (about 3 GB with its nvidia-* wheels,
+# about a minute to install); it runs on the CPU like the CPU build.
+echo "== torch 2.11.0 (the oldest supported): rlk's tests (less the fuzz, benchmark and wheel-building files)"
+second_env "$out/venv-torch-oldest" torch==2.11.0
+"$out/venv-torch-oldest/bin/python" -c 'import torch; assert torch.__version__.startswith("2.11.0"), torch.__version__'
+"$out/venv-torch-oldest/bin/python" -m pytest -n 2 packages/rlk/tests --ignore=packages/rlk/tests/test_packaging.py \
+  --ignore-glob="packages/rlk/tests/test_fuzz_*.py" --ignore-glob="packages/rlk/tests/test_bench_*.py"
+echo "== torch 2.15.0 + triton 3.9.0 + numpy 2.4.6 (the newest): the op layer and the integrations, then the Triton"
+echo "   kernels under its interpreter"
+# (this machine's pip caps torch at the releases it keeps on disk; the newest comes from the index)
+PIP_CONSTRAINT=/dev/null second_env "$out/venv-newest" torch==2.15.0 triton==3.9.0 numpy==2.4.6
+"$out/venv-newest/bin/python" -c 'import torch; assert torch.__version__.startswith("2.15.0"), torch.__version__'
+# what leans on torch's own APIs: custom ops, fakes and compile, the HF patching, torch.distributed, host syncs
+torch_api_tests=(custom_op batch_invariant hf_apply hf_compat hf_groups distributed_ops distributed_chain no_host_sync
+  dispatch arguments pack cli)
+"$out/venv-newest/bin/python" -m pytest -n 2 $(printf 'packages/rlk/tests/test_%s.py ' "${torch_api_tests[@]}")
 rm -rf "$out/triton39_launches"
 # Every kernel test file; the two longest sweeps (the policy-loss batch invariance over every loss, the tree
 # kernels' shard bits), which repeat kernels the other tests launch, run under the pinned triton only.
-RLK_RECORD_TRITON_LAUNCHES="$out/triton39_launches" "$out/venv-triton/bin/python" -m pytest -n 2 \
+RLK_RECORD_TRITON_LAUNCHES="$out/triton39_launches" "$out/venv-newest/bin/python" -m pytest -n 2 \
   packages/rlk-triton/tests -k "not (test_policy_loss_kernels and test_batch_invariance) and not single_device_bits"
 echo "== the Triton kernels those tests launched, compiled for sm_90 by triton 3.9.0 (sm_80: the pinned one above)"
-env -u TRITON_INTERPRET "$out/venv-triton/bin/python" tools/triton_aot_check.py "$out"/triton39_launches/*.json \
+env -u TRITON_INTERPRET "$out/venv-newest/bin/python" tools/triton_aot_check.py "$out"/triton39_launches/*.json \
   --arch 90
 # The CPU matrix's smoke subset (the pytest run above already checks the matrix per op family); the whole matrix
 # (~13 min on 2 cores through the interpreter) runs by hand: `python -m parity --device cpu`, and on GPUs.

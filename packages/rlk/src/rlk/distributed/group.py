@@ -88,7 +88,7 @@ class Comm:
             return torch.stack([t.contiguous() for t in local])
         x = local[0].contiguous().view(1, *local[0].shape)
         out = x.new_empty((self.size, *x.shape[1:]))
-        dist.all_gather_single(out.view(self.size, *x.shape[1:]), x, group=self.group)
+        dist.all_gather_into_tensor(out.view(self.size, *x.shape[1:]), x, group=self.group)
         return out
 
     def reduce_rows(
@@ -118,5 +118,5 @@ class Comm:
         chunk = first.new_empty((rows, *trailing), dtype=out_dtype)
         combine(received.view(self.size, rows, *first.shape[1:]), chunk)
         gathered = chunk.new_empty((self.size * rows, *trailing))
-        dist.all_gather_single(gathered, chunk, group=self.group)
+        dist.all_gather_into_tensor(gathered, chunk, group=self.group)
         return gathered[:m]
