@@ -572,6 +572,20 @@ def test_span_values_are_checked(spans, message):
         rlk.scatter_rewards(_R, _M, region_costs=(values, spans))
 
 
+def test_a_multimodal_span_table_is_taken_as_it_is():
+    """``rlk.multimodal``'s int32 ``[S, 4]`` (seq, start, end, tag) tables: the same result as the ``[S, 3]`` rows."""
+    batch = rlk.multimodal.synthetic_batch("gui-trajectory", seed=3)
+    table = batch.action_spans
+    assert table.dtype == torch.int32 and table.shape[1] == 4 and table.shape[0] > 1
+    mask = batch.loss_mask()
+    rewards = torch.linspace(-1.0, 1.0, batch.batch_size)
+    values = torch.arange(1.0, table.shape[0] + 1.0)
+    got = rlk.scatter_rewards(rewards, mask, region_rewards=(values, table), placement="broadcast")
+    want = rlk.scatter_rewards(rewards, mask, region_rewards=(values, table[:, :3].long()), placement="broadcast")
+    assert torch.equal(got, want)
+    assert not torch.equal(got, rlk.scatter_rewards(rewards, mask, placement="broadcast"))  # the regions count
+
+
 def test_value_checks_and_rlk_check_values(monkeypatch):
     half = _M.float()
     half[1, 2] = 0.5

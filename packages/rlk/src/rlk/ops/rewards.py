@@ -81,9 +81,12 @@ def _regions(name: str, pair, x: Tensor) -> tuple[Tensor | None, Tensor | None]:
         raise TypeError(f"{name} spans: expected a torch.Tensor, got {type(spans).__name__}")
     if spans.dtype not in _INDEX_DTYPES:
         raise TypeError(f"{name} spans: expected an integer dtype, got {spans.dtype}")
+    if spans.dim() == 2 and spans.shape[0] == v.shape[0] and spans.shape[1] == 4:
+        spans = spans[:, :3]  # an rlk.multimodal span table: (seq, start, end, tag); the tag is not used here
     if tuple(spans.shape) != (v.shape[0], 3):
         raise ValueError(
-            f"{name} spans: expected shape [{v.shape[0]}, 3] (seq, start, end per region), got {tuple(spans.shape)}"
+            f"{name} spans: expected shape [{v.shape[0]}, 3] (seq, start, end per region) or [{v.shape[0]}, 4] (an "
+            f"rlk.multimodal span table), got {tuple(spans.shape)}"
         )
     if spans.device != x.device:
         raise ValueError(f"{name} spans: expected device {x.device} (the device of rewards), got {spans.device}")
@@ -247,6 +250,8 @@ def scatter_rewards(
             rows, the half-open token span ``[start, end)`` of sequence ``seq`` (``0 <= seq < B``,
             ``0 <= start <= end <= T``; checked, one host synchronization for all the spans of the call, which
             ``RLK_CHECK_VALUES=0`` skips: then a span outside the row reads nothing outside it). Regions may overlap.
+            An ``rlk.multimodal`` span table (int32 ``[S, 4]`` rows ``(seq, start, end, tag)``, e.g. a batch's
+            ``region_spans``) is taken as it is; its tag column is not used.
         overlong: ``(max_len, cache, penalty)``: verl's ``overlong_buffer`` (``max_resp_len``, ``len``,
             ``penalty_factor``); TRL's ``get_soft_overlong_punishment(max_len, cache)`` is ``penalty = 1``.
             ``0 <= cache <= max_len``, ``penalty >= 0``. ``L_i`` counts the masked tokens of the row.
