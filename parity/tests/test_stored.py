@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+from pathlib import Path
 
 import torch
 
@@ -367,3 +368,15 @@ def test_saving_writes_nothing_when_the_backend_fails_the_contract(small_set, tm
     argv = ["--device", "cpu", "--backends", "broken", "--ops", "selected_logprob", "--save-outputs", str(folder)]
     assert main(argv) == 1
     assert not folder.exists() and "wrote nothing: 3 case(s) fail the contract" in capsys.readouterr().out
+
+
+def test_the_committed_cuda_file_loads_and_its_inputs_regenerate():
+    """The stored CUDA outputs in the tree (``parity/stored/cuda-h100``): the manifest and the file agree, every case
+    of the case set is there (or listed as not served), and this torch regenerates every input bitwise."""
+    folder = Path(__file__).resolve().parents[1] / "stored" / "cuda-h100"
+    manifest, payload = st.load(folder)
+    assert manifest["device_name"].startswith("NVIDIA H100") and not manifest["dirty"]
+    cases = st.case_table()
+    assert set(payload["cases"]) == set(cases)
+    assert {record["backend"] for record in payload["cases"].values()} == {"cuda", "triton"}
+    st.verify_inputs(list(cases.values()), payload)
