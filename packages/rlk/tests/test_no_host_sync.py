@@ -12,7 +12,7 @@ differentiable):
   them off: ``group_advantages`` mode ``opo`` (``lengths`` finite and >= 0), the log-prob ops (targets in
   ``[0, V)``, temperature > 0), ``attention`` (``cu_seqlens``), ``prefix_attention`` (also ``prefix_index``;
   its backward builds the readers' CSR on the device), ``embedding`` (ids in ``[0, V)``) and ``scatter_rewards``
-  with regions (their spans);
+  with regions (their spans), and the span tables of the span-masked ops;
 * captured in a CUDA graph (which fails on any synchronization or host read of device data), new inputs
   copied into the captured ones, the graph replayed: every output the same bits as an eager call on the new
   inputs (``torch.equal``), so nothing was baked into the graph from the first inputs.
@@ -504,6 +504,36 @@ def test_logprob_ops_gpu(monkeypatch):
         )
 
     check_no_sync_and_graph_replay(make, op, wrt=("logits", "hidden", "weight"))
+
+
+def test_span_masked_ops_gpu(monkeypatch):
+    """``loss_spans`` instead of masks: the span table becomes the mask on the device; new spans (another loss
+    region per row) replay correctly from the graph."""
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")  # the checks read the targets and the spans
+    b, t, h, v = 4, 256, 512, 4096
+
+    def make(seed):
+        g = _gen(seed)
+        x = token_inputs(seed, b=b, t=t, grad=("logprob",))
+        x["logits"] = _randn(g, b, t, v, scale=2.0, grad=True)
+        x["hidden"] = _randn(g, b, t, h, grad=True)
+        x["weight"] = _randn(g, v, h, scale=0.05, grad=True)
+        x["targets"] = torch.randint(0, v, (b, t), generator=g, device="cuda")
+        start = torch.randint(0, t // 2, (b,), generator=g, device="cuda")
+        rows = torch.arange(b, device="cuda")
+        x["spans"] = torch.stack([rows, start, start + t // 3, rows % 2], 1).to(torch.int32)
+        return x
+
+    def op(x):
+        spans = {"loss_spans": x["spans"]}
+        return (
+            rlk.selected_logprob(x["logits"], x["targets"], return_entropy=True, **spans),
+            rlk.linear_logprob(x["hidden"], x["weight"], x["targets"], span_tags=(1,), **spans),
+            rlk.kl_penalty(x["logprob"], x["ref_logprob"], "k3", **spans),
+            rlk.policy_loss(x["logprob"], x["old_logprob"], x["advantages"], **spans),
+        )
+
+    check_no_sync_and_graph_replay(make, op, wrt=("logits", "hidden", "weight", "logprob"))
 
 
 def test_patched_attention_with_a_padding_mask_gpu(monkeypatch):

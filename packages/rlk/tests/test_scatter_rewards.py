@@ -556,8 +556,8 @@ def test_bad_input_gets_a_clear_error(call, error, message):
 @pytest.mark.parametrize(
     "spans, message",
     [
-        ([[0, 0, 3], [4, 0, 1]], r"region 1 is \(seq, start, end\) = \(4, 0, 1\); need 0 <= seq < B = 4"),
-        ([[-1, 0, 3]], r"region 0 is \(seq, start, end\) = \(-1, 0, 3\)"),
+        ([[0, 0, 3], [4, 0, 1]], r"row 1 is \(seq, start, end\) = \(4, 0, 1\); need 0 <= seq < B = 4"),
+        ([[-1, 0, 3]], r"row 0 is \(seq, start, end\) = \(-1, 0, 3\)"),
         ([[0, 4, 3]], r"\(0, 4, 3\); need .* 0 <= start <= end <= T = 6"),
         ([[1, 0, 7]], r"\(1, 0, 7\)"),
         ([[1, -2, 1]], r"\(1, -2, 1\)"),

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from rlk.core import checks, custom_op
 from rlk.core.checks import check_float
+from rlk.ops import spans
 
 _TARGET_DTYPES = (torch.int32, torch.int64)
 
@@ -169,6 +170,8 @@ def selected_logprob(
     temperature: float | Tensor = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    loss_spans: Tensor | None = None,
+    span_tags: int | tuple[int, ...] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probability of the target token (and optionally the entropy) from logits.
 
@@ -185,6 +188,14 @@ def selected_logprob(
         ignore_index: positions with this target give log-prob 0, entropy 0 and
             no gradient.
         return_entropy: also return the entropy.
+        loss_spans: an int ``[S, 4]`` span table (``rlk.multimodal``'s rows ``(sequence, start, end, tag)``; ``[S, 3]``
+            without tags) over the ``[B, T]`` positions of ``targets``: only the positions it covers are scored, the
+            others count as ``ignore_index``. Turned into a mask on the device (no dense mask on the host; one
+            synchronization for the value check, which ``RLK_CHECK_VALUES=0`` skips). Spans on token columns mark the
+            tokens predicted; for next-token targets (``targets[:, t] = input_ids[:, t + 1]``) pass
+            ``rlk.multimodal.shift_spans(spans, -1)``.
+        span_tags: score only the rows of ``loss_spans`` whose tag is one of these (a turn; or the modalities to score
+            when ``loss_spans`` is ``modality_spans``); None: every row.
 
     Returns:
         ``logprob`` of shape ``targets.shape``, and ``entropy`` of the same shape when
@@ -202,7 +213,7 @@ def selected_logprob(
     lead = logits.shape[:-1]
     _check_targets(targets, lead, "logits", logits.device)
     flat_logits = logits.reshape(-1, logits.shape[-1]).contiguous()
-    flat_targets = targets.reshape(-1).to(torch.int64).contiguous()
+    flat_targets = _scored(targets, loss_spans, span_tags, ignore_index, "logits")
     inv_t = _inv_temperature(temperature, lead, logits.device, checks.stat_dtype(logits))
     logprob, entropy, _ = _selected_logprob_fwd(flat_logits, flat_targets, inv_t, ignore_index, bool(return_entropy))
     if return_entropy:
@@ -326,6 +337,8 @@ def linear_logprob(
     temperature: float | Tensor = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    loss_spans: Tensor | None = None,
+    span_tags: int | tuple[int, ...] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Target log-prob (and entropy) of ``hidden @ weight.T`` without materializing the logits.
 
@@ -340,7 +353,7 @@ def linear_logprob(
         hidden: ``[..., H]`` bfloat16, float16 or float32 (the last hidden states).
         weight: ``[V, H]`` of the same dtype (the LM head).
         targets: ``[...]`` int32 or int64, values in ``[0, V)`` or ``ignore_index``.
-        temperature, ignore_index, return_entropy: as in :func:`selected_logprob`.
+        temperature, ignore_index, return_entropy, loss_spans, span_tags: as in :func:`selected_logprob`.
 
     Returns:
         fp32 ``logprob`` (and ``entropy``) of shape ``targets.shape``,
@@ -350,12 +363,24 @@ def linear_logprob(
         hidden, weight, targets, temperature, ignore_index
     )
     lead = hidden.shape[:-1]
+    if loss_spans is not None or span_tags is not None:
+        flat_targets = _scored(targets, loss_spans, span_tags, ignore_index, "hidden")
     logprob, entropy, _ = _linear_logprob_fwd(
         flat_hidden, weight, flat_targets, inv_t, ignore_index, bool(return_entropy)
     )
     if return_entropy:
         return logprob.view(lead), entropy.view(lead)
     return logprob.view(lead)
+
+
+def _scored(targets: Tensor, loss_spans, span_tags, ignore_index: int, lead_name: str) -> Tensor:
+    """Flat int64 ``targets`` with ``ignore_index`` outside ``loss_spans`` (targets checked already)."""
+    spans.no_tags_without_spans(loss_spans, span_tags)
+    flat = targets.reshape(-1).to(torch.int64)
+    if loss_spans is not None:
+        scored = spans.loss_mask(loss_spans, span_tags, tuple(targets.shape), targets.device, f"targets ({lead_name})")
+        flat = torch.where(scored.reshape(-1), flat, ignore_index)
+    return flat.contiguous()
 
 
 def linear_inputs(

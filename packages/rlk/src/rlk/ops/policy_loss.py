@@ -26,6 +26,7 @@ from torch import Tensor
 from rlk.core import checks, custom_op
 from rlk.core.abi import AGG_MODES, KL_ESTIMATORS, LOSSES, POLICY_METRICS, ROW_STATS
 from rlk.core.checks import INPUT_DTYPES, stat_dtype
+from rlk.ops import spans
 from rlk.reference import aggregation
 
 _KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
@@ -447,8 +448,10 @@ def policy_loss(
     logprob: Tensor,
     old_logprob: Tensor | None,
     advantages: Tensor,
-    mask: Tensor,
+    mask: Tensor | None = None,
     *,
+    loss_spans: Tensor | None = None,
+    span_tags: int | tuple[int, ...] | None = None,
     config: PolicyLossConfig | None = None,
     importance_weights: Tensor | None = None,
     global_tokens: float | Tensor | None = None,
@@ -507,6 +510,10 @@ def policy_loss(
         advantages: ``[B, T]``, or ``[B]`` / ``[B, 1]`` for one advantage per sequence (detached).
         mask: ``[B, T]`` bool, or numbers (nonzero = a loss token). Masked-out positions
             never touch the result, even when they hold ``-inf`` or NaN.
+        loss_spans: instead of ``mask``, an int ``[S, 4]`` span table (``rlk.multimodal``'s ``(sequence, start, end,
+            tag)``; ``[S, 3]`` without tags) of the loss tokens, turned into the mask on the device (as in
+            :func:`rlk.selected_logprob`; no dense mask on the host). Give ``mask`` or ``loss_spans``, not both.
+        span_tags: only the rows of ``loss_spans`` tagged one of these count; None: every row.
         config: the options (:class:`PolicyLossConfig`: the variant, its clip ranges, the aggregation,
             the KL and entropy terms); None: its defaults.
         importance_weights: ``[B, T]`` per-token weights (detached, e.g. a rollout-vs-training
@@ -549,6 +556,8 @@ def policy_loss(
         advantages,
         mask,
         resolve_config(config, options),
+        loss_spans=loss_spans,
+        span_tags=span_tags,
         importance_weights=importance_weights,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
@@ -563,8 +572,10 @@ def policy_loss_and_grad(
     logprob: Tensor,
     old_logprob: Tensor | None,
     advantages: Tensor,
-    mask: Tensor,
+    mask: Tensor | None = None,
     *,
+    loss_spans: Tensor | None = None,
+    span_tags: int | tuple[int, ...] | None = None,
     config: PolicyLossConfig | None = None,
     importance_weights: Tensor | None = None,
     global_tokens: float | Tensor | None = None,
@@ -601,6 +612,8 @@ def policy_loss_and_grad(
         advantages,
         mask,
         resolve_config(config, options),
+        loss_spans=loss_spans,
+        span_tags=span_tags,
         importance_weights=importance_weights,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
@@ -710,14 +723,28 @@ def metrics_dict(call: PolicyLossCall, metrics: Tensor) -> dict[str, Tensor]:
     return {name: values[name] for name in call.metric_names}
 
 
+def mask_of(mask: Tensor | None, loss_spans, span_tags, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """The loss mask of a call given ``mask`` or ``loss_spans`` (exactly one; errors name them)."""
+    spans.no_tags_without_spans(loss_spans, span_tags)
+    if loss_spans is None:
+        if mask is None:
+            raise TypeError("mask: required (a [B, T] loss mask), unless loss_spans is given")
+        return mask
+    if mask is not None:
+        raise ValueError("mask, loss_spans: give one of them (both describe the loss tokens)")
+    return spans.loss_mask(loss_spans, span_tags, shape, device, "logprob")
+
+
 def _policy_loss(
     fused: bool,
     logprob: Tensor,
     old_logprob: Tensor | None,
     advantages: Tensor,
-    mask: Tensor,
+    mask: Tensor | None,
     config: PolicyLossConfig,
     *,
+    loss_spans: Tensor | None,
+    span_tags,
     entropy: Tensor | None,
     **tensors,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, dict[str, Tensor]]:
@@ -730,6 +757,7 @@ def _policy_loss(
     device, shape = logprob.device, tuple(logprob.shape)
     _check_tensor("logprob", logprob, (shape,), device)
     cdt = stat_dtype(logprob)
+    mask = mask_of(mask, loss_spans, span_tags, shape, device)
     call = prepare(shape, device, cdt, old_logprob, advantages, mask, config, entropy=entropy, **tensors)
     lp = (logprob.detach() if fused else logprob).to(cdt).contiguous()
     old = lp.detach() if call.old is None else call.old
@@ -834,6 +862,8 @@ def kl_penalty(
     clamp: float | None = None,
     k3_clamp: bool = True,
     old_logprob: Tensor | None = None,
+    loss_spans: Tensor | None = None,
+    span_tags: int | tuple[int, ...] | None = None,
 ) -> Tensor:
     """Per-token KL estimate between the policy and a reference, differentiable w.r.t. ``logprob``.
 
@@ -860,9 +890,12 @@ def kl_penalty(
         old_logprob: when given, the importance-weighted (unbiased, slime's
             ``--use-unbiased-kl``) estimate ``sg(exp(logprob - old_logprob)) * k``: the weight is
             detached, so the gradient is ``weight * dk/d logprob``.
+        loss_spans, span_tags: as in :func:`policy_loss` (``[B, T]`` inputs): positions outside the spans give 0
+            and no gradient, even when they hold ``-inf`` or NaN (their inputs are replaced by 0 before the
+            estimator, which is 0 at ``delta = 0``).
 
     Returns:
-        fp32 tensor of ``logprob``'s shape (fp64 for fp64 inputs). No masking: multiply or
+        fp32 tensor of ``logprob``'s shape (fp64 for fp64 inputs). Without ``loss_spans`` no masking: multiply or
         ``where`` by your mask afterwards.
     """
     if not isinstance(logprob, Tensor):
@@ -878,5 +911,10 @@ def kl_penalty(
     lp = logprob.to(cdt).reshape(-1).contiguous()
     ref = ref_logprob.detach().to(cdt).reshape(-1).contiguous()
     old = None if old_logprob is None else old_logprob.detach().to(cdt).reshape(-1).contiguous()
+    spans.no_tags_without_spans(loss_spans, span_tags)
+    if loss_spans is not None:
+        scored = spans.loss_mask(loss_spans, span_tags, shape, device, "logprob").reshape(-1)
+        lp, ref = torch.where(scored, lp, 0.0), torch.where(scored, ref, 0.0)
+        old = None if old is None else torch.where(scored, old, 0.0)
     kl, _ = _kl_penalty_fwd(lp, ref, old, name, bool(straight or straight_through), bool(k3_clamp), clamp_value)
     return kl.view(shape)

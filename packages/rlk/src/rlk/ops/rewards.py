@@ -15,6 +15,7 @@ from torch import Tensor
 from rlk.core import checks, custom_op
 from rlk.core.abi import PLACEMENTS, REWARD_GROUP_MODES
 from rlk.ops.advantages import _FLOAT_DTYPES, _INDEX_DTYPES, _bool_mask, _float_input, _groups
+from rlk.ops.spans import check_values as check_span_values
 
 _MASK_DTYPES = (torch.bool, *_FLOAT_DTYPES, *_INDEX_DTYPES)
 
@@ -108,28 +109,6 @@ def _overlong(overlong) -> tuple[int | None, int, float]:
     return max_len, cache, penalty
 
 
-def _check_spans(spans: tuple[tuple[str, Tensor | None], ...], n_rows: int, n_cols: int) -> None:
-    """Value check of the regions given, one synchronization for all (inside the op; ``RLK_CHECK_VALUES=0`` skips
-    it): ``0 <= seq < B`` and ``0 <= start <= end <= T``."""
-    given = [(name, s) for name, s in spans if s is not None]
-    if not given or not checks.values_checked():
-        return
-
-    def outside(s: Tensor) -> Tensor:
-        seq, start, end = s.unbind(1)
-        return (seq < 0) | (seq >= n_rows) | (start < 0) | (start > end) | (end > n_cols)
-
-    bad = torch.stack([outside(s).any() for _, s in given]).tolist()
-    for (name, s), wrong in zip(given, bad):
-        if wrong:
-            k = int(outside(s).nonzero()[0, 0])
-            i, a, b = s[k].tolist()
-            raise ValueError(
-                f"{name} spans: region {k} is (seq, start, end) = ({i}, {a}, {b}); "
-                f"need 0 <= seq < B = {n_rows} and 0 <= start <= end <= T = {n_cols}"
-            )
-
-
 # ---------------------------------------------------------------------------
 # the op
 # ---------------------------------------------------------------------------
@@ -165,7 +144,7 @@ def _scatter_rewards_fwd(
     overlong_penalty: float,
 ) -> tuple[Tensor, Tensor]:
     token_rewards, token_costs = out
-    _check_spans((("region_rewards", region_spans), ("region_costs", cost_region_spans)), *mask.shape)
+    check_span_values((("region_rewards spans", region_spans), ("region_costs spans", cost_region_spans)), *mask.shape)
     if token_rewards.numel() == 0:
         return
     primitive(

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from rlk.core.checks import choice, values_checked
+from rlk.ops import spans as span_tables
 
 #: The dtype of every span table and of ``vision_token_offsets`` (the dtype of ``cu_seqlens`` in rlk).
 SPAN_DTYPE = torch.int32
@@ -89,25 +90,21 @@ def spans_to_mask(spans: Tensor, shape: tuple[int, int], *, tags: tuple[int, ...
     ``spans``: int ``[S, 4]`` rows ``(sequence, start, end, tag)``, in range (checked by :class:`MultimodalBatch`).
     Built on ``spans``' device by a difference array and a cumulative sum (no host synchronization).
     """
-    batch, length = shape
-    # spans whose tag is not in ``tags`` weigh 0 (a boolean filter would synchronize to size its output)
-    weight = torch.ones(spans.shape[0], dtype=torch.int32, device=spans.device)
-    if tags is not None:
-        keep = torch.zeros_like(weight)
-        for tag in tags:
-            keep |= (spans[:, 3] == tag).int()
-        weight = keep
-    marks = _marks(spans[:, 0].long(), spans[:, 1].long(), spans[:, 2].long(), weight, batch, length)
-    return marks.cumsum(1)[:, :length] > 0
+    return span_tables.mask(spans, shape, tags=tags)
 
 
-def _marks(rows: Tensor, starts: Tensor, ends: Tensor, weight: Tensor, batch: int, length: int) -> Tensor:
-    """The difference array ``[B, T + 1]``: ``+weight`` at ``(row, start)``, ``-weight`` at ``(row, end)`` (integer
-    adds: exact in any order)."""
-    marks = torch.zeros(batch * (length + 1), dtype=weight.dtype, device=weight.device)
-    marks.scatter_add_(0, rows * (length + 1) + starts, weight)
-    marks.scatter_add_(0, rows * (length + 1) + ends, -weight)
-    return marks.view(batch, length + 1)
+def shift_spans(spans: Tensor, shift: int) -> Tensor:
+    """``spans`` with every ``start`` and ``end`` moved by ``shift`` columns and clamped at 0, on the device (a
+    positive shift can move an end past ``T``; the ops' value check then reports the row).
+
+    ``shift_spans(batch.loss_spans, -1)`` maps spans of predicted tokens (token columns) onto the positions that
+    predict them (``targets[:, t] = input_ids[:, t + 1]``), for ``loss_spans=`` of the log-prob ops and losses; a
+    span starting at column 0 loses that column (no position predicts the first token).
+    """
+    shift = int(shift)
+    out = spans.clone()
+    out[:, 1:3] = (spans[:, 1:3] + shift).clamp(min=0)
+    return out
 
 
 def mask_to_spans(mask: Tensor, *, tag: int = 0) -> Tensor:
@@ -131,7 +128,7 @@ def _covered_counts(spans: Tensor, batch: int, length: int) -> Tensor:
     rows = spans[:, 0].long().clamp(0, batch - 1)
     ones = torch.ones(rows.shape[0], dtype=torch.int64, device=spans.device)
     starts, ends = spans[:, 1].long().clamp(0, length), spans[:, 2].long().clamp(0, length)
-    covered = (_marks(rows, starts, ends, ones, batch, length).cumsum(1)[:, :length] > 0).long()
+    covered = (span_tables.difference_marks(rows, starts, ends, ones, batch, length).cumsum(1)[:, :length] > 0).long()
     return torch.nn.functional.pad(covered.cumsum(1), (1, 0))
 
 

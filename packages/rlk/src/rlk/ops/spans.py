@@ -1,0 +1,107 @@
+"""Span tables as op arguments: ``loss_spans`` of the log-prob ops and losses, and the regions of ``scatter_rewards``.
+
+A span table is an integer ``[S, 4]`` tensor of rows ``(sequence, start, end, tag)`` (``rlk.multimodal``'s layout;
+``[S, 3]`` without the tag) addressing the columns ``[start, end)`` of row ``sequence`` of a ``[B, T]`` batch. The
+ops turn it into their mask on the tensors' device, by a difference array and a cumulative sum: no dense mask is
+built on the host and nothing synchronizes but the optional value check.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlk.core import checks
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_table(name: str, spans, device: torch.device, *, tagged: bool | None = None) -> Tensor:
+    """``spans`` as int64 ``[S, 4]`` / ``[S, 3]`` on ``device`` (shape, dtype and device checked, errors name
+    ``name``); ``tagged``: True requires the tag column, False drops it if present, None keeps what is given."""
+    if not isinstance(spans, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor (an int [S, 4] span table), got {type(spans).__name__}")
+    if spans.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {spans.dtype}")
+    widths = (4,) if tagged else (3, 4)
+    if spans.dim() != 2 or spans.shape[1] not in widths:
+        expected = "[S, 4] (sequence, start, end, tag)" + ("" if tagged else " or [S, 3] (sequence, start, end)")
+        raise ValueError(f"{name}: expected shape {expected}, got {tuple(spans.shape)}")
+    if spans.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {spans.device}")
+    if tagged is False and spans.shape[1] == 4:
+        spans = spans[:, :3]
+    return spans.detach().to(torch.int64).contiguous()
+
+
+def check_values(named: tuple[tuple[str, Tensor | None], ...], n_rows: int, n_cols: int) -> None:
+    """Value check of the span tables given, one host synchronization for all (``RLK_CHECK_VALUES=0`` skips it):
+    ``0 <= sequence < B`` and ``0 <= start <= end <= T`` on every row."""
+    given = [(name, s) for name, s in named if s is not None and s.shape[0]]
+    if not given or not checks.values_checked():
+        return
+
+    def outside(s: Tensor) -> Tensor:
+        seq, start, end = s[:, 0], s[:, 1], s[:, 2]
+        return (seq < 0) | (seq >= n_rows) | (start < 0) | (start > end) | (end > n_cols)
+
+    bad = torch.stack([outside(s).any() for _, s in given]).tolist()
+    for (name, s), wrong in zip(given, bad):
+        if wrong:
+            k = int(outside(s).nonzero()[0, 0])
+            i, a, b = s[k, :3].tolist()
+            raise ValueError(
+                f"{name}: row {k} is (seq, start, end) = ({i}, {a}, {b}); "
+                f"need 0 <= seq < B = {n_rows} and 0 <= start <= end <= T = {n_cols}"
+            )
+
+
+def mask(spans: Tensor, shape: tuple[int, int], *, tags: tuple[int, ...] | None = None) -> Tensor:
+    """The bool ``[B, T]`` mask of the columns ``spans`` covers (only rows whose tag is in ``tags``, if given).
+
+    ``spans``: int ``[S, 4]`` (``[S, 3]`` when ``tags`` is None), in range. Built on ``spans``' device by a difference
+    array (integer adds: exact in any order) and a cumulative sum; no host synchronization.
+    """
+    batch, length = shape
+    # rows whose tag is not in ``tags`` weigh 0 (a boolean filter would synchronize to size its output)
+    weight = torch.ones(spans.shape[0], dtype=torch.int32, device=spans.device)
+    if tags is not None:
+        keep = torch.zeros_like(weight)
+        for tag in tags:
+            keep |= (spans[:, 3] == tag).int()
+        weight = keep
+    marks = difference_marks(spans[:, 0].long(), spans[:, 1].long(), spans[:, 2].long(), weight, batch, length)
+    return marks.cumsum(1)[:, :length] > 0
+
+
+def difference_marks(rows: Tensor, starts: Tensor, ends: Tensor, weight: Tensor, batch: int, length: int) -> Tensor:
+    """The difference array ``[B, T + 1]``: ``+weight`` at ``(row, start)``, ``-weight`` at ``(row, end)``."""
+    marks = torch.zeros(batch * (length + 1), dtype=weight.dtype, device=weight.device)
+    marks.scatter_add_(0, rows * (length + 1) + starts, weight)
+    marks.scatter_add_(0, rows * (length + 1) + ends, -weight)
+    return marks.view(batch, length + 1)
+
+
+def _tags(span_tags) -> tuple[int, ...] | None:
+    if span_tags is None:
+        return None
+    if isinstance(span_tags, (bool, float, str)) or not hasattr(span_tags, "__iter__"):
+        span_tags = (span_tags,)
+    return tuple(checks.integer("span_tags", t) for t in span_tags)
+
+
+def loss_mask(loss_spans, span_tags, shape: tuple[int, ...], device: torch.device, what: str) -> Tensor:
+    """The bool ``[B, T]`` mask of an op's ``loss_spans`` (rows tagged one of ``span_tags``, if given) for tensors of
+    ``shape`` (``what`` names them in the error when they are not ``[B, T]``); values checked (one synchronization,
+    ``RLK_CHECK_VALUES=0`` skips it)."""
+    if len(shape) != 2:
+        raise ValueError(f"loss_spans: needs {what} of shape [B, T] (spans address (sequence, column)), got {shape}")
+    tags = _tags(span_tags)
+    table = check_table("loss_spans", loss_spans, device, tagged=True if tags is not None else None)
+    check_values((("loss_spans", table),), *shape)
+    return mask(table, shape, tags=tags)
+
+
+def no_tags_without_spans(loss_spans, span_tags) -> None:
+    if span_tags is not None and loss_spans is None:
+        raise ValueError("span_tags: given without loss_spans (the tags select rows of loss_spans)")

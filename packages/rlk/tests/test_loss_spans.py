@@ -1,0 +1,217 @@
+"""Span-masked log-probs and losses: ``loss_spans=`` / ``span_tags=`` of ``selected_logprob``, ``linear_logprob``,
+``kl_penalty``, ``policy_loss`` and ``policy_loss_and_grad`` (issue 21 item 4).
+
+Each is checked against the same op given the dense form of the spans (``ignore_index`` targets, a mask, or the
+output multiplied by the mask), bitwise, on the reference and Triton backends: the spans only select positions. Also:
+off-span positions holding NaN change nothing and get no gradient, the tags select rows, the spans of a real fixture
+(visual tokens never scored), ``shift_spans``, and errors that name the argument.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlk
+from rlk.multimodal import MODALITIES, shift_spans, spans_to_mask, synthetic_batch
+
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.triton_interpreter)]
+B, T, V, H = 3, 10, 33, 16
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    with rlk.use_backend(request.param):
+        yield request.param
+
+
+def _spans() -> torch.Tensor:
+    """Two turns in row 0 (tags 0, 1), one in row 2 (tag 1), none in row 1; int32 ``[S, 4]``."""
+    return torch.tensor([[0, 1, 4, 0], [0, 6, 9, 1], [2, 3, 10, 1]], dtype=torch.int32)
+
+
+def _dense(spans: torch.Tensor, tags=None) -> torch.Tensor:
+    """The mask written out with Python loops (independent of rlk's difference array)."""
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for seq, start, end, tag in spans.tolist():
+        if tags is None or tag in tags:
+            mask[seq, start:end] = True
+    return mask
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _grads(out: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(out.sum(), inputs)
+
+
+@pytest.mark.parametrize("tags", [None, (1,)])
+def test_selected_logprob_equals_ignore_index_targets(backend, tags):
+    g = _gen(0)
+    logits = (torch.randn(B, T, V, generator=g) * 2).requires_grad_()
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = _dense(_spans(), tags)
+    lp, ent = rlk.selected_logprob(logits, targets, loss_spans=_spans(), span_tags=tags, return_entropy=True)
+    want_lp, want_ent = rlk.selected_logprob(logits, torch.where(mask, targets, -100), return_entropy=True)
+    assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent)
+    assert torch.equal(_grads(lp + ent, logits)[0], _grads(want_lp + want_ent, logits)[0])
+    assert (lp[~mask] == 0).all() and (lp[mask] < 0).all()
+
+
+@pytest.mark.parametrize("tags", [None, (0,)])
+def test_linear_logprob_equals_ignore_index_targets(backend, tags):
+    g = _gen(1)
+    hidden = torch.randn(B, T, H, generator=g).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.3).requires_grad_()
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = _dense(_spans(), tags)
+    lp = rlk.linear_logprob(hidden, weight, targets, loss_spans=_spans(), span_tags=tags)
+    want = rlk.linear_logprob(hidden, weight, torch.where(mask, targets, -100))
+    assert torch.equal(lp, want)
+    for got, expected in zip(_grads(lp, hidden, weight), _grads(want, hidden, weight)):
+        assert torch.equal(got, expected)
+    assert (lp[~mask] == 0).all() and (lp[mask] < 0).all()
+
+
+def test_off_span_nan_is_never_read(backend):
+    """NaN hidden states / logits outside the spans (padding, visual tokens): outputs and gradients finite."""
+    g = _gen(2)
+    mask = _dense(_spans())
+    hidden = torch.randn(B, T, H, generator=g).masked_fill(~mask[..., None], float("nan")).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.3).requires_grad_()
+    logits = torch.randn(B, T, V, generator=g).masked_fill(~mask[..., None], float("nan")).requires_grad_()
+    targets = torch.randint(0, V, (B, T), generator=g)
+    lp = rlk.linear_logprob(hidden, weight, targets, loss_spans=_spans())
+    lp2 = rlk.selected_logprob(logits, targets, loss_spans=_spans())
+    grads = (*_grads(lp, hidden, weight), *_grads(lp2, logits))
+    assert torch.isfinite(lp).all() and torch.isfinite(lp2).all()
+    assert torch.isfinite(grads[1]).all() and (grads[1] != 0).any()  # the weight's gradient: scored rows only
+    assert (grads[0][~mask] == 0).all() and (grads[2][~mask] == 0).all()
+    assert torch.isfinite(grads[0][mask]).all() and torch.isfinite(grads[2][mask]).all()
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "abs"])
+def test_kl_penalty_is_the_masked_estimate(backend, estimator):
+    g = _gen(3)
+    logprob = (-torch.rand(B, T, generator=g) * 3).requires_grad_()
+    ref = logprob.detach() + 0.3 * torch.randn(B, T, generator=g)
+    old = logprob.detach() + 0.1 * torch.randn(B, T, generator=g)
+    mask = _dense(_spans())
+    kl = rlk.kl_penalty(logprob, ref, estimator, old_logprob=old, loss_spans=_spans())
+    full = rlk.kl_penalty(logprob, ref, estimator, old_logprob=old)
+    assert torch.equal(kl, torch.where(mask, full, 0.0))
+    grad = _grads(kl, logprob)[0]
+    assert torch.equal(grad, _grads(full * mask, logprob)[0])
+    # NaN off the spans is replaced before the estimator: value 0, gradient 0
+    nan_lp = logprob.detach().masked_fill(~mask, float("nan")).requires_grad_()
+    kl_nan = rlk.kl_penalty(nan_lp, ref, estimator, old_logprob=old, loss_spans=_spans())
+    assert torch.equal(kl_nan, kl)
+    assert torch.equal(_grads(kl_nan, nan_lp)[0], grad)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_policy_loss_equals_the_dense_mask(backend, agg, fused):
+    g = _gen(4)
+    old = -torch.rand(B, T, generator=g) * 3
+    logprob = (old + 0.2 * torch.randn(B, T, generator=g)).requires_grad_()
+    adv = torch.randn(B, 1, generator=g)
+    ref = old + 0.3 * torch.randn(B, T, generator=g)
+    mask = _dense(_spans(), (1,))
+    kw = {"agg": agg, "ref_logprob": ref, "kl_coef": 0.1}
+    if fused:
+        got = rlk.policy_loss_and_grad(logprob, old, adv, loss_spans=_spans(), span_tags=1, **kw)
+        want = rlk.policy_loss_and_grad(logprob, old, adv, mask, **kw)
+        assert torch.equal(got.loss, want.loss) and torch.equal(got.grad_logprob, want.grad_logprob)
+        got_metrics, want_metrics = got.metrics, want.metrics
+    else:
+        loss, got_metrics = rlk.policy_loss(logprob, old, adv, loss_spans=_spans(), span_tags=1, **kw)
+        want_loss, want_metrics = rlk.policy_loss(logprob, old, adv, mask, **kw)
+        assert torch.equal(loss, want_loss)
+        assert torch.equal(_grads(loss, logprob)[0], _grads(want_loss, logprob)[0])
+    assert got_metrics.keys() == want_metrics.keys()
+    assert all(torch.equal(got_metrics[k], want_metrics[k]) for k in got_metrics)
+
+
+def test_mask_spans_match_a_python_loop():
+    """The device mask the ops build (``spans_to_mask``) against the loop: every tag subset."""
+    for tags in (None, (0,), (1,), (0, 1), (5,)):
+        assert torch.equal(spans_to_mask(_spans(), (B, T), tags=tags), _dense(_spans(), tags))
+
+
+def test_a_fixture_scores_only_its_response_tokens():
+    """An image-text batch: with its shifted ``loss_spans`` no position predicting a visual token or a prompt token is
+    scored, and every position predicting a loss token is."""
+    batch = synthetic_batch("image-text", batch_size=3, seed=5)
+    b, t = batch.input_ids.shape
+    g = _gen(6)
+    logits = torch.randn(b, t - 1, 40, generator=g)
+    targets = batch.input_ids[:, 1:] % 40
+    spans = shift_spans(batch.loss_spans, -1)
+    lp = rlk.selected_logprob(logits, targets, loss_spans=spans)
+    predicts_loss = batch.loss_mask()[:, 1:]
+    predicts_visual = batch.modality_mask()[:, 1:]
+    assert (lp[predicts_loss] != 0).all()
+    assert (lp[~predicts_loss] == 0).all()
+    assert predicts_visual.any() and not (predicts_loss & predicts_visual).any()
+
+
+def test_shift_spans():
+    spans = torch.tensor([[0, 0, 3, 7], [1, 4, 9, 2]], dtype=torch.int32)
+    assert shift_spans(spans, -1).tolist() == [[0, 0, 2, 7], [1, 3, 8, 2]]
+    assert shift_spans(spans, 2).tolist() == [[0, 2, 5, 7], [1, 6, 11, 2]]
+    assert shift_spans(spans, -1).dtype == torch.int32
+
+
+def test_modality_spans_select_by_tag():
+    """``span_tags`` with ``modality_spans``: image tokens only (the modality codes are the tags)."""
+    batch = synthetic_batch("multi-image", batch_size=2, seed=7)
+    b, t = batch.input_ids.shape
+    logits = torch.randn(b, t, 11, generator=_gen(8))
+    targets = torch.zeros(b, t, dtype=torch.long)
+    lp = rlk.selected_logprob(logits, targets, loss_spans=batch.modality_spans, span_tags=MODALITIES["image"])
+    assert torch.equal(lp != 0, batch.modality_mask("image"))
+
+
+def test_errors_name_the_argument(monkeypatch):
+    logits, targets = torch.randn(B, T, V), torch.zeros(B, T, dtype=torch.long)
+    lp, adv = -torch.rand(B, T), torch.randn(B)
+    cases = [
+        (lambda: rlk.policy_loss(lp, None, adv), TypeError, "mask: required"),
+        (lambda: rlk.policy_loss(lp, None, adv, _dense(_spans()), loss_spans=_spans()), ValueError, "mask, loss_spans"),
+        (lambda: rlk.selected_logprob(logits, targets, span_tags=1), ValueError, "span_tags: given without"),
+        (lambda: rlk.kl_penalty(lp, lp, "k1", span_tags=(1,)), ValueError, "span_tags: given without"),
+        (lambda: rlk.selected_logprob(logits, targets, loss_spans=_spans().float()), TypeError, "loss_spans: .*dtype"),
+        (
+            lambda: rlk.selected_logprob(logits, targets, loss_spans=_spans()[:, :2]),
+            ValueError,
+            r"loss_spans: .*\[S, 4\]",
+        ),
+        (lambda: rlk.selected_logprob(logits, targets, loss_spans=[[0, 1, 2, 0]]), TypeError, "loss_spans: expected a"),
+        (
+            lambda: rlk.selected_logprob(logits, targets, loss_spans=_spans()[:, :3], span_tags=1),
+            ValueError,
+            r"loss_spans: expected shape \[S, 4\]",
+        ),
+        (
+            lambda: rlk.selected_logprob(logits[0], targets[0], loss_spans=_spans()),
+            ValueError,
+            r"loss_spans: needs targets .* of shape \[B, T\]",
+        ),
+        (lambda: rlk.selected_logprob(logits, targets, loss_spans=_spans(), span_tags=1.5), TypeError, "span_tags"),
+        (
+            lambda: rlk.selected_logprob(logits, targets, loss_spans=torch.tensor([[3, 0, 2, 0]])),
+            ValueError,
+            r"loss_spans: row 0 is \(seq, start, end\) = \(3, 0, 2\); need 0 <= seq < B = 3",
+        ),
+        (
+            lambda: rlk.policy_loss(lp, None, adv, loss_spans=torch.tensor([[0, 5, 4, 0]])),
+            ValueError,
+            r"loss_spans: row 0 .* 0 <= start <= end <= T = 10",
+        ),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
