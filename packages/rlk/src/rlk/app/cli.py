@@ -142,9 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", type=_device_arg, default=None, help=DEVICE_HELP)
     demo.add_argument("--out", default=None, help="folder for the consistency report (default: ./rlk-demo)")
     demo.add_argument("--skip-consistency", action="store_true", help="only the linear_logprob memory showcase")
-    from rlk.app import multimodal_parity
+    from rlk.app import multimodal_parity, multimodal_smoke
 
     multimodal_parity.add_parser(sub)
+    multimodal_smoke.add_parser(sub)
     return parser
 
 
@@ -158,7 +159,7 @@ def _device_of(args) -> str:
 
 
 def _needs_interpreter(args) -> bool:
-    if args.command in ("info", "multimodal-parity"):
+    if args.command in ("info", "multimodal-parity", "multimodal-smoke"):
         return False
     if args.command == "demo" and args.skip_consistency:
         return False
@@ -200,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, parser: argparse.ArgumentParser) -> int:
+    if args.command == "multimodal-smoke":
+        from rlk.app import multimodal_smoke
+
+        return multimodal_smoke.run(args, parser)
     if args.command == "multimodal-parity":
         from rlk.app import multimodal_parity
 
