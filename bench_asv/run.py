@@ -51,6 +51,7 @@ OPS = {
     "chain": ("chain", "ChainForward"),
     "prefix_sharing": ("prefix_sharing", "PrefixSharing"),
     "pack": ("pack", "Pack"),
+    "span_logprob": ("multimodal", "SpanLogprob"),
 }
 
 

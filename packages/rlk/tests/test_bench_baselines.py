@@ -1,4 +1,5 @@
-"""The PyTorch baselines of ``bench_asv/benchmarks/rl_objectives.py``, ``distill.py``, ``pack.py`` and ``rewards.py``
+"""The PyTorch baselines of ``bench_asv/benchmarks/rl_objectives.py``, ``distill.py``, ``pack.py``, ``rewards.py`` and
+``multimodal.py``
 compute what the rlk implementations they are timed against compute: a speedup over a baseline that does something
 else would mean nothing."""
 
@@ -14,6 +15,7 @@ import rlk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench_asv"))
 from benchmarks import distill as bench_distill  # noqa: E402
+from benchmarks import multimodal as bench_multimodal  # noqa: E402
 from benchmarks import pack as bench_pack  # noqa: E402
 from benchmarks import rewards as bench_rewards  # noqa: E402
 from benchmarks import rl_objectives as bench  # noqa: E402
@@ -120,3 +122,24 @@ def test_scatter_rewards_baseline_matches_rlk(option):
         ours = bench_rewards.rlk_scatter_rewards(rewards, weights, mask, option)
     assert bool((base != 0).any())
     torch.testing.assert_close(ours, base, rtol=1e-5, atol=1e-6)
+
+
+def test_span_logprob_baseline_matches_rlk():
+    """The dense framework-style path and ``linear_logprob(..., loss_spans=)`` on the benchmark's batch: the same
+    log-probs and gradients (fp32, within rounding), zero off the spans in both, and the spans are the mask."""
+    b, t, h, v = 3, 64, 16, 50
+    targets, spans, mask = bench_multimodal.vlm_batch(b, t, v)
+    assert torch.equal(rlk.multimodal.spans_to_mask(spans, (b, t)), mask)
+    assert 0.1 < mask.float().mean() < 0.5
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(b, t, h, generator=gen).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen) * 0.3).requires_grad_()
+    with rlk.use_backend("reference"):
+        ours = bench_multimodal.rlk_span_logprob(hidden, weight, targets, spans)
+    base = bench_multimodal.torch_dense_logprob(hidden, weight, targets, mask)
+    assert torch.equal(ours == 0, ~mask) and torch.equal(base == 0, ~mask)
+    torch.testing.assert_close(ours, base, rtol=1e-5, atol=1e-5)
+    for a, c in zip(
+        torch.autograd.grad(ours.sum(), (hidden, weight)), torch.autograd.grad(base.sum(), (hidden, weight))
+    ):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
