@@ -42,7 +42,7 @@ RLK_REQUIRE_TRL=0 "$out/venv-transformers/bin/python" -m pytest -n 2 packages/rl
   packages/rlk/tests/test_consistency_paths.py packages/rlk/tests/test_consistency_probe.py \
   packages/rlk/tests/test_batch_invariant.py packages/rlk/tests/test_hf_apply.py packages/rlk/tests/test_hf_groups.py \
   packages/rlk/tests/test_multimodal_processor.py packages/rlk/tests/test_multimodal_parity.py \
-  packages/rlk/tests/test_multimodal_smoke.py \
+  packages/rlk/tests/test_multimodal_smoke.py packages/rlk/tests/test_vlm_batch_invariant.py \
   -k "not trl"
 echo "== verl 0.9.1: the verl integration against the real verl in a second environment"
 bash ci/install_verl_env.sh "$out/venv-verl"

@@ -21,6 +21,14 @@ aten op                                    served by
                                            (any dims: the reduced dims are moved last and flattened)
 ``_fused_rms_norm`` (+ ``_backward``)      ``rms_norm_fwd`` / ``rms_norm_bwd``
 ``embedding_dense_backward``               ``embedding_bwd`` (no atomics; not with ``scale_grad_by_freq``)
+``convolution``                            ``matmul_fwd`` over the flattened patches (bias fused) when stride ==
+                                           kernel, no padding, dilation 1, groups 1, not transposed: a patch
+                                           embedding (ViT ``Conv2d``, Qwen2-VL ``Conv3d``); forward only (the
+                                           stock ``convolution_backward`` serves the gradients)
+``native_layer_norm``                      per row in fp32: mean and variance each summed by ``matmul_fwd``
+                                           against a ones column, then ``(x - mean) * rstd * w + b``; weight
+                                           and bias of the input's dtype; the stock backward uses its saved
+                                           ``mean`` / ``rstd``
 ``_scaled_dot_product_flash_attention``    ``attention_fwd`` / ``attention_bwd`` on the varlen layout with
 (+ ``_backward``), CUDA only               uniform ``cu_seqlens``; no dropout; causal only when Sq == Sk
 ``_scaled_dot_product_efficient_attention`` the same, when ``attn_bias`` is None (a mask: stock kernel and a
@@ -40,6 +48,9 @@ inputs' device and dtype (for example ``RLK_BACKEND=reference``).
 Dispatch keys: ``CUDA`` when CUDA is available, and ``CPU`` only when a batch-invariant backend serves
 CPU tensors (the triton backend under ``TRITON_INTERPRET=1``: slow, for tests). Enabling with no
 batch-invariant backend for any device raises :class:`rlk.BackendError` saying why.
+
+With these two, a vision tower (patch embedding, LayerNorm blocks, merger) runs on rlk's kernels too; together
+with :func:`rlk.patch_model` a vision-language model's prefill is batch-invariant (``docs/multimodal.md``).
 
 Pointwise ops, reductions the model does not use, and kernels picked by ``torch.compile`` (inductor
 lowers ``mm`` and ``softmax`` itself) are not covered: the mode is for eager execution. What the
@@ -365,6 +376,86 @@ def _embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sc
     return grad_weight
 
 
+# ---- patch embeddings and layer norm (vision towers) ----------------------------------------------------
+
+
+def _all(values, expected: int) -> bool:
+    return all(int(v) == expected for v in values)
+
+
+def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """A convolution whose stride equals its kernel (no padding, dilation, groups): a patch embedding (ViT's
+    Conv2d, Qwen2-VL's Conv3d). The input is cut into its non-overlapping patches (trailing pixels that fill no
+    patch are dropped, as the convolution drops them), each flattened to a row ``[C * prod(kernel)]``, and the
+    rows run through ``matmul_fwd`` against the flattened weight (bias fused): a patch's output does not depend on
+    the other patches."""
+    spatial = x.dim() - 2
+    if transposed or groups != 1 or spatial < 1 or weight.dim() != x.dim() or x.numel() == 0:
+        return _FALLBACK
+    kernel = tuple(weight.shape[2:])
+    if tuple(int(s) for s in stride) != kernel or not _all(padding, 0) or not _all(dilation, 1):
+        return _FALLBACK
+    if not _is_float(x, weight) or (bias is not None and (bias.dtype != x.dtype or bias.dim() != 1)):
+        return _FALLBACK
+    batch, channels = x.shape[:2]
+    out_channels = weight.shape[0]
+    if weight.shape[1] != channels or any(size < k for size, k in zip(x.shape[2:], kernel)):
+        return _FALLBACK
+    backend = _invariant_backend("matmul", x.device, x.dtype)
+    if backend is None:
+        return _FALLBACK
+    counts = [size // k for size, k in zip(x.shape[2:], kernel)]
+    x = x[(slice(None), slice(None), *(slice(0, n * k) for n, k in zip(counts, kernel)))]
+    split = [batch, channels]
+    for n, k in zip(counts, kernel):
+        split += [n, k]
+    # [B, C, n1, k1, n2, k2, ...] -> [B, n1, n2, ..., C, k1, k2, ...]
+    order = [0, *(2 + 2 * i for i in range(spatial)), 1, *(3 + 2 * i for i in range(spatial))]
+    rows = x.reshape(split).permute(order).reshape(batch * math.prod(counts), channels * math.prod(kernel))
+    out = x.new_empty((rows.shape[0], out_channels))
+    backend.primitives["matmul_fwd"](
+        rows.contiguous(),
+        weight.reshape(out_channels, -1).t(),
+        None if bias is None else bias.contiguous(),
+        out,
+    )
+    # [B * n1 * n2 ..., O] -> [B, O, n1, n2, ...]
+    return out.view(batch, *counts, out_channels).movedim(-1, 1).contiguous()
+
+
+def _native_layer_norm(x, normalized_shape, weight, bias, eps):
+    """LayerNorm over the trailing ``normalized_shape`` dims: per row of ``H`` elements, in fp32, the mean and then
+    the mean of the squared deviations each summed by ``matmul_fwd`` against a ones column (a ``K`` loop in fixed
+    order, as ``mean.dim``); ``y = (x - mean) * rsqrt(var + eps) * weight + bias``, rounded once. The saved
+    statistics have the stock kernel's shape and dtype (fp32 on CUDA, the input's dtype on the CPU), so the stock
+    backward uses them."""
+    hidden = _norm_rows(normalized_shape, x)
+    if hidden is None or hidden == 0 or x.dtype not in _FLOAT_DTYPES or x.numel() == 0:
+        return _FALLBACK
+    for param in (weight, bias):
+        if param is not None and (param.dtype != x.dtype or param.numel() != hidden or param.device != x.device):
+            return _FALLBACK
+    backend = _invariant_backend("matmul", x.device, torch.float32)
+    if backend is None:
+        return _FALLBACK
+    rows = x.reshape(-1, hidden).to(torch.float32).contiguous()
+    ones = rows.new_ones((hidden, 1))
+    sums = rows.new_empty((rows.shape[0], 1))
+    backend.primitives["matmul_fwd"](rows, ones, None, sums)
+    mean = sums / hidden
+    centered = rows - mean
+    backend.primitives["matmul_fwd"]((centered * centered).contiguous(), ones, None, sums)
+    rstd = torch.rsqrt(sums / hidden + eps)
+    y = centered * rstd
+    if weight is not None:
+        y = y * weight.reshape(hidden).to(torch.float32)
+    if bias is not None:
+        y = y + bias.reshape(hidden).to(torch.float32)
+    stat_shape = (*x.shape[: x.dim() - len(normalized_shape)], *([1] * len(normalized_shape)))
+    stat_dtype = torch.float32 if x.device.type == "cuda" else x.dtype
+    return y.to(x.dtype).view(x.shape), mean.to(stat_dtype).view(stat_shape), rstd.to(stat_dtype).view(stat_shape)
+
+
 # ---- scaled dot-product attention: dense [B, H, S, D] <-> varlen [B * S, H, D] -----------------------
 
 
@@ -631,6 +722,8 @@ _OVERRIDES: tuple[tuple[str, Callable, bool], ...] = (
     ("_fused_rms_norm", _fused_rms_norm, False),
     ("_fused_rms_norm_backward", _fused_rms_norm_backward, False),
     ("embedding_dense_backward", _embedding_dense_backward, False),
+    ("convolution", _convolution, False),
+    ("native_layer_norm", _native_layer_norm, False),
     ("_scaled_dot_product_flash_attention", _flash_attention, True),
     ("_scaled_dot_product_flash_attention_backward", _flash_attention_backward, True),
     ("_scaled_dot_product_efficient_attention", _efficient_attention, True),

@@ -243,20 +243,25 @@ def unpack(packed: Tensor, attention_mask: Tensor, *, padding_value: float = 0) 
     _check_data("packed", packed, attention_mask)
     if packed.dim() < 1:
         raise ValueError(f"packed: expected shape [total, *trailing], got {tuple(packed.shape)}")
-    if isinstance(padding_value, bool) or not isinstance(padding_value, (int, float)):
-        raise TypeError(f"padding_value: expected an int or a float, got {type(padding_value).__name__}")
-    if not packed.dtype.is_floating_point:
-        if isinstance(padding_value, float) and not padding_value.is_integer():
-            raise ValueError(f"padding_value: expected an integer for {packed.dtype} packed, got {padding_value!r}")
-        info = torch.iinfo(packed.dtype)
-        if not info.min <= padding_value <= info.max:
-            raise ValueError(f"padding_value: {padding_value!r} does not fit {packed.dtype}")
+    check_padding_value(padding_value, packed.dtype)
     b, t = attention_mask.shape
     slot, _, _ = _slots(attention_mask, None if _checked() else packed.shape[0], packed.shape[0])
     trailing = tuple(packed.shape[1:])
     rows = packed.reshape(packed.shape[0], _numel(trailing))
     out = _unpack_fwd(rows.contiguous(), slot, float(padding_value))
     return out.view(b, t, *trailing)
+
+
+def check_padding_value(padding_value, dtype: torch.dtype) -> None:
+    """``padding_value`` is an int or float that ``dtype`` holds exactly (an integer for integer dtypes)."""
+    if isinstance(padding_value, bool) or not isinstance(padding_value, (int, float)):
+        raise TypeError(f"padding_value: expected an int or a float, got {type(padding_value).__name__}")
+    if not dtype.is_floating_point:
+        if isinstance(padding_value, float) and not padding_value.is_integer():
+            raise ValueError(f"padding_value: expected an integer for {dtype} packed, got {padding_value!r}")
+        info = torch.iinfo(dtype)
+        if not info.min <= padding_value <= info.max:
+            raise ValueError(f"padding_value: {padding_value!r} does not fit {dtype}")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -487,6 +487,10 @@ def patch_model(model):
     that record its ``cache_position`` and KV cache for the duration of its forward. Idempotent: patching a patched
     model does nothing. :func:`unpatch_model` restores the stock behaviour exactly. Use together with
     ``rlk.batch_invariant()`` for the matmuls and softmaxes.
+
+    Vision-language models (Qwen2-VL) are accepted: the attention of every sub-config is switched, so the vision
+    tower's per-image (non-causal) attention runs on rlk too; its patch embedding and LayerNorm are served by the
+    ``convolution`` / ``native_layer_norm`` overrides of ``rlk.batch_invariant()`` (``docs/multimodal.md``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module (a transformers causal LM), got {type(model).__name__}")
