@@ -20,7 +20,11 @@ import rlk.multimodal as mm
 from rlk.integrations.multimodal.schema import MODALITIES, SPAN_DTYPE, MultimodalBatch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.triton_interpreter)]
+# the Triton backend: under the interpreter on the CPU, compiled on a GPU
+BACKENDS = [
+    "reference",
+    pytest.param("triton", marks=pytest.mark.gpu if DEVICE.type == "cuda" else pytest.mark.triton_interpreter),
+]
 ORDERS = ("frame", "token")
 
 

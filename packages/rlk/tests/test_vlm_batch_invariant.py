@@ -131,8 +131,6 @@ def check_vlm_invariance(preset_name: str) -> dict:
 
 @pytest.mark.triton_interpreter
 def test_tiny_qwen2_vl_response_logprobs_are_batch_invariant_cpu():
-    if ON_GPU:
-        pytest.skip("the CPU run; the GPU run is the gpu-marked test")
     check_vlm_invariance("tiny")
 
 
