@@ -10,16 +10,18 @@ trainers do from their masks; not timed).
 
 Implementations (``impl``):
 
-* ``rlk_spans``: ``rlk.linear_logprob(hidden, weight, targets, loss_spans=spans)``: no ``[N, V]`` logits, the span
-  table turned into the mask on the device;
+* ``rlk_host_spans``: ``rlk.linear_logprob(hidden, weight, targets, loss_spans=spans)`` with the span table on the
+  CPU (as a data loader builds it): only the scored rows are packed and computed, no ``[N, V]`` logits;
+* ``rlk_device_spans``: the same with the table on the GPU: every row computed, the unscored ones masked in place;
 * ``torch_dense``: ``logits = hidden @ weight.T`` for every position (visual, prompt and padding included: the model's
   LM head computes them all), ``log_softmax`` in fp32, ``gather``, times the dense mask: what verl / TRL / OpenRLHF
   compute from a model's logits.
 
 Each step: the forward, then the gradients with respect to ``hidden`` and ``weight`` for a random ``[B, T]`` output
-gradient. Reported: ``track_ms`` (median ms), ``track_tflops`` (``8 N H V`` FLOPs credited to both, ``N = B T``: the
-forward GEMM, its recomputation or a logits read, and the two backward GEMMs; the roof is ``MachineCeilings``'
-matmul in the same run) and ``track_peak_extra_mib`` (``SpanLogprobMemory``, GPU only).
+gradient. Reported: ``track_ms`` (median ms), ``track_tflops`` (``8 N H V`` FLOPs credited to every impl, ``N = B T``:
+the forward GEMM, its recomputation or a logits read, and the two backward GEMMs, over all positions; the packed path
+does about a quarter of that, so its rate can pass the roof, ``MachineCeilings``' matmul in the same run) and
+``track_peak_extra_mib`` (``SpanLogprobMemory``, GPU only).
 
 Shape ``(B, T, H, V)``: ``[4, 2048, 3584, 151936]`` (Qwen2-VL-7B's LM head) bf16; quick mode (``RLK_BENCH_QUICK=1``
 or no GPU): ``[2, 48, 32, 96]`` fp32.
@@ -34,16 +36,16 @@ import rlk
 
 from .common import DEVICE, QUICK, SEED, CaseBase, _CaseSetup, _MemorySetup
 
-IMPLS = ["rlk_spans", "torch_dense"]
+IMPLS = ["rlk_host_spans", "rlk_device_spans", "torch_dense"]
 DTYPE = torch.float32 if QUICK else torch.bfloat16
 # (B, T, H, V): rows, padded length, hidden size, vocabulary.
 SHAPES = [(2, 48, 32, 96)] if QUICK else [(4, 2048, 3584, 151936)]
 
 
 def vlm_batch(b: int, t: int, v: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(targets [B, T] int64, loss_spans [B, 4] int32, mask [B, T] bool)`` of a seeded image-text batch: per row an
-    image's visual tokens from column 1 (``T/3`` to ``T/2`` of them), a prompt of ``T/16`` tokens, then a response of
-    ``T/8`` to ``3T/8`` tokens; the spans and mask mark the positions predicting the response."""
+    """``(targets [B, T] int64, loss_spans [B, 4] int32 on the CPU, mask [B, T] bool)`` of a seeded image-text batch:
+    per row an image's visual tokens from column 1 (``T/3`` to ``T/2`` of them), a prompt of ``T/16`` tokens, then a
+    response of ``T/8`` to ``3T/8`` tokens; the spans and mask mark the positions predicting the response."""
     g = torch.Generator().manual_seed(SEED)
     rows = []
     for i in range(b):
@@ -57,7 +59,7 @@ def vlm_batch(b: int, t: int, v: int) -> tuple[Tensor, Tensor, Tensor]:
     for i, first, last, _ in rows:
         mask[i, first:last] = True
     targets = torch.randint(0, v, (b, t), generator=g)
-    return targets.to(DEVICE), spans.to(DEVICE), mask.to(DEVICE)
+    return targets.to(DEVICE), spans, mask.to(DEVICE)
 
 
 def torch_dense_logprob(hidden: Tensor, weight: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
@@ -85,11 +87,13 @@ class SpanLogprobCase(CaseBase):
         self.grad_output = torch.randn(b, t, generator=gen, device=DEVICE)
         self.work, self.unit = 8 * b * t * h * v, "TFLOP/s"
         self.impl = impl
-        self.decision = rlk.explain("linear_logprob", hidden.view(-1, h), weight) if impl == "rlk_spans" else None
+        if impl == "rlk_device_spans":
+            self.spans = self.spans.to(DEVICE)
+        self.decision = rlk.explain("linear_logprob", hidden.view(-1, h), weight) if impl != "torch_dense" else None
         self.step()
 
     def forward(self) -> Tensor:
-        if self.impl == "rlk_spans":
+        if self.impl != "torch_dense":
             return rlk_span_logprob(*self.inputs, self.targets, self.spans)
         return torch_dense_logprob(*self.inputs, self.targets, self.mask)
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from rlk.core import checks, custom_op
 from rlk.core.checks import check_float
 from rlk.ops import spans
+from rlk.ops.pack import _pack_fwd, _unpack_fwd
 
 _TARGET_DTYPES = (torch.int32, torch.int64)
 
@@ -190,8 +191,9 @@ def selected_logprob(
         return_entropy: also return the entropy.
         loss_spans: an int ``[S, 4]`` span table (``rlk.multimodal``'s rows ``(sequence, start, end, tag)``; ``[S, 3]``
             without tags) over the ``[B, T]`` positions of ``targets``: only the positions it covers are scored, the
-            others count as ``ignore_index``. Turned into a mask on the device (no dense mask on the host; one
-            synchronization for the value check, which ``RLK_CHECK_VALUES=0`` skips). Spans on token columns mark the
+            others count as ``ignore_index``. On the tensors' device or on the CPU; turned into a mask there (no
+            dense mask is built on the host for a device table; one synchronization for the value check, which
+            ``RLK_CHECK_VALUES=0`` skips). Spans on token columns mark the
             tokens predicted; for next-token targets (``targets[:, t] = input_ids[:, t + 1]``) pass
             ``rlk.multimodal.shift_spans(spans, -1)``.
         span_tags: score only the rows of ``loss_spans`` whose tag is one of these (a turn; or the modalities to score
@@ -353,7 +355,12 @@ def linear_logprob(
         hidden: ``[..., H]`` bfloat16, float16 or float32 (the last hidden states).
         weight: ``[V, H]`` of the same dtype (the LM head).
         targets: ``[...]`` int32 or int64, values in ``[0, V)`` or ``ignore_index``.
-        temperature, ignore_index, return_entropy, loss_spans, span_tags: as in :func:`selected_logprob`.
+        temperature, ignore_index, return_entropy, loss_spans, span_tags: as in :func:`selected_logprob`. A
+            ``loss_spans`` table on the CPU (the host's copy, as data loaders build it) computes the scored rows only:
+            they are packed (``rlk.pack``'s slot primitives, their number counted on the host: no synchronization),
+            scored and unpacked, 0 elsewhere, so the work follows the scored tokens, not ``B * T``. A table on the
+            device masks the rows in place (every row computed). Both give each row the same bits on batch-invariant
+            backends; the weight's gradient sums the same nonzero rows in another grouping (equal up to rounding).
 
     Returns:
         fp32 ``logprob`` (and ``entropy``) of shape ``targets.shape``,
@@ -363,14 +370,46 @@ def linear_logprob(
         hidden, weight, targets, temperature, ignore_index
     )
     lead = hidden.shape[:-1]
-    if loss_spans is not None or span_tags is not None:
-        flat_targets = _scored(targets, loss_spans, span_tags, ignore_index, "hidden")
-    logprob, entropy, _ = _linear_logprob_fwd(
-        flat_hidden, weight, flat_targets, inv_t, ignore_index, bool(return_entropy)
-    )
+    if isinstance(loss_spans, Tensor) and loss_spans.device.type == "cpu":
+        logprob, entropy = _linear_logprob_scored_rows(
+            flat_hidden, weight, flat_targets, inv_t, ignore_index, bool(return_entropy), loss_spans, span_tags, lead
+        )
+    else:
+        if loss_spans is not None or span_tags is not None:
+            flat_targets = _scored(targets, loss_spans, span_tags, ignore_index, "hidden")
+        logprob, entropy, _ = _linear_logprob_fwd(
+            flat_hidden, weight, flat_targets, inv_t, ignore_index, bool(return_entropy)
+        )
     if return_entropy:
         return logprob.view(lead), entropy.view(lead)
     return logprob.view(lead)
+
+
+def _linear_logprob_scored_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    inv_t: Tensor,
+    ignore_index: int,
+    with_entropy: bool,
+    loss_spans: Tensor,
+    span_tags,
+    lead: torch.Size,
+) -> tuple[Tensor, Tensor]:
+    """:func:`linear_logprob` on the scored rows only (a host span table): the rows the spans cover are packed by
+    ``rlk.pack``'s slot primitives (the count known on the host: no synchronization), scored, and unpacked with 0
+    elsewhere; the gradients run back through the same primitives (0 on the unscored rows)."""
+    if len(lead) != 2:
+        raise ValueError(
+            f"loss_spans: needs targets (hidden) of shape [B, T] (spans address (sequence, column)), got {tuple(lead)}"
+        )
+    slot, count = spans.scored_slots(loss_spans, span_tags, tuple(lead), hidden.device)
+    rows = _pack_fwd(hidden, slot, count)
+    row_targets = _pack_fwd(targets[:, None], slot, count)[:, 0]
+    row_inv_t = _pack_fwd(inv_t[:, None], slot, count)[:, 0]
+    logprob, entropy, _ = _linear_logprob_fwd(rows, weight, row_targets, row_inv_t, ignore_index, with_entropy)
+    logprob = _unpack_fwd(logprob[:, None], slot, 0.0)[:, 0]
+    return logprob, _unpack_fwd(entropy[:, None], slot, 0.0)[:, 0] if with_entropy else entropy
 
 
 def _scored(targets: Tensor, loss_spans, span_tags, ignore_index: int, lead_name: str) -> Tensor:

@@ -17,8 +17,9 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def check_table(name: str, spans, device: torch.device, *, tagged: bool | None = None) -> Tensor:
-    """``spans`` as int64 ``[S, 4]`` / ``[S, 3]`` on ``device`` (shape, dtype and device checked, errors name
-    ``name``); ``tagged``: True requires the tag column, False drops it if present, None keeps what is given."""
+    """``spans`` as int64 ``[S, 4]`` / ``[S, 3]`` (shape, dtype and device checked, errors name ``name``): on
+    ``device`` or on the CPU (a host table: its mask is built there and copied over); ``tagged``: True requires the tag
+    column, False drops it if present, None keeps what is given."""
     if not isinstance(spans, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor (an int [S, 4] span table), got {type(spans).__name__}")
     if spans.dtype not in _INDEX_DTYPES:
@@ -27,8 +28,8 @@ def check_table(name: str, spans, device: torch.device, *, tagged: bool | None =
     if spans.dim() != 2 or spans.shape[1] not in widths:
         expected = "[S, 4] (sequence, start, end, tag)" + ("" if tagged else " or [S, 3] (sequence, start, end)")
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(spans.shape)}")
-    if spans.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {spans.device}")
+    if spans.device != device and spans.device.type != "cpu":
+        raise ValueError(f"{name}: expected device {device} or the CPU, got {spans.device}")
     if tagged is False and spans.shape[1] == 4:
         spans = spans[:, :3]
     return spans.detach().to(torch.int64).contiguous()
@@ -99,7 +100,26 @@ def loss_mask(loss_spans, span_tags, shape: tuple[int, ...], device: torch.devic
     tags = _tags(span_tags)
     table = check_table("loss_spans", loss_spans, device, tagged=True if tags is not None else None)
     check_values((("loss_spans", table),), *shape)
-    return mask(table, shape, tags=tags)
+    return to_device(mask(table, shape, tags=tags), device)
+
+
+def to_device(x: Tensor, device: torch.device) -> Tensor:
+    """``x`` on ``device``; a CPU tensor bound for CUDA goes through pinned memory without blocking (no host
+    synchronization)."""
+    if x.device == device:
+        return x
+    if x.device.type == "cpu" and device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+def scored_slots(loss_spans: Tensor, span_tags, shape: tuple[int, ...], device: torch.device) -> tuple[Tensor, int]:
+    """From a span table on the CPU: ``slot [N]`` int64 on ``device`` (the packed row of each scored position in
+    row-major order, -1 elsewhere; ``rlk.pack``'s slot map) and the number of scored positions, computed on the host
+    (no device synchronization)."""
+    scored = loss_mask(loss_spans, span_tags, shape, torch.device("cpu"), "targets").reshape(-1)
+    slot = torch.where(scored, scored.cumsum(0) - 1, -1)
+    return to_device(slot, device), int(scored.sum())
 
 
 def no_tags_without_spans(loss_spans, span_tags) -> None:
