@@ -1,5 +1,5 @@
 """Span-masked log-probs and losses: ``loss_spans=`` / ``span_tags=`` of ``selected_logprob``, ``linear_logprob``,
-``kl_penalty``, ``policy_loss`` and ``policy_loss_and_grad`` (issue 21 item 4).
+``kl_penalty``, ``policy_loss``, ``policy_loss_and_grad`` and ``fused_linear_policy_loss`` (issue 21 item 4).
 
 Each is checked against the same op given the dense form of the spans (``ignore_index`` targets, a mask, or the
 output multiplied by the mask), bitwise, on the reference and Triton backends: the spans only select positions. Also:
@@ -139,6 +139,21 @@ def test_policy_loss_equals_the_dense_mask(backend, agg, fused):
         assert torch.equal(_grads(loss, logprob)[0], _grads(want_loss, logprob)[0])
     assert got_metrics.keys() == want_metrics.keys()
     assert all(torch.equal(got_metrics[k], want_metrics[k]) for k in got_metrics)
+
+
+def test_fused_linear_policy_loss_equals_the_dense_mask(backend):
+    g = _gen(10)
+    hidden = torch.randn(B, T, H, generator=g).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.3).requires_grad_()
+    targets = torch.randint(0, V, (B, T), generator=g)
+    old = -torch.rand(B, T, generator=g) * 3
+    adv = torch.randn(B, generator=g)
+    mask = _dense(_spans(), (0,))
+    loss, metrics = rlk.fused_linear_policy_loss(hidden, weight, targets, old, adv, loss_spans=_spans(), span_tags=0)
+    want, want_metrics = rlk.fused_linear_policy_loss(hidden, weight, targets, old, adv, mask)
+    assert torch.equal(loss, want) and all(torch.equal(metrics[k], want_metrics[k]) for k in metrics)
+    for got, expected in zip(_grads(loss, hidden, weight), _grads(want, hidden, weight)):
+        assert torch.equal(got, expected)
 
 
 def test_mask_spans_match_a_python_loop():

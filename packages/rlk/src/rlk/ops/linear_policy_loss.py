@@ -25,7 +25,7 @@ from rlk.core import checks, custom_op, dispatch
 from rlk.core.abi import POLICY_METRICS
 from rlk.ops import logprob as logprob_ops
 from rlk.ops import policy_loss as policy_ops
-from rlk.ops.policy_loss import PolicyLossConfig, policy_loss, resolve_config
+from rlk.ops.policy_loss import PolicyLossConfig, mask_of, policy_loss, resolve_config
 
 #: The modes of :func:`fused_linear_policy_loss`.
 MODES = ("auto", "one_pass", "lean")
@@ -357,8 +357,10 @@ def fused_linear_policy_loss(
     targets: Tensor,
     old_logprob: Tensor | None,
     advantages: Tensor,
-    mask: Tensor,
+    mask: Tensor | None = None,
     *,
+    loss_spans: Tensor | None = None,
+    span_tags: int | tuple[int, ...] | None = None,
     temperature: float | Tensor = 1.0,
     ignore_index: int = -100,
     ref_logprob: Tensor | None = None,
@@ -422,6 +424,8 @@ def fused_linear_policy_loss(
         targets: ``[B, T]`` (``[T]``) int32 / int64 next tokens; ``ignore_index`` positions are
             left out of the loss whatever ``mask`` says.
         old_logprob, advantages, mask: as in :func:`rlk.policy_loss` (``[B, T]``, or ``[T]``).
+        loss_spans, span_tags: instead of ``mask``, a span table of the loss tokens, as in :func:`rlk.policy_loss`
+            (``[B, T]`` inputs; the mask is built on the device, or copied from a CPU table).
         temperature, ignore_index: as in :func:`rlk.linear_logprob`.
         ref_logprob: reference-model log-probs for the KL term (``kl``, ``kl_coef`` in the config).
         return_entropy: also return the per-token entropy (detached). The entropy is computed
@@ -442,6 +446,8 @@ def fused_linear_policy_loss(
     flat_hidden, weight_c, flat_targets, inv_t, ignore_index = logprob_ops.linear_inputs(
         hidden, weight, targets, temperature, ignore_index
     )
+    if loss_spans is not None or span_tags is not None or mask is None:
+        mask = mask_of(mask, loss_spans, span_tags, tuple(targets.shape), hidden.device, "targets")
     if not isinstance(mask, Tensor):
         raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
     if mask.shape != targets.shape:

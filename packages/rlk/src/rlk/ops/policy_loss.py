@@ -723,8 +723,11 @@ def metrics_dict(call: PolicyLossCall, metrics: Tensor) -> dict[str, Tensor]:
     return {name: values[name] for name in call.metric_names}
 
 
-def mask_of(mask: Tensor | None, loss_spans, span_tags, shape: tuple[int, ...], device: torch.device) -> Tensor:
-    """The loss mask of a call given ``mask`` or ``loss_spans`` (exactly one; errors name them)."""
+def mask_of(
+    mask: Tensor | None, loss_spans, span_tags, shape: tuple[int, ...], device: torch.device, what: str = "logprob"
+) -> Tensor:
+    """The loss mask of a call on ``what`` (the ``[B, T]`` tensors of ``shape``) given ``mask`` or ``loss_spans``
+    (exactly one; errors name them)."""
     spans.no_tags_without_spans(loss_spans, span_tags)
     if loss_spans is None:
         if mask is None:
@@ -732,7 +735,7 @@ def mask_of(mask: Tensor | None, loss_spans, span_tags, shape: tuple[int, ...], 
         return mask
     if mask is not None:
         raise ValueError("mask, loss_spans: give one of them (both describe the loss tokens)")
-    return spans.loss_mask(loss_spans, span_tags, shape, device, "logprob")
+    return spans.loss_mask(loss_spans, span_tags, shape, device, what)
 
 
 def _policy_loss(
