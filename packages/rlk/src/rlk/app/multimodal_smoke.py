@@ -98,7 +98,9 @@ def _tiny_vlm(processor: OfflineQwen2VLProcessor, seed: int):
         return transformers.Qwen2VLForConditionalGeneration(config)
 
 
-class _Report:
+class SmokeReport:
+    """The stages of a smoke run: per stage its name, whether it passed, its checks (name -> bool) and figures."""
+
     def __init__(self) -> None:
         self.stages: list[dict] = []
 
@@ -120,10 +122,10 @@ class _Report:
         return "\n".join(lines)
 
 
-def smoke(prompts: int = 2, group_size: int = 4, seed: int = 0, device: str | torch.device = "cpu") -> _Report:
+def smoke(prompts: int = 2, group_size: int = 4, seed: int = 0, device: str | torch.device = "cpu") -> SmokeReport:
     """Run the four stages (module docstring) and return the report; stops at the first stage that fails."""
     device = torch.device(device)
-    report = _Report()
+    report = SmokeReport()
     samples = _grpo_samples(prompts, group_size, seed)
 
     # 1. layout parity: rollout and training encode the same samples
