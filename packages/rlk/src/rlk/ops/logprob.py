@@ -399,11 +399,7 @@ def _linear_logprob_scored_rows(
     """:func:`linear_logprob` on the scored rows only (a host span table): the rows the spans cover are packed by
     ``rlk.pack``'s slot primitives (the count known on the host: no synchronization), scored, and unpacked with 0
     elsewhere; the gradients run back through the same primitives (0 on the unscored rows)."""
-    if len(lead) != 2:
-        raise ValueError(
-            f"loss_spans: needs targets (hidden) of shape [B, T] (spans address (sequence, column)), got {tuple(lead)}"
-        )
-    slot, count = spans.scored_slots(loss_spans, span_tags, tuple(lead), hidden.device)
+    slot, count = spans.scored_slots(loss_spans, span_tags, tuple(lead), hidden.device)  # checks lead is [B, T]
     rows = _pack_fwd(hidden, slot, count)
     row_targets = _pack_fwd(targets[:, None], slot, count)[:, 0]
     row_inv_t = _pack_fwd(inv_t[:, None], slot, count)[:, 0]

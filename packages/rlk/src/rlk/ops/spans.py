@@ -117,7 +117,7 @@ def scored_slots(loss_spans: Tensor, span_tags, shape: tuple[int, ...], device: 
     """From a span table on the CPU: ``slot [N]`` int64 on ``device`` (the packed row of each scored position in
     row-major order, -1 elsewhere; ``rlk.pack``'s slot map) and the number of scored positions, computed on the host
     (no device synchronization)."""
-    scored = loss_mask(loss_spans, span_tags, shape, torch.device("cpu"), "targets").reshape(-1)
+    scored = loss_mask(loss_spans, span_tags, shape, torch.device("cpu"), "targets (hidden)").reshape(-1)
     slot = torch.where(scored, scored.cumsum(0) - 1, -1)
     return to_device(slot, device), int(scored.sum())
 
