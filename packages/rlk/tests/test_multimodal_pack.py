@@ -6,14 +6,8 @@ backends bit for bit, the ``total`` argument, and bad input."""
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
+import torch
 
 import rlk
 import rlk.multimodal as mm

@@ -34,6 +34,7 @@ from rlk.integrations.multimodal import (
     shift_spans,
     synthetic_samples,
 )
+from rlk.integrations.multimodal.processor import tiny_qwen2_vl_config
 
 
 def add_parser(sub) -> None:
@@ -64,35 +65,7 @@ def _grpo_samples(prompts: int, group_size: int, seed: int) -> list[RawSample]:
 def _tiny_vlm(processor: OfflineQwen2VLProcessor, seed: int):
     import transformers
 
-    tokens = processor.tokens
-    config = transformers.Qwen2VLConfig(
-        text_config={
-            "vocab_size": len(processor.tokenizer),
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]},
-            "tie_word_embeddings": False,
-            "bos_token_id": None,
-            "eos_token_id": None,
-        },
-        vision_config={
-            "depth": 2,
-            "embed_dim": 32,
-            "hidden_size": 32,
-            "num_heads": 2,
-            "mlp_ratio": 2,
-            "patch_size": 14,
-            "spatial_merge_size": tokens.spatial_merge_size,
-            "temporal_patch_size": 2,
-        },
-        image_token_id=tokens.image,
-        video_token_id=tokens.video,
-        vision_start_token_id=tokens.vision_start,
-        vision_end_token_id=tokens.vision_end,
-    )
+    config = tiny_qwen2_vl_config(processor.tokens, len(processor.tokenizer), width=32, layers=2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return transformers.Qwen2VLForConditionalGeneration(config)

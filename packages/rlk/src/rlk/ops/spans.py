@@ -16,10 +16,10 @@ from rlk.core import checks
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def check_table(name: str, spans, device: torch.device, *, tagged: bool | None = None) -> Tensor:
+def check_table(name: str, spans, device: torch.device, *, tagged: bool = False) -> Tensor:
     """``spans`` as int64 ``[S, 4]`` / ``[S, 3]`` (shape, dtype and device checked, errors name ``name``): on
-    ``device`` or on the CPU (a host table: its mask is built there and copied over); ``tagged``: True requires the tag
-    column, False drops it if present, None keeps what is given."""
+    ``device`` or on the CPU (a host table: its mask is built there and copied over); ``tagged``: the tag column is
+    required."""
     if not isinstance(spans, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor (an int [S, 4] span table), got {type(spans).__name__}")
     if spans.dtype not in _INDEX_DTYPES:
@@ -30,8 +30,6 @@ def check_table(name: str, spans, device: torch.device, *, tagged: bool | None =
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(spans.shape)}")
     if spans.device != device and spans.device.type != "cpu":
         raise ValueError(f"{name}: expected device {device} or the CPU, got {spans.device}")
-    if tagged is False and spans.shape[1] == 4:
-        spans = spans[:, :3]
     return spans.detach().to(torch.int64).contiguous()
 
 
@@ -98,7 +96,7 @@ def loss_mask(loss_spans, span_tags, shape: tuple[int, ...], device: torch.devic
     if len(shape) != 2:
         raise ValueError(f"loss_spans: needs {what} of shape [B, T] (spans address (sequence, column)), got {shape}")
     tags = _tags(span_tags)
-    table = check_table("loss_spans", loss_spans, device, tagged=True if tags is not None else None)
+    table = check_table("loss_spans", loss_spans, device, tagged=tags is not None)
     check_values((("loss_spans", table),), *shape)
     return to_device(mask(table, shape, tags=tags), device)
 

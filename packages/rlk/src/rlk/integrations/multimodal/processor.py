@@ -185,27 +185,31 @@ class OfflineQwen2VLProcessor:
         )
 
 
-@functools.lru_cache(maxsize=8)
-def _tiny_qwen2_vl(tokens: VisionTokens, vocab_size: int):
+def tiny_qwen2_vl_config(tokens: VisionTokens, vocab_size: int, *, width: int = 16, layers: int = 1):
+    """A tiny ``transformers.Qwen2VLConfig`` over ``tokens``' ids: text and vision widths ``width`` (head size 8),
+    ``layers`` text layers and vision blocks, MLPs twice as wide, untied LM head, 14-pixel patches, 2 temporal
+    patches, 3-D rotary sections ``[1, 1, 2]``."""
     transformers = _transformers()
-    config = transformers.Qwen2VLConfig(
+    heads = width // 8
+    return transformers.Qwen2VLConfig(
         text_config={
             "vocab_size": vocab_size,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
+            "hidden_size": width,
+            "intermediate_size": 2 * width,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": max(heads // 2, 1),
             "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+            "tie_word_embeddings": False,
             "bos_token_id": None,
             "eos_token_id": None,
         },
         vision_config={
-            "depth": 1,
-            "embed_dim": 16,
-            "hidden_size": 16,
-            "num_heads": 2,
-            "mlp_ratio": 1,
+            "depth": layers,
+            "embed_dim": width,
+            "hidden_size": width,
+            "num_heads": heads,
+            "mlp_ratio": 2,
             "patch_size": 14,
             "spatial_merge_size": tokens.spatial_merge_size,
             "temporal_patch_size": 2,
@@ -215,9 +219,13 @@ def _tiny_qwen2_vl(tokens: VisionTokens, vocab_size: int):
         vision_start_token_id=tokens.vision_start,
         vision_end_token_id=tokens.vision_end,
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _tiny_qwen2_vl(tokens: VisionTokens, vocab_size: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return transformers.Qwen2VLModel(config).eval()
+        return _transformers().Qwen2VLModel(tiny_qwen2_vl_config(tokens, vocab_size)).eval()
 
 
 def mrope_positions(
