@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import rlk
+
 OPS = ("selected_logprob", "linear_logprob")
 IGNORE_INDEX = -100
 
@@ -65,6 +67,10 @@ class Features:
         temperature: a float, or ``"per_row"`` for a tensor of per-row
             temperatures in [0.5, 2].
         entropy: also return (and differentiate) the entropy.
+        spans: with ``ignore``, the scored rows are given as ``loss_spans`` instead (a span table over the rows
+            seen as one ``[1, N]`` sequence; the ignored rows' targets are valid token ids, as a visual or
+            prompt token's would be): ``"host"``, a CPU table (``linear_logprob`` then computes the scored rows
+            only), or ``"device"``, a table on the inputs' device. Ground truth uses ``ignore_index`` targets.
     """
 
     ignore: bool = False
@@ -72,6 +78,7 @@ class Features:
     neg_inf: bool = False
     temperature: float | str = 1.0
     entropy: bool = True
+    spans: str = ""
 
     def label(self) -> str:
         parts = []
@@ -87,6 +94,8 @@ class Features:
             parts.append(f"T={self.temperature}")
         if self.entropy:
             parts.append("entropy")
+        if self.spans:
+            parts.append(f"spans={self.spans}")
         return ",".join(parts) or "plain"
 
 
@@ -95,9 +104,9 @@ FEATURE_CYCLE = (
     Features(),
     Features(ignore=True, temperature="per_row"),
     Features(extreme=True, temperature=0.7),
-    Features(neg_inf=True, ignore=True, entropy=False),
+    Features(neg_inf=True, ignore=True, entropy=False, spans="device"),
     Features(neg_inf=True, temperature="per_row"),
-    Features(extreme=True, ignore=True, temperature=1.3, entropy=False),
+    Features(extreme=True, ignore=True, temperature=1.3, entropy=False, spans="host"),
 )
 
 
@@ -143,7 +152,7 @@ def value_cases(op: str, device_type: str, quick: bool) -> list[Case]:
         for v_index, vocab in enumerate(vocabs):
             features = FEATURE_CYCLE[(r_index * len(vocabs) + v_index) % len(FEATURE_CYCLE)]
             if n_rows == 1:
-                features = replace(features, ignore=False)  # a single row is never ignored
+                features = replace(features, ignore=False, spans="")  # a single row is never ignored
             if op == "linear_logprob":
                 features = replace(features, neg_inf=False)
             hidden = _hidden_size(device_type, vocab) if op == "linear_logprob" else 0
@@ -182,7 +191,9 @@ class Inputs:
 
     ``x`` is the per-row input: logits ``[N, V]`` (selected) or hidden ``[N, H]``
     (linear); ``weight`` is ``[V, H]`` (linear) or None. The loss is
-    ``sum(c1 * logprob + c2 * entropy)`` with fp32 per-row ``c1``, ``c2``.
+    ``sum(c1 * logprob + c2 * entropy)`` with fp32 per-row ``c1``, ``c2``. ``loss_spans`` (a CPU ``[S, 4]`` span table
+    over ``[1, N]``, or None) and ``spans_on`` (``"host"`` or ``"device"``): the op is called with the
+    scored rows as spans (:attr:`Features.spans`).
     """
 
     x: torch.Tensor
@@ -191,6 +202,8 @@ class Inputs:
     temperature: float | torch.Tensor
     c1: torch.Tensor
     c2: torch.Tensor
+    loss_spans: torch.Tensor | None = None
+    spans_on: str = ""
 
     def cast(self, dtype: torch.dtype, device: torch.device) -> Inputs:
         """``x`` and ``weight`` in ``dtype``, everything on ``device``; fp64 also upcasts
@@ -206,6 +219,8 @@ class Inputs:
             temperature=temperature,
             c1=self.c1.to(device=device, dtype=aux),
             c2=self.c2.to(device=device, dtype=aux),
+            loss_spans=self.loss_spans,
+            spans_on=self.spans_on,
         )
 
     @property
@@ -278,7 +293,8 @@ def make_inputs(case: Case, seed: int) -> Inputs:
         temperature = float(f.temperature)
     c1 = torch.randn(n_rows, generator=gen)
     c2 = torch.randn(n_rows, generator=gen)
-    return Inputs(x, weight, targets, temperature, c1, c2)
+    loss_spans = rlk.multimodal.mask_to_spans((targets != IGNORE_INDEX)[None]) if f.spans else None
+    return Inputs(x, weight, targets, temperature, c1, c2, loss_spans, f.spans)
 
 
 def make_invariance_inputs(plan: InvariancePlan, seed: int) -> tuple[Inputs, Inputs]:

@@ -122,11 +122,13 @@ VARIANTS: dict[str, tuple[tuple[str, tuple], ...]] = {
         ("gspo seq-mean-token-mean", _GSPO + _SEQ_MEAN),
         ("cispo token-mean", _CISPO + _TOKEN_MEAN),
         ("cispo seq-mean-token-mean", _CISPO + _SEQ_MEAN),
+        ("ppo dual-clip token-mean, loss_spans", _PPO + _TOKEN_MEAN + _p(spans=True)),
     ),
     "kl_penalty": (
         ("k1", _p(estimator="k1")),
         ("k3", _p(estimator="k3")),
         ("k3 unclamped, importance-weighted", _p(estimator="k3", k3_clamp=False, unbiased=True)),
+        ("k3, loss_spans", _p(estimator="k3", spans=True)),
     ),
     "value_loss": (
         ("clip=0.5 token-mean", _p(clip=0.5, agg="token-mean")),
@@ -270,6 +272,8 @@ def make_inputs(case: RLCase, seed: int, rows: int | None = None) -> dict[str, t
         out = {"logprob": lp, "old_logprob": old, "ref_logprob": lp + 0.7 * torch.randn(b, t, generator=gen)}
         if op == "kl_penalty":
             out["c"] = torch.randn(b, t, generator=gen)
+            if case.kwargs.get("spans"):
+                out["mask"] = _ragged_mask(b, t, gen)
             return out
         per_seq = case.kwargs.get("loss") == "gspo"
         out["advantages"] = torch.randn(b, 1, generator=gen) if per_seq else torch.randn(b, t, generator=gen)
@@ -404,10 +408,15 @@ def _scatter_arguments(params: dict, x: dict[str, torch.Tensor]) -> tuple[torch.
 
 def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOutputs:
     """The public op on the pinned backend; differentiable ops also run backward."""
+    params, spans = dict(params), params.get("spans", False)
+    params.pop("spans", None)
+    if spans:  # the mask as a span table on the inputs' device (ground truth passes spans="dense": the mask itself)
+        table = None if spans == "dense" else rlk.multimodal.mask_to_spans(x["mask"])
     if op == "policy_loss":
         lp, ent = x["logprob"].clone().requires_grad_(), x["entropy"].clone().requires_grad_()
+        mask, extra = (None, {"loss_spans": table}) if spans and table is not None else (x["mask"], {})
         loss, metrics = rlk.policy_loss(
-            lp, x["old_logprob"], x["advantages"], x["mask"], entropy=ent, **_policy_kwargs(params, x)
+            lp, x["old_logprob"], x["advantages"], mask, entropy=ent, **_policy_kwargs(params, x), **extra
         )
         loss.backward()
         values = {"loss": loss.detach().reshape(1), **{k: v.reshape(1) for k, v in metrics.items()}}
@@ -415,7 +424,11 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOut
     if op == "kl_penalty":
         lp = x["logprob"].clone().requires_grad_()
         extra = {"old_logprob": x["old_logprob"]} if params.get("unbiased") else {}
+        if spans and table is not None:
+            extra["loss_spans"] = table
         kl = rlk.kl_penalty(lp, x["ref_logprob"], params["estimator"], k3_clamp=params.get("k3_clamp", True), **extra)
+        if spans == "dense":
+            kl = torch.where(x["mask"], kl, 0.0)
         (x["c"] * kl).sum().backward()
         return RLOutputs({"kl": kl.detach().reshape(-1)}, {"grad_logprob": lp.grad})
     if op == "rollout_correction":
@@ -626,8 +639,9 @@ class RLTruth:
 def ground_truth(case: RLCase, base: dict[str, torch.Tensor], device: torch.device) -> RLTruth:
     """The public op on fp64 copies of the inputs, pinned to the reference backend, and the scales."""
     x64 = cast(base, torch.float64, device)
+    params = {**case.kwargs, "spans": "dense"} if case.kwargs.get("spans") else case.kwargs  # spans: the mask
     with rlk.use_backend("reference"):
-        outputs = forward_backward(case.op, case.kwargs, x64)
+        outputs = forward_backward(case.op, params, x64)
     scale, max_scale = scales(case, x64, outputs)
     return RLTruth(outputs, scale, max_scale, magnitudes(case, x64))
 

@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -199,14 +199,20 @@ def forward_backward(op: str, inputs: cs.Inputs, with_entropy: bool) -> Outputs:
     """The public op, forward and backward of ``sum(c1 * logprob + c2 * entropy)``, on the pinned backend."""
     x = inputs.x.detach().requires_grad_()
     kwargs = {"temperature": inputs.temperature, "ignore_index": cs.IGNORE_INDEX, "return_entropy": with_entropy}
+    targets, lead = inputs.targets, x
+    if inputs.loss_spans is not None:  # the rows as one [1, N] sequence, scored by the span table only
+        targets = torch.where(targets == cs.IGNORE_INDEX, 0, targets)[None]
+        spans = inputs.loss_spans if inputs.spans_on == "host" else inputs.loss_spans.to(x.device)
+        kwargs["loss_spans"], lead = spans, x[None]
     if op == "selected_logprob":
-        out = rlk.selected_logprob(x, inputs.targets, **kwargs)
+        out = rlk.selected_logprob(lead, targets, **kwargs)
         leaves = {"grad_logits": x}
     else:
         weight = inputs.weight.detach().requires_grad_()
-        out = rlk.linear_logprob(x, weight, inputs.targets, **kwargs)
+        out = rlk.linear_logprob(lead, weight, targets, **kwargs)
         leaves = {"grad_hidden": x, "grad_weight": weight}
     logprob, entropy = out if with_entropy else (out, None)
+    logprob, entropy = logprob.reshape(-1), None if entropy is None else entropy.reshape(-1)
     loss = inputs.c1 * logprob
     if entropy is not None:
         loss = loss + inputs.c2 * entropy
@@ -287,7 +293,7 @@ def linear_grad_magnitudes(exact: cs.Inputs, with_entropy: bool) -> dict[str, to
 
 def ground_truth(op: str, low: cs.Inputs, with_entropy: bool) -> GroundTruth:
     """The reference backend on fp64 copies of the low-precision inputs ``low``."""
-    exact = low.cast(torch.float64, low.x.device)
+    exact = replace(low.cast(torch.float64, low.x.device), loss_spans=None)  # ignore_index targets, not spans
     with rlk.use_backend("reference"):
         outputs = forward_backward(op, exact, with_entropy)
     scale = contract.row_scale(outputs.logprob, reference_lse(op, exact))

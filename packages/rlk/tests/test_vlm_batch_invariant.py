@@ -73,7 +73,8 @@ def test_patch_embedding_convolutions_are_matmuls_per_patch():
     b3 = torch.randn(8, generator=g).to(DEVICE)
     x2 = torch.randn(2, 3, 9, 13, generator=g).to(DEVICE)  # ViT-style: a grid of patches, trailing pixels dropped
     w2 = torch.randn(6, 3, 4, 4, generator=g).to(DEVICE)
-    stock = [F.conv3d(x3, w3, b3, stride=(2, 4, 4)), F.conv2d(x2, w2, stride=4), F.conv2d(x2, w2, stride=2)]
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # rlk's fp32 products are IEEE, not TF32
+        stock = [F.conv3d(x3, w3, b3, stride=(2, 4, 4)), F.conv2d(x2, w2, stride=4), F.conv2d(x2, w2, stride=2)]
     with batch_invariant():
         before = served_calls["convolution"]
         got = [F.conv3d(x3, w3, b3, stride=(2, 4, 4)), F.conv2d(x2, w2, stride=4)]
@@ -211,7 +212,8 @@ def test_tiny_qwen2_5_vl_with_images_and_videos_is_batch_invariant_cpu():
     "model, video", [("qwen2-vl", False), ("qwen2-vl", True), ("qwen2.5-vl", False), ("qwen2.5-vl", True)]
 )
 def test_qwen2_vl_response_logprobs_are_batch_invariant_gpu(model, video):
-    check_vlm_invariance("small", model=model, video=video)
+    # the 8B shapes: at the "small" preset an H100's stock kernels agree across batch shapes (no negative control)
+    check_vlm_invariance("8b", model=model, video=video)
 
 
 # ---------------------------------------------------------------------------
