@@ -408,13 +408,12 @@ def _scatter_arguments(params: dict, x: dict[str, torch.Tensor]) -> tuple[torch.
 
 def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOutputs:
     """The public op on the pinned backend; differentiable ops also run backward."""
-    params, spans = dict(params), params.get("spans", False)
-    params.pop("spans", None)
-    if spans:  # the mask as a span table on the inputs' device (ground truth passes spans="dense": the mask itself)
-        table = None if spans == "dense" else rlk.multimodal.mask_to_spans(x["mask"])
+    params = dict(params)
+    spans = params.pop("spans", False)  # True: the mask as a span table on its device; "dense": the mask (ground truth)
+    table = rlk.multimodal.mask_to_spans(x["mask"]) if spans is True else None
     if op == "policy_loss":
         lp, ent = x["logprob"].clone().requires_grad_(), x["entropy"].clone().requires_grad_()
-        mask, extra = (None, {"loss_spans": table}) if spans and table is not None else (x["mask"], {})
+        mask, extra = (None, {"loss_spans": table}) if table is not None else (x["mask"], {})
         loss, metrics = rlk.policy_loss(
             lp, x["old_logprob"], x["advantages"], mask, entropy=ent, **_policy_kwargs(params, x), **extra
         )
@@ -424,7 +423,7 @@ def forward_backward(op: str, params: dict, x: dict[str, torch.Tensor]) -> RLOut
     if op == "kl_penalty":
         lp = x["logprob"].clone().requires_grad_()
         extra = {"old_logprob": x["old_logprob"]} if params.get("unbiased") else {}
-        if spans and table is not None:
+        if table is not None:
             extra["loss_spans"] = table
         kl = rlk.kl_penalty(lp, x["ref_logprob"], params["estimator"], k3_clamp=params.get("k3_clamp", True), **extra)
         if spans == "dense":
