@@ -141,6 +141,21 @@ def test_policy_loss_equals_the_dense_mask(backend, agg, fused):
     assert all(torch.equal(got_metrics[k], want_metrics[k]) for k in got_metrics)
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
+def test_value_loss_equals_the_dense_mask(backend, agg):
+    g = _gen(11)
+    mask = _dense(_spans(), (1,))
+    old = torch.randn(B, T, generator=g)
+    values = (old + 0.5 * torch.randn(B, T, generator=g)).masked_fill(~mask, float("nan")).requires_grad_()
+    returns = torch.randn(B, T, generator=g)
+    loss, metrics = rlk.value_loss(values, old, returns, loss_spans=_spans(), span_tags=1, agg=agg)
+    want, want_metrics = rlk.value_loss(values, old, returns, mask, agg=agg)
+    assert torch.isfinite(loss) and torch.equal(loss, want)
+    assert metrics.keys() == want_metrics.keys() and all(torch.equal(metrics[k], want_metrics[k]) for k in metrics)
+    grad = _grads(loss, values)[0]
+    assert torch.equal(grad, _grads(want, values)[0]) and (grad[~mask] == 0).all() and (grad[mask] != 0).any()
+
+
 def test_fused_linear_policy_loss_equals_the_dense_mask(backend):
     g = _gen(10)
     hidden = torch.randn(B, T, H, generator=g).requires_grad_()
@@ -202,6 +217,9 @@ def test_errors_name_the_argument(monkeypatch):
     cases = [
         (lambda: rlk.policy_loss(lp, None, adv), TypeError, "mask: required"),
         (lambda: rlk.policy_loss(lp, None, adv, _dense(_spans()), loss_spans=_spans()), ValueError, "mask, loss_spans"),
+        (lambda: rlk.value_loss(lp, lp, lp), TypeError, "mask: required"),
+        (lambda: rlk.value_loss(lp, lp, lp, _dense(_spans()), loss_spans=_spans()), ValueError, "mask, loss_spans"),
+        (lambda: rlk.value_loss(lp, lp, lp, _dense(_spans()), span_tags=1), ValueError, "span_tags: given without"),
         (lambda: rlk.selected_logprob(logits, targets, span_tags=1), ValueError, "span_tags: given without"),
         (lambda: rlk.kl_penalty(lp, lp, "k1", span_tags=(1,)), ValueError, "span_tags: given without"),
         (lambda: rlk.selected_logprob(logits, targets, loss_spans=_spans().float()), TypeError, "loss_spans: .*dtype"),

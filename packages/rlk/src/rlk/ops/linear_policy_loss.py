@@ -25,7 +25,8 @@ from rlk.core import checks, custom_op, dispatch
 from rlk.core.abi import POLICY_METRICS
 from rlk.ops import logprob as logprob_ops
 from rlk.ops import policy_loss as policy_ops
-from rlk.ops.policy_loss import PolicyLossConfig, mask_of, policy_loss, resolve_config
+from rlk.ops import spans
+from rlk.ops.policy_loss import PolicyLossConfig, policy_loss, resolve_config
 
 #: The modes of :func:`fused_linear_policy_loss`.
 MODES = ("auto", "one_pass", "lean")
@@ -447,7 +448,7 @@ def fused_linear_policy_loss(
         hidden, weight, targets, temperature, ignore_index
     )
     if loss_spans is not None or span_tags is not None or mask is None:
-        mask = mask_of(mask, loss_spans, span_tags, tuple(targets.shape), hidden.device, "targets")
+        mask = spans.mask_of(mask, loss_spans, span_tags, tuple(targets.shape), hidden.device, "targets")
     if not isinstance(mask, Tensor):
         raise TypeError(f"mask: expected a torch.Tensor, got {type(mask).__name__}")
     if mask.shape != targets.shape:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from rlk.core import checks, custom_op
 from rlk.core.abi import DPO_LOSSES
+from rlk.ops import spans
 from rlk.reference import aggregation
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -133,13 +134,15 @@ def value_loss(
     values: Tensor,
     old_values: Tensor | None,
     returns: Tensor,
-    mask: Tensor,
+    mask: Tensor | None = None,
     *,
     clip: float | None = 0.5,
     agg: str = "token-mean",
     global_tokens: int | float | Tensor | None = None,
     global_seqs: int | float | Tensor | None = None,
     loss_scale: int | float | Tensor | None = None,
+    loss_spans: Tensor | None = None,
+    span_tags: int | tuple[int, ...] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO critic (value) loss with value clipping, aggregated over masked tokens.
 
@@ -162,6 +165,10 @@ def value_loss(
         mask: ``[B, T]`` bool or 0/1; masked-out positions may hold anything (inf, NaN).
         clip: clip range ``eps >= 0``, or None for the unclipped loss.
         agg, global_tokens, global_seqs, loss_scale: the aggregation.
+        loss_spans: instead of ``mask``, an int ``[S, 4]`` span table of the loss tokens (``rlk.multimodal``'s rows
+            ``(sequence, start, end, tag)``, or ``[S, 3]``; on the device or the CPU), as in :func:`rlk.policy_loss`.
+            Give ``mask`` or ``loss_spans``, not both.
+        span_tags: only the rows of ``loss_spans`` tagged one of these count; None: every row.
 
     Returns:
         ``(loss, metrics)``: ``loss`` a float32 0-d tensor, differentiable w.r.t. ``values`` only
@@ -177,6 +184,7 @@ def value_loss(
     if values.dim() != 2:
         raise ValueError(f"values: expected shape [B, T], got {tuple(values.shape)}")
     _check_tensor("returns", returns, values.shape, values.device, "values")
+    mask = spans.mask_of(mask, loss_spans, span_tags, tuple(values.shape), values.device, "values")
     _check_mask(mask, values.shape, values.device)
     if clip is not None:
         clip = checks.number("clip", clip, minimum=0.0)

@@ -723,21 +723,6 @@ def metrics_dict(call: PolicyLossCall, metrics: Tensor) -> dict[str, Tensor]:
     return {name: values[name] for name in call.metric_names}
 
 
-def mask_of(
-    mask: Tensor | None, loss_spans, span_tags, shape: tuple[int, ...], device: torch.device, what: str = "logprob"
-) -> Tensor:
-    """The loss mask of a call on ``what`` (the ``[B, T]`` tensors of ``shape``) given ``mask`` or ``loss_spans``
-    (exactly one; errors name them)."""
-    spans.no_tags_without_spans(loss_spans, span_tags)
-    if loss_spans is None:
-        if mask is None:
-            raise TypeError("mask: required (a [B, T] loss mask), unless loss_spans is given")
-        return mask
-    if mask is not None:
-        raise ValueError("mask, loss_spans: give one of them (both describe the loss tokens)")
-    return spans.loss_mask(loss_spans, span_tags, shape, device, what)
-
-
 def _policy_loss(
     fused: bool,
     logprob: Tensor,
@@ -760,7 +745,7 @@ def _policy_loss(
     device, shape = logprob.device, tuple(logprob.shape)
     _check_tensor("logprob", logprob, (shape,), device)
     cdt = stat_dtype(logprob)
-    mask = mask_of(mask, loss_spans, span_tags, shape, device)
+    mask = spans.mask_of(mask, loss_spans, span_tags, shape, device)
     call = prepare(shape, device, cdt, old_logprob, advantages, mask, config, entropy=entropy, **tensors)
     lp = (logprob.detach() if fused else logprob).to(cdt).contiguous()
     old = lp.detach() if call.old is None else call.old

@@ -101,6 +101,21 @@ def loss_mask(loss_spans, span_tags, shape: tuple[int, ...], device: torch.devic
     return to_device(mask(table, shape, tags=tags), device)
 
 
+def mask_of(
+    mask: Tensor | None, loss_spans, span_tags, shape: tuple[int, ...], device: torch.device, what: str = "logprob"
+) -> Tensor:
+    """A loss's mask given ``mask`` or ``loss_spans`` (exactly one; errors name them): ``mask`` as it is, or the bool
+    mask of the spans for ``what`` (the ``[B, T]`` tensors of ``shape``) on ``device``."""
+    no_tags_without_spans(loss_spans, span_tags)
+    if loss_spans is None:
+        if mask is None:
+            raise TypeError("mask: required (a [B, T] loss mask), unless loss_spans is given")
+        return mask
+    if mask is not None:
+        raise ValueError("mask, loss_spans: give one of them (both describe the loss tokens)")
+    return loss_mask(loss_spans, span_tags, shape, device, what)
+
+
 def to_device(x: Tensor, device: torch.device) -> Tensor:
     """``x`` on ``device``; a CPU tensor bound for CUDA goes through pinned memory without blocking (no host
     synchronization)."""
