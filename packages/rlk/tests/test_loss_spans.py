@@ -1,10 +1,12 @@
 """Span-masked log-probs and losses: ``loss_spans=`` / ``span_tags=`` of ``selected_logprob``, ``linear_logprob``,
-``kl_penalty``, ``policy_loss``, ``policy_loss_and_grad`` and ``fused_linear_policy_loss`` (issue 21 item 4).
+``kl_penalty``, ``policy_loss``, ``policy_loss_and_grad``, ``fused_linear_policy_loss`` and ``value_loss`` (issue 21
+item 4).
 
 Each is checked against the same op given the dense form of the spans (``ignore_index`` targets, a mask, or the
 output multiplied by the mask), bitwise, on the reference and Triton backends: the spans only select positions. Also:
 off-span positions holding NaN change nothing and get no gradient, the tags select rows, the spans of a real fixture
-(visual tokens never scored), ``shift_spans``, and errors that name the argument.
+(visual tokens never scored), ``shift_spans``, a pinned backend without ``pack`` (``linear_logprob``'s host-table path
+masks in place), and errors that name the argument.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import pytest
 import torch
 
 import rlk
+from rlk import reference
+from rlk.core import abi, dispatch
+from rlk.core.backend import Backend
 from rlk.multimodal import MODALITIES, shift_spans, spans_to_mask, synthetic_batch
 
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.triton_interpreter)]
@@ -79,6 +84,47 @@ def test_linear_logprob_equals_ignore_index_targets(backend, tags):
     torch.testing.assert_close(grad_hidden, want_hidden, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad_weight, want_weight, rtol=1e-5, atol=1e-6)
     assert (lp[~mask] == 0).all() and (lp[mask] < 0).all() and (grad_hidden[~mask] == 0).all()
+
+
+def test_a_pinned_backend_without_pack_masks_in_place(monkeypatch):
+    """rlk-cuda and rlk-rocm do not serve ``pack``: pinned, ``linear_logprob`` with a host table must not need it (it
+    masks in place, as with a device table): the dense form's bits, the packed path's values."""
+    ref = reference.backend()
+    calls = []
+
+    def recording(name):
+        def run(*args):
+            calls.append(name)
+            return ref.primitives[name](*args)
+
+        return run
+
+    nopack = Backend(
+        name="nopack",
+        version="0",
+        abi_version=abi.ABI_VERSION,
+        primitives={p: recording(p) for p in abi.PRIMITIVES if p not in ("pack_fwd", "pack_bwd")},
+        probe=lambda: None,
+        device_types=lambda: ("cpu",),
+        batch_invariant=True,
+    )
+    found = {**dispatch.discover(), "nopack": dispatch._status_of("nopack", lambda: nopack, "test")}
+    monkeypatch.setattr(dispatch, "discover", lambda: found)
+    g = _gen(12)
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64).requires_grad_()
+    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
+    targets = torch.randint(0, V, (B, T), generator=g)
+    mask = _dense(_spans())
+    with rlk.use_backend("reference"):
+        dense = rlk.linear_logprob(hidden, weight, targets.masked_fill(~mask, -100))
+        packed = rlk.linear_logprob(hidden, weight, targets, loss_spans=_spans())
+    with rlk.use_backend("nopack"):
+        got = rlk.linear_logprob(hidden, weight, targets, loss_spans=_spans())
+        grad = _grads(got, hidden)[0]
+    assert "linear_logprob_fwd" in calls and "linear_logprob_bwd" in calls
+    assert torch.equal(got, dense) and torch.equal(grad, _grads(dense, hidden)[0])
+    assert (got[~mask] == 0).all() and (got[mask] < 0).all()
+    torch.testing.assert_close(got, packed, rtol=1e-12, atol=1e-12)
 
 
 def test_off_span_nan_is_never_read(backend):

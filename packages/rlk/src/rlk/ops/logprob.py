@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk.core import checks, custom_op
+from rlk.core import checks, custom_op, dispatch
 from rlk.core.checks import check_float
 from rlk.ops import spans
 from rlk.ops.pack import _pack_fwd, _unpack_fwd
@@ -359,8 +359,10 @@ def linear_logprob(
             ``loss_spans`` table on the CPU (the host's copy, as data loaders build it) computes the scored rows only:
             they are packed (``rlk.pack``'s slot primitives, their number counted on the host: no synchronization),
             scored and unpacked, 0 elsewhere, so the work follows the scored tokens, not ``B * T``. A table on the
-            device masks the rows in place (every row computed). Both give each row the same bits on batch-invariant
-            backends; the weight's gradient sums the same nonzero rows in another grouping (equal up to rounding).
+            device masks the rows in place (every row computed); so does a host table while a pinned backend
+            (``rlk.use_backend``) does not serve ``pack``, as rlk-cuda and rlk-rocm do not. Both give each row the
+            same bits on batch-invariant backends; the weight's gradient sums the same nonzero rows in another
+            grouping (equal up to rounding).
 
     Returns:
         fp32 ``logprob`` (and ``entropy``) of shape ``targets.shape``,
@@ -370,7 +372,8 @@ def linear_logprob(
         hidden, weight, targets, temperature, ignore_index
     )
     lead = hidden.shape[:-1]
-    if isinstance(loss_spans, Tensor) and loss_spans.device.type == "cpu":
+    on_host = isinstance(loss_spans, Tensor) and loss_spans.device.type == "cpu"
+    if on_host and _pack_served(hidden.device, (flat_hidden.dtype, flat_targets.dtype, inv_t.dtype)):
         logprob, entropy = _linear_logprob_scored_rows(
             flat_hidden, weight, flat_targets, inv_t, ignore_index, bool(return_entropy), loss_spans, span_tags, lead
         )
@@ -383,6 +386,11 @@ def linear_logprob(
     if return_entropy:
         return logprob.view(lead), entropy.view(lead)
     return logprob.view(lead)
+
+
+def _pack_served(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether the backend selection of the moment (a pin included) runs ``pack`` on ``device`` for each dtype."""
+    return all(dispatch.decide("pack", device, dtype).backend is not None for dtype in set(dtypes))
 
 
 def _linear_logprob_scored_rows(
