@@ -9,9 +9,9 @@ import types
 
 import pytest
 import torch
+from fake_backend import recording_backend
 
 import rlk
-from rlk import reference
 from rlk.core import abi, dispatch
 from rlk.core.backend import Backend
 from rlk.core.dispatch import BackendStatus
@@ -24,30 +24,6 @@ def _fresh_dispatch(monkeypatch):
     yield
     monkeypatch.undo()
     dispatch.refresh()
-
-
-def _recording_backend(name: str, calls: list, **overrides) -> Backend:
-    """A backend that runs the reference math and records which primitive ran."""
-    ref = reference.backend()
-
-    def wrap(primitive):
-        def run(*args):
-            calls.append((name, primitive))
-            return ref.primitives[primitive](*args)
-
-        return run
-
-    fields = dict(
-        name=name,
-        version="9.9",
-        abi_version=abi.ABI_VERSION,
-        primitives={p: wrap(p) for p in abi.PRIMITIVES},
-        probe=lambda: None,
-        device_types=lambda: ("cpu",),
-        batch_invariant=True,
-    )
-    fields.update(overrides)
-    return Backend(**fields)
 
 
 def _install(monkeypatch, *backends: Backend, chain: tuple[str, ...] | None = None):
@@ -154,7 +130,7 @@ def test_default_chains():
 
 def test_chain_picks_first_backend_that_serves(monkeypatch):
     calls = []
-    _install(monkeypatch, _recording_backend("fast", calls), chain=("fast", "reference"))
+    _install(monkeypatch, recording_backend("fast", calls), chain=("fast", "reference"))
     logits, targets = _inputs()
     logits.requires_grad_(True)
     rlk.selected_logprob(logits, targets).sum().backward()
@@ -164,7 +140,7 @@ def test_chain_picks_first_backend_that_serves(monkeypatch):
 
 def test_fallback_is_logged_once_and_correct(monkeypatch, caplog):
     calls = []
-    slow = _recording_backend(
+    slow = recording_backend(
         "slow", calls, supports=lambda p, d, t: "float32 declined for the test" if t == torch.float32 else None
     )
     _install(monkeypatch, slow, chain=("slow", "reference"))
@@ -182,7 +158,7 @@ def test_fallback_is_logged_once_and_correct(monkeypatch, caplog):
 
 def test_missing_primitive_falls_back(monkeypatch):
     calls = []
-    partial = _recording_backend("partial", calls)
+    partial = recording_backend("partial", calls)
     partial = Backend(
         **{**partial.__dict__, "primitives": {"selected_logprob_fwd": partial.primitives["selected_logprob_fwd"]}}
     )
@@ -194,7 +170,7 @@ def test_missing_primitive_falls_back(monkeypatch):
 
 def test_pinned_backend_runs_forward_and_backward(monkeypatch):
     calls = []
-    _install(monkeypatch, _recording_backend("pinme", calls))
+    _install(monkeypatch, recording_backend("pinme", calls))
     logits, targets = _inputs()
     logits.requires_grad_(True)
     with rlk.use_backend("pinme"):
@@ -214,8 +190,8 @@ def test_pinned_backend_runs_forward_and_backward(monkeypatch):
 def test_pin_that_cannot_be_honoured_is_an_error(monkeypatch, backend, expected):
     _install(
         monkeypatch,
-        _recording_backend("down", [], probe=lambda: "no GPU for the test"),
-        _recording_backend("gpuonly", [], device_types=lambda: ("cuda",)),
+        recording_backend("down", [], probe=lambda: "no GPU for the test"),
+        recording_backend("gpuonly", [], device_types=lambda: ("cuda",)),
     )
     monkeypatch.setenv("RLK_BACKEND", backend)
     with pytest.raises(rlk.BackendError, match=re.escape(expected)):

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_backend import recording_backend
 
 import rlk
-from rlk import reference
-from rlk.core import abi, dispatch
-from rlk.core.backend import Backend
+from rlk.core import dispatch
 from rlk.multimodal import MODALITIES, shift_spans, spans_to_mask, synthetic_batch
 
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.triton_interpreter)]
@@ -89,25 +88,8 @@ def test_linear_logprob_equals_ignore_index_targets(backend, tags):
 def test_a_pinned_backend_without_pack_masks_in_place(monkeypatch):
     """rlk-cuda and rlk-rocm do not serve ``pack``: pinned, ``linear_logprob`` with a host table must not need it (it
     masks in place, as with a device table): the dense form's bits, the packed path's values."""
-    ref = reference.backend()
     calls = []
-
-    def recording(name):
-        def run(*args):
-            calls.append(name)
-            return ref.primitives[name](*args)
-
-        return run
-
-    nopack = Backend(
-        name="nopack",
-        version="0",
-        abi_version=abi.ABI_VERSION,
-        primitives={p: recording(p) for p in abi.PRIMITIVES if p not in ("pack_fwd", "pack_bwd")},
-        probe=lambda: None,
-        device_types=lambda: ("cpu",),
-        batch_invariant=True,
-    )
+    nopack = recording_backend("nopack", calls, without=("pack_fwd", "pack_bwd"))
     found = {**dispatch.discover(), "nopack": dispatch._status_of("nopack", lambda: nopack, "test")}
     monkeypatch.setattr(dispatch, "discover", lambda: found)
     g = _gen(12)
@@ -121,7 +103,7 @@ def test_a_pinned_backend_without_pack_masks_in_place(monkeypatch):
     with rlk.use_backend("nopack"):
         got = rlk.linear_logprob(hidden, weight, targets, loss_spans=_spans())
         grad = _grads(got, hidden)[0]
-    assert "linear_logprob_fwd" in calls and "linear_logprob_bwd" in calls
+    assert ("nopack", "linear_logprob_fwd") in calls and ("nopack", "linear_logprob_bwd") in calls
     assert torch.equal(got, dense) and torch.equal(grad, _grads(dense, hidden)[0])
     assert (got[~mask] == 0).all() and (got[mask] < 0).all()
     torch.testing.assert_close(got, packed, rtol=1e-12, atol=1e-12)
