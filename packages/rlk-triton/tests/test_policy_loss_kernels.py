@@ -343,7 +343,9 @@ def test_counts_over_chunks(small_blocks, agg, loss):
 
 
 @pytest.mark.parametrize("blocks", ["default", "small"])
-@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize(
+    "loss", [loss if loss == "ppo" else pytest.param(loss, marks=pytest.mark.slow) for loss in LOSSES]
+)
 def test_batch_invariance(request, loss, blocks):
     """A row's gradients and row statistics are the same bits alone and at the first, middle and last
     position of batches of 2, 5 and 9 rows (both carry c_i, which is the row's own, 1 / (n_i N_seq), with a
@@ -481,7 +483,9 @@ def test_public_ops_on_triton_match_the_fp64_reference():
     assert contract.compare_outputs(KL_ENTRY, "kl", kl.reshape(-1), kl64, 1 + kl64.abs()).ok
 
 
-@pytest.mark.parametrize("loss", ["ppo", "gspo", "geo_mean"])
+@pytest.mark.parametrize(
+    "loss", ["ppo", pytest.param("gspo", marks=pytest.mark.slow), pytest.param("geo_mean", marks=pytest.mark.slow)]
+)
 def test_micro_batches_on_triton(loss):
     """With global normalizers each row's weight is its own: the micro-batch gradients are the full batch's,
     bit for bit, and the micro losses add up to the full loss."""
@@ -778,6 +782,7 @@ def test_vespo_parameters_and_token_advantages(small_blocks, params):
         assert torch.all(got["grad_logprob"][4] == 0) and bool(inputs["mask"][4].any())
 
 
+@pytest.mark.slow
 def test_vespo_batch_invariance_with_importance_weights():
     """A row's gradient and statistics are the same bits alone and anywhere in batches of 2, 5 and 9 rows, with
     its importance weights in its sequence ratio (small blocks: a sum over several chunks)."""

@@ -133,7 +133,7 @@ def test_the_small_block_cases_are_not_trivial():
         assert 0 < values["seq_clipped_fraction"] < 1, attrs
 
 
-@pytest.mark.parametrize("blocks", ["default", "small"])
+@pytest.mark.parametrize("blocks", ["default", pytest.param("small", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("attrs", [CASES[2], CASES[6]], ids=_ids)
 def test_batch_invariance(request, attrs, blocks):
     """A row's weights are the same bits alone and at the first, middle and last position of batches of 2, 5

@@ -116,7 +116,14 @@ def test_general_tables_fp32():
 BATCH_SIZES = [1, 2, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(torch.float16, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, marks=pytest.mark.gpu),
+    ],
+)
 def test_batch_invariance(dtype):
     """A token computed alone equals the same token at the first, a middle and the last position of
     batches of many sizes (H = 5: not a multiple of the head block)."""

@@ -114,8 +114,12 @@ def _threshold_modes(vocab: int) -> list:
 
 @pytest.mark.parametrize(
     "list_cap,list_margin",
-    [(tk.LIST_CAP, tk.LIST_MARGIN), (0, tk.LIST_MARGIN), (5, tk.LIST_MARGIN), (tk.LIST_CAP, 0.25)],
-    ids=["list", "no_list", "small_list", "short_list"],
+    [
+        pytest.param(tk.LIST_CAP, tk.LIST_MARGIN, marks=pytest.mark.slow, id="list"),
+        pytest.param(0, tk.LIST_MARGIN, marks=pytest.mark.slow, id="no_list"),
+        pytest.param(5, tk.LIST_MARGIN, marks=pytest.mark.slow, id="small_list"),
+        pytest.param(tk.LIST_CAP, 0.25, id="short_list"),
+    ],
 )
 def test_radix_select_hard_cases(list_cap, list_margin, monkeypatch):
     """Every mode on the hard rows; the top-p select over the candidate list, over the row when the list would be

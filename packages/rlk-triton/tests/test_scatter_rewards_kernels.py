@@ -145,7 +145,7 @@ def test_matches_reference(tiles, mode, placement):
 
 
 @pytest.mark.parametrize("placement", abi.PLACEMENTS)
-@pytest.mark.parametrize("shape", [(1, 1), (1, 50), (8, 17), (16, 64)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 50), (8, 17), pytest.param((16, 64), marks=pytest.mark.slow)])
 def test_shapes_and_group_size(small_tiles, shape, placement):
     b, t = shape
     case = make_case(b, t, seed=2, columns=3 if b > 1 else 1)
@@ -227,7 +227,9 @@ PROBE = 5  # the probe group's size
 
 
 @pytest.mark.parametrize("placement", abi.PLACEMENTS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "mode", [mode if mode == "rloo" else pytest.param(mode, marks=pytest.mark.slow) for mode in MODES]
+)
 def test_batch_invariance(small_tiles, mode, placement):
     """A group of 5 sequences (with its regions and costs) alone, then among other groups at the first, middle and
     last position of batches of 8 and 21 rows, by group_index (other groups: random ids, ragged sizes) and by

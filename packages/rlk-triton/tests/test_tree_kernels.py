@@ -149,7 +149,7 @@ def _sharded(p, hidden, weight, targets, inv_t, g_lp, g_ent):
     return out, gh, gw
 
 
-@pytest.mark.parametrize("vocab", [8 * 13, 8 * 37, 12])
+@pytest.mark.parametrize("vocab", [8 * 13, pytest.param(8 * 37, marks=pytest.mark.slow), 12])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_logprob_shards_give_the_single_device_bits(small_tiles, dtype, vocab):
     """Leaves of 13 (< one 32-column split, < one 24-column chunk), 37 (a split and a partial one; a chunk and a
@@ -182,7 +182,9 @@ def test_one_leaf_when_the_tree_is_off(small_tiles, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", [256, 8 * 20, 96])
+@pytest.mark.parametrize(
+    "k", [pytest.param(256, marks=pytest.mark.slow), pytest.param(8 * 20, marks=pytest.mark.slow), 96]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_k_shards_give_the_single_device_bits(small_tiles, dtype, k):
     """Row-parallel forward (K segments of 32, 20 and 12: multiples of BLOCK_K = 16 or not, one step or several)

@@ -196,7 +196,7 @@ def _rollout(rank: int, world: int, params):
 
 
 @pytest.mark.triton_interpreter
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tensor_parallel_chain_on_gloo_ranks(world):
     testing.run_ranks(_tp_worker, world)
 
