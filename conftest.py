@@ -8,7 +8,8 @@ tests are deselected on machines with fewer than two GPUs, ``no_gpu`` tests (beh
 GPU) on machines with one, ``rocm`` tests on any torch that is not a ROCm build. ``verl`` tests (the integration
 against the real verl, run in the environment of
 ``ci/install_verl_env.sh``) are deselected where ``verl.trainer.ppo.core_algos`` cannot be imported;
-``RLK_REQUIRE_VERL=1`` turns that into an error.
+``RLK_REQUIRE_VERL=1`` turns that into an error. ``native`` tests (rlk-cuda and rlk-rocm installed, without their
+hardware) are deselected where either is not installed, an error where ``RLK_REQUIRE_INSTALLED`` names them.
 
 ``RLK_RECORD_TRITON_LAUNCHES=<dir>`` (with ``TRITON_INTERPRET=1``) records the Triton kernel
 specializations the session launches into ``<dir>/launches-<worker>.json``, for
@@ -42,7 +43,17 @@ def _verl_import_error() -> str | None:
     return None
 
 
+def _native_missing() -> list[str]:
+    """The native backends (rlk-cuda, rlk-rocm) that are not installed."""
+    return [name for name in ("rlk_cuda", "rlk_rocm") if importlib.util.find_spec(name) is None]
+
+
 def pytest_collection_modifyitems(config, items):
+    if any(item.get_closest_marker("native") for item in items) and _native_missing():
+        required = {b for b in os.environ.get("RLK_REQUIRE_INSTALLED", "").split(",") if b}
+        if required & {"cuda", "rocm"}:
+            raise pytest.UsageError(f"RLK_REQUIRE_INSTALLED={sorted(required)} but not installed: {_native_missing()}")
+        _deselect(config, items, "native")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         _deselect(config, items, "triton_interpreter")
     if any(item.get_closest_marker("verl") for item in items):

@@ -21,15 +21,14 @@ mkdir -p "$out"
 # stage name: what it runs. The gate keeps one instance of every check that found a real bug, at the smallest size
 # that would have found it; the nightly tier runs the rest (the slow tests, the second full run, the other compile
 # targets, the long fuzz profile, the parity matrix, asv).
-GATE_STAGES=(lint docs native pytest aot-sm90 transformers-oldest verl torch-oldest torch-newest bench-smoke
-  asv-publish)
-FULL_STAGES=(pytest-slow fuzz-long torch-oldest-full aot-all triton-newest parity-quick asv-quick)
+GATE_STAGES=(lint docs pytest aot-sm90 transformers-oldest verl torch-oldest torch-newest bench-smoke asv-publish)
+FULL_STAGES=(native pytest-slow fuzz-long torch-oldest-full aot-all triton-newest parity-quick asv-quick)
 
 # The tests that lean on torch's own APIs (custom ops, fakes and compile, the HF patching, torch.distributed, host
 # syncs): run under the oldest and the newest torch rlk declares (the floor found dist.all_gather_single missing).
 TORCH_API_TESTS=(custom_op batch_invariant hf_apply hf_compat hf_groups distributed_ops distributed_chain
   no_host_sync dispatch arguments pack cli)
-# Not collected by the main pytest stages: run by ci/build_cuda.sh / ci/build_rocm.sh after each build.
+# Not collected by the main pytest stages: run by ci/build_cuda.sh / ci/build_rocm.sh after each build (native).
 NATIVE_TESTS=(--ignore=packages/rlk-cuda/tests --ignore=packages/rlk-rocm/tests)
 
 second_env() {  # second_env DIR PIP_REQUIREMENT...: a venv over the system site-packages (torch, the editable rlk)
@@ -57,18 +56,10 @@ stage_lint() {
 stage_docs() {  # broken links, missing pages, API pages from the docstrings
   NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q -d "$out/site"
 }
-stage_native() {  # rlk-cuda (nvcc, sm_90a) and rlk-rocm (Debian's ROCm 5.2 hipcc): built, installed, CPU tests
-  bash ci/build_cuda.sh
-  bash ci/build_rocm.sh
-  python3 -m rlk info
-}
 stage_pytest() {  # everything not marked slow; the launched Triton specializations recorded for aot-sm90
-  local installed=()
-  # built and installed by the native stage: then they must load and say why they are unavailable here
-  python3 -c 'import rlk_cuda, rlk_rocm' 2>/dev/null && installed=(RLK_REQUIRE_INSTALLED=cuda,rocm,domestic)
   rm -rf "$out/triton_launches"
-  env "${installed[@]}" RLK_RECORD_TRITON_LAUNCHES="$out/triton_launches" \
-    python3 -m pytest -n 2 -m "not slow" --durations=30 "${NATIVE_TESTS[@]}"
+  RLK_RECORD_TRITON_LAUNCHES="$out/triton_launches" \
+    python3 -m pytest -n 2 -m "not slow and not native" --durations=30 "${NATIVE_TESTS[@]}"
 }
 stage_aot-sm90() {  # the kernels the pytest stage launched, compiled for sm_90 under the pinned Triton
   env -u TRITON_INTERPRET python3 tools/triton_aot_check.py "$out"/triton_launches/*.json --arch 90
@@ -103,6 +94,14 @@ stage_asv-publish() {  # the benchmark history site from the committed GPU resul
 }
 
 # --- the nightly tier ------------------------------------------------------------------------------------------
+stage_native() {  # rlk-cuda (nvcc, sm_90a) and rlk-rocm (Debian's ROCm 5.2 hipcc): built and installed, their CPU
+  # tests (run by the build scripts), then the rlk tests that need them installed (they must load and say why they
+  # are unavailable here)
+  bash ci/build_cuda.sh
+  bash ci/build_rocm.sh
+  python3 -m rlk info
+  RLK_REQUIRE_INSTALLED=cuda,rocm,domestic python3 -m pytest -n 2 -m native packages/rlk/tests
+}
 stage_pytest-slow() {  # the tests marked slow (long sweeps, big interpreter shapes), launches recorded for aot-all
   rm -rf "$out/triton_launches_slow"
   RLK_RECORD_TRITON_LAUNCHES="$out/triton_launches_slow" \
@@ -112,14 +111,15 @@ stage_fuzz-long() {  # the fuzz suite's long profile: new random examples every 
   RLK_FUZZ=long RLK_FUZZ_EXAMPLES=60 python3 -m pytest -n 2 -q packages/rlk/tests/test_fuzz_*.py -k "not triton"
   RLK_FUZZ=long RLK_FUZZ_EXAMPLES=8 python3 -m pytest -n 2 -q packages/rlk/tests/test_fuzz_*.py -k triton
 }
-stage_torch-oldest-full() {  # the second full run, under torch 2.11.0; launches recorded for aot-all
+stage_torch-oldest-full() {  # the gate's pytest run again under torch 2.11.0 (pytest-slow runs the rest);
+  # the launches recorded for aot-all
   oldest_env
   rm -rf "$out/triton_launches_oldest"
   RLK_RECORD_TRITON_LAUNCHES="$out/triton_launches_oldest" "$out/venv-torch-oldest/bin/python" -m pytest -n 2 \
-    "${NATIVE_TESTS[@]}" --ignore=packages/rlk/tests/test_packaging.py \
+    -m "not slow" "${NATIVE_TESTS[@]}" --ignore=packages/rlk/tests/test_packaging.py \
     --ignore-glob="packages/rlk/tests/test_fuzz_*.py" --ignore-glob="packages/rlk/tests/test_bench_*.py"
 }
-stage_aot-all() {  # every launch of the nightly runs (slow tests, the full torch 2.11 run: the pinned Triton) for
+stage_aot-all() {  # every launch of the nightly runs (the slow tests, the torch 2.11 run: the pinned Triton) for
   # sm_90, sm_80 and, through Triton's AMD backend (no ROCm, no GPU), CDNA3 / CDNA2 (wavefront 64)
   local records=("$out"/triton_launches_slow/*.json "$out"/triton_launches_oldest/*.json)
   env -u TRITON_INTERPRET python3 tools/triton_aot_check.py "${records[@]}" --arch 90 80 gfx942 gfx90a

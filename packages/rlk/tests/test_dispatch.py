@@ -62,6 +62,7 @@ def test_every_backend_implements_whole_ops():
             assert table == set(abi.PRIMITIVES)
 
 
+@pytest.mark.native
 def test_required_installed_backends_are_discovered():
     """Backends CI built and installed but cannot run here (rlk-cuda without a GPU) must still load, and say
     why they are unavailable (RLK_REQUIRE_INSTALLED, comma-separated)."""
