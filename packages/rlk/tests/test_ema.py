@@ -165,7 +165,7 @@ def test_bad_input_names_the_argument():
         rlk.ema_([torch.zeros(4), torch.zeros(3, 2).t()], [torch.zeros(4), torch.zeros(2, 3)], 0.5)
     with pytest.raises(ValueError, match=r"source\[1\]: expected a contiguous"):
         rlk.ema_([torch.zeros(4), torch.zeros(2, 3)], [torch.zeros(4), torch.zeros(3, 2).t()], 0.5)
-    with pytest.raises(ValueError, match=r"target\[1\]: the same memory as target\[0\]"):
+    with pytest.raises(ValueError, match=r"target\[1\]: overlaps target\[0\]"):
         rlk.ema_([t[0], t[0]], [s[0], s[0]], 0.5)
     for bad in (-0.1, 1.5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="decay"):
@@ -176,3 +176,49 @@ def test_bad_input_names_the_argument():
     if torch.device("meta") != DEVICE:
         with pytest.raises(ValueError, match=r"target\[1\]: expected device"):
             rlk.ema_([torch.zeros(4), torch.zeros(3, device="meta")], s, 0.5)
+
+
+def _bits(x):
+    """The bits of ``x`` as integers (``torch.equal`` on them compares NaNs too)."""
+    return x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_endpoints_are_exact_whatever_the_values(dtype):
+    """decay = 1 leaves every target bit as it is and decay = 0 copies every source bit, over NaN, +-inf, -0.0 and
+    extreme values on either side (lerp's 0 * inf and inf - inf would make NaNs), on every backend."""
+    special = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1.5, -2.0, torch.finfo(dtype).max]
+    n = len(special)
+    target = torch.tensor(special, dtype=torch.float64).repeat_interleave(n).to(dtype).to(DEVICE)
+    source = torch.tensor(special, dtype=torch.float64).repeat(n).to(dtype).to(DEVICE)  # every pair of values
+    for backend in _backends(dtype):
+        kept = _run(backend, [target, target[:5]], [source, source[:5]], 1.0)
+        copied = _run(backend, [target, target[:5]], [source, source[:5]], 0.0)
+        for got, want in zip(kept + copied, [target, target[:5], source, source[:5]]):
+            assert torch.equal(_bits(got), _bits(want)), backend
+
+
+def test_overlapping_targets_are_refused():
+    """Views sharing elements would be updated twice (and, on Triton, in any order): refused by their addresses;
+    adjacent views and a source that is its own target are fine."""
+    a = torch.arange(8.0, device=DEVICE)
+    b = torch.arange(8.0, device=DEVICE) + 100
+    cases = [
+        ([a, a[1:3]], [b, b[1:3]], r"^target\[1\]: overlaps target\[0\]"),
+        ([a[4:], b, a[2:5]], [b[4:], a.new_zeros(8), b[2:5]], r"^target\[2\]: overlaps target\[0\]"),
+        ([a.view(2, 4), a.view(torch.float16)], [b.view(2, 4), b.view(torch.float16)], r"^target\[1\]: overlaps"),
+        ([a[:4], b[:4]], [b[2:6], b[:4]], r"^source\[0\]: overlaps target\[1\]"),
+        ([a[:4]], [a[1:5]], r"^source\[0\]: overlaps target\[0\]"),
+    ]
+    for targets, sources, message in cases:
+        before = [t.clone() for t in targets]
+        with pytest.raises(ValueError, match=message):
+            rlk.ema_(targets, sources, 0.5)
+        assert all(torch.equal(t, u) for t, u in zip(targets, before))  # refused before writing anything
+    halves, other = [a[:4], a[4:]], [b[:4], b[4:]]
+    rlk.ema_(halves, other, 0.5)  # adjacent views: fine
+    assert torch.equal(a, (torch.arange(8.0, device=DEVICE) + 50).to(a.dtype))
+    c = torch.randn(6, device=DEVICE)
+    want = c.clone()
+    rlk.ema_([c], [c], 0.9)  # a source that is its own target
+    assert torch.equal(c, want)

@@ -54,6 +54,34 @@ def test_group_batch_errors_name_the_argument():
         group_batch([torch.ones(2, 2, dtype=torch.int64)], [[[3]]])
 
 
+def test_token_ids_out_of_range_are_refused():
+    """A negative id (an ignore_index such as -100) would score 0 without a word, an id past the vocabulary read out
+    of bounds: both are errors naming the prompt or response, the position and the id."""
+    cases = [
+        (([[1, 2]], [[[5, -100]]]), {}, r"^responses\[0\]\[0\]: token id -100 at position 1"),
+        (([[1, 2], [3, -1]], [[[5]], [[6]]]), {}, r"^prompts\[1\]: token id -1 at position 1"),
+        (([[1, 2]], [[[5], torch.tensor([4, -7])]]), {}, r"^responses\[0\]\[1\]: token id -7 at position 1"),
+        (([[1, 2]], [[[5], [49, 50]]]), dict(vocab_size=50), r"^responses\[0\]\[1\]: token id 50 at position 1"),
+        (([[0, 50]], [[[5]]]), dict(vocab_size=50), r"^prompts\[0\]: token id 50 at position 1"),
+    ]
+    for args, kw, message in cases:
+        with pytest.raises(ValueError, match=message):
+            group_batch(*args, **kw)
+    group_batch([[0, 49]], [[[49, 0]]], vocab_size=50)  # the edges are valid ids
+    with pytest.raises(ValueError, match="^vocab_size"):
+        group_batch([[1]], [[[2]]], vocab_size=0)
+
+
+@routed
+def test_group_logprobs_refuses_ids_past_the_vocabulary():
+    model = apply(tiny_model("qwen3").to(DEVICE), batch_invariant=True)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    with pytest.raises(ValueError, match=rf"^responses\[1\]\[0\]: token id {vocab} at position 2"):
+        group_logprobs(model, PROMPTS, [RESPONSES[0], [[8, 9, vocab], [2, 2]]])
+    with pytest.raises(ValueError, match=r"^responses\[0\]\[2\]: token id -100 at position 0"):
+        group_logprobs(model, PROMPTS, [[*RESPONSES[0][:2], [-100]], RESPONSES[1]])
+
+
 def _alone(model, prompt, response):
     """The response's log-probs from ``prompt + response`` scored alone (positions P-1 .. P+R-2)."""
     ids = torch.tensor([prompt + response], device=DEVICE)

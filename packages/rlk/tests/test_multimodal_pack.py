@@ -399,6 +399,18 @@ def _video():
             "padding_value: expected an int or a float",
         ),
         (
+            lambda: mm.unpack_batch(mm.pack_batch(_video()), torch.zeros(73, dtype=torch.float16), padding_value=1e10),
+            ValueError,
+            r"padding_value: 10000000000.0 is not a value of torch.float16 \(it would be stored as inf\)",
+        ),
+        (
+            lambda: mm.unpack_batch(
+                mm.pack_batch(_video()), torch.zeros(73, dtype=torch.int64), padding_value=2**53 + 1
+            ),
+            ValueError,
+            "padding_value: 9007199254740993 is not exactly a float64",
+        ),
+        (
             lambda: mm.pack_batch(_video()).remap_spans(torch.zeros(3, 3, dtype=torch.int32)),
             ValueError,
             r"spans: expected an int \[S, 4\] span table",

@@ -95,6 +95,53 @@ def test_round_trip_is_exact(backend, layout, trailing, dtype):
     assert torch.equal(back, torch.where(keep, x, torch.full_like(x, fill)))
 
 
+#: Fill values at each dtype's edge: (dtype, value, whether the dtype holds it exactly).
+EDGE_FILLS = [
+    (torch.int64, 2**53, True),
+    (torch.int64, 2**53 + 1, False),  # a float64 on its way to the kernels: would be stored as 2**53
+    (torch.int64, 2**53 + 2, True),
+    (torch.int64, -(2**63), True),
+    (torch.int64, 2**63 - 1, False),  # rounds to 2**63 as a float64
+    (torch.int32, 2**31 - 1, True),
+    (torch.int32, 2**31, False),
+    (torch.int32, -(2**31), True),
+    (torch.float16, 65504, True),
+    (torch.float16, 65520, False),  # rounds to inf
+    (torch.float16, 1e10, False),
+    (torch.float16, 2.0**-24, True),  # the smallest subnormal
+    (torch.float16, 2.0**-25, False),  # rounds to 0
+    (torch.bfloat16, 1e10, False),  # rounds to 9999220736
+    (torch.bfloat16, 2.0**127 * 1.5, True),
+    (torch.float32, 0.1, False),
+    (torch.float32, 16777217, False),  # 2**24 + 1
+    (torch.float32, -16777216, True),
+    (torch.float64, 0.1, True),
+    (torch.float64, 2**53 + 1, False),  # an int beyond float64's integers
+    (torch.float16, float("inf"), True),
+    (torch.bfloat16, float("-inf"), True),
+    (torch.float32, float("nan"), True),
+]
+
+
+@pytest.mark.parametrize("dtype, fill, exact", EDGE_FILLS, ids=[f"{d}-{v!r}" for d, v, _ in EDGE_FILLS])
+def test_padding_value_is_exact_or_refused(backend, dtype, fill, exact):
+    """A fill the dtype holds is stored exactly (inf, -inf and NaN too); any other is an error naming it."""
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("float64 runs on the reference backend")
+    mask = _mask("holes")
+    packed, _, _ = rlk.pack(_data((3, 5), dtype, seed=3), mask)
+    if not exact:
+        with pytest.raises(ValueError, match="^padding_value: "):
+            rlk.unpack(packed, mask, padding_value=fill)
+        return
+    out = rlk.unpack(packed, mask, padding_value=fill)
+    padding = out[~mask.bool()]
+    if fill != fill:
+        assert bool(torch.isnan(padding).all())
+    else:
+        assert all(v == fill for v in padding.tolist()), padding.tolist()
+
+
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int32, torch.uint8])
 def test_mask_dtypes_and_int32_ids(backend, mask_dtype):
     mask = _mask("holes", mask_dtype)

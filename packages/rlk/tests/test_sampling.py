@@ -248,6 +248,63 @@ def test_logprob_is_pre_filter(backend):
     assert torch.allclose(logprobs.double(), want.gather(1, tokens[:, None])[:, 0], atol=1e-6, rtol=0)
 
 
+NAN, INF = float("nan"), float("inf")
+#: Rows of every kind of non-finite logit (V = 6): a NaN, +inf (one and two), all NaN, all -inf, NaN and -inf only
+#: with one finite logit, logits at fp32's range, and a plain row.
+NON_FINITE = [
+    [0.5, NAN, 1.0, 2.0, -1.0, 0.0],
+    [1.0, INF, 3.0, INF, NAN, -INF],
+    [NAN, 2.0, INF, 0.0, 1.0, 5.0],
+    [NAN] * 6,
+    [-INF] * 6,
+    [NAN, -INF, NAN, -INF, 4.0, -INF],
+    [100.0, 99.0, 3e38, -3e38, 3.4e38, 0.0],
+    [0.3, -0.2, 0.1, 0.0, -0.4, 0.25],
+]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter on -inf / NaN
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(temperature=1e-37),
+        dict(temperature=1e-30, top_k=2),
+        dict(temperature=3e30, min_p=0.1),
+        dict(temperature=0.5, top_k=3, top_p=0.7),
+        dict(temperature=0.0),
+    ],
+    ids=["plain", "T=1e-37", "T=1e-30,top_k", "T=3e30,min_p", "filters", "greedy"],
+)
+def test_non_finite_logits_and_extreme_temperatures(kw):
+    """The documented rule, bitwise the same on every backend: NaN counts as -inf (never drawn while the row has
+    another logit), +inf logits share the mass (only they are drawn, logprob -log(count)), a row without a logit
+    above -inf is uniform, a tiny temperature draws only the max logits; the logprob is finite and <= 0."""
+    x = torch.tensor(NON_FINITE, device=DEVICE)
+    rows = x.shape[0]
+    seed = torch.arange(rows, dtype=torch.int64, device=DEVICE) * 977
+    step = torch.arange(rows, dtype=torch.int64, device=DEVICE) + 2**33
+    results = {b: _sample(b, x, seed, step, **kw) for b in _backends(torch.float32)}
+    tokens, logprobs = results["reference"]
+    for backend, (t, lp) in results.items():
+        assert torch.equal(t, tokens) and torch.equal(lp, logprobs), backend
+    assert bool(torch.isfinite(logprobs).all()) and bool((logprobs <= 0).all())
+    picked = x.gather(1, tokens[:, None])[:, 0].cpu()
+    row_max = torch.where(torch.isnan(x), -INF, x).max(dim=1).values.cpu()
+    for i in range(rows):
+        if row_max[i].item() == -INF:  # nothing above -inf: uniform
+            assert logprobs[i].item() == torch.tensor(-math.log(6), dtype=torch.float32).item()
+            continue
+        assert not math.isnan(picked[i].item()), i
+        infinite = int((x[i] == INF).sum())
+        if infinite:
+            assert picked[i].item() == INF
+            assert logprobs[i].item() == torch.tensor(-math.log(infinite), dtype=torch.float32).item()
+        elif kw.get("temperature", 1.0) in (0.0, 1e-37, 1e-30):
+            assert picked[i].item() == row_max[i].item()
+            assert logprobs[i].item() == 0.0 or kw["temperature"] == 0.0  # greedy: the logprob at T = 1
+
+
 def test_top_p_one_and_large_k_are_off():
     x, seed, step = _inputs(rows=6, vocab=300)
     plain = rlk.sample(x, seed, step)

@@ -2,7 +2,8 @@
 
 The math is the spec in :mod:`rlk.reference.ema`: ``t <- lerp(t, s, w)``, ``w = fp32(1 - decay)``, in fp32
 with torch's two-sided lerp formula (``t + w (s - t)`` for ``|w| < 0.5``, else ``s - (s - t)(1 - w)``), rounded
-once to the target's dtype. The multiply-add is one explicit ``tl.fma``, as torch's CUDA lerp compiles it (meant to
+once to the target's dtype; ``decay = 1`` launches nothing and ``decay = 0`` copies the source's bits (``COPY``),
+as the spec says. The multiply-add is one explicit ``tl.fma``, as torch's CUDA lerp compiles it (meant to
 be bitwise equal to ``torch._foreach_lerp_`` on the GPU); the CPU interpreter evaluates it unfused, like the
 reference.
 
@@ -40,10 +41,12 @@ def _ema_kernel(
     weight,
     SEARCH_STEPS: tl.constexpr,
     SMALL_WEIGHT: tl.constexpr,
+    COPY: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Program ``pid`` updates block ``pid - first_block[i]`` of tensor ``i`` (``first_block[i] <= pid``)."""
+    """Program ``pid`` updates block ``pid - first_block[i]`` of tensor ``i`` (``first_block[i] <= pid``); with
+    ``COPY`` (``decay = 0``) it copies the source's bits instead."""
     pid = tl.program_id(0).to(tl.int64)
     lo = pid * 0
     hi = lo + n_tensors  # first_block[lo] <= pid < first_block[hi] (first_block[n_tensors] = total blocks)
@@ -62,7 +65,9 @@ def _ema_kernel(
     offs = start + tl.arange(0, BLOCK).to(tl.int64)
     t_ptr = t_base + t_off + offs
     s_ptr = s_base + s_off + offs
-    if start + BLOCK <= numel:
+    if COPY:
+        tl.store(t_ptr, tl.load(s_ptr, mask=offs < numel), mask=offs < numel)
+    elif start + BLOCK <= numel:
         t = tl.load(t_ptr).to(tl.float32)
         s = tl.load(s_ptr).to(tl.float32)
         d = s - t
@@ -109,7 +114,7 @@ def launch_table(
 
 def ema_fwd(targets: list[torch.Tensor], sources: list[torch.Tensor], decay: float) -> None:
     """``targets[i] <- lerp(targets[i], sources[i], 1 - decay)`` in place, one launch (module docstring)."""
-    if not targets:
+    if not targets or decay == 1.0:  # decay = 1: the targets keep their bits
         return
     device = targets[0].device
     rows, blocks, align = launch_table(targets, sources)
@@ -126,6 +131,7 @@ def ema_fwd(targets: list[torch.Tensor], sources: list[torch.Tensor], decay: flo
             weight,
             SEARCH_STEPS=max(1, (n - 1).bit_length()) + 1,
             SMALL_WEIGHT=abs(weight) < 0.5,
+            COPY=decay == 0.0,
             ALIGN=align,
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,

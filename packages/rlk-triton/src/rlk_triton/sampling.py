@@ -2,12 +2,14 @@
 
 One program per row; every pass reads the row in chunks in index order:
 
-1. the max ``m`` of the scaled logits ``z`` (and the first index of it); with top-k, also the 256-bin count histogram
-   of the top byte of the order keys;
-2. top-k only: three more counting passes, one byte each, find the k-th largest key ``tau_k`` by radix select
-   (per pass a ``tl.histogram`` of the next byte of the keys that match the bytes found so far);
+1. the max ``mx`` of the logits ``x`` (NaN read as -inf) and the first index of it; with top-k, also the 256-bin
+   count histogram of the top byte of the order keys of ``x``; from here on the scaled logits
+   ``z = (x - mx) * inv_t`` (0 where ``x == mx``) lie in ``[-inf, 0]`` with ``max z = 0``;
+2. top-k only: three more counting passes, one byte each, find the k-th largest key of ``x`` by radix select
+   (per pass a ``tl.histogram`` of the next byte of the keys that match the bytes found so far); ``z`` is
+   non-decreasing in ``x``, so ``tau_k`` is the key of that logit's ``z``;
 3. greedy and top-p only: the sum pass: ``R`` (fp64); with top-p also the integer mass total ``Q`` of the top-k
-   survivors and a count histogram of them over bins of ``0.1`` in ``m - z``. From it a *candidate list*: the
+   survivors and a count histogram of them over bins of ``0.1`` in ``-z``. From it a *candidate list*: the
    survivors in the fewest top bins whose mass, bounded below from the counts, reaches ``p * Q`` (fewer bins if
    that is more than ``LIST_CAP`` survivors).
    One pass copies their logits, in index order, to the row's scratch list and one pass over the list checks that
@@ -36,8 +38,8 @@ BLOCK = 2048
 NUM_WARPS = 8
 #: Software-pipelining depth of the loads of the passes that do little arithmetic (max, counts, sum, copy).
 LOAD_STAGES = 3
-# The kernel is compiled with enable_fp_fusion=False: z = fp32(x) * inv_t is one rounded multiply (the spec), and
-# LLVM / ptxas would otherwise contract it with the next add or subtraction (score = z + g, seen for m - z in the
+# The kernel is compiled with enable_fp_fusion=False: z = (x - mx) * inv_t ends in one rounded multiply (the spec),
+# and LLVM / ptxas would otherwise contract it with the next add or subtraction (score = z + g, seen for m - z in the
 # sm_90 PTX), which changes the scores' bits and makes the list's bins differ between two passes.
 #: Most top-p candidates copied to the scratch list of a row (more: the top-p select runs over the row).
 LIST_CAP = 16384
@@ -95,16 +97,29 @@ def _ukey(key):
 
 
 @triton.jit
-def _z(ptr, offs, n, inv_t):
-    """The scaled logits ``fp32(x) * inv_t`` at ``offs`` (``-inf`` from ``n`` on)."""
+def _x(ptr, offs, n):
+    """The logits at ``offs`` in fp32, NaN read as ``-inf`` (``-inf`` from ``n`` on)."""
     x = tl.load(ptr + offs, mask=offs < n, other=float("-inf")).to(tl.float32)
-    return x * inv_t
+    return tl.where(x != x, float("-inf"), x)
 
 
 @triton.jit
-def _e(z, m64):
-    """``fp32(exp(fp64(z) - fp64(m)))``."""
-    return tl.exp(z.to(tl.float64) - m64).to(tl.float32)
+def _scale(x, mx, inv_t):
+    """The scaled logits ``(x - mx) * inv_t`` of fp32 logits without NaN (0 where ``x == mx``, also infinite), in
+    ``[-inf, 0]``: two fp32 roundings, never fused (``enable_fp_fusion=False``)."""
+    return tl.where(x == mx, 0.0, x - mx) * inv_t
+
+
+@triton.jit
+def _z(ptr, offs, n, mx, inv_t):
+    """The scaled logits at ``offs`` (``-inf`` from ``n`` on)."""
+    return tl.where(offs < n, _scale(_x(ptr, offs, n), mx, inv_t), float("-inf"))
+
+
+@triton.jit
+def _e(z):
+    """``fp32(exp(fp64(z)))`` (``z - max z`` with ``max z = 0``)."""
+    return tl.exp(z.to(tl.float64)).to(tl.float32)
 
 
 @triton.jit
@@ -114,9 +129,9 @@ def _mass(e):
 
 
 @triton.jit
-def _z_bin(z, m):
-    """The candidate-list bin of ``z``: ``min(floor((m - z) * 10), 255)``, monotone in ``z``."""
-    return tl.minimum((m - z) * Z_BIN_SCALE, Z_BINS - 1.0).to(tl.int32)
+def _z_bin(z):
+    """The candidate-list bin of ``z``: ``min(floor(-z * 10), 255)``, monotone in ``z``."""
+    return tl.minimum(-z * Z_BIN_SCALE, Z_BINS - 1.0).to(tl.int32)
 
 
 @triton.jit
@@ -130,9 +145,10 @@ def _count_digit(hist, need):
 
 
 @triton.jit
-def _top_k_threshold(row_ptr, V, inv_t, hist, top_k, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """``tau_k``, the ``top_k``-th largest key (with multiplicity), by radix select: ``hist`` counts the top byte of
-    the row's keys; each further pass counts the next byte of the keys whose higher bytes match those found."""
+def _top_k_threshold(row_ptr, V, mx, inv_t, hist, top_k, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """``tau_k``, the ``top_k``-th largest key of ``z`` (with multiplicity): the key of ``z`` of the ``top_k``-th
+    largest logit (``z`` is non-decreasing in ``x``), found by radix select over the keys of ``x``: ``hist`` counts
+    their top byte; each further pass counts the next byte of the keys whose higher bytes match those found."""
     base = tl.arange(0, BLOCK)
     digit, need = _count_digit(hist, top_k)
     prefix = digit.to(tl.uint32)
@@ -140,12 +156,14 @@ def _top_k_threshold(row_ptr, V, inv_t, hist, top_k, BLOCK: tl.constexpr, STAGES
         hist = tl.zeros([KEY_BINS], tl.int32)
         for start in tl.range(0, V, BLOCK, num_stages=STAGES):
             offs = start + base
-            u = _ukey(_key(_z(row_ptr, offs, V, inv_t)))
+            u = _ukey(_key(_x(row_ptr, offs, V)))
             match = (offs < V) & ((u >> (shift + 8)) == prefix)
             hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), KEY_BINS, mask=match)
         digit, need = _count_digit(hist, need)
         prefix = (prefix << 8) | digit.to(tl.uint32)
-    return (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
+    key_x = (prefix ^ 0x80000000).to(tl.int32, bitcast=True)
+    x_k = tl.where(key_x >= 0, key_x, key_x ^ INT32_MAX).to(tl.float32, bitcast=True)  # the inverse of _key
+    return _key(_scale(x_k, mx, inv_t))
 
 
 @triton.jit
@@ -163,15 +181,16 @@ def _list_last_bin(hist, target, cap, margin):
 
 
 @triton.jit
-def _copy_list(row_ptr, V, inv_t, m, tau_k, last, list_ptr, cap, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def _copy_list(row_ptr, V, mx, inv_t, tau_k, last, list_ptr, cap, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Copy the logits of the survivors in bins ``0..last`` to ``list_ptr``, in index order; their number."""
     base = tl.arange(0, BLOCK)
     n = tl.sum(base * 0, axis=0)
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         offs = start + base
         x = tl.load(row_ptr + offs, mask=offs < V)
-        z = x.to(tl.float32) * inv_t
-        sel = (offs < V) & (_key(z) >= tau_k) & (_z_bin(z, m) <= last)
+        xf = x.to(tl.float32)
+        z = _scale(tl.where(xf != xf, float("-inf"), xf), mx, inv_t)
+        sel = (offs < V) & (_key(z) >= tau_k) & (_z_bin(z) <= last)
         pos = n + tl.cumsum(sel.to(tl.int32), axis=0) - 1
         tl.store(list_ptr + pos, x, mask=sel & (pos < cap))
         n += tl.sum(sel.to(tl.int32), axis=0)
@@ -179,22 +198,22 @@ def _copy_list(row_ptr, V, inv_t, m, tau_k, last, list_ptr, cap, BLOCK: tl.const
 
 
 @triton.jit
-def _list_mass(list_ptr, n, inv_t, m64, BLOCK: tl.constexpr):
+def _list_mass(list_ptr, n, mx, inv_t, BLOCK: tl.constexpr):
     """The exact mass of the ``n`` listed logits and the smallest key among those of positive mass."""
     base = tl.arange(0, BLOCK)
     total = tl.sum(base.to(tl.int64) * 0, axis=0)
     kmin = tl.sum(base * 0, axis=0) + INT32_MAX
     for start in range(0, n, BLOCK):
         offs = start + base
-        z = _z(list_ptr, offs, n, inv_t)
-        q = tl.where(offs < n, _mass(_e(z, m64)), 0)
+        z = _z(list_ptr, offs, n, mx, inv_t)
+        q = tl.where(offs < n, _mass(_e(z)), 0)
         total += tl.sum(q, axis=0)
         kmin = tl.minimum(kmin, tl.min(tl.where(q > 0, _key(z), INT32_MAX), axis=0))
     return total, kmin
 
 
 @triton.jit
-def _top_p_threshold(src, n, inv_t, m64, tau_k, kmin, kmax, target):
+def _top_p_threshold(src, n, mx, inv_t, tau_k, kmin, kmax, target):
     """``tau_p``: the largest key ``t`` with ``fp64(sum of the masses of keys >= t) >= target`` over the ``n`` logits
     at ``src`` kept by top-k (an upper set of the row's keys reaching the target), by radix select on 4-bit digits
     of ``key - kmin`` (``kmin``: their smallest key of positive mass; ``kmax``: their largest key)."""
@@ -212,12 +231,12 @@ def _top_p_threshold(src, n, inv_t, m64, tau_k, kmin, kmax, target):
         mass = tl.zeros([MASS_BINS], tl.int64)
         for start in range(0, n, MASS_BLOCK):
             offs = start + base
-            z = _z(src, offs, n, inv_t)
+            z = _z(src, offs, n, mx, inv_t)
             key = _key(z)
             u = _ukey(key) - ukmin
             hit = (offs < n) & (key >= tau_k) & (key >= kmin) & (((u >> shift) >> 4) == prefix)
             if tl.max(hit.to(tl.int32), axis=0) > 0:
-                q = tl.where(hit, _mass(_e(z, m64)), 0)
+                q = tl.where(hit, _mass(_e(z)), 0)
                 digit = ((u >> shift) & 0xF).to(tl.int32)
                 mass += tl.sum(tl.where(digit[:, None] == digits[None, :], q[:, None], 0), axis=0)
         # the mass of the digits >= d, and > d
@@ -255,24 +274,24 @@ def _sample_kernel(
     row_ptr = logits + row * stride
     base = tl.arange(0, BLOCK)
     zero = tl.sum(base * 0, axis=0)
-    # pass 1: the max and its first index (the greedy token); with top-k the top bytes' histogram
-    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+    # pass 1: the max logit and its first index v* (the greedy token; z = 0 there); with top-k the top bytes'
+    # histogram of the logits' keys
+    mx = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
     arg = zero
     hist = tl.zeros([KEY_BINS], tl.int32)
     for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         offs = start + base
-        z = _z(row_ptr, offs, V, inv_t)
-        cm = tl.max(z, axis=0)
-        ci = tl.min(tl.where(z == cm, offs, V + BLOCK), axis=0)
-        better = cm > m
+        x = _x(row_ptr, offs, V)
+        cm = tl.max(x, axis=0)
+        ci = tl.min(tl.where(x == cm, offs, V + BLOCK), axis=0)
+        better = cm > mx
         arg = tl.where(better, ci, arg)
-        m = tl.where(better, cm, m)
+        mx = tl.where(better, cm, mx)
         if TOPK:
-            hist += tl.histogram((_ukey(_key(z)) >> 24).to(tl.int32), KEY_BINS, mask=offs < V)
-    m64 = m.to(tl.float64)
+            hist += tl.histogram((_ukey(_key(x)) >> 24).to(tl.int32), KEY_BINS, mask=offs < V)
     tau_k = zero + INT32_MIN
     if TOPK:
-        tau_k = _top_k_threshold(row_ptr, V, inv_t, hist, top_k, BLOCK, STAGES)
+        tau_k = _top_k_threshold(row_ptr, V, mx, inv_t, hist, top_k, BLOCK, STAGES)
     # R (fp64: all but the first max) here when the Gumbel pass does not compute it; with top-p Q, the list's bins
     s = tl.sum(tl.zeros([BLOCK], tl.float64), axis=0)
     tau_p = zero + INT32_MIN
@@ -282,15 +301,15 @@ def _sample_kernel(
         kmin = zero + INT32_MAX
         for start in tl.range(0, V, BLOCK, num_stages=STAGES):
             offs = start + base
-            z = _z(row_ptr, offs, V, inv_t)
-            e = tl.where(offs < V, _e(z, m64), 0.0)
+            z = _z(row_ptr, offs, V, mx, inv_t)
+            e = tl.where(offs < V, _e(z), 0.0)
             s += tl.sum(tl.where(offs == arg, 0.0, e.to(tl.float64)), axis=0)
             if TOPP:
                 key = _key(z)
                 q = _mass(e)
                 cand = (offs < V) & (key >= tau_k)
                 total += tl.sum(tl.where(cand, q, 0), axis=0)
-                zhist += tl.histogram(_z_bin(z, m), Z_BINS, mask=cand)
+                zhist += tl.histogram(_z_bin(z), Z_BINS, mask=cand)
                 kmin = tl.minimum(kmin, tl.min(tl.where(cand & (q > 0), key, INT32_MAX), axis=0))
         if TOPP:
             target = total.to(tl.float64) * top_p  # top_p: fp32, promoted exactly
@@ -300,12 +319,12 @@ def _sample_kernel(
             n = zero
             if on_list:
                 # n <= cap by the counts; the check below guards the scratch row all the same
-                n = _copy_list(row_ptr, V, inv_t, m, tau_k, last, list_ptr, list_cap, BLOCK, STAGES)
-                list_total, list_kmin = _list_mass(list_ptr, tl.minimum(n, list_cap), inv_t, m64, BLOCK)
+                n = _copy_list(row_ptr, V, mx, inv_t, tau_k, last, list_ptr, list_cap, BLOCK, STAGES)
+                list_total, list_kmin = _list_mass(list_ptr, tl.minimum(n, list_cap), mx, inv_t, BLOCK)
                 on_list = (n <= list_cap) & (list_total.to(tl.float64) >= target)
                 kmin = tl.where(on_list, list_kmin, kmin)
-            tau_p = _top_p_threshold(
-                tl.where(on_list, list_ptr, row_ptr), tl.where(on_list, n, V), inv_t, m64, tau_k, kmin, _key(m), target
+            tau_p = _top_p_threshold(  # the largest key: that of max z = +0.0, 0
+                tl.where(on_list, list_ptr, row_ptr), tl.where(on_list, n, V), mx, inv_t, tau_k, kmin, zero, target
             )
     if not GREEDY:
         seed = tl.load(seed_ptr + row)
@@ -321,10 +340,10 @@ def _sample_kernel(
         tau = tl.maximum(tau_k, tau_p)
         for start in range(0, V, BLOCK):
             offs = start + base
-            z = _z(row_ptr, offs, V, inv_t)
+            z = _z(row_ptr, offs, V, mx, inv_t)
             keep = (offs < V) & (_key(z) >= tau)
             if MINP or not TOPP:
-                e = tl.where(offs < V, _e(z, m64), 0.0)
+                e = tl.where(offs < V, _e(z), 0.0)
                 if not TOPP:
                     s += tl.sum(tl.where(offs == arg, 0.0, e.to(tl.float64)), axis=0)
                 if MINP:
@@ -340,8 +359,8 @@ def _sample_kernel(
                 tok = tl.where(better, ci, tok)
                 best = tl.where(better, cm, best)
         arg = tok
-    z_tok = tl.load(row_ptr + arg).to(tl.float32) * inv_t
-    lp = (z_tok.to(tl.float64) - m64) - tl.log(1.0 + s)
+    z_tok = _scale(_x(row_ptr + arg, zero, 1), mx, inv_t)
+    lp = z_tok.to(tl.float64) - tl.log(1.0 + s)
     tl.store(tokens + row, arg.to(tl.int64))
     tl.store(logprob + row, lp.to(tl.float32))
 

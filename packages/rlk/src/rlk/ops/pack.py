@@ -10,6 +10,8 @@ custom ops ``rlk::pack_fwd`` / ``rlk::pack_bwd`` run the ABI op ``pack``; ``rlk:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -230,7 +232,9 @@ def unpack(packed: Tensor, attention_mask: Tensor, *, padding_value: float = 0) 
             with the mask's values, in one host synchronization unless ``RLK_CHECK_VALUES=0``; unchecked, a
             wrong ``total`` reads or leaves rows out of bounds). Dtypes as :func:`pack`'s ``x``.
         attention_mask: ``[B, T]`` bool or integer, 1 at the valid tokens (as in :func:`pack`).
-        padding_value: the value at the padding positions (0 by default); an integer for integer ``packed``.
+        padding_value: the value at the padding positions (0 by default): one that ``packed.dtype`` holds exactly,
+            else an error (:func:`check_padding_value`: an integer within range for integer ``packed``, for int64
+            also exactly a float64; for floating ``packed`` a value of the dtype, ``inf``, ``-inf`` or NaN).
 
     Returns:
         ``[B, T, *trailing]`` in ``packed.dtype``: row ``b``'s valid positions hold, in order, the packed rows
@@ -252,8 +256,34 @@ def unpack(packed: Tensor, attention_mask: Tensor, *, padding_value: float = 0) 
     return out.view(b, t, *trailing)
 
 
+def _float_format(dtype: torch.dtype) -> tuple[int, int, float]:
+    """``(significand bits, frexp exponent of the smallest normal, largest finite)`` of a floating dtype."""
+    info = torch.finfo(dtype)
+    return 1 - round(math.log2(info.eps)), round(math.log2(info.smallest_normal)) + 1, info.max
+
+
+_FLOAT_FORMATS = {dtype: _float_format(dtype) for dtype in PACK_DTYPES if dtype.is_floating_point}
+
+
+def _holds(dtype: torch.dtype, value: float) -> bool:
+    """Whether the finite float ``value`` is a value of the floating ``dtype``: within its range and a multiple of
+    its spacing there (plain Python: no tensor, so ``torch.compile`` folds it)."""
+    bits, min_exponent, largest = _FLOAT_FORMATS[dtype]
+    if abs(value) > largest:
+        return False
+    if value == 0.0:
+        return True
+    return math.ldexp(value, bits - max(math.frexp(value)[1], min_exponent)).is_integer()
+
+
 def check_padding_value(padding_value, dtype: torch.dtype) -> None:
-    """``padding_value`` is an int or float that ``dtype`` holds exactly (an integer for integer dtypes)."""
+    """``padding_value`` is an int or float that ``dtype`` holds exactly, else an error naming it.
+
+    The fill reaches the primitives as a float64 (their ``fill: float``) and is cast to ``dtype`` there, so:
+    floating dtypes take any value of the dtype (``65504`` in float16, not ``65520`` or ``1e10``; ``0.1`` only
+    in float64), and ``inf``, ``-inf`` and NaN; integer dtypes take integers within their range that a float64
+    holds exactly (for int64: within ``+-2**53``, beyond it only multiples of the float64 spacing).
+    """
     if isinstance(padding_value, bool) or not isinstance(padding_value, (int, float)):
         raise TypeError(f"padding_value: expected an int or a float, got {type(padding_value).__name__}")
     if not dtype.is_floating_point:
@@ -262,6 +292,25 @@ def check_padding_value(padding_value, dtype: torch.dtype) -> None:
         info = torch.iinfo(dtype)
         if not info.min <= padding_value <= info.max:
             raise ValueError(f"padding_value: {padding_value!r} does not fit {dtype}")
+        if float(padding_value) != padding_value:
+            raise ValueError(
+                f"padding_value: {padding_value!r} is not exactly a float64 (the fill reaches the kernels as one; "
+                f"beyond 2**53 only multiples of the float64 spacing are), it would be stored as "
+                f"{int(float(padding_value))}"
+            )
+        return
+    if isinstance(padding_value, float) and not math.isfinite(padding_value):
+        return  # inf, -inf and NaN are values of every floating dtype
+    try:
+        value = float(padding_value)
+    except OverflowError:
+        raise ValueError(f"padding_value: {padding_value!r} overflows {dtype}") from None
+    if value != padding_value or not _holds(dtype, value):
+        stored = torch.tensor(value, dtype=torch.float64).to(dtype).item()
+        raise ValueError(
+            f"padding_value: {padding_value!r} is not a value of {dtype} (it would be stored as {stored!r}); "
+            f"pass one that {dtype} holds exactly"
+        )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

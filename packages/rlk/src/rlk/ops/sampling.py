@@ -43,11 +43,17 @@ def sample(
 ) -> tuple[Tensor, Tensor]:
     """Sample one token per row, batch-invariantly: ``(tokens int64 [B], logprobs fp32 [B])``.
 
-    Gumbel-max over the tokens the filters keep: ``token = argmax_v (z_v + g_v)``, ``z = fp32(logits) * fp32(1 /
-    temperature)``, ``g_v = -log(-log(u_v))`` with ``u_v`` from Philox4x32-10 keyed by the row's ``seed``, counter
-    ``(v // 4, 0, step lo32, step hi32)``, lane ``v % 4``; ties go to the lowest index. A row's token and logprob
-    depend only on its own logits, seed and step: bitwise the same whatever the batch, the row's position in it,
-    and the backend (reference or Triton). No host synchronization.
+    Gumbel-max over the tokens the filters keep: ``token = argmax_v (z_v + g_v)``, ``z = (x - max x) * fp32(1 /
+    temperature)`` in fp32 (``x = fp32(logits)``; ``z = 0`` at the max logits, so ``z`` lies in ``[-inf, 0]`` and
+    never overflows, whatever the temperature), ``g_v = -log(-log(u_v))`` with ``u_v`` from Philox4x32-10 keyed by
+    the row's ``seed``, counter ``(v // 4, 0, step lo32, step hi32)``, lane ``v % 4``; ties go to the lowest index.
+    A row's token and logprob depend only on its own logits, seed and step: bitwise the same whatever the batch,
+    the row's position in it, and the backend (reference or Triton). No host synchronization.
+
+    Non-finite logits have a defined result (no error: checking them would synchronize), the same on every
+    backend: a NaN logit counts as ``-inf`` (never drawn from a row with a logit above ``-inf``); ``+inf`` logits
+    share the row's probability equally (each has ``z = 0``, the other tokens ``z = -inf``); a row of ``-inf`` /
+    NaN logits only is uniform. The logprob is always finite and ``<= 0``.
 
     Filters (all on the scaled logits ``z``, thresholds in the total order of their fp32 bits):
 
@@ -61,11 +67,12 @@ def sample(
 
     Args:
         logits: ``[B, V]`` bfloat16, float16 or float32 (rows may be strided; the last dim is made contiguous).
-            Each row needs at least one finite logit (not checked).
+            Any values (non-finite ones: above).
         seed: int64 ``[B]``, each row's RNG key (all 64 bits used).
         step: int64 ``[B]``, each row's step counter (all 64 bits used): a new step gives a new draw.
-        temperature: ``>= 0``; 0 means greedy (argmax of the logits, lowest index; filters ignored; the logprob is
-            then under temperature 1).
+        temperature: ``>= 0`` with ``1 / temperature`` finite in fp32 (``>= 2.9e-39``); 0 means greedy (argmax
+            of the logits, lowest index; filters ignored; the logprob is then under temperature 1). A tiny
+            temperature puts the mass on the max logits (the others' ``z`` overflows to ``-inf``: probability 0).
         top_k: int ``>= 0``.
         top_p: in ``(0, 1]``.
         min_p: in ``[0, 1]``.
@@ -73,7 +80,7 @@ def sample(
     Returns:
         ``tokens`` int64 ``[B]`` and ``logprobs`` fp32 ``[B]``: the sampled token's log-prob under the
         temperature-scaled distribution BEFORE filtering (``log_softmax(z)[token]``, what a training forward
-        recomputes), computed in fp64 and rounded once.
+        recomputes), computed in fp64 and rounded once; finite and ``<= 0``.
     """
     if not isinstance(logits, Tensor):
         raise TypeError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")

@@ -1,14 +1,20 @@
 """Reference sampling primitive: the readable specification of ``rlk.sample``.
 
-Per row ``b`` of ``logits [B, V]`` (each row needs one finite logit; not checked: no host synchronization)::
+Per row ``b`` of ``logits [B, V]`` (any values: NaN and +-inf included; no host synchronization)::
 
-    z[v]   = fp32(x[v]) * inv_t                     # one fp32 multiply; inv_t = fp32(1 / T), 1 when greedy
-    m      = max_v z[v]                             # fp32
-    e[v]   = fp32(exp(fp64(z[v]) - fp64(m)))        # the unnormalized probability, computed in fp64, rounded once
-    R      = sum_v fp64(e[v]) over v != v*         # v* = the first index of the max (e = 1 there); fp64, any order
-    logprob = fp32(fp64(z[tok]) - fp64(m) - log(1 + R))  # log_softmax(z)[tok], PRE-filter
+    x[v]   = fp32(logits[v]), NaN -> -inf           # a NaN logit is never sampled (probability 0)
+    mx     = max_v x[v]; v* = the first index of it
+    s[v]   = 0 if x[v] == mx else x[v] - mx         # fp32 in [-inf, 0], never NaN (0 also where x = mx = +-inf)
+    z[v]   = s[v] * inv_t                           # one fp32 multiply; inv_t = fp32(1 / T), 1 when greedy;
+                                                    # in [-inf, 0], z[v*] = 0 = max z: nothing overflows
+    e[v]   = fp32(exp(fp64(z[v])))                  # the unnormalized probability, computed in fp64, rounded once
+    R      = sum_v fp64(e[v]) over v != v*         # fp64, any order
+    logprob = fp32(fp64(z[tok]) - log(1 + R))       # log_softmax(z)[tok], PRE-filter, finite and <= 0
                                                     # (R's summation order changes it only far below fp32's ulp,
                                                     # also for near-certain tokens, where the logprob is tiny)
+
+    So +inf logits share the row's mass equally (the others get none), a row of -inf / NaN logits only is uniform,
+    and a tiny temperature (1 / T up to fp32's largest) leaves only the max logits (z = -inf elsewhere).
 
     key[v] = the order key of z[v]'s fp32 bits      # int32 bits, negative ones with the 31 low bits flipped:
                                                     # a total order (-0.0 sorts just below +0.0)
@@ -24,13 +30,15 @@ Per row ``b`` of ``logits [B, V]`` (each row needs one finite logit; not checked
     r[v]   = Philox4x32-10(key = (seed lo32, seed hi32), counter = (v // 4, 0, step lo32, step hi32))[v % 4]
     u[v]   = (fp64(r[v] >> 8) + 0.5) * 2**-24       # in (0, 1), exact
     g[v]   = fp32(-log(-log(u[v])))                 # Gumbel(0, 1), computed in fp64, rounded once
-    tok    = argmax over kept v of fp32(z[v] + g[v]), ties to the lowest index
-    greedy (T == 0): tok = argmax_v x[v] (lowest index), filters ignored, logprob under T = 1
+    tok    = argmax over kept v of fp32(z[v] + g[v]), ties to the lowest index (v* is always kept: its score is
+             finite, so a token of z = -inf is never drawn)
+    greedy (T == 0): tok = v* (the first max logit), filters ignored, logprob under T = 1
 
-Every threshold is an exact integer comparison, so the Triton kernel finds them by 32-step bisections over the key
-range instead of a sort; this reference sorts. The two backends agree bitwise on the token and the logprob as long
-as their fp64 ``exp`` / ``log`` round to the same fp32 values (they can differ only when an fp64 result lies within
-an fp64 ulp of an fp32 rounding boundary).
+``z`` is a non-decreasing function of ``x``, so the k-th largest ``z`` is the ``z`` of the k-th largest ``x`` (the
+Triton kernel selects on ``x`` before it knows ``mx``). Every threshold is an exact integer comparison, so the
+Triton kernel finds them by 32-step bisections over the key range instead of a sort; this reference sorts. The two
+backends agree bitwise on the token and the logprob as long as their fp64 ``exp`` / ``log`` round to the same fp32
+values (they can differ only when an fp64 result lies within an fp64 ulp of an fp32 rounding boundary).
 """
 
 from __future__ import annotations
@@ -86,18 +94,25 @@ def order_key(z: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
+def scaled_logits(logits: torch.Tensor, inv_temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, z)``, fp32 ``[B, V]``: the logits with NaN as -inf, and the scaled logits ``(x - max x) * inv_t`` in
+    ``[-inf, 0]`` (module docstring: 0 where ``x`` is the row's max, also an infinite one)."""
+    x = logits.to(torch.float32)
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    mx = x.max(dim=-1, keepdim=True).values
+    shifted = torch.where(x == mx, 0.0, x - mx)  # x - mx is NaN only where x == mx = +-inf
+    return x, shifted * torch.tensor(inv_temperature, dtype=torch.float32, device=x.device)
+
+
 def sample_fwd(logits, seed, step, inv_temperature, top_k, top_p, min_p, greedy, tokens_out, logprob_out) -> None:
     """Fill ``tokens_out`` (int64 [B]) and ``logprob_out`` (fp32 [B]) (module docstring)."""
-    x = logits.to(torch.float32)
-    inv_t = torch.tensor(1.0 if greedy else inv_temperature, dtype=torch.float32)
-    z = x * inv_t.to(x.device)
-    m = z.max(dim=-1, keepdim=True).values
-    e = torch.exp(z.double() - m.double()).to(torch.float32)
-    first = torch.argmax(z, dim=-1, keepdim=True)  # the first max: e = 1 there, left out of R
+    x, z = scaled_logits(logits, 1.0 if greedy else inv_temperature)
+    first = torch.argmax(x, dim=-1, keepdim=True)  # v*, the first max: z = 0 and e = 1 there, left out of R
+    e = torch.exp(z.double()).to(torch.float32)
     lse = torch.log(1.0 + e.double().scatter(-1, first, 0.0).sum(dim=-1))
     vocab = z.shape[-1]
     if greedy:
-        tok = torch.argmax(x, dim=-1)
+        tok = first[:, 0]
     else:
         keep = torch.ones_like(z, dtype=torch.bool)
         key = order_key(z)
@@ -118,4 +133,4 @@ def sample_fwd(logits, seed, step, inv_temperature, top_k, top_p, min_p, greedy,
         tok = torch.argmax(score, dim=-1)
     z_tok = torch.gather(z, -1, tok[:, None])[:, 0]
     tokens_out.copy_(tok)
-    logprob_out.copy_(((z_tok.double() - m[:, 0].double()) - lse).to(torch.float32))
+    logprob_out.copy_((z_tok.double() - lse).to(torch.float32))

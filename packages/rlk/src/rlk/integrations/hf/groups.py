@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from rlk.core import checks
+
 #: The keyword of the model's forward that carries a :class:`PrefixLayout` to rlk's attention function.
 LAYOUT_KEYWORD = "rlk_prefix_layout"
 
@@ -60,25 +62,43 @@ class GroupBatch:
     spans: list[list[tuple[int, int]]]
 
 
-def _token_list(name: str, value) -> list[int]:
+def _token_list(name: str, value, vocab_size: int | None) -> list[int]:
+    """The token ids of ``value`` as a list, each in ``[0, vocab_size)`` (``[0, inf)`` without a vocabulary): a
+    negative id (an ``ignore_index`` such as -100) would silently score 0, an id past the vocabulary read out of
+    bounds."""
     if isinstance(value, Tensor):
         if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
             raise ValueError(
                 f"{name}: expected a 1-D integer tensor of token ids, got {value.dtype} of shape {tuple(value.shape)}"
             )
-        return [int(t) for t in value.tolist()]
-    if not isinstance(value, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        ids = [int(t) for t in value.tolist()]
+    elif not isinstance(value, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got {type(value).__name__}")
-    return list(value)
+    else:
+        ids = list(value)
+    for k, token in enumerate(ids):
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"{name}: token id {token} at position {k} is not a valid token id ({bound})")
+    return ids
 
 
 def group_batch(
-    prompts: Sequence, responses: Sequence[Sequence], *, device: torch.device | str = "cpu", ignore_index: int = -100
+    prompts: Sequence,
+    responses: Sequence[Sequence],
+    *,
+    device: torch.device | str = "cpu",
+    ignore_index: int = -100,
+    vocab_size: int | None = None,
 ) -> GroupBatch:
     """Pack ``prompts[g]`` and its responses ``responses[g]`` (token ids: 1-D tensors or lists of ints) into one row.
 
     Every prompt needs at least one token and every response at least one; a group needs at least one response.
+    Token ids must be ``>= 0`` and, with ``vocab_size`` given, ``< vocab_size``: else an error naming the prompt or
+    response (``prompts[g]``, ``responses[g][j]``), the position and the id.
     """
+    if vocab_size is not None:
+        vocab_size = checks.integer("vocab_size", vocab_size, minimum=1)
     if isinstance(prompts, Tensor) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts: expected a non-empty list of prompts (one per group)")
     if not isinstance(responses, Sequence) or len(responses) != len(prompts):
@@ -93,7 +113,7 @@ def group_batch(
     prefix_index: list[int] = []
     spans: list[list[tuple[int, int]]] = []
     for g, (prompt, group) in enumerate(zip(prompts, responses)):
-        prompt = _token_list(f"prompts[{g}]", prompt)
+        prompt = _token_list(f"prompts[{g}]", prompt, vocab_size)
         if not prompt:
             raise ValueError(f"prompts[{g}]: empty (a prompt needs at least one token)")
         if isinstance(group, Tensor) or not isinstance(group, Sequence) or len(group) == 0:
@@ -107,7 +127,7 @@ def group_batch(
         prefix_index.append(-1)
         rows = []
         for j, response in enumerate(group):
-            response = _token_list(f"responses[{g}][{j}]", response)
+            response = _token_list(f"responses[{g}][{j}]", response, vocab_size)
             if not response:
                 raise ValueError(f"responses[{g}][{j}]: empty (a response needs at least one token)")
             start = len(ids)
@@ -145,7 +165,9 @@ def group_logprobs(
     ``rlk.integrations.hf.apply(model, batch_invariant=True)``, or ``apply(model)`` plus ``rlk.patch_model(model)``
     (cuBLAS matmuls: faster, not batch-invariant). One forward over :func:`group_batch`'s row; ``temperature``
     overrides the applied one for this call. With ``batch_invariant=True`` a response's log-probs are bitwise those
-    of ``model(prompt + response, logprob_targets=...)`` alone at its positions.
+    of ``model(prompt + response, logprob_targets=...)`` alone at its positions. Token ids must lie in
+    ``[0, V)``, ``V`` the rows of the model's output (and input) embeddings: else an error naming the prompt or
+    response, the position and the id (:func:`group_batch`).
     """
     state = getattr(model, "_rlk_apply", None)
     if state is None or getattr(model, "_rlk_patch", None) is None:
@@ -159,8 +181,9 @@ def group_logprobs(
             f"model: its attention implementation is {attention!r}, not rlk's (the layout would be "
             "ignored): leave the one patch_model set"
         )
-    device = model.get_output_embeddings().weight.device
-    batch = group_batch(prompts, responses, device=device, ignore_index=state.ignore_index)
+    head = model.get_output_embeddings().weight
+    vocab_size = min(head.shape[0], model.get_input_embeddings().weight.shape[0])
+    batch = group_batch(prompts, responses, device=head.device, ignore_index=state.ignore_index, vocab_size=vocab_size)
     kwargs = {} if temperature is None else {"temperature": temperature}
     out = model(
         input_ids=batch.input_ids,

@@ -226,7 +226,8 @@ def unpack_batch(packed_batch: PackedBatch, packed: Tensor, *, padding_value: fl
         packed_batch: what :func:`pack_batch` returned.
         packed: ``[M, *trailing]`` (``M`` = ``packed_batch.total``; dtypes as :func:`rlk.unpack`), rows in
             ``packed_batch``'s order: one of its ``tensors``, or anything computed row by row from them.
-        padding_value: the value at padding positions (an integer for integer ``packed``).
+        padding_value: the value at padding positions: one that ``packed.dtype`` holds exactly, else an error
+            (:func:`rlk.ops.pack.check_padding_value`, as :func:`rlk.unpack`).
 
     Returns:
         ``[B, T, *trailing]`` in ``packed.dtype``: each attended position holds its packed row's bits, padding
