@@ -8,6 +8,7 @@ with small fp32 / fp16 shapes. The same tests run on a GPU. Batch invariance is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 import weakref
@@ -293,7 +294,7 @@ def check_model_invariance(kind, dtype, device, lengths, others_lengths, **model
 
 
 @routed
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_tiny_model_logits_and_gradients_are_batch_invariant(kind):
     check_model_invariance(kind, torch.float32, DEVICE, 9, [13, 6])
 
@@ -679,3 +680,148 @@ def test_static_cache_slots_without_the_pre_hooks_are_misread():
         assert not isinstance(unhooked, ValueError)
         assert not torch.equal(unhooked[1], logits["dynamic"][1])
         assert not torch.equal(logits["static, all slots"][1], logits["dynamic"][1])
+
+
+# ---------------------------------------------------------------------------
+# the fallback: no batch-invariant kernel for the dtype or device runs the stock model
+# ---------------------------------------------------------------------------
+
+
+def _no_invariant_backend(dtype):
+    """fp64 and bf16: no batch-invariant kernel on the CPU, with the interpreter or without. fp32: none without
+    ``TRITON_INTERPRET=1``; under it, the reference backend pinned (as ``RLK_BACKEND=reference``) has none either."""
+    from rlk.integrations.batch_invariant import _invariant_backend
+
+    if dtype == torch.float32 and _invariant_backend("attention", torch.device("cpu"), dtype) is not None:
+        return dispatch.use_backend("reference")
+    return contextlib.nullcontext()
+
+
+def _left_padded(vocab: int):
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, vocab, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_patched_model_without_invariant_kernels_is_the_stock_model(dtype, monkeypatch):
+    """Where no batch-invariant kernel serves the dtype / device, the patched model warns and runs the stock code:
+    its logits are bitwise those of an unpatched copy, for a left-padded batch (the attention used to receive rlk's
+    2-D padding mask in SDPA: a shape error), a packed row without a mask and a cached prefill chunk + decode step."""
+    import copy
+
+    from transformers import DynamicCache
+
+    import rlk.integrations.hf.patch as hf
+
+    model = tiny_model("qwen3", dtype, torch.device("cpu"), layers=1, vocab=64)
+    stock = copy.deepcopy(model)
+    ids, mask = _left_padded(64)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 0, 1]])
+    monkeypatch.setattr(hf, "_warned", set())
+    hf.patch_model(model)
+    with _no_invariant_backend(dtype), torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="running the stock transformers code"):
+            out = model(ids, attention_mask=mask).logits
+        assert torch.equal(out, stock(ids, attention_mask=mask).logits)
+        kw = dict(position_ids=packed, use_cache=False)
+        assert torch.equal(model(ids, **kw).logits, stock(ids, **kw).logits)
+        caches = DynamicCache(), DynamicCache()
+        for cut in (slice(0, 4), slice(4, 7)):
+            kw = dict(attention_mask=mask[:, : cut.stop], use_cache=True)
+            chunk, stock_chunk = (m(ids[:, cut], past_key_values=c, **kw) for m, c in zip((model, stock), caches))
+            assert torch.equal(chunk.logits, stock_chunk.logits)
+        step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        kw = dict(attention_mask=step_mask, use_cache=True)
+        step, stock_step = (m(ids[:, :1], past_key_values=c, **kw) for m, c in zip((model, stock), caches))
+        assert torch.equal(step.logits, stock_step.logits)
+
+
+def test_patch_model_leaves_a_shared_config_alone():
+    """patch_model switches the attention on its own copy of the config: a second model built from the same config
+    object keeps the stock attention and its outputs, and unpatch_model switches the copy back."""
+    transformers = _transformers()
+    from rlk.integrations.hf import patch_model, unpatch_model
+
+    config = transformers.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=64,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    torch.manual_seed(0)
+    other = transformers.Qwen3ForCausalLM(config).eval()
+    ids, mask = _left_padded(64)
+    with torch.no_grad():
+        before = other(ids, attention_mask=mask).logits
+    patch_model(model)
+    assert config._attn_implementation == "sdpa" and other.config is config
+    assert model.config is not config and model.config._attn_implementation == "rlk"
+    assert all(m.config is model.config for m in model.modules() if "config" in m.__dict__)
+    with torch.no_grad():
+        assert torch.equal(other(ids, attention_mask=mask).logits, before)
+    unpatch_model(model)
+    assert model.config._attn_implementation == "sdpa" and config._attn_implementation == "sdpa"
+
+
+def test_a_fallback_decided_per_call_gets_the_stock_sdpa_mask(monkeypatch):
+    """A case rlk's kernels do not cover, seen only by the attention call (here dropout in training), runs transformers'
+    SDPA on the mask transformers' own SDPA builder makes: _stock_mask builds it from rlk's padding mask bitwise
+    equal to the stock builder's (padded, packed, a cached chunk, a decode step; None where the stock one is None)."""
+    from transformers import DynamicCache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    import rlk.integrations.hf.patch as hf
+
+    model = tiny_model("qwen3", torch.float32, torch.device("cpu"), layers=1, vocab=64)
+    stock_masks = []
+    stock_builder = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setitem(
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping,
+        "sdpa",
+        lambda **kw: (stock_masks.append(stock_builder(**kw)), stock_masks[-1])[1],
+    )
+    ids, mask = _left_padded(64)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 0, 1]])
+    ones = torch.ones_like(mask)
+    cases = []  # (2-D mask the "rlk" builder gets, position ids, Sq, Sk, cached), one per stock forward
+    with torch.no_grad():
+        for padding in (mask, ones):
+            model(ids, attention_mask=padding)
+            cases.append((padding, None, 7, 7, True))
+            cache = DynamicCache()
+            for cut in (slice(0, 4), slice(4, 7)):
+                model(ids[:, cut], attention_mask=padding[:, : cut.stop], past_key_values=cache, use_cache=True)
+                cases.append((padding[:, : cut.stop], None, cut.stop - cut.start, cut.stop, True))
+            step = torch.cat([padding, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            model(ids[:, :1], attention_mask=step, past_key_values=cache, use_cache=True)
+            cases.append((step, None, 1, 8, True))
+        model(ids, position_ids=packed, use_cache=False)
+        cases.append((None, packed, 7, 7, False))
+    assert len(stock_masks) == len(cases)
+    for (padding, pos, seq_q, seq_k, cached), stock in zip(cases, stock_masks):
+        rlk_mask = None if padding is None else hf.padding_mask(kv_length=seq_k, attention_mask=padding.bool())
+        ours = hf._stock_mask(rlk_mask, None, pos, 2, seq_q, seq_k, causal=True, cached=cached, device=ids.device)
+        assert (ours is None) == (stock is None) and (ours is None or torch.equal(ours, stock)), (seq_q, seq_k)
+    # the attention call itself: dropout in training falls back to SDPA on the stock mask, not on rlk's 2-D one
+    attention = model.model.layers[0].self_attn.train()
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, heads, 7, 16, generator=g) for heads in (4, 2, 2))
+    monkeypatch.setattr(hf, "_warned", set())
+    torch.manual_seed(3)
+    with pytest.warns(RuntimeWarning, match="attention dropout"):
+        out, _ = hf.rlk_attention_forward(
+            attention, q, k, v, hf.padding_mask(kv_length=7, attention_mask=mask), dropout=0.5
+        )
+    torch.manual_seed(3)
+    expected, _ = sdpa_attention_forward(attention, q, k, v, stock_masks[0], dropout=0.5)
+    assert torch.equal(out, expected)

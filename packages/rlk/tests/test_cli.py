@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -98,6 +99,63 @@ def test_missing_optional_dependency_is_one_line_and_exit_code_2(monkeypatch, ca
     monkeypatch.setattr(run, "run_consistency", missing("not_a_dependency_of_rlk"))
     with pytest.raises(ModuleNotFoundError):
         cli.main(["consistency", "--device", "cpu"])
+
+
+def without_modules(tmp_path, *modules: str) -> dict[str, str]:
+    """The environment of a child Python in which importing each of ``modules`` fails (a ``sitecustomize`` on
+    ``PYTHONPATH`` sets ``sys.modules[name] = None``, as for a package that is not installed); children of that
+    child (``rlk`` re-running itself with the Triton interpreter) inherit it."""
+    shim = tmp_path / "shim"
+    shim.mkdir(exist_ok=True)
+    (shim / "sitecustomize.py").write_text("import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(shim), os.environ.get("PYTHONPATH")) if p))
+
+
+@pytest.mark.parametrize(
+    "args, module, distribution",
+    [
+        (["consistency", "--device", "cpu"], "transformers", "transformers"),
+        (["demo", "--device", "cpu"], "transformers", "transformers"),
+        (["multimodal-smoke", "--device", "cpu"], "PIL", "Pillow"),
+        (["multimodal-parity", "--offline-processor"], "PIL", "Pillow"),
+    ],
+)
+def test_a_missing_optional_dependency_ends_in_one_line_naming_the_extra(args, module, distribution, tmp_path):
+    """Without transformers (consistency, demo) or Pillow (the multimodal commands: transformers' image processor
+    needs it), the command prints one line naming the distribution and ``pip install 'rlk[hf]'`` and exits with 2,
+    before any work (it used to end in a traceback and exit code 1)."""
+    out = ["--out", str(tmp_path / "out")] if args[0] in ("consistency", "demo") else []
+    result = _run(*args, *out, env=without_modules(tmp_path, module))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"rlk {args[0]}: error: needs the optional dependency {distribution} (pip install 'rlk[hf]')"
+    )
+    assert result.stdout == ""
+
+
+def test_every_device_option_is_the_shared_one():
+    """Every command with ``--device`` checks it with ``cli.device_arg`` (one helper, one set of messages)."""
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    with_device = {
+        name: option for name, sub in commands.items() for option in sub._actions if "--device" in option.option_strings
+    }
+    assert set(with_device) == {"consistency", "demo", "multimodal-smoke"}
+    assert all(option.type is cli.device_arg for option in with_device.values())
+
+
+@pytest.mark.parametrize("command", ["consistency", "demo", "multimodal-smoke"])
+@pytest.mark.parametrize(
+    "device, message",
+    [("tpu", "'tpu' is not a torch device (cpu, cuda, cuda:1, ...)"), ("meta", "run on cpu or cuda devices")],
+)
+def test_a_bad_device_is_a_usage_error_of_every_command(command, device, message, capsys):
+    """``--device tpu`` used to reach ``torch.device`` inside ``rlk multimodal-smoke``: a traceback, exit code 1."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--device", device])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"rlk {command}: error: argument --device: ") and message in last
 
 
 def test_unknown_command_fails():

@@ -22,7 +22,7 @@ from test_batch_invariant import padded_batch
 from test_logprob import _check, _truth
 
 from rlk.core import contract, dispatch
-from rlk.integrations.batch_invariant import disable_batch_invariant, is_batch_invariant_enabled
+from rlk.integrations.batch_invariant import batch_invariant, disable_batch_invariant, is_batch_invariant_enabled
 from rlk.integrations.hf import apply, unapply
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -607,3 +607,27 @@ def test_batch_invariant_logprobs_alone_and_in_a_padded_batch(kind, monkeypatch)
     assert not is_batch_invariant_enabled()  # the mode was on for the forwards only
     unapply(model)
     assert not hasattr(model, "_rlk_patch") and not hasattr(model, "_rlk_apply")
+
+
+@routed
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16] if DEVICE.type == "cpu" else [torch.float64])
+def test_batch_invariant_without_invariant_kernels_runs_the_stock_model(dtype, monkeypatch):
+    """``batch_invariant=True`` where no batch-invariant kernel serves the dtype (float64; bfloat16 on the CPU, even
+    under the interpreter): the forward warns and runs the stock code, bitwise the logits of an unapplied copy run in
+    the same mode (whose aten overrides still serve the float32 statistics of the stock RMSNorm) for right- and
+    left-padded batches (the patched attention used to hand rlk's 2-D padding mask to SDPA)."""
+    import rlk.integrations.hf.patch as hf_patch
+
+    model = tiny_model("qwen3", dtype, layers=1)
+    stock = copy.deepcopy(model)
+    ids, right, _ = batch()
+    apply(model, batch_invariant=True)
+    monkeypatch.setattr(hf_patch, "_warned", set())
+    masks = (right, right.flip(-1))
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="running the stock transformers code"):
+            outs = [model(ids, attention_mask=mask).logits for mask in masks]
+        with batch_invariant():
+            for out, mask in zip(outs, masks):
+                assert torch.equal(out, stock(ids, attention_mask=mask).logits)
+    unapply(model)

@@ -142,3 +142,94 @@ def test_rocm_sdist_carries_the_shared_kernels():
     for source in own:
         includes |= set(re.findall(r'#include "([^"]+)"', source.read_text())) - {f.name for f in own}
     assert {Path(s).name for s in shared} >= includes | {"logprob.cuh", "norm.cuh"}
+
+
+# ---------------------------------------------------------------------------
+# optional dependencies: each has an extra that installs it
+# ---------------------------------------------------------------------------
+
+
+def _extras() -> dict[str, list]:
+    from packaging.requirements import Requirement
+
+    return {
+        extra: [Requirement(pin) for pin in pins] for extra, pins in _project("rlk")["optional-dependencies"].items()
+    }
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """Top-level modules outside the standard library, torch and rlk that rlk's sources import (at module level
+    or inside functions, ``importlib.import_module("verl....")`` included) -> the files importing them."""
+    import ast
+
+    source = PACKAGES["rlk"] / "src/rlk"
+    found: dict[str, set[str]] = {}
+    for path in source.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("verl."):
+                names = [node.value]  # verl's modules, imported by name
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in ("rlk", "torch"):
+                    found.setdefault(top, set()).add(str(path.relative_to(source)))
+    return found
+
+
+def test_every_optional_import_has_an_extra_that_installs_it():
+    """Every module rlk's sources import beyond torch is in ``rlk.integrations.extras.OPTIONAL``, and the extra
+    named there lists its distribution in packages/rlk/pyproject.toml (a backend extra: the backend wheel, which
+    brings it). Pillow too, which the multimodal commands need through transformers' image processor."""
+    from packaging.utils import canonicalize_name
+
+    from rlk.app import cli
+    from rlk.integrations.extras import OPTIONAL
+
+    extras = _extras()
+    imported = _third_party_imports()
+    assert {"transformers", "tokenizers", "trl", "accelerate", "verl", "numpy"} <= set(imported)
+    missing = sorted(set(imported) - set(OPTIONAL))
+    assert not missing, f"imported, but no extra of rlk is named for them: {missing}"
+    for module, (distribution, extra) in OPTIONAL.items():
+        names = {canonicalize_name(r.name) for r in extras[extra]}
+        assert canonicalize_name(distribution) in names or names == {f"rlk-{extra}"}, (module, extra, names)
+    assert set(cli.MULTIMODAL_REQUIREMENTS) <= {m for m, (_, extra) in OPTIONAL.items() if extra == "hf"}
+    assert {"transformers", "tokenizers", "pillow"} <= {canonicalize_name(r.name) for r in extras["hf"]}
+
+
+def test_the_integration_extras_pin_the_tested_releases():
+    """``rlk[trl]``: trl 1.16 (what rlk.integrations.trl was written and tested for), ``rlk[verl]``: verl 0.9.1
+    (``rlk.integrations.verl.VERL_VERSION``); both with what their module imports."""
+    source = PACKAGES["rlk"] / "src/rlk/integrations"
+    trl_tested = re.search(r"written for trl (\d+\.\d+\.\d+)", (source / "trl.py").read_text()).group(1)
+    verl_tested = re.search(r'^VERL_VERSION = "([^"]+)"', (source / "verl.py").read_text(), re.M).group(1)
+    extras = _extras()
+    trl = {r.name: r.specifier for r in extras["trl"]}
+    assert trl_tested in trl["trl"] and "1.16.9" in trl["trl"]
+    assert "1.17.0" not in trl["trl"] and "1.15.2" not in trl["trl"]
+    assert {"accelerate", "transformers"} <= set(trl)
+    verl = {r.name: r.specifier for r in extras["verl"]}
+    assert verl_tested in verl["verl"] and "numpy" in verl
+    assert [v for v in ("0.9.0", "0.9.2", "0.10.0") if v in verl["verl"]] == []
+
+
+@pytest.mark.parametrize("module", ["trl", "accelerate"])
+def test_the_trl_integration_without_trl_names_the_extra(module, tmp_path):
+    """``import rlk.integrations.trl`` where trl (or accelerate, which it imports) does not import: an ImportError
+    naming the package and ``pip install 'rlk[trl]'`` (it used to fail on accelerate's import)."""
+    from test_cli import without_modules
+
+    code = (
+        "try:\n    import rlk.integrations.trl\nexcept ImportError as exc:\n    print(exc)\n    raise SystemExit(2)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=without_modules(tmp_path, module)
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.strip() == (
+        f"rlk.integrations.trl needs the optional dependency {module} (pip install 'rlk[trl]')"
+    )

@@ -1,9 +1,11 @@
-"""The ``rlk`` command line: ``rlk info``, ``rlk consistency``, ``rlk demo`` and ``rlk multimodal-parity`` (and
-``rlk --version``).
+"""The ``rlk`` command line: ``rlk info``, ``rlk consistency``, ``rlk demo``, ``rlk multimodal-parity`` and
+``rlk multimodal-smoke`` (and ``rlk --version``).
 
 Exit codes: 0 success; 1 a failed verdict (a consistency claim, a selfcheck); 2 a usage error, reported in one
 line without a traceback (bad arguments, no GPU for ``--device cuda``, a missing optional dependency, an input the
-run rejects).
+run rejects). Every command's ``--device`` goes through :func:`add_device_argument`; the optional dependencies a
+command imports (:func:`requirements`) are imported before it runs, and one that does not import is reported with
+the extra that installs it (:mod:`rlk.integrations.extras`).
 
 On the CPU rlk's batch-invariant chain runs through the Triton interpreter, which reads ``TRITON_INTERPRET=1``
 when triton is first imported. ``main`` therefore sets the variable before anything imports triton when the
@@ -21,17 +23,13 @@ import sys
 import tempfile
 
 from rlk.app.consistency.harness import MODELS as MODEL_NAMES  # any existing directory is a local checkpoint
+from rlk.integrations import extras
 
 DTYPES = ("float32", "bfloat16", "float16")
-#: Optional dependencies the commands import, and the extra that installs each.
-OPTIONAL_DEPENDENCIES = {
-    "transformers": "rlk[hf]",
-    "tokenizers": "rlk[hf]",
-    "matplotlib": "rlk[hf]",
-    "tqdm": "rlk[hf]",
-    "triton": "rlk[triton]",
-}
-DEVICE_HELP = "torch device (default: the GPU if any, else cpu)"
+#: What the multimodal commands import beyond torch: transformers' Qwen2-VL image processor (Pillow) and model, and
+#: a ``tokenizers`` tokenizer (all in ``rlk[hf]``).
+MULTIMODAL_REQUIREMENTS = ("transformers", "tokenizers", "PIL")
+DEVICE_HELP = "torch device: cpu, cuda or cuda:N (default: the GPU if any, else cpu)"
 
 
 def _model_arg(value: str) -> str:
@@ -52,7 +50,8 @@ def _positive(value: str) -> int:
     return n
 
 
-def _device_arg(value: str) -> str:
+def device_arg(value: str) -> str:
+    """``--device`` of every command: a torch device of type cpu or cuda that torch sees here."""
     import torch
 
     try:
@@ -60,7 +59,7 @@ def _device_arg(value: str) -> str:
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"{value!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
     if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{value!r}: rlk consistency runs on cpu or cuda devices")
+        raise argparse.ArgumentTypeError(f"{value!r}: the rlk commands run on cpu or cuda devices")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -71,6 +70,11 @@ def _device_arg(value: str) -> str:
         if device.index is not None and device.index >= count:
             raise argparse.ArgumentTypeError(f"{value!r}: torch sees {count} GPU(s) (cuda:0 to cuda:{count - 1})")
     return value
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--device`` option, checked by :func:`device_arg` (the same for every command)."""
+    parser.add_argument("--device", type=device_arg, default=None, help=DEVICE_HELP)
 
 
 def _check_out(parser: argparse.ArgumentParser, out: str) -> None:
@@ -118,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="tiny",
         help=f"{' | '.join(MODEL_NAMES)} | PATH (a local Hugging Face checkpoint directory); default: tiny",
     )
-    cons.add_argument("--device", type=_device_arg, default=None, help=DEVICE_HELP)
+    add_device_argument(cons)
     cons.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -139,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="the consistency check on the built-in model, then linear_logprob's memory vs the PyTorch baseline"
     )
-    demo.add_argument("--device", type=_device_arg, default=None, help=DEVICE_HELP)
+    add_device_argument(demo)
     demo.add_argument("--out", default=None, help="folder for the consistency report (default: ./rlk-demo)")
     demo.add_argument("--skip-consistency", action="store_true", help="only the linear_logprob memory showcase")
     from rlk.app import multimodal_parity, multimodal_smoke
@@ -156,6 +160,15 @@ def _device_of(args) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def requirements(args) -> tuple[str, ...]:
+    """The optional modules (:data:`rlk.integrations.extras.OPTIONAL`) the command ``args`` asks for imports."""
+    if args.command == "consistency" or (args.command == "demo" and not args.skip_consistency):
+        return ("transformers",)
+    if args.command == "multimodal-smoke" or (args.command == "multimodal-parity" and args.offline_processor):
+        return MULTIMODAL_REQUIREMENTS
+    return ()
 
 
 def _needs_interpreter(args) -> bool:
@@ -188,15 +201,13 @@ def main(argv: list[str] | None = None) -> int:
             return subprocess.run([sys.executable, "-m", "rlk", *argv], env=env).returncode
         os.environ["TRITON_INTERPRET"] = "1"
     try:
+        extras.require(*requirements(args), needed_by=f"rlk {args.command}")
         return _run(args, parser)
-    except ModuleNotFoundError as exc:
-        extra = OPTIONAL_DEPENDENCIES.get((exc.name or "").split(".")[0])
-        if extra is None:
+    except ModuleNotFoundError as exc:  # also a module of rlk[hf] etc. imported deeper down
+        hint = extras.hint(exc)
+        if hint is None:
             raise
-        print(
-            f"rlk {args.command}: error: needs the optional dependency {exc.name} (pip install '{extra}')",
-            file=sys.stderr,
-        )
+        print(f"rlk {args.command}: error: {hint}", file=sys.stderr)
         return 2
 
 

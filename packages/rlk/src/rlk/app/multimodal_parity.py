@@ -3,7 +3,8 @@
 Two sources: two files (``torch.save`` of a dict of tensors with :class:`~rlk.integrations.multimodal.Encoding`'s
 field names as keys, optionally the vision token ids), or ``--offline-processor``: synthetic samples encoded once
 per side by rlk's offline Qwen2-VL processor (transformers) with each side's settings. Exit codes: 0 the layouts
-match, 1 they differ, 2 a usage error (a missing file, a bad key or dtype, transformers missing).
+match, 1 they differ, 2 a usage error (a missing file, a bad key or dtype; for ``--offline-processor`` transformers,
+tokenizers or Pillow missing: ``pip install 'rlk[hf]'``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def add_parser(sub) -> None:
         "--offline-processor",
         action="store_true",
         help="instead of files: encode synthetic samples "
-        "with rlk's offline Qwen2-VL processor (needs transformers), once per side",
+        "with rlk's offline Qwen2-VL processor (needs rlk[hf]: transformers, tokenizers, Pillow), once per side",
     )
     mm.add_argument(
         "--fixture",

@@ -14,7 +14,8 @@
 4. **one loss step**: backward through the model and an SGD step: finite gradients that reach the LM head and the
    vision tower, and response log-probs that move.
 
-Exit code 0 when every stage passes, 1 otherwise, 2 on bad arguments or a missing transformers.
+Exit code 0 when every stage passes, 1 otherwise, 2 on bad arguments (``--device``: cpu or cuda) or a missing
+optional dependency (transformers, tokenizers, Pillow: ``pip install 'rlk[hf]'``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from rlk.integrations.multimodal.processor import tiny_qwen2_vl_config
 
 
 def add_parser(sub) -> None:
+    from rlk.app.cli import add_device_argument
+
     smoke = sub.add_parser(
         "multimodal-smoke",
         help="an image-text GRPO step through a tiny vision-language model: layout parity, span-masked log-probs, "
@@ -48,7 +51,7 @@ def add_parser(sub) -> None:
     smoke.add_argument("--prompts", type=int, default=2, help="prompts (each with one image) (default 2)")
     smoke.add_argument("--group-size", type=int, default=4, help="responses per prompt, the GRPO group (default 4)")
     smoke.add_argument("--seed", type=int, default=0, help="seed of the samples, scores and weights (default 0)")
-    smoke.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    add_device_argument(smoke)
     smoke.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

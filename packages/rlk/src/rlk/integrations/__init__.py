@@ -6,7 +6,8 @@
   (:class:`~rlk.integrations.trl.RLKGRPOTrainer`), TRL's ``DPOTrainer`` with rlk's sequence log-probs and
   :func:`rlk.dpo_loss` (:class:`~rlk.integrations.trl.RLKDPOTrainer`);
 * :mod:`rlk.integrations.verl`: rlk's policy losses, aggregation, KL, advantages and fused log-prob in verl's
-  registries and calling conventions (:func:`~rlk.integrations.verl.register`).
+  registries and calling conventions (:func:`~rlk.integrations.verl.register`);
+* :mod:`rlk.integrations.extras`: the extra of rlk that installs each optional dependency, and the error naming it.
 
 ``import rlk`` imports ``batch_invariant`` and ``hf`` (neither needs transformers to import); import ``trl`` and
 ``verl`` explicitly (``import rlk.integrations.verl``): each imports its framework when it is imported.

@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from rlk.integrations import extras
+
 MODELS = ("tiny", "tiny-llama", "qwen3-8b-shape", "llama3-8b-shape")
 
 #: Per name: (architecture, config fields). The tiny configs keep the CPU Triton interpreter fast; their
@@ -93,10 +95,9 @@ _CONFIGS: dict[str, tuple[str, dict]] = {
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("rlk.app.consistency needs transformers (pip install transformers)") from e
+    extras.require("transformers", needed_by="rlk.app.consistency")
+    import transformers
+
     return transformers
 
 

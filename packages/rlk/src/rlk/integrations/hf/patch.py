@@ -28,15 +28,20 @@ logits and per-token gradients do not depend on the micro-batch it is in. Left p
 
 Both replacements use the first batch-invariant backend serving the tensors (see
 :func:`rlk.integrations.batch_invariant._invariant_backend`). When none serves them (CPU without
-``TRITON_INTERPRET=1``, float64, ...), or for a case the rlk path does not cover (attention dropout,
-sliding windows, 4-D masks, weights of another dtype than the activations), the stock code runs,
-with a one-time warning.
+``TRITON_INTERPRET=1``, float64, bfloat16 on the CPU, ...), or for a case the rlk path does not cover (attention
+dropout, sliding windows, 4-D masks, weights of another dtype than the activations), the stock code runs, with a
+one-time warning: the model's own RMSNorm, and transformers' SDPA attention with the mask transformers' SDPA mask
+builder makes (:func:`padding_mask` returns that mask where rlk's attention will not run; :func:`_stock_mask` builds
+it from the padding mask for a fallback decided per call), so the outputs are bitwise those of the unpatched model
+with ``attn_implementation="sdpa"``. The switch of attention implementation is made on copies of the model's config
+objects: another model built from the same config object is not affected.
 
 transformers is imported only when :func:`patch_model` is called (optional dependency).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import types
@@ -326,6 +331,10 @@ def rlk_attention_forward(
     layout = None
     backend = None
     if why is None:
+        backend = _invariant_backend("attention", query.device, query.dtype, head_dim=head_dim)
+        if backend is None:
+            why = f"no batch-invariant attention for {query.dtype} on {query.device.type} (head dim {head_dim})"
+    if why is None:
         layout = _varlen_layout(
             attention_mask,
             kwargs.get("position_ids"),
@@ -337,17 +346,9 @@ def rlk_attention_forward(
         )
         if layout is None:
             why = f"an attention mask of shape {tuple(attention_mask.shape)}"
-        else:
-            backend = _invariant_backend("attention", query.device, query.dtype, head_dim=head_dim)
-            if backend is None:
-                why = f"no batch-invariant attention for {query.dtype} on {query.device.type} (head dim {head_dim})"
     if why is not None:
         _warn_once(why)
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        return _stock_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     q_rows, k_rows, cu_q, cu_k, max_q, max_k = layout
     in_place = q_rows is not None and q_rows.dtype == torch.bool  # one run per row: the query mask
     q = query.transpose(1, 2).reshape(batch * seq_q, heads, head_dim)
@@ -376,6 +377,76 @@ def rlk_attention_forward(
     elif q_rows is not None:
         out = out.new_zeros((batch * seq_q, heads, head_dim)).index_copy(0, q_rows, out)
     return out.view(batch, seq_q, heads, head_dim), None
+
+
+def _stock_attention(
+    module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scaling, dropout: float, kwargs
+):
+    """transformers' SDPA attention (what ``attn_implementation="sdpa"`` runs) on the mask it expects: a mask from
+    transformers' SDPA mask builder (4-D, or None: :func:`padding_mask` hands it on where rlk's attention will not
+    run) as it comes, rlk's 2-D padding mask (a fallback decided per call: dropout, soft-capping, ...) as
+    :func:`_stock_mask` builds it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is None or attention_mask.dim() == 2:
+        cache = getattr(module, "_rlk_cache_call", (None, None))[1]
+        attention_mask = _stock_mask(
+            attention_mask,
+            _query_slots(module, attention_mask, key.shape[2], kwargs),
+            kwargs.get("position_ids"),
+            query.shape[0],
+            query.shape[2],
+            key.shape[2],
+            causal=bool(getattr(module, "is_causal", True)),
+            cached=cache is not None or kwargs.get("past_key_values") is not None,
+            device=query.device,
+        )
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def _stock_mask(
+    attention_mask: Tensor | None,
+    query_slots: Tensor | None,
+    position_ids: Tensor | None,
+    batch: int,
+    seq_q: int,
+    seq_k: int,
+    *,
+    causal: bool,
+    cached: bool,
+    device: torch.device,
+) -> Tensor | None:
+    """What transformers' SDPA mask builder makes for a plain causal (or, ``causal=False``, bidirectional) layer,
+    from what the ``"rlk"`` attention receives: a boolean ``[B, 1, Sq, Sk]`` mask (True: attend), or None where
+    SDPA's own causal flag says the same (no padding, no packed rows, and ``Sq == 1`` or ``Sq == Sk`` with the queries
+    in the last slots).
+
+    Key slot ``j`` is visible to query ``i`` when it is not padding (``attention_mask`` ``[B, <= Sk]``, its last
+    ``Sk`` columns, widened with False to the ``Sk`` slots of a static cache) and, for a causal layer, ``j <=`` the
+    query's slot (``query_slots`` ``[Sq]``, else the last ``Sq`` columns of the mask) and, for packed rows without a
+    mask and without a cache, ``j`` lies in the query's sequence (``position_ids`` restart at 0)."""
+    keys = torch.ones(batch, seq_k, dtype=torch.bool, device=device)
+    written = seq_k
+    if attention_mask is not None:
+        mask = attention_mask[:, -seq_k:].to(device=device, dtype=torch.bool)
+        written = mask.shape[1]
+        keys = torch.nn.functional.pad(mask, (0, seq_k - written), value=False)
+    if not causal:
+        return None if attention_mask is None else keys[:, None, None, :].expand(batch, 1, seq_q, seq_k)
+    last = torch.arange(written - seq_q, written, device=device)
+    slots = last if query_slots is None else query_slots.to(device=device, dtype=last.dtype)
+    visible = keys[:, None, :] & (torch.arange(seq_k, device=device) <= slots[:, None])  # [B, Sq, Sk]
+    packed = False
+    if attention_mask is None and position_ids is not None and position_ids.dim() <= 2 and not cached:
+        starts = position_ids.to(device).expand(batch, seq_q) == 0
+        starts[:, 0] = True
+        sequence = starts.cumsum(-1)  # [B, S]: which packed sequence each token is in
+        packed = bool((sequence[:, -1] > 1).any())
+        visible = visible & (sequence[:, :, None] == sequence[:, None, :])
+    plain = written == seq_k and (seq_q == 1 or seq_q == seq_k) and bool(torch.equal(slots, last))
+    if attention_mask is None and not packed and plain:
+        return None
+    return visible[:, None]
 
 
 def _prefix_shared_forward(
@@ -453,7 +524,16 @@ def padding_mask(*, kv_length: int, attention_mask: Tensor | None = None, **kwar
 
     transformers' flash-attention builder does the same, except that 4.x also drops an all-ones mask narrower than
     the keys (a static cache's, whose unwritten slots must stay masked) and that it reads the mask on the host even
-    while a CUDA graph is captured; here a captured forward keeps the mask as it is."""
+    while a CUDA graph is captured; here a captured forward keeps the mask as it is.
+
+    Where rlk's attention will not run for these masks (:func:`_rlk_reads_the_mask`: no batch-invariant attention for
+    the forward's device and dtype, or a sliding / chunked window), it returns what transformers' SDPA mask builder
+    returns for the same arguments: the stock SDPA attention the ``"rlk"`` function then falls back to gets the
+    stock mask."""
+    if not _rlk_reads_the_mask(attention_mask, kwargs):
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](kv_length=kv_length, attention_mask=attention_mask, **kwargs)
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
@@ -462,8 +542,42 @@ def padding_mask(*, kv_length: int, attention_mask: Tensor | None = None, **kwar
     return None if bool(attention_mask.all()) else attention_mask
 
 
+def _rlk_reads_the_mask(attention_mask: Tensor | None, kwargs) -> bool:
+    """Whether the ``"rlk"`` attention will run rlk's kernels on the mask a builder call makes: no window
+    (``local_size``: sliding or chunked layers) and a batch-invariant attention backend for the forward's device and
+    dtype at the config's head dim. The builder's arguments (transformers 4.57 and 5.x): ``dtype`` (of the input
+    embeddings), ``device`` (5.x) or ``cache_position`` (4.57), ``config``, ``local_size`` for windowed layers."""
+    if kwargs.get("local_size") is not None:
+        return False
+    dtype, config = kwargs.get("dtype"), kwargs.get("config")
+    cache_position = kwargs.get("cache_position")
+    device = kwargs.get("device")
+    if device is None:
+        device = cache_position.device if cache_position is not None else getattr(attention_mask, "device", None)
+    if not isinstance(dtype, torch.dtype) or device is None:
+        return True  # nothing to decide on: the attention function decides per call
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    features = {} if head_dim is None else {"head_dim": int(head_dim)}
+    return _invariant_backend("attention", torch.device(device), dtype, **features) is not None
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _own_configs(model) -> None:
+    """Give every module of ``model`` that holds a transformers config a copy of it (one copy per config object,
+    sub-configs included: a VLM's language model keeps holding its config's ``text_config``), so that switching the
+    attention implementation changes no config object another model was built from."""
+    from transformers import PretrainedConfig
+
+    copies: dict[int, object] = {}  # deepcopy's memo: an object copied once, its copy reused
+    for module in model.modules():
+        config = module.__dict__.get("config")
+        if isinstance(config, PretrainedConfig):
+            module.config = copy.deepcopy(config, copies)
 
 
 def _set_attention(model, name: str) -> None:
@@ -486,7 +600,9 @@ def patch_model(model):
     ``"rlk"`` attention function; see the module docstring), and registers on each attention module forward hooks
     that record its ``cache_position`` and KV cache for the duration of its forward. Idempotent: patching a patched
     model does nothing. :func:`unpatch_model` restores the stock behaviour exactly. Use together with
-    ``rlk.batch_invariant()`` for the matmuls and softmaxes.
+    ``rlk.batch_invariant()`` for the matmuls and softmaxes. The model gets copies of its config objects before its
+    attention is switched (``model.config`` is a copy afterwards): a config object shared with another model is left
+    as it was.
 
     Vision-language models (Qwen2-VL) are accepted: the attention of every sub-config is switched, so the vision
     tower's per-image (non-causal) attention runs on rlk too; its patch embedding and LayerNorm are served by the
@@ -510,6 +626,7 @@ def patch_model(model):
             hooks.append(module.register_forward_pre_hook(_record_cache_call, with_kwargs=True))
             hooks.append(module.register_forward_hook(_forget_cache_call, always_call=True))
     if config is not None:
+        _own_configs(model)
         _set_attention(model, ATTENTION_NAME)
     model._rlk_patch = {"norms": norms, "attention": previous, "hooks": hooks}
     return model
