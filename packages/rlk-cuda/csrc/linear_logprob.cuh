@@ -225,10 +225,11 @@ static __global__ void __launch_bounds__(kCombineThreads)
     const int64_t at = s * n_rows + row;
     st = merge(st, SoftmaxState{part_m[at], part_s[at], entropy ? part_b[at] : 0.0f});
   }
-  const float lse = st.m + logf(st.s);
+  const float log_s = logf(st.s);
+  const float lse = st.m + log_s;
   // A target outside [0, V) (value checks disabled) gives NaN: no thread wrote its z_target.
   const float z_t = (target >= 0 && target < vocab) ? z_target[row] : NAN;
-  logprob_out[row] = z_t - lse;
+  logprob_out[row] = (z_t - st.m) - log_s;  // relative to the max, as the entropy (logprob.cuh)
   lse_out[row] = lse;
   if (entropy) entropy_out[row] = entropy_of(st);
 }

@@ -6,7 +6,9 @@
 //     d/dx_v = inv_t * ( g_lp * (onehot(y)_v - p_v) + g_ent * p_v * (lse - entropy - z_v) )
 // The entropy is computed relative to the max m, entropy = log s - b / s with s = sum_v exp(z_v - m) >= 1
 // and b = sum_v (z_v - m) exp(z_v - m) <= 0: two terms >= 0, so it is >= 0 and its rounding follows the
-// entropy, not |z| (lse - sum_v p_v z_v would subtract two numbers of size |z|).
+// entropy, not |z| (lse - sum_v p_v z_v would subtract two numbers of size |z|). So is the log-prob,
+// logprob = (z_y - m) - log s (two terms <= 0): z_y - lse rounded lse at the magnitude of z (-1.9375 for
+// -log 7 with every logit 1e6, 0 with every logit 3e38).
 // Rows whose target equals ignore_index give 0 (and a zero gradient); their lse is written 0
 // (the ABI leaves it unspecified) and their logits are not read.
 //
@@ -17,7 +19,7 @@
 //
 // z = x * inv_t is one fp32 multiply rounded on its own (__fmul_rn: never contracted into an FMA
 // with the subtraction that follows), as the ABI says: the backward's p = exp(z - lse) then sees the
-// forward's z, and logprob = z_y - lse <= 0 (lse >= max z) holds exactly.
+// forward's z, and logprob = (z_y - m) - log s <= 0 (z_y <= m, s >= 1) holds exactly.
 //
 // Two kernel pairs, chosen by dtype (both batch-invariant: the block size, the pack-to-thread map and
 // every summation order depend on V and the dtype only):
@@ -214,8 +216,9 @@ __global__ void __launch_bounds__(kLogprobThreads)
   }
   st = block_merge(st);
   if (threadIdx.x == 0) {
-    const float lse = st.m + logf(st.s);
-    logprob_out[row] = target_z(x, target, vocab, inv_t) - lse;
+    const float log_s = logf(st.s);
+    const float lse = st.m + log_s;
+    logprob_out[row] = (target_z(x, target, vocab, inv_t) - st.m) - log_s;
     lse_out[row] = lse;
     if constexpr (kEntropy) entropy_out[row] = entropy_of(st);
   }
@@ -593,11 +596,15 @@ __global__ void __launch_bounds__(kLogprobThreads)
   const float b = kEntropy ? block_sum(to_common > 0.0f ? fmaf(dn, st.s, st.b) * to_common : 0.0f) : 0.0f;
   if (threadIdx.x == 0) {
     float lse = m + logf(s);  // m = -inf: -inf (or NaN), as the fp32 kernel
+    float log_s = logf(s);    // log s relative to m: logprob = (z_y - m) - log s
     if (m != -INFINITY) {
-      lse = m + kLn2 * (log2f(s) - fmaf(m, kLog2e, nml));
+      const float log2_s = log2f(s) - fmaf(m, kLog2e, nml);
+      lse = m + kLn2 * log2_s;
       if (lse < m) lse = m;  // (a NaN lse stays NaN)
+      log_s = __fmul_rn(kLn2, log2_s);
+      if (log_s < 0.0f) log_s = 0.0f;  // as lse >= m (a NaN stays NaN)
     }
-    logprob_out[row] = target_z(x, target, vocab, inv_t) - lse;
+    logprob_out[row] = (target_z(x, target, vocab, inv_t) - m) - log_s;
     lse_out[row] = lse;
     if constexpr (kEntropy) {
       float entropy = logf(s) - b / s;  // m = -inf (s = 0): NaN, as the fp32 kernel

@@ -2,7 +2,8 @@
 //
 // Spec (rlk.reference.norm), per row of H elements, x of dtype T, weight of dtype W, y of dtype Y:
 //     s    = x + residual              rounded to T (s = x unfused)
-//     rstd = rsqrt(mean_h s_h^2 + eps)  fp32
+//     rstd = rsqrt(mean_h s_h^2 + eps)  fp32; where mean_h s_h^2 + eps overflows or underflows, computed on s
+//                                       scaled by a power of two (needs_rescale, below)
 //     n    = s * rstd                  fp32
 //     y    = w * n.to(T)               gemma = false, the fp32 product rounded once to Y
 //     y    = n * (1 + w)               gemma = true, rounded once to Y
@@ -47,6 +48,7 @@
 // (row_sum); a row runs the same instructions wherever it sits (rows past N only mask loads and stores).
 #pragma once
 
+#include <cmath>
 #include <type_traits>
 
 #include "common.cuh"
@@ -62,6 +64,17 @@ constexpr int kNormBwdPacks = 2;           // backward: packs per thread (16 val
 constexpr int kNormMaxRowsPerBlock = 256;  // backward: upper bound of rows_per_block
 constexpr int kNormLongPacks = 2;          // long rows: packs per thread per chunk
 constexpr int kNormLongFwdRows = 8;        // long rows: forward rows per block (any value gives the same bits)
+
+// A row whose d = mean(s^2) + eps overflowed (inf: |s| of 1e20 gave rstd = 0, y = 0) or fell below kRescaleBelow
+// (|s| of 1e-30 with eps = 0 gave rstd = inf) sums the squares of s * c again, c = 2^-100 or 2^100 (exact):
+// rstd = rsqrt(mean((s c)^2) + eps c^2) c, as rlk.reference.norm.rstd_of. Every other row keeps its bits and its
+// single pass (the long kernel reads a rescaled row once more).
+constexpr float kRescaleBelow = 0x1p-100f;
+__device__ __forceinline__ bool needs_rescale(float d) { return d == INFINITY || d < kRescaleBelow; }
+// c of a row: 2^-100 where d overflowed, 2^100 where it underflowed, else 1.
+__device__ __forceinline__ float rescale_factor(float d) {
+  return d == INFINITY ? 0x1p-100f : (d < kRescaleBelow ? 0x1p100f : 1.0f);
+}
 
 // Forward lanes per row: ceil(packs / kNormFwdPacks) rounded up to a power of two when <= 32, else to whole
 // warps; 0 when that exceeds kNormMaxThreads (the long kernel).
@@ -275,6 +288,7 @@ __global__ void __launch_bounds__(kNormMaxThreads, 2)
   const int lane_offset = lane * P;
   const W* wl = weight + lane_offset;
   const bool w_vector = kWhole || aligned16(weight);
+  int reductions = 0;  // row_sum calls so far: consecutive ones alternate the warp_sums buffers
 
 #pragma unroll 1
   for (int r = 0; r < kNormFwdRows; ++r) {
@@ -317,7 +331,25 @@ __global__ void __launch_bounds__(kNormMaxThreads, 2)
 #pragma unroll
       for (int e = 0; e < P; ++e) sum_sq = __fmaf_rn(v[e], v[e], sum_sq);  // values past the row are 0
     }
-    const float rstd = rsqrtf(row_sum(sum_sq, lanes, warp_sums[r & 1]) / static_cast<float>(hidden) + eps);
+    const float d = row_sum(sum_sq, lanes, warp_sums[reductions++ & 1]) / static_cast<float>(hidden) + eps;
+    float rstd = rsqrtf(d);
+    // Rescaled from the same registers. Whole warps take the branch (row_sum's shuffles need every lane): the
+    // teams of a warp that do not need it run it with c = 1 and keep their rstd; a team of several warps (the
+    // block) has one d.
+    if (warp_any(needs_rescale(d))) {
+      const float c = rescale_factor(d);
+      float sum_sc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < K; ++i) {
+        float v[P];
+        unpack<T, P>(s[i], v);
+#pragma unroll
+        for (int e = 0; e < P; ++e) sum_sc = __fmaf_rn(v[e] * c, v[e] * c, sum_sc);
+      }
+      const float sum = row_sum(sum_sc, lanes, warp_sums[reductions++ & 1]);
+      const float rescaled = rsqrtf(sum / static_cast<float>(hidden) + eps * c * c) * c;
+      if (needs_rescale(d)) rstd = rescaled;
+    }
 
     // y from the same registers; the weight's packs come through L1 (every row reads them)
 #pragma unroll
@@ -530,7 +562,8 @@ __global__ void __launch_bounds__(kNormMaxThreads)
   constexpr int K = kNormLongPacks;
   const int64_t first = int64_t{blockIdx.x} * kNormLongFwdRows;
   const int64_t last = min(n_rows, first + kNormLongFwdRows);
-  __shared__ float warp_sums[2][kNormMaxWarps];  // row_sum buffers, alternated row by row
+  __shared__ float warp_sums[2][kNormMaxWarps];  // row_sum buffers, alternated call by call
+  int reductions = 0;                            // row_sum calls so far
   for (int64_t row = first; row < last; ++row) {
     const int64_t base = row * hidden;
     const T* xr = x + base;
@@ -551,8 +584,24 @@ __global__ void __launch_bounds__(kNormMaxThreads)
         for (int e = 0; e < P; ++e) sum_sq = __fmaf_rn(v[e], v[e], sum_sq);  // values past the row are 0
       }
     }
-    const float rstd =
-        rsqrtf(row_sum(sum_sq, blockDim.x, warp_sums[(row - first) & 1]) / static_cast<float>(hidden) + eps);
+    const float d = row_sum(sum_sq, blockDim.x, warp_sums[reductions++ & 1]) / static_cast<float>(hidden) + eps;
+    float rstd = rsqrtf(d);
+    if (needs_rescale(d)) {  // the block's row (every thread takes the branch): read once more, scaled
+      const float scale = rescale_factor(d);
+      float sum_sc = 0.0f;
+      for (int c = 0; c < n_chunks; ++c) {
+#pragma unroll
+        for (int i = 0; i < K; ++i) {
+          const int64_t k = pack_index<K>(c, i);
+          float v[P];
+          load_s<T, P>(xr + k * P, rr ? rr + k * P : nullptr, pack_count<P>(k, hidden), vector, v);
+#pragma unroll
+          for (int e = 0; e < P; ++e) sum_sc = __fmaf_rn(v[e] * scale, v[e] * scale, sum_sc);
+        }
+      }
+      const float sum = row_sum(sum_sc, blockDim.x, warp_sums[reductions++ & 1]);
+      rstd = rsqrtf(sum / static_cast<float>(hidden) + eps * scale * scale) * scale;
+    }
     for (int c = 0; c < n_chunks; ++c) {
       float w[K][P];
       load_weight_factors<W, K, P>(weight, c, hidden, gemma, w);

@@ -1,5 +1,5 @@
 // The portability layer of the kernel bodies shared by rlk-cuda and rlk-rocm (common.cuh, logprob.cuh,
-// norm.cuh): the warp size, warp shuffles, the 16-bit float types and the few instructions written as
+// norm.cuh): the warp size, warp shuffles and votes, the 16-bit float types and the few instructions written as
 // inline PTX. On CUDA every name maps to what the kernels called before (the same instructions, the same
 // bits); on HIP (__HIP_PLATFORM_AMD__, gfx9 CDNA) to the wavefront-64 equivalents.
 //
@@ -32,6 +32,8 @@ static_assert(__AMDGCN_WAVEFRONT_SIZE == kWarpSize, "rlk-rocm kernels are writte
 
 __device__ __forceinline__ float shfl_down(float v, int offset) { return __shfl_down(v, offset, kWarpSize); }
 __device__ __forceinline__ float shfl_xor(float v, int offset) { return __shfl_xor(v, offset, kWarpSize); }
+// Whether p holds in any lane of the wavefront (every lane must call it).
+__device__ __forceinline__ bool warp_any(bool p) { return __any(p) != 0; }
 
 // bf16: a 16-bit word, the top half of the fp32 of the same value (ROCm 5.x has no CUDA-like bf16 API;
 // only the conversions below are needed). bf16x2: two of them, element 0 in the low half.
@@ -96,6 +98,8 @@ constexpr int kWarpSize = 32;
 
 __device__ __forceinline__ float shfl_down(float v, int offset) { return __shfl_down_sync(kFullMask, v, offset); }
 __device__ __forceinline__ float shfl_xor(float v, int offset) { return __shfl_xor_sync(kFullMask, v, offset); }
+// Whether p holds in any lane of the warp (every lane must call it).
+__device__ __forceinline__ bool warp_any(bool p) { return __any_sync(kFullMask, p) != 0; }
 
 using bf16 = __nv_bfloat16;
 using bf16x2 = __nv_bfloat162;

@@ -77,14 +77,14 @@ def as_f64(data: dict) -> dict:
     return {k: None if v is None else v.double() for k, v in data.items()}
 
 
-def run(impl, data: dict, gemma: bool, want_dw: bool = True) -> dict:
+def run(impl, data: dict, gemma: bool, want_dw: bool = True, eps: float = EPS) -> dict:
     """Forward then backward of ``impl`` (the triton module or the reference) on ``data``."""
     x, w, r = data["x"], data["weight"], data["residual"]
     n = x.shape[0]
     y = torch.empty(x.shape, dtype=output_dtype(x.dtype, w.dtype, gemma), device=x.device)
     s = torch.empty_like(x) if r is not None else None
     rstd = torch.empty(n, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
-    impl.rms_norm_fwd(x, w, r, EPS, gemma, y, s, rstd)
+    impl.rms_norm_fwd(x, w, r, eps, gemma, y, s, rstd)
     grad_x = torch.empty_like(x)
     grad_w = torch.empty_like(w) if want_dw else None
     impl.rms_norm_bwd(data["grad_y"].to(y.dtype), x if s is None else s, w, rstd, gemma, data["grad_s"], grad_x, grad_w)
@@ -174,6 +174,24 @@ def test_large_and_small_magnitudes():
         assert all(r <= 1 for r in ratios.values())
     out = run(tk, make_inputs(5, 96, torch.float32), gemma=False)
     assert bool((out["y"][0] == 0).all()) and bool(torch.isfinite(out["grad_x"]).all())
+
+
+@interp
+@pytest.mark.parametrize(("scale", "eps"), [(1e20, EPS), (1e-30, 0.0)])
+def test_extreme_magnitudes_in_long_rows(long_rows, scale, eps):
+    """Rows whose mean of squares overflows (|s| ~ 1e20: rstd was 0, y = 0) or underflows (1e-30 with eps = 0: rstd
+    was inf) sum the squares again of s scaled by a power of two, on the chunked path too (rows of 80 in chunks of
+    32, the row read once more): y, rstd and the gradients within the contract of the fp64 reference."""
+    data = make_inputs(2, 80, torch.float32, scale=scale)  # two rows: no all-zero row (0 / 0 with eps = 0)
+    got, truth = run(tk, data, False, eps=eps), run(ref, as_f64(data), False, eps=eps)
+    e = contract.entry("rms_norm", torch.float32)
+    for name in ("y", "rstd"):
+        want = truth[name].reshape(-1)
+        dev = contract.compare_outputs(e, name, got[name].reshape(-1), want, 1.0 + want.abs())
+        assert dev.ok, (name, dev)
+    for name in ("grad_x", "grad_w"):
+        dev = contract.compare_grad(e, name, got[name], truth[name], 1.0)
+        assert dev.ok, (name, dev)
 
 
 @interp

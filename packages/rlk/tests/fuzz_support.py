@@ -365,6 +365,17 @@ def check_equal(what: str, got, want) -> None:
     )
 
 
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The bits of ``x`` as integers of its width (a NaN's payload and a zero's sign count)."""
+    return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def check_bits(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit equality, NaN payloads and signed zeros included (:func:`check_equal` on the bits)."""
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} vs {want.dtype}"
+    check_equal(f"{what} (bits)", bits(got), bits(want))
+
+
 def on_backend(backend: str):
     """Pin ``backend`` for the calls of a block (``rlk.use_backend``)."""
     return rlk.use_backend(backend)

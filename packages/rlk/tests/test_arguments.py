@@ -8,6 +8,7 @@ Also: meta tensors give shapes (the fake implementations), and a call the Triton
 from __future__ import annotations
 
 import numpy as np
+import public_calls
 import pytest
 import torch
 
@@ -253,6 +254,93 @@ def test_triton_declines_head_dims_above_256():
             q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2)
         )
     assert out.shape == (1, 2, 6, 320)
+
+
+# ---------------------------------------------------------------------------
+# boolean options: a bool, nothing else
+# ---------------------------------------------------------------------------
+
+BOOL_OPTIONS = public_calls.bool_options()
+
+
+def _bool_option_params() -> list:
+    return [pytest.param(op, option, id=f"{op}-{option}") for op, option in BOOL_OPTIONS]
+
+
+def test_every_boolean_option_is_found_and_has_a_call():
+    """The options are found from the signatures (so a new one is covered); each op has a call to try them on."""
+    found = set(BOOL_OPTIONS)
+    for known in (
+        ("rlk.kl_penalty", "straight_through"),
+        ("rlk.kl_penalty", "k3_clamp"),
+        ("rlk.PolicyLossConfig", "kl_unbiased"),
+        ("rlk.policy_loss", "kl_k3_clamp"),  # a config field, given as a keyword of the call
+        ("rlk.fused_linear_policy_loss", "kl_unbiased"),
+        ("rlk.selected_logprob", "return_entropy"),
+        ("rlk.masked_whiten", "shift_mean"),
+        ("rlk.integrations.verl.compute_grpo_outcome_advantage", "norm_adv_by_std_in_grpo"),
+    ):
+        assert known in found, known
+    missing = sorted({op for op, _ in BOOL_OPTIONS} - set(public_calls.BOOL_CALLS))
+    assert not missing, f"add a call of {missing} to public_calls.BOOL_CALLS"
+
+
+@pytest.mark.parametrize("value", ["False", 2, None], ids=["str", "int", "None"])
+@pytest.mark.parametrize("op, option", _bool_option_params())
+def test_boolean_options_refuse_non_bools(op, option, value):
+    """``kl_penalty(straight_through='False')``, ``PolicyLossConfig(kl_unbiased=2)``, ``return_entropy='no'`` used to
+    switch the option on (``bool('False')`` is True) and ``k3_clamp=None`` to switch it off: every boolean option of
+    the public API takes a bool only (``rlk.core.checks.flag``), and the error names it."""
+    with pytest.raises((TypeError, ValueError), match=rf"^{option}: expected a bool, got"):
+        public_calls.call_option(op, option, value)
+
+
+@pytest.mark.parametrize("op, option", [pytest.param(op, option, id=f"{op}-{option}") for op, option in BOOL_OPTIONS])
+def test_boolean_options_take_bools(op, option):
+    """The control: True and False are never refused as the option (a call may still need what the minimal call
+    lacks, such as a transformers model, and say so naming that argument)."""
+    for value in (True, False):
+        try:
+            public_calls.call_option(op, option, value)
+        except (TypeError, ValueError) as err:
+            assert not str(err).startswith(f"{option}:"), err
+
+
+# ---------------------------------------------------------------------------
+# dtypes: one rule for the floating inputs of a call
+# ---------------------------------------------------------------------------
+
+DTYPE_PARAMS = [
+    pytest.param(op, name, dtype, id=f"{op}-{name}-{str(dtype).removeprefix('torch.')}")
+    for op, case in public_calls.DTYPE_CASES.items()
+    for name in case.inputs()
+    for dtype in public_calls.refused_dtypes(case, name)
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op, name, dtype", DTYPE_PARAMS)
+def test_mixed_dtypes_are_refused_naming_the_argument(backend, op, name, dtype):
+    """``value_loss(values fp32, old_values fp64)`` used to return an fp64 loss on the reference and raise a
+    BackendError that named no argument on Triton; ``policy_loss`` read an fp64 ``old_logprob`` in fp32 silently.
+    One rule, checked in the op layer (``rlk.core.checks.same_dtype``): float64 for all floating inputs of a call
+    or none, and the operands of a GEMM in one dtype; the error names the first input that breaks it."""
+    case = public_calls.DTYPE_CASES[op]
+    inputs, named = public_calls.mixed_inputs(case, name, dtype)
+    with rlk.use_backend(backend), pytest.raises(TypeError, match=rf"^{named}: expected (float64|the dtype)"):
+        case.call(inputs)
+
+
+@pytest.mark.parametrize("op", sorted(public_calls.DTYPE_CASES))
+def test_one_dtype_rule_accepts_what_it_documents(op):
+    """The control: all float32, all float64 (reference runs), and 16-bit inputs among float32 ones where the op
+    reads them as float32 (not the GEMM operands) run."""
+    case = public_calls.DTYPE_CASES[op]
+    inputs = case.inputs()
+    case.call(inputs)
+    case.call({name: x.double() for name, x in inputs.items()})
+    exact = set(case.exact) | ({next(iter(inputs))} if case.exact else set())
+    case.call({name: x if name in exact else x.to(torch.bfloat16) for name, x in inputs.items()})
 
 
 # ---------------------------------------------------------------------------

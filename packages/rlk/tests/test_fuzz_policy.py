@@ -14,9 +14,10 @@ Properties (each a test; every backend that implements the op, batch invariance 
 * batch invariance: a row alone versus at a random position of a batch of other rows, padded to a
   longer ``T`` with masked positions: its per-token gradient (and ``kl_penalty``'s / ``dpo_loss``'s
   per-element outputs) are bitwise equal, where its aggregation weight does not depend on the batch;
-* ``fused_linear_policy_loss`` with ``mode="lean"`` is bitwise ``policy_loss(linear_logprob(...))``, entropy
-  ``>= 0``; on batch-invariant backends ``mode="one_pass"`` (fuzzed chunk sizes) gives the same loss, metrics and
-  entropy bit for bit and finite gradients; masked positions never matter in either mode.
+* ``fused_linear_policy_loss`` with ``mode="lean"`` is bitwise ``policy_loss(linear_logprob(...))`` (masked
+  positions scored as ignored targets), entropy ``>= 0``; on batch-invariant backends ``mode="one_pass"`` (fuzzed
+  chunk sizes) gives the same loss, metrics and entropy bit for bit and finite gradients; masked positions never
+  matter in either mode, their hidden states included (NaN there never reaches ``grad_weight``).
 
 Exclusions, where the exact result is not representable in fp32 (so nothing can be asked of it):
 an unclamped log-ratio ``d`` makes the ratio ``exp(d)``, which overflows above ``d = 88.7``. Log-ratios
@@ -1130,10 +1131,11 @@ def fused_call(x: dict[str, torch.Tensor], case: FusedCase, composed: bool, mode
     ref = x.get("ref_logprob")
     with_entropy = case.return_entropy or kw.get("entropy_coef", 0.0) != 0.0
     entropy = None
-    if composed:
-        out = rlk.linear_logprob(h, w, x["targets"], temperature=case.temperature, return_entropy=with_entropy)
+    if composed:  # a masked position counts as an ignored target
+        scored = torch.where(x["mask"] != 0, x["targets"], -100)
+        out = rlk.linear_logprob(h, w, scored, temperature=case.temperature, return_entropy=with_entropy)
         lp, ent = out if with_entropy else (out, None)
-        valid = (x["mask"] != 0) & (x["targets"] != -100)
+        valid = scored != -100
 
         def rows(t):
             return t.unsqueeze(0) if case.one_sequence and t is not None else t
@@ -1170,9 +1172,9 @@ def fused_call(x: dict[str, torch.Tensor], case: FusedCase, composed: bool, mode
 
 
 def check_fused_linear_policy_loss_is_the_composition(backend: str, case: FusedCase) -> None:
-    """Loss, metrics, gradients and entropy are bitwise those of ``linear_logprob`` then ``policy_loss`` with
-    the ignored targets masked out (the op's definition; each part is checked against the contract by its own
-    properties); loss and gradients finite, entropy >= 0."""
+    """Loss, metrics, gradients and entropy are bitwise those of ``linear_logprob`` (masked positions scored as
+    ignored targets) then ``policy_loss`` with the ignored targets masked out (the op's definition; each part is
+    checked against the contract by its own properties); loss and gradients finite, entropy >= 0."""
     x = fused_inputs(case)
     with on_backend(backend):
         fused = fused_call(x, case, composed=False, mode="lean")
@@ -1209,14 +1211,16 @@ def check_fused_linear_policy_loss_modes_agree(backend: str, case: FusedCase) ->
 
 
 def check_fused_linear_policy_loss_masked_positions(backend: str, case: FusedCase) -> None:
-    """NaN / +-inf in old_logprob, advantages and ref_logprob at the positions left out of the loss (mask 0 or
-    an ignored target) versus 0 there: bitwise equal loss, metrics and gradients (in the case's mode)."""
+    """NaN / +-inf in the hidden states, old_logprob, advantages and ref_logprob at the positions left out of the
+    loss (mask 0 or an ignored target) versus 0 there: bitwise equal loss, metrics, entropy and gradients,
+    ``grad_weight`` included (in the case's mode)."""
     x = fused_inputs(case)
     out_of_loss = (x["mask"] == 0) | (x["targets"] == -100)
     g = generator(case.seed + 1)
-    names = ("old_logprob", "advantages", "ref_logprob")
-    bad = {name: (poisoned(v, out_of_loss, g) if name in names else v) for name, v in x.items()}
-    clean = {name: (zeroed(v, out_of_loss) if name in names else v) for name, v in x.items()}
+    where = {"hidden": out_of_loss[..., None]}  # the whole row of a hidden state
+    names = ("hidden", "old_logprob", "advantages", "ref_logprob")
+    bad = {name: (poisoned(v, where.get(name, out_of_loss), g) if name in names else v) for name, v in x.items()}
+    clean = {name: (zeroed(v, where.get(name, out_of_loss)) if name in names else v) for name, v in x.items()}
     with on_backend(backend):
         a, b = fused_call(bad, case, composed=False), fused_call(clean, case, composed=False)
     check_equal("loss", a[0], b[0])

@@ -484,6 +484,102 @@ def test_one_pass_on_triton_grad_hidden_is_batch_invariant_and_grad_weight_deter
 
 
 # ---------------------------------------------------------------------------------------------
+# masked positions are absent: NaN / inf hidden states there (padding) never reach a gradient
+# ---------------------------------------------------------------------------------------------
+
+# 16-bit inputs: GPU-only checks (the interpreter does not run bf16 dots; fp16 on the CPU adds nothing here)
+MASKED_DTYPES = [
+    pytest.param(torch.float32, id="float32"),
+    pytest.param(torch.float16, marks=pytest.mark.gpu, id="float16"),
+    pytest.param(torch.bfloat16, marks=pytest.mark.gpu, id="bfloat16"),
+]
+
+
+def _poisoned_hidden(x, where, seed):
+    """``x`` with its hidden rows at ``where`` ([B, T]) set to NaN, +inf or -inf (drawn per element), and the same
+    with zeros there."""
+    hidden = x["hidden"]
+    pick = torch.randint(0, 3, hidden.shape, generator=torch.Generator().manual_seed(seed)).to(hidden.device)
+    bad = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=hidden.dtype, device=hidden.device)[pick]
+    rows = where[..., None].expand(hidden.shape)
+    return {**x, "hidden": torch.where(rows, bad, hidden)}, {**x, "hidden": hidden.masked_fill(rows, 0.0)}
+
+
+def _same_results(a, b):
+    """Loss, metrics, entropy and both gradients of two ``_run`` results: bitwise equal and finite."""
+    assert torch.equal(a[0], b[0]) and set(a[1]) == set(b[1])
+    assert all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+    for k in (2, 3, 4):
+        assert torch.equal(a[k], b[k]) and bool(torch.isfinite(a[k]).all()), k
+
+
+@pytest.mark.parametrize("dtype", MASKED_DTYPES)
+@pytest.mark.parametrize(
+    ("backend", "mode"),
+    [
+        ("reference", "lean"),
+        ("reference", "one_pass"),
+        ("reference", "auto"),
+        pytest.param("triton", "lean", marks=on_triton),
+        pytest.param("triton", "one_pass", marks=on_triton),
+        # auto is one pass on Triton: the one_pass case's kernels, ~10 s under the interpreter
+        pytest.param("triton", "auto", marks=[on_triton, pytest.mark.slow]),
+    ],
+)
+def test_masked_hidden_rows_never_reach_the_gradients(backend, mode, dtype):
+    """NaN / +-inf hidden states at positions with mask 0 and a valid target (padding behind a fully masked
+    attention row) gave a NaN grad_weight (0 * NaN in G.T @ hidden) and NaN grad_hidden rows in the lean and one-pass
+    modes; a masked position now counts as an ignored target: every result is finite and bitwise that of zeros
+    there, in every mode (``one_pass`` in chunks of one sequence; ``auto``, one chunk on Triton, lean on the
+    reference)."""
+    x = _batch(seed=12, b=2, t=4, h=16, v=40, dtype=dtype)
+    masked = ~x["mask"] & (x["targets"] != -100)
+    assert bool(masked.any())
+    bad, clean = _poisoned_hidden(x, masked, seed=12)
+    kw = dict(loss="ppo", agg="token-mean", entropy_coef=0.01, chunk_tokens=4 if mode == "one_pass" else 2048)
+    a, b = _run(bad, mode, backend, **kw), _run(clean, mode, backend, **kw)
+    _same_results(a, b)
+    assert bool((a[3][~x["mask"]] == 0).all()) and bool((a[2][~x["mask"]] == 0).all())
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode"),
+    [
+        ("reference", "lean"),
+        ("reference", "one_pass"),
+        # the op layer's mask of the spans, then the kernels of the mask case above (~10 s under the interpreter)
+        pytest.param("triton", "one_pass", marks=[on_triton, pytest.mark.slow]),
+    ],
+)
+def test_hidden_rows_off_the_loss_spans_never_reach_the_gradients(backend, mode):
+    """The same off ``loss_spans`` (the mask of the spans): NaN / +-inf there versus 0, bitwise equal and finite."""
+    x = _batch(seed=13, b=2, t=4, h=16, v=40)
+    table = torch.tensor([[0, 1, 3, 0], [1, 0, 1, 1], [1, 2, 4, 0]], dtype=torch.int32)
+    on_spans = rlk.ops.spans.mask(table, tuple(x["targets"].shape)).to(DEVICE)
+    bad, clean = _poisoned_hidden(x, ~on_spans, seed=13)
+    results = []
+    for inputs in (bad, clean):
+        h = inputs["hidden"].clone().requires_grad_()
+        w = inputs["weight"].clone().requires_grad_()
+        with rlk.use_backend(backend):
+            loss, metrics, entropy = rlk.fused_linear_policy_loss(
+                h,
+                w,
+                x["targets"],
+                x["old"],
+                x["advantages"],
+                loss_spans=table.to(DEVICE),
+                mode=mode,
+                chunk_tokens=4,
+                return_entropy=True,
+                agg="token-sum",
+            )
+        loss.backward()
+        results.append((loss.detach(), metrics, entropy, h.grad, w.grad))
+    _same_results(*results)
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: bf16 at the shape of the one-pass target (16 x 1024 tokens, H = 4096, V = 151936)
 # ---------------------------------------------------------------------------------------------
 

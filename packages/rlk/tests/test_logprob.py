@@ -146,6 +146,71 @@ def test_entropy_of_large_logits_is_accurate_and_never_negative(monkeypatch, dty
     assert contract.compare_grad(e, "grad_logits", x.grad, x64.grad, float(scale.max())).ok
 
 
+def _huge_logits(kind: str, op: str, n: int = 4, v: int = 7):
+    """``(x, weight, targets)``: logits (``op == "selected_logprob"``) or hidden states and a head whose logits are
+    all equal to 1e6, 3e38 or -3e38 (``"equal_1e6"``, ...) or ``1e5 +`` multiples of 1/8 in [-2, 2] (``"offset_1e5"``),
+    every one exact in fp32 (and in the head's dot products)."""
+    g = torch.Generator().manual_seed(11)
+    targets = torch.randint(0, v, (n,), generator=g)
+    if kind == "offset_1e5":
+        spread = torch.randint(-16, 17, (v,), generator=g) / 8
+        if op == "selected_logprob":
+            return 1e5 + spread.expand(n, v).clone(), None, targets
+        hidden = torch.zeros(n, 2)
+        hidden[:, 0], hidden[:, 1] = 1000.0, 1.0
+        return hidden, torch.stack([torch.full((v,), 100.0), spread], dim=1), targets
+    value = {"equal_1e6": 1e6, "equal_3e38": 3e38, "equal_-3e38": -3e38}[kind]
+    if op == "selected_logprob":
+        return torch.full((n, v), value), None, targets
+    return torch.full((n, 1), value / 2**64), torch.full((v, 1), 2.0**64), targets  # powers of two: exact products
+
+
+# every backend of the op: the reference on this machine's device; Triton (the interpreter on the CPU) and rlk-cuda on
+# a GPU (the tests below pick the device by what is visible)
+ON_GPU = torch.cuda.is_available()
+BACKENDS = [
+    "reference",
+    pytest.param("triton", marks=pytest.mark.gpu if ON_GPU else pytest.mark.triton_interpreter),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+def _served(backend: str, op: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Skip where ``backend`` does not run ``op`` here (rlk-cuda's linear_logprob: 16-bit only)."""
+    reason = rlk.core.dispatch.why_not(backend, rlk.core.abi.OPS[op], device, dtype)
+    if reason is not None:
+        pytest.skip(f"{backend} does not run {op} here: {reason}")
+
+
+@pytest.mark.parametrize("kind", ["equal_1e6", "equal_3e38", "equal_-3e38", "offset_1e5"])
+@pytest.mark.parametrize("op", ["selected_logprob", "linear_logprob"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logprob_of_huge_logits_is_accurate_to_its_own_size(backend, op, kind):
+    """The log-prob is computed relative to the row's max, ``(z_y - m) - log s``: with logits of 1e6 (or 3e38) in
+    every column, or offset by 1e5, it is within the contract's atol / rtol of the fp64 truth on its own scale
+    ``1 + |logprob|``. ``z_y - lse`` rounded lse at the magnitude of z: -1.9375 for -log 7 = -1.9459 at 1e6, 0 at
+    3e38, errors of 3e-3 at 1e5 (which the row scale ``1 + |lse| + |z_y|`` hid)."""
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    _served(backend, op, device, torch.float32)
+    x, weight, targets = _huge_logits(kind, op)
+    logits = x if weight is None else x.double() @ weight.double().T
+    z = logits.double()
+    truth = (z - z.amax(-1, keepdim=True)).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    x, targets = x.to(device), targets.to(device)
+    weight = None if weight is None else weight.to(device)
+    with rlk.use_backend(backend):
+        if weight is None:
+            lp, ent = rlk.selected_logprob(x, targets, return_entropy=True)
+        else:
+            lp, ent = rlk.linear_logprob(x, weight, targets, return_entropy=True)
+    e = contract.entry(op, torch.float32)
+    dev = contract.compare_outputs(e, "logprob", lp, truth, 1.0 + truth.abs())
+    assert dev.ok, dev
+    true_ent = -(z.softmax(-1) * (z - z.amax(-1, keepdim=True)).log_softmax(-1)).sum(-1)
+    assert contract.compare_outputs(e, "entropy", ent, true_ent, 1.0 + true_ent.abs()).ok
+    assert bool((lp <= 0).all())
+
+
 @pytest.mark.parametrize(("offset", "temperature"), [(30.0, 0.05), (1e6, 1.0)])
 def test_linear_logprob_entropy_of_large_logits(monkeypatch, offset, temperature):
     """linear_logprob with an offset column (hidden[..., 0] * weight[:, 0] = offset) and multiples of 1/4 in

@@ -11,6 +11,7 @@ masks in place), and errors that name the argument.
 
 from __future__ import annotations
 
+import public_calls
 import pytest
 import torch
 from fake_backend import recording_backend
@@ -282,6 +283,52 @@ def test_errors_name_the_argument(monkeypatch):
     for call, error, message in cases:
         with pytest.raises(error, match=message):
             call()
+
+
+def _compile_params() -> list:
+    """Each op on the reference, value checks on and off (``RLK_CHECK_VALUES`` is read by the op layer, the same for
+    every backend), and on Triton with them on; Triton's ``fused_linear_policy_loss`` (about 10 s in the interpreter)
+    in the nightly tier."""
+    params = []
+    for op in sorted(public_calls.SPAN_OPS):
+        for check, name in (("1", "checked"), ("0", "RLK_CHECK_VALUES=0")):
+            params.append(pytest.param("reference", op, check, id=f"reference-{op}-{name}"))
+        slow = [pytest.mark.slow] if op == "fused_linear_policy_loss" else []
+        params.append(pytest.param("triton", op, "1", marks=[pytest.mark.triton_interpreter, *slow], id=f"triton-{op}"))
+    return params
+
+
+@pytest.mark.parametrize("backend_name, op, check_values", _compile_params())
+def test_compile_fullgraph_with_loss_spans_equals_eager(backend_name, op, check_values, monkeypatch):
+    """``torch.compile(fullgraph=True)`` of an op given ``loss_spans`` used to fail (``Unsupported: ContextVar.get``:
+    the spans' value check read ``rlk.core.checks``' context variable in the traced code; with RLK_CHECK_VALUES=0
+    too). The spans' mask is one custom op now (``rlk::span_mask``), whose value check runs inside it, as every op's:
+    the compiled loss and gradient are the eager ones bit for bit."""
+    monkeypatch.setenv("RLK_CHECK_VALUES", check_values)
+    spans = torch.tensor([[0, 0, 1, 0], [0, 2, 4, 1]], dtype=torch.int32)  # one row: the interpreter is slow
+    with rlk.use_backend(backend_name):
+        (eager, eager_grad), (compiled, compiled_grad) = public_calls.eager_and_compiled(op, spans, 0, 1, 5)
+    assert torch.equal(compiled, eager) and torch.equal(compiled_grad, eager_grad)
+
+
+def test_compiled_spans_are_checked_when_the_graph_runs(monkeypatch):
+    """The value check of the spans runs inside the compiled graph, under the switch of the moment."""
+    bad = torch.tensor([[0, 5, 4, 0]], dtype=torch.int32)
+    loss = public_calls.SPAN_OPS["kl_penalty"].loss(0, B, T)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    x = public_calls.SPAN_OPS["kl_penalty"].leaf(0, B, T)
+    assert torch.equal(compiled(x, _spans()), loss(x, _spans()))
+    with pytest.raises(ValueError, match=r"loss_spans: row 0 is \(seq, start, end\) = \(0, 5, 4\)"):
+        compiled(x, bad)
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")
+    compiled(x, bad)  # not checked (an empty span here)
+
+
+def test_span_mask_custom_op_passes_opcheck():
+    """``rlk::span_mask`` (schema, fake, no aliasing), with and without tags."""
+    table = _spans().to(torch.int64)
+    for tags in (None, [1]):
+        torch.library.opcheck(torch.ops.rlk.span_mask.default, (table, B, T, tags, torch.device("cpu")))
 
 
 @pytest.mark.gpu

@@ -621,6 +621,56 @@ def test_dpo_bad_input_gets_a_clear_error(kwargs, error, message):
         rlk.dpo_loss(*positional, **args)
 
 
+_IPO_LENGTHS = dict(loss="ipo", chosen_length=torch.ones(4), rejected_length=torch.ones(4))
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.triton_interpreter)])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(_IPO_LENGTHS, chosen_length=torch.tensor([3.0, math.nan, 2.0, 1.0])),
+            r"chosen_length: must be finite and >= 0; found nan at position 1",
+        ),
+        (
+            dict(_IPO_LENGTHS, rejected_length=torch.tensor([3.0, 2.0, math.inf, 1.0])),
+            r"rejected_length: must be finite and >= 0; found inf at position 2",
+        ),
+        (
+            dict(_IPO_LENGTHS, rejected_length=torch.tensor([3, 2, -1, 1])),
+            r"rejected_length: must be finite and >= 0; found -1.0 at position 2",
+        ),
+        (dict(beta=1e-50), r"beta: 1e-50 rounds to 0 in torch.float32"),
+        (dict(beta=1e39), r"beta: 1e\+39 overflows torch.float32"),
+        (dict(_IPO_LENGTHS, beta=1e-300), r"beta: 1e-300 rounds to 0 in torch.float32"),
+        (
+            dict(_IPO_LENGTHS, beta=1e-30),
+            r"beta: 1e-30 is so small that the ipo loss \(x - 1 / \(2 beta\)\)\^2 overflows",
+        ),
+    ],
+)
+def test_dpo_refuses_non_finite_lengths_and_beta(backend, kwargs, message):
+    """IPO with a NaN ``chosen_length`` or an inf ``rejected_length`` used to give a NaN loss or silently zero the
+    pair's log-probs, ``beta=1e-50`` (0 in float32) was accepted, and IPO with ``beta=1e-300`` gave an inf loss: the
+    lengths are checked inside the op where they are read (finite, >= 0; one synchronization), ``beta`` at the call
+    (nonzero and finite in float32, and for ipo ``(1 / (2 beta))^2`` too)."""
+    with rlk.use_backend(backend), pytest.raises(ValueError, match=message):
+        rlk.dpo_loss(_P, _P - 1, _P * 0.5, _P * 0.5, **kwargs)
+
+
+def test_dpo_lengths_checks_follow_the_switch(monkeypatch):
+    """The lengths are checked where they are used (ipo) and like every value check, skipped with RLK_CHECK_VALUES=0;
+    beta (a number) always."""
+    nan = torch.tensor([1.0, math.nan, 1.0, 1.0])
+    rlk.dpo_loss(_P, _P, _P, _P, chosen_length=nan, rejected_length=nan)  # sigmoid: the lengths are not read
+    monkeypatch.setenv("RLK_CHECK_VALUES", "0")
+    loss, _ = rlk.dpo_loss(_P, _P, _P, _P, loss="ipo", chosen_length=nan, rejected_length=torch.ones(4))
+    assert math.isnan(float(loss))
+    rlk.dpo_loss(_P, _P, _P, _P, loss="ipo", beta=2.8e-20, chosen_length=torch.ones(4), rejected_length=torch.ones(4))
+    with pytest.raises(ValueError, match="beta: 1e-50 rounds to 0"):
+        rlk.dpo_loss(_P, _P, _P, _P, beta=1e-50)
+
+
 # ---------------------------------------------------------------------------
 # torch.library integration
 # ---------------------------------------------------------------------------

@@ -109,6 +109,48 @@ def test_zero_row_and_eps():
     torch.testing.assert_close(y[1], torch.full((8,), 3.0 / (9.0 + 0.5) ** 0.5))
 
 
+ON_GPU = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(("magnitude", "eps"), [(1e20, EPS), (3e38, EPS), (1e-30, 0.0), (1e-30, 1e-35)])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "reference",
+        pytest.param("triton", marks=pytest.mark.gpu if ON_GPU else pytest.mark.triton_interpreter),
+        pytest.param("cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_rows_of_extreme_magnitude(backend, magnitude, eps):
+    """``mean(x^2)`` overflowed fp32 for |x| of 1e20 (rstd 0: y = 0) and underflowed for 1e-30 with a tiny eps (rstd
+    inf: y = inf); such rows are now computed on x scaled by a power of two. y and the gradients within the contract
+    of fp64; the ordinary rows of the same batch keep the bits of HF's fp32 formula (reference backend). Rows of
+    24 and of 9000 columns (the long-row kernels)."""
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    g = torch.Generator().manual_seed(5)
+    for width in (24, 9000) if ON_GPU else (24,):
+        x = torch.randn(4, width, generator=g)
+        x[:2] = (
+            magnitude * (0.25 + 0.75 * torch.rand(2, width, generator=g)) * torch.randn(2, width, generator=g).sign()
+        )
+        w = 1 + 0.3 * torch.randn(width, generator=g)
+        grad_y = torch.randn(4, width, generator=g)
+        xg, wg = x.clone().to(device).requires_grad_(), w.clone().to(device).requires_grad_()
+        with rlk.use_backend(backend):
+            y = rms_norm(xg, wg, eps)
+        y.backward(grad_y.to(device))
+        x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+        truth = hf_llama(x64, w64, eps, compute=torch.float64)
+        truth.backward(grad_y.double())
+        _check_y(torch.float32, y.detach().cpu(), truth.detach())
+        e = contract.entry("rms_norm", torch.float32)
+        for name, got, want in (("grad_x", xg.grad, x64.grad), ("grad_weight", wg.grad, w64.grad)):
+            dev = contract.compare_grad(e, name, got.cpu(), want, 1.0)
+            assert dev.ok, (width, dev)
+        if backend == "reference":
+            assert torch.equal(y[2:], hf_llama(x[2:].to(device), w.to(device), eps))
+
+
 # ---------------------------------------------------------------------------
 # gradients
 # ---------------------------------------------------------------------------

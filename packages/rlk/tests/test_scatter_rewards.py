@@ -514,7 +514,7 @@ _SPANS = torch.tensor([[0, 0, 3], [3, 2, 6]])
         (
             lambda: rlk.scatter_rewards(_R, _M, costs=torch.zeros(4).double()),
             TypeError,
-            "costs: expected float64 exactly when rewards are float64",
+            "costs: expected float64 exactly when rewards is float64",
         ),
         (
             lambda: rlk.scatter_rewards(_R, _M, region_rewards=torch.zeros(2)),

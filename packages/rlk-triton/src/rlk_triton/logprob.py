@@ -11,8 +11,9 @@ computed online over vocab tiles with a running max ``m`` (starts at -inf),
 ``s = sum_v exp(z_v - m)`` and ``b = sum_v (z_v - m) exp(z_v - m)`` (<= 0, kept
 relative to ``m``: when ``m`` grows to ``m'``, ``b' = (b + (m - m') s) exp(m - m')``);
 ``lse = m + log s``, ``entropy = log s - b / s`` (two terms >= 0: no cancellation
-of two numbers of size ``|z|``, and never negative). The vocab-split partials merge
-the same way.
+of two numbers of size ``|z|``, and never negative), ``logprob = (z_y - m) - log s``
+(two terms <= 0: its rounding follows the log-prob, not ``|z|``; the reference's
+module docstring says why). The vocab-split partials merge the same way.
 Gradients with respect to the unscaled logits ``x``::
 
     dx_v = inv_t * (g_lp * (onehot(y)_v - p_v) + g_H * p_v * ((lse - H) - z_v))
@@ -281,8 +282,9 @@ def _selected_fwd_kernel(
         m, s, b = _online_update(m, s, b, z)
     safe_tgt = tl.where(valid, tgt, 0)
     z_tgt = tl.load(logits_ptr + rows * V + safe_tgt, mask=valid, other=0.0).to(tl.float32) * inv_t
-    lse = m + tl.log(s)
-    tl.store(logprob_ptr + rows, tl.where(valid, z_tgt - lse, 0.0))
+    log_s = tl.log(s)
+    lse = m + log_s
+    tl.store(logprob_ptr + rows, tl.where(valid, (z_tgt - m) - log_s, 0.0))
     tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0))
     if HAS_ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(valid, _entropy(s, b), 0.0))
@@ -333,7 +335,8 @@ def selected_logprob_fwd(logits, targets, inv_temperature, ignore_index, logprob
         targets: ``[N]`` int64; rows equal to ``ignore_index`` are ignored.
         inv_temperature: ``[N]`` fp32, per-row ``1 / T``.
         ignore_index: the ignored-row marker.
-        logprob_out: ``[N]`` fp32, written ``z_y - lse`` (0 on ignored rows).
+        logprob_out: ``[N]`` fp32, written ``(z_y - m) - log s`` (``z_y - lse`` relative to the max; 0 on
+            ignored rows).
         entropy_out: ``[N]`` fp32 or None (then the entropy is not stored), written ``lse - E_p[z]``.
         lse_out: ``[N]`` fp32, written ``logsumexp(z)`` (0 on ignored rows), for the backward.
 
@@ -536,8 +539,9 @@ def _linear_fwd_combine_kernel(
         tgt = tl.load(targets_ptr + rows, mask=row_mask, other=ignore_index)
         valid = tgt != ignore_index
         z_tgt = tl.load(z_tgt_ptr + rows, mask=row_mask & valid, other=0.0)
-        lse = m + tl.log(s)
-        tl.store(logprob_ptr + rows, tl.where(valid, z_tgt - lse, 0.0), mask=row_mask)
+        log_s = tl.log(s)
+        lse = m + log_s
+        tl.store(logprob_ptr + rows, tl.where(valid, (z_tgt - m) - log_s, 0.0), mask=row_mask)
         tl.store(lse_ptr + rows, tl.where(valid, lse, 0.0), mask=row_mask)
         if HAS_ENTROPY:
             tl.store(entropy_ptr + rows, tl.where(valid, _entropy(s, b), 0.0), mask=row_mask)

@@ -80,6 +80,13 @@ TILE_CONFIGS: dict[torch.dtype, dict[str, int]] = {
 }
 
 
+#: Rows whose ``mean(s^2) + eps`` overflows (inf) or falls below ``RESCALE_BELOW`` sum the squares again of ``s * c``
+#: (``c = 2^-100`` or ``2^100``, exact): ``rstd = rsqrt(mean((s c)^2) + eps c^2) c``, as
+#: :func:`rlk.reference.norm.rstd_of`. Every other row keeps the plain formula's bits and its single pass.
+RESCALE_BELOW = tl.constexpr(2.0**-100)
+RESCALE = tl.constexpr(2.0**100)
+
+
 def _row_tiles(hidden: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """``(BLOCK_H, NUM_CHUNKS, num_warps)`` for rows of ``hidden`` columns: a function of H and dtype only."""
     cfg = TILE_CONFIGS[dtype]
@@ -103,6 +110,18 @@ def _load_s(x_ptr, res_ptr, s_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE
         if STORE_S:
             tl.store(s_ptr + offs, x, mask=mask)
     return x
+
+
+@triton.jit
+def _needs_rescale(d):
+    """Whether a row's ``mean(s^2) + eps`` (``d``) overflowed or underflowed (:data:`RESCALE_BELOW`)."""
+    return (d == float("inf")) | (d < RESCALE_BELOW)
+
+
+@triton.jit
+def _rescale_factor(d):
+    """``c`` of a row to rescale: ``2^-100`` where ``d`` overflowed, else ``2^100``."""
+    return tl.where(d == float("inf"), 1.0 / RESCALE, RESCALE)
 
 
 @triton.jit
@@ -180,7 +199,12 @@ def _rms_norm_fwd_kernel(
             if HAS_RESIDUAL:
                 r_next = tl.load(res_ptr + offs + H, mask=next_mask, other=0.0)
             s = s.to(tl.float32)
-            rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / H + eps)
+            d = tl.sum(s * s, axis=0) / H + eps
+            rstd = tl.math.rsqrt(d)
+            if _needs_rescale(d):  # the row is in registers: no second read
+                scale = _rescale_factor(d)
+                sc = s * scale
+                rstd = tl.math.rsqrt(tl.sum(sc * sc, axis=0) / H + eps * scale * scale) * scale
             y = _scale(s * rstd, w, x_dtype, GEMMA)
             tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(rstd_ptr + row, rstd, mask=row < N)
@@ -194,7 +218,17 @@ def _rms_norm_fwd_kernel(
                 mask = (cols < H) & (row < N)
                 s = _load_s(x_ptr, res_ptr, s_ptr, base + cols, mask, HAS_RESIDUAL, True).to(tl.float32)
                 acc += s * s
-            rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / H + eps)
+            d = tl.sum(acc, axis=0) / H + eps
+            rstd = tl.math.rsqrt(d)
+            if _needs_rescale(d):  # read the row once more, scaled
+                scale = _rescale_factor(d)
+                acc = tl.zeros((BLOCK_H,), tl.float32)
+                for k in range(NUM_CHUNKS):
+                    cols = k * BLOCK_H + tl.arange(0, BLOCK_H)
+                    mask = (cols < H) & (row < N)
+                    sc = _load_s(x_ptr, res_ptr, s_ptr, base + cols, mask, HAS_RESIDUAL, False).to(tl.float32) * scale
+                    acc += sc * sc
+                rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / H + eps * scale * scale) * scale
             for c in range(NUM_CHUNKS):
                 cols = c * BLOCK_H + tl.arange(0, BLOCK_H)
                 mask = (cols < H) & (row < N)

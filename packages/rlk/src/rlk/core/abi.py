@@ -380,8 +380,8 @@ PRIMITIVES: dict[str, Primitive] = {
         ),
         # ema (spec: rlk.reference.ema): in-place exponential moving average of a list of tensors (a reference /
         # target model's weights): target[i] <- lerp(target[i], source[i], 1 - decay) in fp32 math, written back in
-        # the target's dtype. Not differentiable. The op layer hands a backend one dtype at a time, non-empty
-        # tensors only.
+        # the target's dtype; decay = 1 writes nothing, decay = 0 copies the source's bits. Not differentiable. The
+        # op layer hands a backend one dtype at a time, non-empty tensors only, no two targets overlapping.
         Primitive(
             "ema_fwd",
             "ema",

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlk.core import checks
+
 
 def _no_reason(primitive: str, device: torch.device, dtype: torch.dtype) -> str | None:
     return None
@@ -63,3 +65,6 @@ class Backend:
     batch_invariant: bool = False
     limits: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     selfcheck: Callable[[torch.device], list[str]] = field(default=_no_problems)
+
+    def __post_init__(self) -> None:
+        checks.flag("batch_invariant", self.batch_invariant)

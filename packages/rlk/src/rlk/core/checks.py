@@ -43,6 +43,32 @@ def stat_dtype(x: Tensor) -> torch.dtype:
     return compute_dtype(x.dtype)
 
 
+def same_dtype(*named: tuple[str, Tensor | None], exact: bool = False) -> None:
+    """The dtype rule of an op's floating tensor inputs; the error names the first argument that breaks it.
+
+    ``named``: ``(name, tensor)`` pairs of the op's data inputs, the first its main input; entries that are not
+    tensors (None: an optional input not given) are skipped, as are integer and bool tensors (indices, masks,
+    counts). Parameters that may be given as tensors (temperatures, aggregation normalizers) are not data: they are
+    converted to the compute dtype and their values checked there.
+
+    By default the inputs must share the :func:`compute_dtype`: bfloat16, float16 and float32 mix (each is read as
+    float32, exactly), while float64, the reference backend's ground truth, is all or none (a float64 input among
+    float32 ones would otherwise turn the whole call into a reference-only float64 run, or be read in float32
+    silently). ``exact``: the dtypes must be equal (operands a kernel reads in their own dtype, such as a GEMM's).
+    """
+    given = [(name, x) for name, x in named if isinstance(x, Tensor) and x.is_floating_point()]
+    if not given:
+        return
+    first, like = given[0]
+    for name, x in given[1:]:
+        if exact and x.dtype != like.dtype:
+            raise TypeError(f"{name}: expected the dtype of {first} ({like.dtype}), got {x.dtype}")
+        if compute_dtype(x.dtype) != compute_dtype(like.dtype):
+            raise TypeError(
+                f"{name}: expected float64 exactly when {first} is float64, got {x.dtype} with {first} {like.dtype}"
+            )
+
+
 # ---------------------------------------------------------------------------
 # Python scalars
 # ---------------------------------------------------------------------------
@@ -166,6 +192,23 @@ def check_positive_values(name: str, values: Tensor, *, reciprocal: bool = False
     raise ValueError(f"{name}: must be finite and > 0; found {found}{where}")
 
 
+def check_count_values(named: dict[str, Tensor | None]) -> None:
+    """Value check of token counts (lengths) among ``named`` (inside the op, one synchronization for all;
+    :func:`values_checked`): every element finite and ``>= 0``."""
+    given = {name: t for name, t in named.items() if t is not None and t.numel() and t.device.type != "meta"}
+    if not given or not values_checked():
+        return
+
+    def bad(t: Tensor) -> Tensor:
+        return ~(t >= 0) | (t == math.inf)
+
+    flags = torch.stack([bad(t).any() for t in given.values()]).tolist()
+    for (name, t), wrong in zip(given.items(), flags):
+        if wrong:
+            i = int(bad(t).reshape(-1).nonzero()[0, 0])
+            raise ValueError(f"{name}: must be finite and >= 0; found {t.reshape(-1)[i].item()} at position {i}")
+
+
 # ---------------------------------------------------------------------------
 # Aggregation normalizers
 # ---------------------------------------------------------------------------
@@ -261,7 +304,11 @@ _trusted = contextvars.ContextVar("rlk_trusted_values", default=False)
 
 def values_checked() -> bool:
     """Whether value checks (one host synchronization each) run: unless ``RLK_CHECK_VALUES=0``, or inside
-    :func:`trusted_values`."""
+    :func:`trusted_values`; never while ``torch.compile`` traces a call (a check reads values back to the host,
+    and the switch is a context variable, neither of which a graph holds). The checks inside the custom ops run
+    when the compiled graph runs them, under the switch of that moment."""
+    if torch.compiler.is_compiling():
+        return False
     return not _trusted.get() and os.environ.get("RLK_CHECK_VALUES", "1") != "0"
 
 

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from rlk.core import dispatch
+from rlk.core import checks, dispatch
 
 #: Tensor types the eager path takes as they are (subclasses go through the dispatcher).
 _PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
@@ -74,9 +74,7 @@ def set_profiler_ranges(enabled: bool) -> None:
     """Name each primitive call in profiler timelines (NVTX and ``torch.profiler`` ranges) or stop doing so;
     the run-time switch of ``RLK_NVTX``."""
     global _ranges
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
-    _ranges = enabled
+    _ranges = checks.flag("enabled", enabled)
 
 
 def _ranged(name: str, impl: Callable[..., Any]) -> Callable[..., Any]:

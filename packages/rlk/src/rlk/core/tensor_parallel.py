@@ -21,6 +21,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from rlk.core import checks
+
 ENV_VAR = "RLK_TENSOR_PARALLEL_INVARIANT"
 
 _enabled = os.environ.get(ENV_VAR, "0") not in ("", "0")
@@ -29,9 +31,7 @@ _enabled = os.environ.get(ENV_VAR, "0") not in ("", "0")
 def set_tensor_parallel_invariant(enabled: bool) -> None:
     """Turn the tree-ordered ``K`` sum of ``matmul`` / ``linear`` on or off for this process (module docstring)."""
     global _enabled
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
-    _enabled = enabled
+    _enabled = checks.flag("enabled", enabled)
 
 
 def is_tensor_parallel_invariant() -> bool:

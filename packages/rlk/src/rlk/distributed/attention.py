@@ -71,6 +71,8 @@ def context_parallel_attention(
     comm = Comm(group)
     if comm.simulated:
         raise TypeError("group: context_parallel_attention runs on a real process group (or None)")
+    causal = checks.flag("causal", causal)
+    return_lse = checks.flag("return_lse", return_lse)
     checks.cu_seqlens("cu_seqlens", cu_seqlens, q.device)
     for name, x in (("q", q), ("k", k), ("v", v)):
         checks.check_float(name, x)

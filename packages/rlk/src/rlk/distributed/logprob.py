@@ -80,6 +80,10 @@ class _VocabParallelLogprob(torch.autograd.Function):
         need_hidden = ctx.needs_input_grad[5]
         need_weight = any(ctx.needs_input_grad[8:])
         valid = targets != ignore_index
+        if need_weight:
+            # as rlk.linear_logprob's backward: the ignored rows' hidden states zeroed, so that NaN or inf there
+            # (padding) never reach the shards' weight gradients as 0 * NaN
+            hidden = torch.where(valid[:, None], hidden, hidden.new_zeros(()))
         v_shard = shards[0].shape[0]
         partials, grad_weights = [], []
         for rank, weight in zip(comm.ranks, shards):

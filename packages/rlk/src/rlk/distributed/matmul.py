@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from rlk.core import tensor_parallel
-from rlk.core.checks import check_float
+from rlk.core.checks import check_float, flag
 from rlk.distributed import _kernels
 from rlk.distributed.group import Comm, Group
 
@@ -156,6 +156,7 @@ def column_parallel_linear(x: Tensor, weight_shard, bias_shard=None, *, group: G
     """
     comm = Comm(group)
     check_float("x", x)
+    gather_output = flag("gather_output", gather_output)
     if x.dim() < 1:
         raise ValueError(f"x: expected shape [..., K], got {tuple(x.shape)}")
     weights = _weights(comm, "weight_shard", weight_shard, x, x.shape[-1])
@@ -165,7 +166,7 @@ def column_parallel_linear(x: Tensor, weight_shard, bias_shard=None, *, group: G
     segments = _tree_segments(kern, comm.size * n_s, comm, "weight_shard", "grad_x")
     rows = _rows(x)
     out = _ColumnParallel.apply(
-        comm, kern, segments, bool(gather_output), 0 if biases is None else len(biases), rows, *weights, *(biases or [])
+        comm, kern, segments, gather_output, 0 if biases is None else len(biases), rows, *weights, *(biases or [])
     )
     lead = x.shape[:-1]
     if gather_output:

@@ -8,7 +8,8 @@ LM head (:func:`rlk.integrations.hf.apply`: :func:`rlk.linear_logprob`, no logit
 
 What TRL computes that rlk cannot express exactly is refused at construction (:func:`check_supported`,
 :func:`check_dpo_supported`), naming the option. Guide and the exact argument mappings: ``docs/migration.md``.
-Importing this module imports trl.
+Importing this module imports trl; without it (or accelerate) the import raises
+:class:`~rlk.integrations.extras.MissingDependency` (an ImportError): ``pip install 'rlk[trl]'``.
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from accelerate.utils import is_peft_model
 from torch import Tensor
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.dpo_trainer import DPOTrainer
-from trl.trainer.grpo_trainer import GRPOTrainer
-from trl.trainer.utils import use_adapter
 
 import rlk
 import rlk.integrations.hf
+from rlk.integrations.extras import MissingDependency
+
+try:
+    from accelerate.utils import is_peft_model
+    from trl.models.utils import disable_gradient_checkpointing
+    from trl.trainer.dpo_trainer import DPOTrainer
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    from trl.trainer.utils import use_adapter
+except ModuleNotFoundError as exc:  # trl, or a package trl needs, is not installed
+    raise MissingDependency(exc.name or "trl", "rlk.integrations.trl", extra="trl") from exc
 
 #: TRL's loss types of the clipped-ratio (PPO) family.
 PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -272,13 +278,16 @@ def compute_loss(trainer, model, inputs: dict) -> Tensor:
     mode = "train" if training else "eval"
     accum = trainer.current_gradient_accumulation_steps if training else 1
     loss_type = trainer.loss_type
-    advantages = inputs["advantages"]
+    # rlk takes float64 for all of a call's inputs or none; TRL's advantages come in float32 whatever the model's dtype
+    # (its torch code promotes them), as may the stored log-probs: in the log-probs' dtype, as TRL computes with them
+    advantages = inputs["advantages"].to(logprob.dtype)
     if advantages.dim() == 2 and advantages.shape[1] > 1 and trainer.importance_sampling_level == "sequence":
         raise ValueError(
             "advantages: per-token advantages with importance_sampling_level='sequence' (rlk's gspo "
             "equals TRL's sequence ratio for one advantage per sequence)"
         )
     old = inputs.get("old_per_token_logps")  # None: on-policy, old = logprob.detach() (rlk's and TRL's convention)
+    old = None if old is None else old.to(logprob.dtype)
 
     # TRL's policy-term factors: token and sequence masks (its own selection rules) and the vLLM IS ratio
     keep = None
@@ -297,6 +306,7 @@ def compute_loss(trainer, model, inputs: dict) -> Tensor:
         ).to(logprob.dtype)
         keep = off_policy.expand_as(logprob) if keep is None else keep * off_policy
     is_ratio = rollout_weights(trainer, inputs, mask)
+    is_ratio = None if is_ratio is None else is_ratio.to(logprob.dtype)
     if loss_type == "vespo":
         weights = is_ratio
         if keep is not None:
@@ -305,7 +315,7 @@ def compute_loss(trainer, model, inputs: dict) -> Tensor:
         weights = keep if is_ratio is None else (is_ratio if keep is None else keep * is_ratio)
 
     kwargs = policy_loss_kwargs(trainer, mask, inputs.get("num_items_in_batch"))
-    ref = inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None
+    ref = inputs["ref_per_token_logps"].to(logprob.dtype) if trainer.beta != 0.0 else None
     loss, metrics = rlk.policy_loss(
         logprob, old, advantages, mask, importance_weights=weights, ref_logprob=ref, entropy=entropy, **kwargs
     )
@@ -468,6 +478,8 @@ def dpo_loss(
     ``[P]`` sequence log-probs; ``completion_mask`` ``[2P, L]`` (chosen rows first) gives the lengths of ipo and
     sigmoid_norm (at least 1). Only robust reads ``label_smoothing`` (TRL 1.16's sigmoid has no smoothing)."""
     n_chosen, n_rejected = completion_mask.sum(1).clamp(min=1).to(chosen.dtype).chunk(2)
+    # precomputed reference log-probs come in float32 (TRL promotes them): rlk takes one dtype for the four
+    ref_chosen, ref_rejected = ref_chosen.to(chosen.dtype), ref_rejected.to(chosen.dtype)
     loss = 0.0
     for loss_type, weight in zip(trainer.loss_types, trainer.loss_weights, strict=True):
         logps, kw = (chosen, rejected, ref_chosen, ref_rejected), {}

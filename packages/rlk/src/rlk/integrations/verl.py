@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 import rlk
+from rlk.core import checks
 
 #: The verl release this adapter was written and tested for.
 VERL_VERSION = "0.9.1"
@@ -540,7 +541,7 @@ def compute_gae_advantage_return(token_level_rewards, values, response_mask, gam
 
 def _grpo_scalars(scores, index, epsilon, norm_adv_by_std_in_grpo):
     group, _ = _groups(index, scores.device)
-    mode = "grpo" if norm_adv_by_std_in_grpo else "dr_grpo"
+    mode = "grpo" if checks.flag("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo) else "dr_grpo"
     return rlk.group_advantages(scores, group_index=group, mode=mode, eps=float(epsilon))
 
 
@@ -826,6 +827,7 @@ def register(override: bool = False) -> list[str]:
     :class:`FusedLinearForPPO`). The losses and estimators that stay verl's (``VERL_ONLY_*``) are left alone.
     :func:`unregister` undoes it. Returns the registry names now served by rlk.
     """
+    override = checks.flag("override", override)
     core = importlib.import_module(_CORE)
     names = []
     tables = (("POLICY_LOSS_REGISTRY", POLICY_LOSSES), ("ADV_ESTIMATOR_REGISTRY", ADVANTAGE_ESTIMATORS))

@@ -121,11 +121,7 @@ def _group_advantages_fwd(
 ) -> Tensor:
     if scores.shape[0] == 0:
         return
-    if lengths is not None and checks.values_checked():
-        bad = ~((lengths >= 0) & torch.isfinite(lengths))
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"lengths: must be finite and >= 0; found {lengths[i].item()} at position {i}")
+    checks.check_count_values({"lengths": lengths})
     primitive(scores, group_index, group_size, lengths, mode, eps, out)
 
 
@@ -252,10 +248,8 @@ def masked_whiten(
     """
     x = _float_input("x", x)
     mask = _mask_input(mask, x, "x")
-    if not isinstance(unbiased, bool):
-        raise TypeError(f"unbiased: expected a bool, got {type(unbiased).__name__}")
-    if not isinstance(shift_mean, bool):
-        raise TypeError(f"shift_mean: expected a bool, got {type(shift_mean).__name__}")
+    unbiased = checks.flag("unbiased", unbiased)
+    shift_mean = checks.flag("shift_mean", shift_mean)
     eps = checks.number("eps", eps, above=0.0, dtype=torch.float32)
     eps_mode = checks.choice("eps_mode", eps_mode, EPS_MODES)
     return _masked_whiten_fwd(x, mask, unbiased, eps, eps_mode, shift_mean)
@@ -368,11 +362,7 @@ def gae(
     x = _float_input("rewards", rewards)
     v = _float_input("values", values)
     _check_like("values", v, x, "rewards")
-    if v.dtype != x.dtype:
-        raise TypeError(
-            f"values: expected float64 exactly when rewards are float64, got {values.dtype} "
-            f"with rewards {rewards.dtype}"
-        )
+    checks.same_dtype(("rewards", rewards), ("values", values))
     mask = _mask_input(mask, x, "rewards")
     gamma = checks.number("gamma", gamma, minimum=0.0, maximum=1.0)
     lam = checks.number("lam", lam, minimum=0.0, maximum=1.0)

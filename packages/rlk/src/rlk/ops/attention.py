@@ -414,6 +414,7 @@ def attention(
     max_seqlen_q, max_seqlen_k, causal, softmax_scale = _check_arguments(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
     )
+    return_lse = checks.flag("return_lse", return_lse)
     out, lse = _attention_fwd(
         q.contiguous(),
         k.contiguous(),
@@ -504,6 +505,7 @@ def prefix_attention(
     max_seqlen_q, max_seqlen_k, causal, softmax_scale = _check_arguments(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
     )
+    return_lse = checks.flag("return_lse", return_lse)
     _check_prefix_index(prefix_index, cu_seqlens_q, q.device)
     out, lse = _prefix_attention_fwd(
         q.contiguous(),

@@ -333,13 +333,18 @@ def fused_linear_kl(
             f"teacher_weight: expected shape [V, Ht] = [{vocab}, {ht}] (V of student_weight, Ht of "
             f"teacher_hidden), got {tuple(teacher_weight.shape)}"
         )
+    checks.same_dtype(
+        ("student_hidden", student_hidden),
+        ("student_weight", student_weight),
+        ("teacher_hidden", teacher_hidden),
+        ("teacher_weight", teacher_weight),
+        exact=True,
+    )
     for name, x in (
         ("student_weight", student_weight),
         ("teacher_hidden", teacher_hidden),
         ("teacher_weight", teacher_weight),
     ):
-        if x.dtype != student_hidden.dtype:
-            raise TypeError(f"{name}: expected the dtype of student_hidden ({student_hidden.dtype}), got {x.dtype}")
         if x.device != student_hidden.device:
             raise ValueError(
                 f"{name}: expected device {student_hidden.device} (the device of student_hidden), got {x.device}"

@@ -377,9 +377,11 @@ def fused_linear_policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]] | tuple[Tensor, dict[str, Tensor], Tensor]:
     """Policy loss of ``hidden @ weight.T`` without materializing the logits of the whole batch.
 
-    ``loss, metrics = policy_loss(linear_logprob(hidden, weight, targets, ...), old_logprob, advantages,
-    mask & (targets != ignore_index), ref_logprob=ref_logprob, entropy=..., **kwargs)``, in one of two modes
-    (:func:`decide_mode` says which runs):
+    ``loss, metrics = policy_loss(linear_logprob(hidden, weight, scored, ...), old_logprob, advantages,
+    scored != ignore_index, ref_logprob=ref_logprob, entropy=..., **kwargs)`` with ``scored = where(mask != 0,
+    targets, ignore_index)``: a masked position counts as an ignored target (log-prob and entropy 0, no gradient,
+    its hidden state never read into ``grad_weight``: NaN or inf there, as in padding rows, leave every gradient
+    finite and bitwise those of zeros). In one of two modes (:func:`decide_mode` says which runs):
 
     * ``mode="lean"``: exactly that composition. The backward recomputes the logits (``linear_logprob``'s):
       8 N H V FLOPs forward and backward; extra memory ``linear_logprob``'s, O(N + tile) besides the gradients.
@@ -423,14 +425,16 @@ def fused_linear_policy_loss(
         hidden: ``[B, T, H]`` (or ``[T, H]``, one sequence) bf16 / fp16 / fp32 hidden states.
         weight: ``[V, H]`` LM head of the same dtype.
         targets: ``[B, T]`` (``[T]``) int32 / int64 next tokens; ``ignore_index`` positions are
-            left out of the loss whatever ``mask`` says.
-        old_logprob, advantages, mask: as in :func:`rlk.policy_loss` (``[B, T]``, or ``[T]``).
+            left out of the loss whatever ``mask`` says, and masked positions (``mask == 0``, or off
+            ``loss_spans``) count as ``ignore_index`` whatever their target (their entropy is 0).
+        old_logprob, advantages, mask: as in :func:`rlk.policy_loss` (``[B, T]``, or ``[T]``; float64 exactly when
+            ``hidden`` is, as ``ref_logprob`` and ``importance_weights``).
         loss_spans, span_tags: instead of ``mask``, a span table of the loss tokens, as in :func:`rlk.policy_loss`
             (``[B, T]`` inputs; the mask is built on the device, or copied from a CPU table).
         temperature, ignore_index: as in :func:`rlk.linear_logprob`.
         ref_logprob: reference-model log-probs for the KL term (``kl``, ``kl_coef`` in the config).
-        return_entropy: also return the per-token entropy (detached). The entropy is computed
-            whenever this is set or ``entropy_coef`` is non-zero (then it is differentiable
+        return_entropy: also return the per-token entropy (detached; 0 at masked and ignored positions). The
+            entropy is computed whenever this is set or ``entropy_coef`` is non-zero (then it is differentiable
             through the loss).
         mode: ``"auto"``, ``"one_pass"`` or ``"lean"`` (above).
         chunk_tokens: tokens per one-pass chunk (an int >= 1; default :data:`CHUNK_TOKENS`).
@@ -447,6 +451,13 @@ def fused_linear_policy_loss(
     flat_hidden, weight_c, flat_targets, inv_t, ignore_index = logprob_ops.linear_inputs(
         hidden, weight, targets, temperature, ignore_index
     )
+    checks.same_dtype(
+        ("hidden", hidden),
+        ("old_logprob", old_logprob),
+        ("advantages", advantages),
+        ("ref_logprob", ref_logprob),
+        ("importance_weights", importance_weights),
+    )
     if loss_spans is not None or span_tags is not None or mask is None:
         mask = spans.mask_of(mask, loss_spans, span_tags, tuple(targets.shape), hidden.device, "targets")
     if not isinstance(mask, Tensor):
@@ -461,9 +472,13 @@ def fused_linear_policy_loss(
         "global_seqs": global_seqs,
         "loss_scale": loss_scale,
     }
-    with_entropy = bool(return_entropy) or config.entropy_coef != 0.0
+    with_entropy = checks.flag("return_entropy", return_entropy) or config.entropy_coef != 0.0
     decision = decide_mode(hidden, weight, targets, mode=mode, loss=config.loss, chunk_tokens=chunk_tokens)
     valid = (mask != 0) & (targets != ignore_index)
+    # a masked position is absent, as an ignored target is: scored as ignore_index (log-prob and entropy 0, a zero
+    # gradient row, its hidden row zeroed before the weight gradient), so that NaN or inf hidden states there
+    # (padding) never reach grad_weight as 0 * NaN
+    flat_targets = torch.where(valid.reshape(-1), flat_targets, ignore_index)
     one_sequence = targets.dim() == 1
 
     def rows(x: Tensor | None) -> Tensor | None:

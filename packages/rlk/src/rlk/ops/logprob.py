@@ -178,7 +178,9 @@ def selected_logprob(
 
     For each position with logits ``x`` over ``V`` classes, target ``y`` and
     temperature ``T``: ``z = x / T`` (computed as ``x * (1/T)`` in fp32),
-    ``logprob = z_y - logsumexp(z)``, ``entropy = logsumexp(z) - sum_v softmax(z)_v z_v``.
+    ``logprob = z_y - logsumexp(z)``, ``entropy = logsumexp(z) - sum_v softmax(z)_v z_v``, both computed relative to
+    the row's max ``m`` (``(z_y - m) - log s``, ``log s - b / s``, :mod:`rlk.reference.logprob`): given ``z``, each
+    is accurate to its own size for logits of any magnitude (every logit 1e6 or 3e38, offsets of 1e5).
 
     Args:
         logits: ``[..., V]`` bfloat16, float16 or float32 (any strides).
@@ -212,12 +214,13 @@ def selected_logprob(
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits: expected shape [..., V] with V >= 1, got {tuple(logits.shape)}")
     ignore_index = checks.integer("ignore_index", ignore_index)
+    return_entropy = checks.flag("return_entropy", return_entropy)
     lead = logits.shape[:-1]
     _check_targets(targets, lead, "logits", logits.device)
     flat_logits = logits.reshape(-1, logits.shape[-1]).contiguous()
     flat_targets = _scored(targets, loss_spans, span_tags, ignore_index, "logits")
     inv_t = _inv_temperature(temperature, lead, logits.device, checks.stat_dtype(logits))
-    logprob, entropy, _ = _selected_logprob_fwd(flat_logits, flat_targets, inv_t, ignore_index, bool(return_entropy))
+    logprob, entropy, _ = _selected_logprob_fwd(flat_logits, flat_targets, inv_t, ignore_index, return_entropy)
     if return_entropy:
         return logprob.view(lead), entropy.view(lead)
     return logprob.view(lead)
@@ -362,7 +365,8 @@ def linear_logprob(
             device masks the rows in place (every row computed); so does a host table while a pinned backend
             (``rlk.use_backend``) does not serve ``pack``, as rlk-cuda and rlk-rocm do not. Both give each row the
             same bits on batch-invariant backends; the weight's gradient sums the same nonzero rows in another
-            grouping (equal up to rounding).
+            grouping (equal up to rounding). Under ``torch.compile`` a host table masks in place too: the number of
+            packed rows is read on the host, which a traced graph cannot do (``fullgraph=True`` holds).
 
     Returns:
         fp32 ``logprob`` (and ``entropy``) of shape ``targets.shape``,
@@ -371,17 +375,19 @@ def linear_logprob(
     flat_hidden, weight, flat_targets, inv_t, ignore_index = linear_inputs(
         hidden, weight, targets, temperature, ignore_index
     )
+    return_entropy = checks.flag("return_entropy", return_entropy)
     lead = hidden.shape[:-1]
-    on_host = isinstance(loss_spans, Tensor) and loss_spans.device.type == "cpu"
+    # the packed rows' number is read on the host: a traced graph cannot (torch.compile masks in place instead)
+    on_host = isinstance(loss_spans, Tensor) and loss_spans.device.type == "cpu" and not torch.compiler.is_compiling()
     if on_host and _pack_served(hidden.device, (flat_hidden.dtype, flat_targets.dtype, inv_t.dtype)):
         logprob, entropy = _linear_logprob_scored_rows(
-            flat_hidden, weight, flat_targets, inv_t, ignore_index, bool(return_entropy), loss_spans, span_tags, lead
+            flat_hidden, weight, flat_targets, inv_t, ignore_index, return_entropy, loss_spans, span_tags, lead
         )
     else:
         if loss_spans is not None or span_tags is not None:
             flat_targets = _scored(targets, loss_spans, span_tags, ignore_index, "hidden")
         logprob, entropy, _ = _linear_logprob_fwd(
-            flat_hidden, weight, flat_targets, inv_t, ignore_index, bool(return_entropy)
+            flat_hidden, weight, flat_targets, inv_t, ignore_index, return_entropy
         )
     if return_entropy:
         return logprob.view(lead), entropy.view(lead)
@@ -441,8 +447,7 @@ def linear_inputs(
             f"weight: expected shape [V, H] with V >= 1 and H = {hidden.shape[-1]} "
             f"(hidden's last dim), got {tuple(weight.shape)}"
         )
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    checks.same_dtype(("hidden", hidden), ("weight", weight), exact=True)
     if weight.device != hidden.device:
         raise ValueError(f"weight: expected device {hidden.device} (the device of hidden), got {weight.device}")
     ignore_index = checks.integer("ignore_index", ignore_index)

@@ -7,12 +7,15 @@ The math is specified in :mod:`rlk.reference.losses`; the aggregation modes of `
 in :mod:`rlk.reference.aggregation`.
 
 Inputs may be bfloat16, float16 or float32 (upcast to float32 here; gradients come back in the
-input's dtype) or float64 (computed in float64 by the reference backend: ground truth). Masks
-may be bool or 0/1 numbers (nonzero counts as a token). Nothing here synchronizes with the
-device: normalizers may be tensors, metrics come back as device tensors.
+input's dtype) or float64 (computed in float64 by the reference backend: ground truth), float64 for
+all of a call's floating inputs or none (:func:`rlk.core.checks.same_dtype`). Masks may be bool or 0/1
+numbers (nonzero counts as a token). Nothing here synchronizes with the device (normalizers may be
+tensors, metrics come back as device tensors) but the value checks of ``dpo_loss``'s IPO lengths.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -54,11 +57,6 @@ def _check_mask(mask, shape: torch.Size, device: torch.device) -> None:
     if mask.is_complex():
         raise TypeError(f"mask: expected dtype bool or 0/1 numbers, got {mask.dtype}")
     _check_like("mask", mask, shape, device, "values")
-
-
-def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
-    """float64 if any input is float64 (ground-truth runs), else float32."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 # ---------------------------------------------------------------------------
@@ -159,7 +157,8 @@ def value_loss(
     gradients) of micro-batches add up to those of the whole batch.
 
     Args:
-        values: ``[B, T]`` current value predictions (bfloat16, float16 or float32).
+        values: ``[B, T]`` current value predictions (bfloat16, float16 or float32; ``old_values`` and
+            ``returns`` float64 exactly when it is).
         old_values: ``[B, T]`` values at rollout time (constant); may be None when ``clip`` is None.
         returns: ``[B, T]`` value targets (constant).
         mask: ``[B, T]`` bool or 0/1; masked-out positions may hold anything (inf, NaN).
@@ -192,7 +191,8 @@ def value_loss(
             raise ValueError("old_values: needed when clip is set (pass clip=None for the unclipped loss)")
     if old_values is not None:
         _check_tensor("old_values", old_values, values.shape, values.device, "values")
-    cdt = _compute_dtype(values, old_values, returns)
+    checks.same_dtype(("values", values), ("old_values", old_values), ("returns", returns))
+    cdt = checks.stat_dtype(values)
     weights = aggregation.row_weights(
         mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, loss_scale=loss_scale, dtype=cdt
     )
@@ -247,6 +247,7 @@ def _dpo_loss_fwd(
     mean: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if chosen.numel():
+        checks.check_count_values({"chosen_length": len_chosen, "rejected_length": len_rejected})
         primitive(
             chosen,
             rejected,
@@ -358,12 +359,14 @@ def dpo_loss(
             token log-probs of each completion); the differentiable inputs.
         ref_chosen_logprob, ref_rejected_logprob: ``[P]`` reference-model sequence log-probs
             (constants).
-        beta: ``> 0`` (default 0.1).
+        beta: ``> 0`` (default 0.1), nonzero and finite in float32; for ``ipo`` so that
+            ``(1 / (2 beta))^2`` is finite in float32 (``beta`` above about ``2.7e-20``).
         loss: ``sigmoid`` (default), ``hinge``, ``ipo`` or ``robust``.
         label_smoothing: ``eps``: in ``[0, 0.5]`` for ``sigmoid``, ``[0, 0.5)`` for ``robust``;
             must be 0 for ``hinge`` and ``ipo``.
         chosen_length, rejected_length: ``[P]`` completion lengths in tokens; required by ``ipo``
-            (values below 1 count as 1), ignored by the other losses.
+            (values below 1 count as 1), ignored by the other losses. Finite and ``>= 0``, checked
+            inside the op for ``ipo`` (one host synchronization; ``RLK_CHECK_VALUES=0`` skips it).
         reduction: ``mean`` (default), ``sum`` or ``none`` (per-pair losses ``[P]``).
 
     Returns:
@@ -386,9 +389,22 @@ def dpo_loss(
         ("ref_rejected_logprob", ref_rejected_logprob),
     ):
         _check_tensor(name, x, shape, device, "chosen_logprob")
-    beta = checks.number("beta", beta, above=0.0)
+    checks.same_dtype(
+        ("chosen_logprob", chosen_logprob),
+        ("rejected_logprob", rejected_logprob),
+        ("ref_chosen_logprob", ref_chosen_logprob),
+        ("ref_rejected_logprob", ref_rejected_logprob),
+    )
     if loss not in DPO_LOSSES:
         raise ValueError(f"loss: expected one of {', '.join(repr(v) for v in DPO_LOSSES)}, got {loss!r}")
+    beta = checks.number("beta", beta, above=0.0, dtype=torch.float32)
+    if loss == "ipo":
+        target = 0.5 / beta
+        if not math.isfinite(torch.tensor(target * target, dtype=torch.float64).to(torch.float32).item()):
+            raise ValueError(
+                f"beta: {beta:.4g} is so small that the ipo loss (x - 1 / (2 beta))^2 overflows float32 "
+                f"(1 / (2 beta) = {target:.4g})"
+            )
     label_smoothing = checks.number("label_smoothing", label_smoothing, minimum=0.0)
     if loss in ("hinge", "ipo") and label_smoothing != 0:
         raise ValueError(f"label_smoothing: loss={loss!r} has no label smoothing; got {label_smoothing}")
@@ -409,7 +425,7 @@ def dpo_loss(
     for name, length in (("chosen_length", chosen_length), ("rejected_length", rejected_length)):
         if length is not None:
             _check_length(name, length, shape, device)
-    cdt = _compute_dtype(chosen_logprob, rejected_logprob, ref_chosen_logprob, ref_rejected_logprob)
+    cdt = checks.stat_dtype(chosen_logprob)
     lengths = (None, None)
     if loss == "ipo":
         lengths = (chosen_length.detach().to(cdt).contiguous(), rejected_length.detach().to(cdt).contiguous())

@@ -184,16 +184,24 @@ def rms_norm(
         with ``(1 + weight)`` for Gemma; ``grad_weight = sum_rows grad_y * n.to(x.dtype)``, ``n`` for Gemma),
         fp32 accumulation.
 
+    Range: a row whose ``mean(s ** 2) + eps`` overflows fp32 (``|s|`` beyond about 1e19) or falls below
+    ``2 ** -100`` (``|s|`` below about 1e-15 with ``eps < 2 ** -100``) has its mean of squares computed again on
+    ``s`` scaled by ``2 ** -100`` or ``2 ** 100`` (exact), so ``x = 1e20`` gives ``y = weight`` rather than 0 and
+    ``x = 1e-30, eps = 0`` rather than inf; every other row keeps the plain formula's bits (HF's). Only a row whose
+    root mean square lies below ``1 / 3.4e38`` (subnormal values) with ``eps = 0`` has an ``rstd`` beyond fp32's
+    range (``inf``).
+
     Batch invariance: on backends that promise it (``rlk info``), a row's ``y``, ``s`` and ``grad_x`` are
     bitwise independent of the other rows; ``grad_weight`` sums rows over a fixed partition in a fixed
     order (deterministic run to run).
     """
     _check_inputs(x, weight, residual)
     eps = checks.number("eps", eps, minimum=0.0)
+    gemma = checks.flag("gemma", gemma)
     hidden = x.shape[-1]
     flat_x = x.reshape(-1, hidden).contiguous()
     flat_res = None if residual is None else residual.reshape(-1, hidden).contiguous()
-    y, s, _ = _rms_norm_fwd(flat_x, weight.contiguous(), flat_res, eps, bool(gemma))
+    y, s, _ = _rms_norm_fwd(flat_x, weight.contiguous(), flat_res, eps, gemma)
     y = y.view(x.shape)
     if residual is None:
         return y

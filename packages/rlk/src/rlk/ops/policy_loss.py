@@ -208,7 +208,9 @@ def _op_attrs(config: PolicyLossConfig) -> _OpAttrs:
     entropy_coef = checks.number("entropy_coef", config.entropy_coef)
     if config.agg not in AGG_MODES:
         raise ValueError(f"agg: expected one of {', '.join(repr(a) for a in AGG_MODES)}, got {config.agg!r}")
-    flags = [cispo_form == "upper", bool(config.kl_k3_clamp), kl_straight, bool(config.kl_unbiased)]
+    kl_k3_clamp = checks.flag("kl_k3_clamp", config.kl_k3_clamp)
+    kl_unbiased = checks.flag("kl_unbiased", config.kl_unbiased)
+    flags = [cispo_form == "upper", kl_k3_clamp, kl_straight, kl_unbiased]
     params = [
         clip_low,
         clip_high,
@@ -504,7 +506,9 @@ def policy_loss(
 
     Args:
         logprob: ``[B, T]`` log-probs of the sampled tokens under the current policy (rows are
-            sequences); float32 (bf16 / fp16 are upcast). The gradient flows to it.
+            sequences); float32 (bf16 / fp16 are upcast). The gradient flows to it. The floating inputs may mix
+            bf16, fp16 and fp32 (each read as fp32); float64 (reference runs) for all of them or none
+            (:func:`rlk.core.checks.same_dtype`; the error names the first that differs).
         old_logprob: ``[B, T]`` behaviour log-probs (detached), or None for on-policy
             (``old = logprob.detach()``, ``r = 1``).
         advantages: ``[B, T]``, or ``[B]`` / ``[B, 1]`` for one advantage per sequence (detached).
@@ -744,6 +748,14 @@ def _policy_loss(
         raise ValueError(f"logprob: expected shape [B, T] (rows are sequences), got {tuple(logprob.shape)}")
     device, shape = logprob.device, tuple(logprob.shape)
     _check_tensor("logprob", logprob, (shape,), device)
+    checks.same_dtype(
+        ("logprob", logprob),
+        ("old_logprob", old_logprob),
+        ("advantages", advantages),
+        ("importance_weights", tensors.get("importance_weights")),
+        ("ref_logprob", tensors.get("ref_logprob")),
+        ("entropy", entropy),
+    )
     cdt = stat_dtype(logprob)
     mask = spans.mask_of(mask, loss_spans, span_tags, shape, device)
     call = prepare(shape, device, cdt, old_logprob, advantages, mask, config, entropy=entropy, **tensors)
@@ -866,7 +878,7 @@ def kl_penalty(
 
     Args:
         logprob: ``[...]`` float32 (bf16 / fp16 upcast); the gradient flows to it.
-        ref_logprob: same shape, detached.
+        ref_logprob: same shape, detached; float64 exactly when ``logprob`` is (so is ``old_logprob``).
         estimator: one of the names above; a trailing ``"+"`` (verl's ``"k3+"``) is the same as
             ``straight_through=True``.
         straight_through: the value of the estimator with the gradient of k2
@@ -893,7 +905,10 @@ def kl_penalty(
     _check_tensor("ref_logprob", ref_logprob, (shape,), device)
     if old_logprob is not None:
         _check_tensor("old_logprob", old_logprob, (shape,), device)
+    checks.same_dtype(("logprob", logprob), ("ref_logprob", ref_logprob), ("old_logprob", old_logprob))
     name, straight = _kl_spec("estimator", estimator)
+    straight_through = checks.flag("straight_through", straight_through)
+    k3_clamp = checks.flag("k3_clamp", k3_clamp)
     clamp_value = _INF if clamp is None else checks.number("clamp", clamp, above=0.0)
     cdt = stat_dtype(logprob)
     lp = logprob.to(cdt).reshape(-1).contiguous()
@@ -904,5 +919,5 @@ def kl_penalty(
         scored = spans.loss_mask(loss_spans, span_tags, shape, device, "logprob").reshape(-1)
         lp, ref = torch.where(scored, lp, 0.0), torch.where(scored, ref, 0.0)
         old = None if old is None else torch.where(scored, old, 0.0)
-    kl, _ = _kl_penalty_fwd(lp, ref, old, name, bool(straight or straight_through), bool(k3_clamp), clamp_value)
+    kl, _ = _kl_penalty_fwd(lp, ref, old, name, straight or straight_through, k3_clamp, clamp_value)
     return kl.view(shape)

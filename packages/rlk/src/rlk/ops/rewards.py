@@ -26,14 +26,13 @@ _MASK_DTYPES = (torch.bool, *_FLOAT_DTYPES, *_INDEX_DTYPES)
 
 
 def _like_rewards(name: str, t, x: Tensor, shape: tuple[int, ...], what: str) -> Tensor:
-    """A float tensor of ``shape`` on ``x``'s device, as ``x``'s dtype (fp64 exactly when ``x`` is)."""
+    """A float tensor of ``shape`` on ``x``'s device, as ``x``'s dtype (fp64 exactly when ``x`` is: checked by
+    :func:`primitive_inputs`' ``checks.same_dtype``)."""
     v = _float_input(name, t)
     if tuple(v.shape) != shape:
         raise ValueError(f"{name}: expected shape {list(shape)} ({what}), got {tuple(v.shape)}")
     if v.device != x.device:
         raise ValueError(f"{name}: expected device {x.device} (the device of rewards), got {v.device}")
-    if (v.dtype == torch.float64) != (x.dtype == torch.float64):
-        raise TypeError(f"{name}: expected float64 exactly when rewards are float64, got {t.dtype} with {x.dtype}")
     return v
 
 
@@ -310,6 +309,13 @@ def primitive_inputs(
     elif group_size is not None or group_index is not None:
         raise ValueError("group_size, group_index: they group sequences for group_mode, which is None")
     max_len, cache, penalty = _overlong(overlong)
+    checks.same_dtype(
+        ("rewards", rewards),
+        ("reward_weights", reward_weights),
+        ("costs", costs),
+        ("region_rewards values", None if region_rewards is None else region_rewards[0]),
+        ("region_costs values", None if region_costs is None else region_costs[0]),
+    )
     return (
         x,
         weights,

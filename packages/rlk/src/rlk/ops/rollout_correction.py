@@ -166,11 +166,7 @@ def rollout_correction(
     """
     old = _log_probs("old_logprob", old_logprob, None)
     roll = _log_probs("rollout_logprob", rollout_logprob, old)
-    if old.dtype != roll.dtype:
-        raise TypeError(
-            f"rollout_logprob: expected float64 exactly when old_logprob is float64, got "
-            f"{rollout_logprob.dtype} with old_logprob {old_logprob.dtype}"
-        )
+    checks.same_dtype(("old_logprob", old_logprob), ("rollout_logprob", rollout_logprob))
     m = _bool_mask(mask, old)
     level = checks.choice("level", level, CORRECTION_LEVELS)
     mode = checks.choice("mode", mode, CORRECTION_MODES)

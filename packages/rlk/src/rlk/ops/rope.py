@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk.core import custom_op
+from rlk.core import checks, custom_op
 from rlk.core.checks import check_float
 
 # ---------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def apply_rope(
     if unsqueeze_dim not in (1, 2) or (q.dim() == 3 and unsqueeze_dim != 1):
         raise ValueError(f"unsqueeze_dim: expected 1 or 2 for 4-d q and k, 1 for packed [T, H, D]; got {unsqueeze_dim}")
     _check_tables(q, cos, sin)
-    interleaved = bool(interleaved)
+    interleaved = checks.flag("interleaved", interleaved)
 
     if q.dim() == 3:
         if k.shape[0] != q.shape[0]:

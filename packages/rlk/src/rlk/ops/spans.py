@@ -3,7 +3,9 @@
 A span table is an integer ``[S, 4]`` tensor of rows ``(sequence, start, end, tag)`` (``rlk.multimodal``'s layout;
 ``[S, 3]`` without the tag) addressing the columns ``[start, end)`` of row ``sequence`` of a ``[B, T]`` batch. The
 ops turn it into their mask on the tensors' device, by a difference array and a cumulative sum: no dense mask is
-built on the host and nothing synchronizes but the optional value check.
+built on the host and nothing synchronizes but the optional value check. The mask of ``loss_spans`` is one custom op
+(``rlk::span_mask``: its value check runs inside it, as every op's), so the ops trace under
+``torch.compile(fullgraph=True)`` with spans too.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlk.core import checks
+from rlk.core import checks, custom_op
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -89,6 +91,19 @@ def _tags(span_tags) -> tuple[int, ...] | None:
     return tuple(checks.integer("span_tags", t) for t in span_tags)
 
 
+@custom_op.define("rlk::span_mask")
+def _span_mask(table: Tensor, batch: int, length: int, tags: list[int] | None, device: torch.device) -> Tensor:
+    """The bool ``[batch, length]`` mask of the span table ``loss_spans`` (int64, checked by :func:`check_table`) on
+    ``device``, its values checked first (inside the op: under ``torch.compile`` too, when the graph runs)."""
+    check_values((("loss_spans", table),), batch, length)
+    return to_device(mask(table, (batch, length), tags=None if tags is None else tuple(tags)), device)
+
+
+@_span_mask.register_fake
+def _span_mask_fake(table: Tensor, batch: int, length: int, tags: list[int] | None, device: torch.device) -> Tensor:
+    return torch.empty((batch, length), dtype=torch.bool, device=device)
+
+
 def loss_mask(loss_spans, span_tags, shape: tuple[int, ...], device: torch.device, what: str) -> Tensor:
     """The bool ``[B, T]`` mask of an op's ``loss_spans`` (rows tagged one of ``span_tags``, if given) for tensors of
     ``shape`` (``what`` names them in the error when they are not ``[B, T]``); values checked (one synchronization,
@@ -97,8 +112,7 @@ def loss_mask(loss_spans, span_tags, shape: tuple[int, ...], device: torch.devic
         raise ValueError(f"loss_spans: needs {what} of shape [B, T] (spans address (sequence, column)), got {shape}")
     tags = _tags(span_tags)
     table = check_table("loss_spans", loss_spans, device, tagged=tags is not None)
-    check_values((("loss_spans", table),), *shape)
-    return to_device(mask(table, shape, tags=tags), device)
+    return _span_mask(table, shape[0], shape[1], None if tags is None else list(tags), device)
 
 
 def mask_of(

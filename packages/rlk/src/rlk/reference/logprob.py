@@ -15,12 +15,21 @@ weighted sum ``b``, both relative to ``m``::
     m' = max(m, max_tile z)
     s' = s * exp(m - m') + sum_tile exp(z - m')
     b' = (b + (m - m') * s) * exp(m - m') + sum_tile (z - m') * exp(z - m')
-    lse = m + log(s),  entropy = log(s) - b / s
+    lse = m + log(s),  logprob = (z_y - m) - log(s),  entropy = log(s) - b / s
 
 ``log(s) >= 0`` (the max term is ``exp(0) = 1``) and ``-b / s >= 0``, so the
 entropy is ``>= 0`` by construction and its rounding follows the entropy, not
 the size of the logits (``lse - sum_v p_v z_v`` would cancel two numbers of size
-``|z|``). Two partial states merge the same way: each is moved to the common max
+``|z|``). The log-prob is computed the same way, relative to the max:
+``logprob = (z_y - m) - log(s)``, two terms ``<= 0`` (``z_y - m`` is one rounding of
+a number of the log-prob's size, exact when ``z_y`` lies within a factor 2 of
+``m``), so it is ``<= 0`` by construction and, given ``z``, accurate to its own
+size for logits of any magnitude (all equal at 1e6 or 3e38, offset by 1e5), where
+``z_y - lse`` would carry the rounding of ``lse`` at the magnitude of ``z``
+(``ulp(1e6) = 0.0625``; ``3e38 + log V`` rounds to ``3e38``). The gradient's
+``p = exp(z - lse)`` still carries that rounding: a relative error of about
+``|lse| 2^-24`` in ``p``, which the contract's row scale ``1 + |lse| + |z_y|``
+allows. Two partial states merge the same way: each is moved to the common max
 ``m' = max(m1, m2)`` by ``b + (m - m') * s`` and the factor ``exp(m - m')``.
 
 The running max starts at ``-inf`` with ``s = b = 0``; a state or a logit whose
@@ -179,9 +188,10 @@ def _finish(
     lse_out: torch.Tensor,
 ) -> None:
     m, s, b = state
-    lse = m + torch.log(s)
+    log_s = torch.log(s)
+    lse = m + log_s
     valid = t != ignore_index
-    logprob_out[rows] = torch.where(valid, z_target - lse, 0.0)
+    logprob_out[rows] = torch.where(valid, (z_target - m) - log_s, 0.0)
     lse_out[rows] = lse
     if entropy_out is not None:
         entropy_out[rows] = torch.where(valid, torch.log(s) - b / s, 0.0)

@@ -4,7 +4,8 @@ Numerics follow Hugging Face's ``LlamaRMSNorm`` / ``Qwen3RMSNorm`` and ``Gemma3R
 row ``x`` of ``H`` elements (and, when fused, the residual row ``r``)::
 
     s    = x + r                        (in x.dtype, as HF's ``residual + hidden_states``; s = x unfused)
-    rstd = 1 / sqrt(mean_h s_h^2 + eps)  (fp32; fp64 for fp64 inputs)
+    rstd = 1 / sqrt(mean_h s_h^2 + eps)  (fp32; fp64 for fp64 inputs; rows where it overflows or
+                                         underflows computed on s scaled by a power of two: rstd_of)
     n    = s * rstd                     (fp32)
     y    = weight * n.to(x.dtype)       (gemma=False: the product of two tensors under torch's type
                                          promotion: computed in fp32, rounded once to the output dtype,
@@ -32,6 +33,22 @@ import torch
 from rlk.core.checks import compute_dtype
 
 ROW_CHUNK = 1024
+#: A row whose ``mean(s^2) + eps`` overflows (inf) or falls below ``RESCALE_BELOW`` has its sum of squares computed
+#: again on ``s * c``, ``c = 2^-100`` or ``2^100`` (a power of two: exact), and ``rstd = rsqrt(mean((s c)^2) + eps c^2)
+#: c``: ``s^2`` neither overflows (``|s|`` of 1e20 gave ``rstd = 0``, ``y = 0``) nor underflows (``|s|`` of 1e-30 with
+#: ``eps = 0`` gave ``rstd = inf``). Every other row keeps the plain formula's bits.
+RESCALE_BELOW = 2.0**-100
+RESCALE = 2.0**100
+
+
+def rstd_of(s: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rsqrt(mean(s^2) + eps)`` per row of ``s`` ``[R, H]`` (the compute dtype), rescaled where the plain form
+    overflows or underflows (:data:`RESCALE_BELOW`)."""
+    d = s.square().mean(dim=-1) + eps
+    big, small = torch.isinf(d), d < RESCALE_BELOW  # small: eps < 2^-100 too, so eps c^2 < 2^100
+    c = torch.where(big, 1.0 / RESCALE, torch.where(small, RESCALE, 1.0)).to(s.dtype)
+    rescaled = torch.rsqrt((s * c[:, None]).square().mean(dim=-1) + eps * c * c) * c
+    return torch.where(big | small, rescaled, torch.rsqrt(d))
 
 
 def _normalized(s: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -57,7 +74,7 @@ def rms_norm_fwd(x, weight, residual, eps, gemma, out, residual_out, rstd_out):
         if residual_out is not None:
             residual_out[rows] = s
         sf = s.to(cdt)
-        rstd = torch.rsqrt(sf.square().mean(dim=-1) + eps)
+        rstd = rstd_of(sf, eps)
         n = sf * rstd[:, None]
         if gemma:
             y = n * w_gemma

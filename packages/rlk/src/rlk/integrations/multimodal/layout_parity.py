@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from rlk.core.checks import flag
 from rlk.integrations.multimodal.schema import (
     MODALITIES,
     QWEN2_VL_TOKENS,
@@ -335,6 +336,7 @@ def compare_layouts(
     Returns:
         A :class:`LayoutReport`; ``passed`` is True when nothing differs.
     """
+    check_padding_side = flag("check_padding_side", check_padding_side)
     sides = []
     for name, enc in zip(_SIDES, (rollout, training)):
         enc = enc if isinstance(enc, Encoding) else Encoding.from_mapping(enc, side=name)
