@@ -123,6 +123,8 @@ def backend_names(*ops: str, invariant_only: bool = False) -> list[str]:
         backend = status.backend
         if backend is None or not all(p in backend.primitives for op in ops for p in abi.OPS[op].primitives):
             continue
+        if ON_GPU and not (status.available and DEVICE.type in backend.device_types()):
+            continue  # on a GPU machine the params are not deselected: only a backend that serves the GPU
         if invariant_only and not backend.batch_invariant:
             continue
         names.append(name)
