@@ -447,13 +447,13 @@ def test_public_ops_on_triton_match_the_fp64_reference():
         "loss": "ppo",
         "dual_clip": 3.0,
         "agg": "seq-mean-token-mean",
-        "importance_weights": inputs["importance_weights"],
         "kl": "low_var_kl",
         "kl_coef": 0.1,
         "entropy_coef": 0.01,
     }
     results = {}
     for backend, dtype in (("triton", torch.float32), ("reference", torch.float64)):
+        kwargs["importance_weights"] = inputs["importance_weights"].to(dtype)  # float64 is all or none
         lp = inputs["logprob"].detach().to(dtype).clone().requires_grad_(True)
         ent = inputs["entropy"].detach().to(dtype).clone().requires_grad_(True)
         with rlk.use_backend(backend):

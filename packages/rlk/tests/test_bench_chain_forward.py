@@ -76,6 +76,7 @@ def test_kernel_time_is_the_busy_time_of_cuda_events_only():
     assert tool.bench_common.device_ms(Prof(overlapping)) == pytest.approx(0.151, rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.triton_interpreter
 def test_tiny_model_on_cpu_reports_every_scenario(tmp_path, capsys):
     _need_transformers()

@@ -478,7 +478,7 @@ def _check_reductions(rank, world):
 
 
 @pytest.mark.triton_interpreter
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ops_on_gloo_ranks(world):
     """Every op above on ``world`` gloo processes, reference and Triton: the single-device bits on every rank."""
     testing.run_ranks(_ops_worker, world)

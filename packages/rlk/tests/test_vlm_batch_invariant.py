@@ -195,11 +195,13 @@ def test_tiny_qwen2_vl_response_logprobs_are_batch_invariant_cpu():
     check_vlm_invariance("tiny")
 
 
+@pytest.mark.slow
 @pytest.mark.triton_interpreter
 def test_tiny_qwen2_vl_with_videos_is_batch_invariant_cpu():
     check_vlm_invariance("tiny", video=True, quick=True, layers=1)
 
 
+@pytest.mark.slow
 @pytest.mark.triton_interpreter
 def test_tiny_qwen2_5_vl_with_images_and_videos_is_batch_invariant_cpu():
     # an image of one window (56 x 56 pixels: 2 x 2 merged tokens, windows of 2 x 2), then a sample with an image and a
