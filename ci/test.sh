@@ -24,10 +24,11 @@ mkdir -p "$out"
 GATE_STAGES=(lint docs pytest aot-sm90 transformers-oldest verl torch-oldest torch-newest bench-smoke asv-publish)
 FULL_STAGES=(native pytest-slow fuzz-long torch-oldest-full aot-all triton-newest parity-quick asv-quick)
 
-# The tests that lean on torch's own APIs (custom ops, fakes and compile, the HF patching, torch.distributed, host
-# syncs): run under the oldest and the newest torch rlk declares (the floor found dist.all_gather_single missing).
-TORCH_API_TESTS=(custom_op batch_invariant hf_apply hf_compat hf_groups distributed_ops distributed_chain
-  no_host_sync dispatch arguments pack cli)
+# The tests that lean on torch's own APIs (custom ops, fakes and compile, torch.distributed, host syncs): the gate
+# runs them under the oldest and the newest torch rlk declares (the floor found dist.all_gather_single missing);
+# the model-level ones (the HF patching and aten overrides, the distributed chain, the CLI) run there nightly.
+TORCH_API_TESTS=(custom_op distributed_ops no_host_sync dispatch pack)
+TORCH_MODEL_TESTS=(batch_invariant hf_apply hf_compat hf_groups distributed_chain arguments cli)
 # Not collected by the main pytest stages: run by ci/build_cuda.sh / ci/build_rocm.sh after each build (native).
 NATIVE_TESTS=(--ignore=packages/rlk-cuda/tests --ignore=packages/rlk-rocm/tests)
 
@@ -37,6 +38,7 @@ second_env() {  # second_env DIR PIP_REQUIREMENT...: a venv over the system site
   "$dir/bin/python" -m pip install -q --disable-pip-version-check "$@"
 }
 torch_api_paths() { printf 'packages/rlk/tests/test_%s.py ' "${TORCH_API_TESTS[@]}"; }
+torch_model_paths() { printf 'packages/rlk/tests/test_%s.py ' "${TORCH_MODEL_TESTS[@]}"; }
 newest_env() {  # torch 2.15.0 + triton 3.9.0 + numpy 2.4.6, from the index (this machine's pip caps torch)
   PIP_CONSTRAINT=/dev/null second_env "$out/venv-newest" torch==2.15.0 triton==3.9.0 numpy==2.4.6
   "$out/venv-newest/bin/python" -c 'import torch; assert torch.__version__.startswith("2.15.0"), torch.__version__'
@@ -124,8 +126,10 @@ stage_aot-all() {  # every launch of the nightly runs (the slow tests, the torch
   local records=("$out"/triton_launches_slow/*.json "$out"/triton_launches_oldest/*.json)
   env -u TRITON_INTERPRET python3 tools/triton_aot_check.py "${records[@]}" --arch 90 80 gfx942 gfx90a
 }
-stage_triton-newest() {  # every Triton kernel test under triton 3.9.0's interpreter, then compiled for sm_90 by it
+stage_triton-newest() {  # the model-level torch-API tests and every Triton kernel test under torch 2.15 and
+  # triton 3.9.0's interpreter, then the kernels compiled for sm_90 by it (torch-oldest-full covers torch 2.11)
   newest_env
+  "$out/venv-newest/bin/python" -m pytest -n 2 -m "not slow" $(torch_model_paths)
   rm -rf "$out/triton39_launches"
   RLK_RECORD_TRITON_LAUNCHES="$out/triton39_launches" "$out/venv-newest/bin/python" -m pytest -n 2 \
     packages/rlk-triton/tests
