@@ -197,7 +197,6 @@ BOOL_CALLS: dict[str, Callable[..., object]] = {
 }
 
 
-#: Options outside this change that still coerce (``bool(value)``): expected to fail until fixed (strict xfail).
 def _verl_register(**kw):
     """``verl.register`` refuses a non-bool ``override`` before it imports verl; with a bool it needs verl."""
     try:

@@ -32,7 +32,7 @@ pytestmark = FILTERS
 # boolean options
 # =============================================================================================
 
-#: The options checked (those still coerced elsewhere are left to their strict xfail in test_arguments.py).
+#: Every public boolean option (found from the signatures).
 BOOL_OPTIONS = public_calls.bool_options()
 
 not_bools = st.one_of(
