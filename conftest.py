@@ -5,10 +5,10 @@ passed) when torch sees no GPU. ``RLK_REQUIRE_GPU=1`` turns a missing GPU into
 an error, so a GPU run can't quietly turn into a CPU run. Tests marked
 ``triton_interpreter`` are deselected unless ``TRITON_INTERPRET=1`` (CI sets it). ``multi_gpu``
 tests are deselected on machines with fewer than two GPUs, ``no_gpu`` tests (behaviour without a
-GPU) on machines with one, ``rocm`` tests on any torch that is not a ROCm build. ``verl`` tests (the integration
-against the real verl, run in the environment of
-``ci/install_verl_env.sh``) are deselected where ``verl.trainer.ppo.core_algos`` cannot be imported;
-``RLK_REQUIRE_VERL=1`` turns that into an error. ``native`` tests (rlk-cuda and rlk-rocm installed, without their
+GPU) on machines with one, ``rocm`` tests on any torch that is not a ROCm build. The engine markers (``verl``,
+``vllm``, ``deepspeed``, ``megatron``: integrations tested against the real package, each in the environment its
+``ci/install_*_env.sh`` script builds) are deselected where the engine cannot be imported; ``RLK_REQUIRE_<NAME>=1``
+(``RLK_REQUIRE_VERL=1``, ...) turns that into an error. ``native`` tests (rlk-cuda and rlk-rocm installed, without their
 hardware) are deselected where either is not installed, an error where ``RLK_REQUIRE_INSTALLED`` names them.
 
 ``RLK_RECORD_TRITON_LAUNCHES=<dir>`` (with ``TRITON_INTERPRET=1``) records the Triton kernel
@@ -34,12 +34,21 @@ def _deselect(config, items, marker: str) -> None:
         items[:] = [item for item in items if not item.get_closest_marker(marker)]
 
 
-def _verl_import_error() -> str | None:
-    """Why ``verl.trainer.ppo.core_algos`` cannot be imported, or None (imported only when verl tests are collected)."""
+# marker: (the module its tests need, the script that builds its environment)
+ENGINES = {
+    "verl": ("verl.trainer.ppo.core_algos", "ci/install_verl_env.sh"),
+    "vllm": ("vllm", "ci/install_vllm_env.sh"),
+    "deepspeed": ("deepspeed", "ci/install_deepspeed_env.sh"),
+    "megatron": ("megatron.core", "ci/install_megatron_env.sh"),
+}
+
+
+def _import_error(module: str) -> str | None:
+    """Why ``module`` cannot be imported, or None (imported only when tests carrying its marker are collected)."""
     try:
-        importlib.import_module("verl.trainer.ppo.core_algos")
-    except ImportError as err:
-        return str(err)
+        importlib.import_module(module)
+    except Exception as err:  # an engine may fail to import with other errors than ImportError (a CUDA-only build)
+        return f"{type(err).__name__}: {err}"
     return None
 
 
@@ -56,15 +65,17 @@ def pytest_collection_modifyitems(config, items):
         _deselect(config, items, "native")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         _deselect(config, items, "triton_interpreter")
-    if any(item.get_closest_marker("verl") for item in items):
-        missing = _verl_import_error()
+    for marker, (module, script) in ENGINES.items():
+        if not any(item.get_closest_marker(marker) for item in items):
+            continue
+        missing = _import_error(module)
         if missing is not None:
-            if os.environ.get("RLK_REQUIRE_VERL") == "1":
+            require = f"RLK_REQUIRE_{marker.upper()}"
+            if os.environ.get(require) == "1":
                 raise pytest.UsageError(
-                    f"RLK_REQUIRE_VERL=1 but verl cannot be imported ({missing}); "
-                    "set up its environment with ci/install_verl_env.sh"
+                    f"{require}=1 but {module} cannot be imported ({missing}); set up its environment with {script}"
                 )
-            _deselect(config, items, "verl")
+            _deselect(config, items, marker)
     if torch.version.hip is None:
         _deselect(config, items, "rocm")
     if torch.cuda.device_count() < 2:
