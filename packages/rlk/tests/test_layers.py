@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import rlk
 
@@ -51,7 +53,8 @@ def _resolve(name: str, modules) -> str:
 def test_the_layers_are_the_packages():
     top = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert top == set(LAYERS)
-    assert {p.name for p in SRC.glob("*.py")} == {"__init__.py", "__main__.py"}
+    # beside the facade: rlk.multimodal, the public name of rlk.integrations.multimodal
+    assert {p.name for p in SRC.glob("*.py")} == {"__init__.py", "__main__.py", "multimodal.py"}
 
 
 def test_no_import_runs_back_up():
@@ -69,6 +72,8 @@ def test_no_import_runs_back_up():
 
 def test_the_facade_is_imported_only_by_what_it_does_not_import():
     graph = _graph()
+    # the facade imports its public names on first use: its edges are the modules of rlk._EXPORTS
+    graph["rlk"] = graph["rlk"] | set(rlk._EXPORTS.values())
     seen, todo = set(), ["rlk"]
     while todo:
         module = todo.pop()
@@ -78,7 +83,7 @@ def test_the_facade_is_imported_only_by_what_it_does_not_import():
         todo += [_resolve(t, graph) for t in graph.get(module, ()) if _resolve(t, graph) in graph]
     cycles = sorted(m for m in seen - {"rlk"} if any(_resolve(t, graph) == "rlk" for t in graph[m]))
     assert cycles == []
-    # the import closure of `import rlk` is what the facade re-exports: no trainer adapter, no app but info
+    # the import closure of the facade's names is what it re-exports: no trainer adapter, no app but info
     assert not any(m.startswith(("rlk.integrations.trl", "rlk.integrations.verl", "rlk.app.cli")) for m in seen)
 
 
@@ -97,3 +102,25 @@ def test_a_negative_control_is_caught(tmp_path):
     bad.write_text("from rlk.ops import norm\n\ndef f():\n    from rlk import demo\n")
     assert _imports(bad) == {"rlk.ops", "rlk.demo"}
     assert _layer("rlk.ops") > _layer("rlk.core.dispatch")
+
+
+def test_import_rlk_imports_no_op_and_no_torch():
+    """``import rlk`` and ``rlk --version`` import neither torch nor an op module (each public name is imported on
+    first use); the names then resolve to the objects their modules define."""
+    probe = (
+        "import sys, rlk; from rlk.app.cli import main; assert main(['--version']) == 0; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('rlk.ops', 'rlk.integrations.hf'))))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines() == [f"rlk {rlk.__version__}", "[]"]
+    for name, module in rlk._EXPORTS.items():
+        value = getattr(rlk, name)
+        defined = sys.modules[module] if module == f"rlk.{name}" else getattr(sys.modules[module], name, None)
+        assert value is defined, name
+    assert set(rlk.__all__) == {"__version__", *rlk._EXPORTS} and set(rlk.__all__) <= set(dir(rlk))
+    try:
+        rlk.no_such_name  # noqa: B018
+    except AttributeError as err:
+        assert "no_such_name" in str(err)
+    else:
+        raise AssertionError("rlk.no_such_name did not raise AttributeError")

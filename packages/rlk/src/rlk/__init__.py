@@ -32,6 +32,9 @@ Public API:
 * multimodal RL batches (``rlk.multimodal``, :mod:`rlk.integrations.multimodal`): the span schema, synthetic
   fixtures, and the rollout-vs-training processor-layout checker (``rlk multimodal-parity``).
 
+``import rlk`` imports none of this (nor torch): each public name is imported on first use (:data:`_EXPORTS`), so
+``import rlk`` and ``rlk --version`` are fast.
+
 Layers (imports run downward only, ``tests/test_layers.py``): :mod:`rlk.core` (ABI, backends, dispatch, the op
 declaration helper, checks, contract) < :mod:`rlk.reference` (the spec backend) < :mod:`rlk.ops` <
 :mod:`rlk.distributed` < :mod:`rlk.integrations` < :mod:`rlk.app`.
@@ -39,95 +42,73 @@ declaration helper, checks, contract) < :mod:`rlk.reference` (the spec backend) 
 
 from __future__ import annotations
 
-import sys
+import importlib
 
-from rlk.app.info import info
-from rlk.core.abi import ABI_VERSION
-from rlk.core.backend import Backend
-from rlk.core.custom_op import set_profiler_ranges
-from rlk.core.dispatch import BackendError, explain, use_backend
-from rlk.core.tensor_parallel import (
-    is_tensor_parallel_invariant,
-    set_tensor_parallel_invariant,
-    tensor_parallel_invariant,
-)
 from rlk.core.version import __version__
-from rlk.integrations import multimodal
-from rlk.integrations.batch_invariant import (
-    batch_invariant,
-    disable_batch_invariant,
-    enable_batch_invariant,
-    is_batch_invariant_enabled,
-)
-from rlk.integrations.hf import patch_model, unpatch_model
-from rlk.ops.advantages import discounted_returns, gae, group_advantages, masked_whiten
-from rlk.ops.attention import attention, prefix_attention
-from rlk.ops.distill import fused_linear_kl
-from rlk.ops.ema import ema_
-from rlk.ops.embedding import embedding
-from rlk.ops.linear_policy_loss import fused_linear_policy_loss
-from rlk.ops.logprob import linear_logprob, selected_logprob
-from rlk.ops.losses import dpo_loss, value_loss
-from rlk.ops.matmul import linear, matmul
-from rlk.ops.norm import rms_norm
-from rlk.ops.pack import pack, unpack
-from rlk.ops.policy_loss import PolicyLossAndGrad, PolicyLossConfig, kl_penalty, policy_loss, policy_loss_and_grad
-from rlk.ops.rewards import scatter_rewards
-from rlk.ops.rollout_correction import rollout_correction
-from rlk.ops.rope import apply_rope
-from rlk.ops.sampling import sample
-from rlk.ops.softmax import log_softmax, softmax
 
-# ``import rlk.multimodal`` / ``from rlk.multimodal import ...``: the public name of rlk.integrations.multimodal
-sys.modules.setdefault(f"{__name__}.multimodal", multimodal)
+#: Each public name and the module that defines it, imported on first use (PEP 562 ``__getattr__``).
+_EXPORTS = {
+    "ABI_VERSION": "rlk.core.abi",
+    "Backend": "rlk.core.backend",
+    "BackendError": "rlk.core.dispatch",
+    "PolicyLossAndGrad": "rlk.ops.policy_loss",
+    "PolicyLossConfig": "rlk.ops.policy_loss",
+    "apply_rope": "rlk.ops.rope",
+    "attention": "rlk.ops.attention",
+    "batch_invariant": "rlk.integrations.batch_invariant",
+    "disable_batch_invariant": "rlk.integrations.batch_invariant",
+    "discounted_returns": "rlk.ops.advantages",
+    "dpo_loss": "rlk.ops.losses",
+    "ema_": "rlk.ops.ema",
+    "embedding": "rlk.ops.embedding",
+    "enable_batch_invariant": "rlk.integrations.batch_invariant",
+    "explain": "rlk.core.dispatch",
+    "fused_linear_kl": "rlk.ops.distill",
+    "fused_linear_policy_loss": "rlk.ops.linear_policy_loss",
+    "gae": "rlk.ops.advantages",
+    "group_advantages": "rlk.ops.advantages",
+    "info": "rlk.app.info",
+    "is_batch_invariant_enabled": "rlk.integrations.batch_invariant",
+    "is_tensor_parallel_invariant": "rlk.core.tensor_parallel",
+    "kl_penalty": "rlk.ops.policy_loss",
+    "linear": "rlk.ops.matmul",
+    "linear_logprob": "rlk.ops.logprob",
+    "log_softmax": "rlk.ops.softmax",
+    "masked_whiten": "rlk.ops.advantages",
+    "matmul": "rlk.ops.matmul",
+    "multimodal": "rlk.multimodal",  # a module: rlk.integrations.multimodal under its public name
+    "pack": "rlk.ops.pack",
+    "patch_model": "rlk.integrations.hf",
+    "policy_loss": "rlk.ops.policy_loss",
+    "policy_loss_and_grad": "rlk.ops.policy_loss",
+    "prefix_attention": "rlk.ops.attention",
+    "rms_norm": "rlk.ops.norm",
+    "rollout_correction": "rlk.ops.rollout_correction",
+    "sample": "rlk.ops.sampling",
+    "scatter_rewards": "rlk.ops.rewards",
+    "selected_logprob": "rlk.ops.logprob",
+    "set_profiler_ranges": "rlk.core.custom_op",
+    "set_tensor_parallel_invariant": "rlk.core.tensor_parallel",
+    "softmax": "rlk.ops.softmax",
+    "tensor_parallel_invariant": "rlk.core.tensor_parallel",
+    "unpack": "rlk.ops.pack",
+    "unpatch_model": "rlk.integrations.hf",
+    "use_backend": "rlk.core.dispatch",
+    "value_loss": "rlk.ops.losses",
+}
 
-__all__ = [
-    "ABI_VERSION",
-    "Backend",
-    "BackendError",
-    "__version__",
-    "apply_rope",
-    "attention",
-    "batch_invariant",
-    "disable_batch_invariant",
-    "discounted_returns",
-    "dpo_loss",
-    "ema_",
-    "embedding",
-    "enable_batch_invariant",
-    "explain",
-    "fused_linear_kl",
-    "fused_linear_policy_loss",
-    "gae",
-    "group_advantages",
-    "info",
-    "is_batch_invariant_enabled",
-    "is_tensor_parallel_invariant",
-    "kl_penalty",
-    "linear",
-    "linear_logprob",
-    "log_softmax",
-    "masked_whiten",
-    "pack",
-    "matmul",
-    "multimodal",
-    "patch_model",
-    "policy_loss",
-    "policy_loss_and_grad",
-    "prefix_attention",
-    "sample",
-    "scatter_rewards",
-    "PolicyLossAndGrad",
-    "PolicyLossConfig",
-    "rms_norm",
-    "rollout_correction",
-    "selected_logprob",
-    "set_profiler_ranges",
-    "set_tensor_parallel_invariant",
-    "softmax",
-    "tensor_parallel_invariant",
-    "unpack",
-    "unpatch_model",
-    "use_backend",
-    "value_loss",
-]
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlk' has no attribute {name!r}")
+    imported = importlib.import_module(module)
+    value = imported if module == f"{__name__}.{name}" else getattr(imported, name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from rlk.app.consistency.harness import MODELS as MODEL_NAMES  # any existing directory is a local checkpoint
+from rlk.app.consistency import MODELS as MODEL_NAMES  # any existing directory is a local checkpoint
 from rlk.integrations import extras
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -180,6 +180,12 @@ def _needs_interpreter(args) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else list(argv)) == ["--version"]:
+        # answered before the parser is built: the multimodal commands' parsers import torch
+        from rlk.core.version import __version__
+
+        print(f"rlk {__version__}")
+        return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "consistency" and _device_of(args).startswith("cpu") and args.dtype not in (None, "float32"):

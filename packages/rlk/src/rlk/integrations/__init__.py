@@ -9,6 +9,7 @@
   registries and calling conventions (:func:`~rlk.integrations.verl.register`);
 * :mod:`rlk.integrations.extras`: the extra of rlk that installs each optional dependency, and the error naming it.
 
-``import rlk`` imports ``batch_invariant`` and ``hf`` (neither needs transformers to import); import ``trl`` and
-``verl`` explicitly (``import rlk.integrations.verl``): each imports its framework when it is imported.
+``rlk.batch_invariant`` and ``rlk.patch_model`` import ``batch_invariant`` and ``hf`` on first use (neither needs
+transformers to import); import ``trl`` and ``verl`` explicitly (``import rlk.integrations.verl``): each imports its
+framework when it is imported.
 """

@@ -8,3 +8,7 @@
 
 transformers (and matplotlib for the chart) are optional: the submodules import them inside their functions.
 """
+
+#: The built-in models of ``rlk consistency --model`` (besides a local checkpoint directory); here, not in
+#: :mod:`~rlk.app.consistency.harness`, so that the command line parses without importing torch.
+MODELS = ("tiny", "tiny-llama", "qwen3-8b-shape", "llama3-8b-shape")

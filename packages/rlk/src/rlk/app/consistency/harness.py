@@ -15,9 +15,8 @@ import os
 
 import torch
 
+from rlk.app.consistency import MODELS
 from rlk.integrations import extras
-
-MODELS = ("tiny", "tiny-llama", "qwen3-8b-shape", "llama3-8b-shape")
 
 #: Per name: (architecture, config fields). The tiny configs keep the CPU Triton interpreter fast; their
 #: ``initializer_range`` is larger than the default 0.02 so that a 2-layer, 64-wide model has non-flat
