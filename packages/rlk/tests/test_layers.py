@@ -118,6 +118,13 @@ def test_import_rlk_imports_no_op_and_no_torch():
         defined = sys.modules[module] if module == f"rlk.{name}" else getattr(sys.modules[module], name, None)
         assert value is defined, name
     assert set(rlk.__all__) == {"__version__", *rlk._EXPORTS} and set(rlk.__all__) <= set(dir(rlk))
+    layer = subprocess.run(
+        [sys.executable, "-c", "import rlk; print(rlk.ops.norm.rms_norm is rlk.rms_norm, rlk.ops.ema.__name__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert layer.stdout.split() == ["True", "rlk.ops.ema"], "a bare `import rlk` reaches the layers' modules"
     try:
         rlk.no_such_name  # noqa: B018
     except AttributeError as err:

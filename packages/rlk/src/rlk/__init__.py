@@ -32,7 +32,7 @@ Public API:
 * multimodal RL batches (``rlk.multimodal``, :mod:`rlk.integrations.multimodal`): the span schema, synthetic
   fixtures, and the rollout-vs-training processor-layout checker (``rlk multimodal-parity``).
 
-``import rlk`` imports none of this (nor torch): each public name is imported on first use (:data:`_EXPORTS`), so
+``import rlk`` imports none of this (nor torch): the first public name used loads them all (``_EXPORTS``), so
 ``import rlk`` and ``rlk --version`` are fast.
 
 Layers (imports run downward only, ``tests/test_layers.py``): :mod:`rlk.core` (ABI, backends, dispatch, the op
@@ -43,10 +43,11 @@ declaration helper, checks, contract) < :mod:`rlk.reference` (the spec backend) 
 from __future__ import annotations
 
 import importlib
+import sys
 
 from rlk.core.version import __version__
 
-#: Each public name and the module that defines it, imported on first use (PEP 562 ``__getattr__``).
+#: Each public name and the module that defines it; loaded together when the first one is used (PEP 562).
 _EXPORTS = {
     "ABI_VERSION": "rlk.core.abi",
     "Backend": "rlk.core.backend",
@@ -100,14 +101,21 @@ _EXPORTS = {
 __all__ = ["__version__", *_EXPORTS]
 
 
+#: The layers (``rlk.ops.norm`` and the like, reachable as attributes once the facade is loaded).
+_SUBPACKAGES = ("core", "reference", "ops", "distributed", "integrations", "app")
+
+
 def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name not in _EXPORTS and name not in _SUBPACKAGES:
         raise AttributeError(f"module 'rlk' has no attribute {name!r}")
-    imported = importlib.import_module(module)
-    value = imported if module == f"{__name__}.{name}" else getattr(imported, name)
-    globals()[name] = value  # the next access is a plain attribute
-    return value
+    # The first public name used loads the whole facade, as a non-lazy ``import rlk`` would: every module of
+    # _EXPORTS (and what they import), so that the layers' modules are attributes too (``rlk.ops.norm``).
+    for defining in dict.fromkeys(_EXPORTS.values()):
+        importlib.import_module(defining)
+    for public, defining in _EXPORTS.items():
+        imported = sys.modules[defining]
+        globals()[public] = imported if defining == f"{__name__}.{public}" else getattr(imported, public)
+    return globals()[name] if name in _EXPORTS else importlib.import_module(f"{__name__}.{name}")
 
 
 def __dir__() -> list[str]:
