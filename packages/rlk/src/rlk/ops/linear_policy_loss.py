@@ -42,7 +42,9 @@ SEQUENCE_LEVEL_LOSSES = ("gspo", "geo_mean", "vespo")
 #: ``auto`` keeps its lean path, the memory-bounded CPU default. Triton: its one-pass kernels run faster than lean
 #: on an H200 (133.7 vs 156.2 ms at B=16, T=1024, H=4096, V=151936 bf16, 3.7 GiB extra; docs/performance.md), and
 #: the GPU test suite passed with ``auto`` choosing them. Not rlk-cuda: its one-pass Hopper kernels are slower than
-#: its lean mode at that shape (165.3 vs 139.9 ms; the fp32 weight-gradient sums over the row chunks).
+#: its lean mode at that shape (165.3 vs 139.9 ms; the fp32 weight-gradient sums over the row chunks). With
+#: ``RLK_TRITON_LM_HEAD=tiled`` the Triton backend's stored primitives take its cuBLAS-tiled path, as its
+#: ``linear_logprob`` does: the one-pass log-probs stay the rollout's bits.
 ONE_PASS_BACKENDS: tuple[str, ...] = ("triton",)
 
 

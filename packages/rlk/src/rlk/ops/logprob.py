@@ -352,7 +352,10 @@ def linear_logprob(
     online logsumexp/entropy accumulator and saves only fp32 per-row state
     (``lse``); the backward recomputes logit tiles and returns ``grad_hidden``
     and ``grad_weight`` (fp32 accumulation, cast to the input dtype at the end),
-    including the entropy gradient. Extra memory is O(N + tile), never O(N*V).
+    including the entropy gradient. Extra memory is O(N + tile), never O(N*V). With
+    ``RLK_TRITON_LM_HEAD=tiled`` the Triton backend runs its cuBLAS-tiled path instead (opt-in;
+    :mod:`rlk_triton.lm_head`): fp32 logits per chunk of 2048 rows, extra memory O(chunk * V + N * H); the forward
+    alone and with its backward give the same bits there too.
 
     Args:
         hidden: ``[..., H]`` bfloat16, float16 or float32 (the last hidden states).
