@@ -139,6 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cons.add_argument("--no-timing", action="store_true", help="skip the timed forward passes")
     cons.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cons.add_argument(
+        "--rollout",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="who rolls out: hf (rlk's transformers rollout path, default) or vllm (a real vLLM engine, stock and "
+        "with the rlk plugin, scored by transformers; CPU: float32 or float16; needs rlk[vllm])",
+    )
+    cons.add_argument(
+        "--plant",
+        choices=("padding-side", "weight"),
+        default=None,
+        help="with --rollout vllm: plant a mismatch (the trainer's padding on the other side of its mask, or one "
+        "weight moved by one ulp) to see the prechecks catch it (exit code 1)",
+    )
 
     demo = sub.add_parser(
         "demo", help="the consistency check on the built-in model, then linear_logprob's memory vs the PyTorch baseline"
@@ -164,6 +178,8 @@ def _device_of(args) -> str:
 
 def requirements(args) -> tuple[str, ...]:
     """The optional modules (:data:`rlk.integrations.extras.OPTIONAL`) the command ``args`` asks for imports."""
+    if args.command == "consistency" and args.rollout == "vllm":
+        return ("transformers", "vllm")
     if args.command == "consistency" or (args.command == "demo" and not args.skip_consistency):
         return ("transformers",)
     if args.command == "multimodal-smoke" or (args.command == "multimodal-parity" and args.offline_processor):
@@ -188,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "consistency" and _device_of(args).startswith("cpu") and args.dtype not in (None, "float32"):
+    if args.command == "consistency" and args.rollout == "vllm":
+        if args.dtype not in (None, "float32", "float16") or not _device_of(args).startswith("cpu"):
+            parser.error("--rollout vllm runs on the CPU (vLLM's CPU build) in float32 or float16")
+    elif args.command == "consistency" and args.plant is not None:
+        parser.error("--plant needs --rollout vllm")
+    elif args.command == "consistency" and _device_of(args).startswith("cpu") and args.dtype not in (None, "float32"):
         parser.error(
             f"--dtype {args.dtype} on the CPU: rlk's chain runs in the Triton interpreter there, "
             "which serves float32 only"
@@ -240,6 +261,24 @@ def _run(args, parser: argparse.ArgumentParser) -> int:
             if checked is not None:
                 print("\n".join(checked[0]))
         return 0 if checked is None or checked[1] else 1
+    if args.command == "consistency" and args.rollout == "vllm":
+        from rlk.app.consistency.vllm_rollout import run_vllm_consistency
+        from rlk.core.dispatch import BackendError
+
+        try:
+            result = run_vllm_consistency(
+                args.model,
+                dtype=args.dtype,
+                prompts=args.prompts,
+                max_new_tokens=args.max_new_tokens,
+                seed=args.seed,
+                out=args.out,
+                plant=args.plant,
+            )
+        except (ValueError, RuntimeError, BackendError) as exc:  # NotServed: ValueError; UnsupportedVLLM: RuntimeError
+            print(f"rlk consistency: error: {exc}", file=sys.stderr)
+            return 2
+        return 0 if result["passed"] else 1
     if args.command == "consistency":
         from rlk.app.consistency.run import run_consistency
         from rlk.core.dispatch import BackendError

@@ -26,54 +26,16 @@ every forward), so every transformers release of :data:`rlk.integrations.hf.comp
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from rlk.integrations.hf.chain import chain  # noqa: F401  (paths.chain: the switch the paths run under)
+
 OnForward = Callable[[Tensor], None] | None
-
-
-# ---------------------------------------------------------------------------
-# the chain switch
-# ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def chain(model, enabled: bool) -> Iterator[None]:
-    """Run the block with rlk's batch-invariant chain on (``enabled``) or with stock kernels.
-
-    ``enabled=True``: ``rlk.batch_invariant()`` (the aten overrides) plus ``rlk.patch_model(model)`` (RMSNorm and
-    the varlen ``"rlk"`` attention, which gets the padding mask), undone on exit (a model patched before the
-    block stays patched).
-    ``enabled=False``: stock PyTorch / cuBLAS / SDPA; a model patched before the block is unpatched for the
-    block and patched again on exit. (The aten overrides are process-wide: a ``batch_invariant`` block or
-    ``enable_batch_invariant()`` opened outside keeps them on; that is the caller's business.)
-    """
-    from rlk.integrations.hf import patch_model, unpatch_model
-
-    was_patched = getattr(model, "_rlk_patch", None) is not None
-    if not enabled:
-        if was_patched:
-            unpatch_model(model)
-        try:
-            yield
-        finally:
-            if was_patched:
-                patch_model(model)
-        return
-    from rlk.integrations.batch_invariant import batch_invariant
-
-    with batch_invariant():
-        patch_model(model)
-        try:
-            yield
-        finally:
-            if not was_patched:
-                unpatch_model(model)
 
 
 # ---------------------------------------------------------------------------

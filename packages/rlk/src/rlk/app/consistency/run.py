@@ -3,7 +3,7 @@
 For ``enabled`` in (False, True), on one model built once (:func:`rlk.app.consistency.harness.build_model`):
 
 1. rollout (:func:`rlk.app.consistency.paths.rollout`) of the fixed prompt set under
-   :func:`~rlk.app.consistency.paths.chain` ``(model, enabled)``, with a :class:`~rlk.app.consistency.probe.Probe`;
+   :func:`~rlk.integrations.hf.chain.chain` ``(model, enabled)``, with a :class:`~rlk.app.consistency.probe.Probe`;
    the sampling seed is the same for both chains, each chain samples its own responses with ``rlk.sample``
    (per-sequence seeds :func:`~rlk.app.consistency.paths.sequence_seeds`, step = the token's index in its
    response): a token is a function of its logits row's bits, the seed, the sequence index and the step, so the
