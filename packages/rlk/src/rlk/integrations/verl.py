@@ -19,7 +19,11 @@ rloo_vectorized, opo, gpg. Left to verl's own code, and why:
 * ``optimal_token_baseline``, ``tir_optimal_token_baseline``: need ``sum_pi_squared`` (a statistic of the whole
   vocabulary that rlk's log-prob ops do not produce) and a per-position group reduction with a length-dependent
   zero-tail rule; the TIR form also compacts each trajectory's tokens.
-* ``linear_cross_entropy`` with a ``dist_process_group`` (vocab-parallel): not served (``NotImplementedError``).
+* ``linear_cross_entropy`` with a ``dist_process_group`` (verl's Megatron path, the head sharded by vocabulary) is
+  served by :func:`rlk.distributed.vocab_parallel_linear_logprob`: log-probs and entropies bitwise the single-device
+  ones at any tensor-parallel degree; ``grad_hidden`` is the whole gradient on the group's first rank and zeros on
+  the others (verl's kernel returns each rank's partial and leaves the sum over ranks to its caller: this sum is
+  exact).
 * Rollout correction: :func:`rollout_is_weights` gives verl's IS weights on ``rlk.rollout_correction``; the
   rejection sampling (``rollout_rs``: it edits the response mask), ``rollout_is_batch_normalize`` (a mean over the
   whole batch) and verl's ``rollout_corr/*`` metric dict stay verl's, so bypass mode takes its weights, mask and
@@ -29,6 +33,7 @@ rloo_vectorized, opo, gpg. Left to verl's own code, and why:
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -730,33 +735,65 @@ def linear_cross_entropy(
     """Drop-in for ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (the ``"triton"`` fused backend).
 
     Args:
-        hidden: ``[..., H]``; weight: ``[V, H]`` (the LM head); labels: ``[...]`` token ids.
+        hidden: ``[..., H]``, the same on every rank of ``dist_process_group``; labels: ``[...]`` global token ids.
+        weight: ``[V, H]`` (the LM head), or with ``dist_process_group`` this rank's ``[V / P, H]`` rows
+            ``[r V / P, (r + 1) V / P)`` (Megatron's vocab-parallel output layer).
         temperature: the logits are ``hidden @ weight.T / temperature``.
         reduction: ``"none"``: log-probs ``[N]`` (``N`` = the flattened leading dims); ``"sum"`` / ``"mean"``: their
             sum / mean, a scalar.
+        dist_process_group: the tensor-parallel group the head is sharded over, or None.
 
     Returns:
-        ``(logprobs, entropy)`` fp32, entropy ``[N]``, on ``rlk.linear_logprob`` (the logits never exist),
-        differentiable w.r.t. ``hidden`` and ``weight``.
+        ``(logprobs, entropy)`` fp32, entropy ``[N]``, on ``rlk.linear_logprob`` (the logits never exist), or with
+        ``dist_process_group`` on ``rlk.distributed.vocab_parallel_linear_logprob`` (the same bits at any degree, the
+        same on every rank); differentiable w.r.t. ``hidden`` and ``weight``. Vocab-parallel gradients follow verl's
+        kernel: ``grad_weight`` is this rank's rows; the ranks' ``grad_hidden`` sum to the gradient (the caller sums
+        them), here the whole gradient on the group's first rank and zeros on the others, so that sum is exact.
     """
-    if dist_process_group is not None:
-        raise NotImplementedError(
-            "linear_cross_entropy: vocab-parallel (dist_process_group) is not served by rlk's verl adapter"
-        )
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"Invalid reduction: {reduction}")
-    logprob, entropy = rlk.linear_logprob(
-        hidden.reshape(-1, hidden.shape[-1]),
-        weight,
-        labels.reshape(-1),
-        temperature=float(temperature),
-        return_entropy=True,
-    )
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if dist_process_group is not None:
+        import torch.distributed as dist
+
+        from rlk.distributed import vocab_parallel_linear_logprob
+
+        if not isinstance(dist_process_group, dist.ProcessGroup):
+            raise TypeError(
+                "dist_process_group: expected a torch.distributed ProcessGroup (the tensor-parallel group), got "
+                f"{type(dist_process_group).__name__}"
+            )
+        first = dist.get_rank(dist_process_group) == 0
+        logprob, entropy = vocab_parallel_linear_logprob(
+            _GradOnFirstRank.apply(flat_hidden, first),
+            weight,
+            flat_labels,
+            group=dist_process_group,
+            temperature=float(temperature),
+            return_entropy=True,
+        )
+    else:
+        logprob, entropy = rlk.linear_logprob(
+            flat_hidden, weight, flat_labels, temperature=float(temperature), return_entropy=True
+        )
     if reduction == "sum":
         logprob = logprob.sum()
     elif reduction == "mean":
         logprob = logprob.mean()
     return logprob, entropy
+
+
+class _GradOnFirstRank(torch.autograd.Function):
+    """Identity; the backward passes the gradient on the group's first rank and zeros on the others."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, first: bool) -> Tensor:
+        ctx.first = first
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (grad if ctx.first else torch.zeros_like(grad)), None
 
 
 class FusedLinearForPPO(torch.nn.Module):
@@ -797,6 +834,9 @@ class FusedLinearForPPO(torch.nn.Module):
 _SAVED: dict[tuple[str, str], Any] = {}
 _REGISTERED: list[tuple[str, str]] = []  # (registry, name) added by register(override=False)
 _CORE = "verl.trainer.ppo.core_algos"
+#: verl's Megatron forward modules that import ``linear_cross_entropy`` by name (they need megatron-core; swapped by
+#: :func:`register` when already imported; imported later, they pick up the swapped function).
+_MCORE_FORWARDS = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
 
 
 def _verl_function(name: str) -> Callable:
@@ -852,6 +892,9 @@ def register(override: bool = False) -> list[str]:
         for name, fn in (("agg_loss", agg_loss), ("kl_penalty", kl_penalty)):
             _swap("verl.workers.utils.losses", name, fn)
         _swap("verl.utils.kernel.linear_cross_entropy", "linear_cross_entropy", linear_cross_entropy)
+        for module in _MCORE_FORWARDS:  # verl's Megatron forwards hold their own reference, once imported
+            if module in sys.modules:
+                _swap(module, "linear_cross_entropy", linear_cross_entropy)
         _swap("verl.utils.experimental.torch_functional", "FusedLinearForPPO", FusedLinearForPPO)
     return names
 
