@@ -22,6 +22,9 @@ OPTIONAL = {
     "verl": ("verl", "verl"),
     "numpy": ("numpy", "verl"),  # rlk.integrations.verl imports it (transformers and trl bring it too)
     "triton": ("triton", "triton"),
+    "vllm": ("vllm", "vllm"),
+    "megatron": ("megatron-core", "megatron"),
+    "deepspeed": ("deepspeed", "deepspeed"),
 }
 
 

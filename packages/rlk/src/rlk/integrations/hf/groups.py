@@ -155,6 +155,12 @@ def group_batch(
     )
 
 
+def _rows(weight: Tensor) -> int:
+    """An embedding's rows: a DeepSpeed ZeRO-3 parameter outside its module's forward holds only its partition
+    (``ds_shape`` is the full shape); an FSDP2 DTensor's shape is the full one."""
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
+
+
 def group_logprobs(
     model, prompts: Sequence, responses: Sequence[Sequence], *, temperature: float | None = None
 ) -> list[list[Tensor]]:
@@ -182,7 +188,7 @@ def group_logprobs(
             "ignored): leave the one patch_model set"
         )
     head = model.get_output_embeddings().weight
-    vocab_size = min(head.shape[0], model.get_input_embeddings().weight.shape[0])
+    vocab_size = min(_rows(head), _rows(model.get_input_embeddings().weight))
     batch = group_batch(prompts, responses, device=head.device, ignore_index=state.ignore_index, vocab_size=vocab_size)
     kwargs = {} if temperature is None else {"temperature": temperature}
     out = model(

@@ -301,6 +301,11 @@ def logprobs_from_hidden(
     For tokens chosen outside a forward, such as a rollout's samples: scored from the hidden states of the
     forward that produced their logits, they get the very bits a later log-prob call (training) gives them,
     when the forwards are batch-invariant (``apply(..., batch_invariant=True)``).
+
+    Outside the model's forward an FSDP2 head's weight is a sharded DTensor and a DeepSpeed ZeRO-3 head's is
+    partitioned: it is gathered for the call (a collective: every rank of the group calls), which serves scoring
+    under ``torch.no_grad()`` (a rollout's); a gradient through such a weight would bypass the engine's gradient
+    reduction, so with gradients enabled it raises ValueError (score inside the forward: ``logprob_targets=``).
     """
     state = getattr(model, "_rlk_apply", None)
     if state is None:
@@ -315,12 +320,48 @@ def logprobs_from_hidden(
         checks.flag("return_entropy", return_entropy),
         state.batch_invariant,
     )
-    return _fused_head(head, request, hidden)
+    weight = head.weight
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    with _full_weight(weight, needs_grad) as full:
+        return _fused_head(head, request, hidden, full)
 
 
-def _fused_head(head: torch.nn.Linear, request: _Request, hidden: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-    """``linear_logprob`` of ``hidden`` with the head's weight and the request's options."""
-    weight = head.weight  # read now: FSDP and ZeRO-3 gather it around the head's forward
+def _is_zero3_partitioned(weight: Tensor) -> bool:
+    """A DeepSpeed ZeRO-3 parameter not gathered now (its ``data`` is this rank's partition, often empty)."""
+    status = getattr(weight, "ds_status", None)
+    return hasattr(weight, "ds_id") and status is not None and getattr(status, "name", "") != "AVAILABLE"
+
+
+@contextlib.contextmanager
+def _full_weight(weight: Tensor, needs_grad: bool):
+    """The head's full ``[V, H]`` weight for a call outside the model's forward: an FSDP2 (DTensor) weight gathered
+    with ``full_tensor()``, a partitioned ZeRO-3 one inside ``deepspeed.zero.GatheredParameters`` (TRL's
+    ``maybe_gather_lm_head_ctx`` case), anything else as it is. Gathered weights serve no-grad scoring only."""
+    dtensor, zero3 = _is_dtensor(weight), _is_zero3_partitioned(weight)
+    if (dtensor or zero3) and needs_grad:
+        engine = "an FSDP2 DTensor" if dtensor else "a partitioned DeepSpeed ZeRO-3 parameter"
+        raise ValueError(
+            f"model: the LM head's weight is {engine} outside the model's forward; logprobs_from_hidden gathers it "
+            "for scoring under torch.no_grad() only (a gradient would bypass the engine's reduction): score "
+            "with gradients inside the forward, model(..., logprob_targets=targets)"
+        )
+    if dtensor:
+        yield weight.full_tensor()
+    elif zero3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([weight]):
+            yield weight
+    else:
+        yield weight
+
+
+def _fused_head(
+    head: torch.nn.Linear, request: _Request, hidden: Tensor, weight: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``linear_logprob`` of ``hidden`` with the head's weight (or ``weight``) and the request's options."""
+    if weight is None:
+        weight = head.weight  # read now: FSDP and ZeRO-3 gather it around the head's forward
     if _is_dtensor(weight):
         raise ValueError(
             "model: the LM head's weight is a DTensor (a tensor-parallel head); rlk.integrations.hf.apply "
@@ -411,7 +452,9 @@ def _logprob_output(model, out, request: _Request):
     if request.return_entropy:
         logprobs, entropy = (x.contiguous() for x in returned.unbind(-1))
     else:
-        logprobs, entropy = returned.squeeze(-1), None
+        # a copy, not a view of the head's output: FSDP2 hooks the forward's outputs for its backward, and an
+        # in-place change of a view would drop the hook
+        logprobs, entropy = returned.squeeze(-1).clone(), None
     return _output_type(type(out))(**fields, logprobs=logprobs, entropy=entropy)
 
 
