@@ -232,14 +232,16 @@ PROBE = 5  # the probe group's size
 )
 def test_batch_invariance(small_tiles, mode, placement):
     """A group of 5 sequences (with its regions and costs) alone, then among other groups at the first, middle and
-    last position of batches of 8 and 21 rows, by group_index (other groups: random ids, ragged sizes) and by
-    group_size 5 (the probe as one of the blocks): its token rewards and costs are equal bit for bit."""
+    last position of batches of 8 and 13 rows, by group_index (other groups: random ids, ragged sizes) and by
+    group_size 5 (the probe as the first, middle or last of 3 blocks): its token rewards and costs are equal bit
+    for bit. (Each row is a program under the interpreter: 13 and 3 blocks reach every position at 2/3 the cost of
+    21 and 5.)"""
     case = make_case(21 + PROBE, 23, seed=6, columns=3)
     probe = torch.arange(PROBE, device=DEVICE)
     others_ids = torch.randint(0, 4, (21 + PROBE,), generator=_gen(7)).to(DEVICE)
     alone = run_rows(take_rows(case, probe, torch.zeros(PROBE, dtype=torch.long, device=DEVICE)), mode, placement)
     assert bool((alone[0] != 0).any())
-    for batch in (8, 21):
+    for batch in (8, 13):
         others = torch.arange(PROBE, PROBE + batch - PROBE, device=DEVICE)
         for pos in sorted({0, (batch - PROBE) // 2, batch - PROBE}):
             rows = torch.cat([others[:pos], probe, others[pos:]])
@@ -248,8 +250,8 @@ def test_batch_invariance(small_tiles, mode, placement):
             got = run_rows(take_rows(case, rows, ids), mode, placement)
             assert all(torch.equal(a[pos : pos + PROBE], b) for a, b in zip(got, alone)), (batch, pos)
     if mode is not None:  # group_size: the probe as the k-th block of 5
-        for k in (0, 2, 4):
-            before, after = torch.arange(PROBE, PROBE + 5 * k), torch.arange(PROBE + 5 * k, 25)
+        for k in (0, 1, 2):
+            before, after = torch.arange(PROBE, PROBE + 5 * k), torch.arange(PROBE + 5 * k, 15)
             rows = torch.cat([before.to(DEVICE), probe, after.to(DEVICE)])
             got = run_rows(take_rows(case, rows, rows), mode, placement, by_size=PROBE)
             window = slice(5 * k, 5 * k + PROBE)

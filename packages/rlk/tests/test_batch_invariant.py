@@ -668,8 +668,9 @@ def test_captured_static_cache_decode_is_the_eager_decode_gpu(dtype):
 def test_static_cache_slots_without_the_pre_hooks_are_misread():
     """Negative control of the pre-hooks: without them, transformers 4.x's ``cache_position`` never reaches the
     attention, a mask over all the slots is read as right padding and the decode step's logits are wrong (not
-    refused: the cache is unknown too); transformers 5 refuses the mask, hooks or not, when nothing is passed."""
-    model = tiny_model("qwen3", torch.float32, DEVICE)
+    refused: the cache is unknown too); transformers 5 refuses the mask, hooks or not, when nothing is passed.
+    One layer: the first misread attention already changes the logits (the hooked 2-layer run is the test above)."""
+    model = tiny_model("qwen3", torch.float32, DEVICE, layers=1)
     logits = _static_cache_decodes(model, record_cache_calls=False)
     unhooked = logits["static, all slots, no cache_position"]
     if _cache_position_reaches_attention():

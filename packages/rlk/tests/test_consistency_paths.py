@@ -41,16 +41,17 @@ def _need_transformers():
     assert not is_batch_invariant_enabled()
 
 
-_MODELS: dict[str, object] = {}
+_MODELS: dict[tuple[str, int | None], object] = {}
 
 
-def _model(name: str):
-    """One fp32 tiny model per name for the whole module (the paths never change the weights)."""
+def _model(name: str, layers: int | None = None):
+    """One fp32 tiny model per name (and layer count: None, the model's 2) for the whole module (the paths never
+    change the weights)."""
     from rlk.app.consistency import harness
 
-    if name not in _MODELS:
-        _MODELS[name] = harness.build_model(name, dtype=torch.float32, device=DEVICE, seed=0)
-    return _MODELS[name]
+    if (name, layers) not in _MODELS:
+        _MODELS[name, layers] = harness.build_model(name, dtype=torch.float32, device=DEVICE, seed=0, num_layers=layers)
+    return _MODELS[name, layers]
 
 
 def _prompts(model, n: int = 3, seed: int = 0):
@@ -272,10 +273,11 @@ def test_identical_prompts_get_different_samples():
 def test_rollout_response_does_not_depend_on_the_batch():
     """With rlk's chain on (batch-invariant logits), a sequence's sampled response and log-probs are the same
     rolled out alone or with other sequences, whichever they are (its seed depends on its index, its step on its
-    own token count, not on the shrinking batch)."""
+    own token count, not on the shrinking batch). One layer: the sampling seeds and steps are the point; the
+    2-layer chain (every layer's cache and layout) is test_chain_on_rollout_equals_training_bitwise's."""
     from rlk.app.consistency import paths
 
-    model = _model("tiny")
+    model = _model("tiny", layers=1)
     p = _prompts(model, n=6, seed=5)
     m, seed = 6, 3
     assert paths._response_lengths(1, m, seed)[0] == paths._response_lengths(3, m, seed)[0]
@@ -404,10 +406,11 @@ def test_chain_on_rollout_equals_training_bitwise(name):
 @routed
 def test_chain_on_training_split_invariance_with_gradients():
     """rlk's chain on: log-probs and per-sequence input-embedding gradients are bitwise the same in two
-    different micro-batch splits (one packed row of all vs singles and a reordered pair)."""
+    different micro-batch splits (one packed row of all vs singles and a reordered pair). One layer, as in the test
+    above."""
     from rlk.app.consistency import paths
 
-    model = _model("tiny")
+    model = _model("tiny", layers=1)
     prompts = _prompts(model)
     responses = [[5, 6, 7], [8], [9, 10]]
     with paths.chain(model, True), warnings.catch_warnings():

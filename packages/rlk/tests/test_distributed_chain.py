@@ -36,9 +36,12 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
 ]
 
-#: 2 layers, 8 query / 4 kv heads of 16, hidden 128, MLP 256, vocabulary 128: every sharded dim splits into 8
-#: tree segments of >= 8 (MIN_LEAF lowered to 8 below), so TP = 2 and 4 cut segments' subtrees.
-CONFIG = decoder.Config(vocab=128, hidden=128, layers=2, heads=8, kv_heads=4, head_dim=16, intermediate=256)
+#: 1 layer, 8 query / 4 kv heads of 16, hidden 128, MLP 256, vocabulary 128: every sharded dim splits into 8
+#: tree segments of >= 8 (MIN_LEAF lowered to 8 below), so TP = 2 and 4 cut segments' subtrees. One layer has
+#: every sharded op of the chain (column- and row-parallel linears, the sharded attention heads, the vocab-parallel
+#: head) and its gradients reach the replicated embedding through the layer's input all-reduce: a second layer
+#: doubled the cost (the slowest gate test) and reached no other code.
+CONFIG = decoder.Config(vocab=128, hidden=128, layers=1, heads=8, kv_heads=4, head_dim=16, intermediate=256)
 SEQ = 8  # tokens per sequence
 
 

@@ -43,6 +43,7 @@ from fuzz_support import (
     fuzz_run,
     generator,
     insert_row,
+    interpreted,
     limit,
     make_mask,
     on_backend,
@@ -312,6 +313,17 @@ def test_masked_whiten_masked_positions_never_matter(backend):
 # =============================================================================================
 
 
+@pytest.fixture
+def interpreted_scan_chunks(monkeypatch, backend):
+    """In the Triton interpreter the scans run chunks of 32 positions, not 1024: rows of the CI profile's lengths
+    (<= 129) then span several chunks (the carry from one chunk to the next, a ragged last chunk), where one 1024
+    chunk reached neither, and the interpreter's scan (one Python step per lane) costs ~6x less."""
+    if interpreted(backend):
+        from rlk_triton import advantages as tk
+
+        monkeypatch.setitem(tk.TILE_CONFIGS, "scan", {**tk.TILE_CONFIGS["scan"], "BLOCK_T": 32})
+
+
 @dataclass(frozen=True)
 class ReturnsCase:
     """One ``discounted_returns`` (``mask_mode`` set) or ``gae`` (``mask_mode`` None) call on ``[B, T]`` rows
@@ -439,17 +451,17 @@ def check_returns_batch_invariance(backend: str, case: RowInBatch) -> None:
 
 
 @pytest.mark.parametrize("backend", backends("discounted_returns"))
-def test_discounted_returns_matches_reference(backend):
+def test_discounted_returns_matches_reference(interpreted_scan_chunks, backend):
     fuzz_run(check_returns_matches_reference, backend, returns_cases(backend, gae=False), ci=4)
 
 
 @pytest.mark.parametrize("backend", backends("discounted_returns"))
-def test_discounted_returns_masked_positions_never_matter(backend):
+def test_discounted_returns_masked_positions_never_matter(interpreted_scan_chunks, backend):
     fuzz_run(check_returns_masked_positions, backend, returns_cases(backend, gae=False), ci=3)
 
 
 @pytest.mark.parametrize("backend", backends("discounted_returns", invariant_only=True))
-def test_discounted_returns_batch_invariance(backend):
+def test_discounted_returns_batch_invariance(interpreted_scan_chunks, backend):
     fuzz_run(
         check_returns_batch_invariance,
         backend,
@@ -459,17 +471,17 @@ def test_discounted_returns_batch_invariance(backend):
 
 
 @pytest.mark.parametrize("backend", backends("gae"))
-def test_gae_matches_reference(backend):
+def test_gae_matches_reference(interpreted_scan_chunks, backend):
     fuzz_run(check_returns_matches_reference, backend, returns_cases(backend, gae=True), ci=4)
 
 
 @pytest.mark.parametrize("backend", backends("gae"))
-def test_gae_masked_positions_never_matter(backend):
+def test_gae_masked_positions_never_matter(interpreted_scan_chunks, backend):
     fuzz_run(check_returns_masked_positions, backend, returns_cases(backend, gae=True), ci=3)
 
 
 @pytest.mark.parametrize("backend", backends("gae", invariant_only=True))
-def test_gae_batch_invariance(backend):
+def test_gae_batch_invariance(interpreted_scan_chunks, backend):
     fuzz_run(
         check_returns_batch_invariance,
         backend,

@@ -57,6 +57,7 @@ from fuzz_support import (
     generator,
     grad_or_zeros,
     insert_row,
+    interpreted,
     limit,
     make_mask,
     on_backend,
@@ -484,13 +485,25 @@ def check_policy_loss_batch_invariance(backend: str, case: RowInBatch) -> None:
         )
 
 
+@pytest.fixture
+def interpreted_chunks(monkeypatch, backend):
+    """In the Triton interpreter the policy-loss token programs take chunks of 32 tokens, not 1024: rows of the CI
+    profile's lengths (<= 129, + 17 of padding) then span several chunks (the in-row sums over chunk partials, a
+    ragged last chunk), where one 1024 chunk reached neither, and the interpreter's reduce (one Python step per
+    lane) costs ~6x less."""
+    if interpreted(backend):
+        from rlk_triton import policy_loss as tk
+
+        monkeypatch.setattr(tk, "BLOCK_T", 32)
+
+
 @pytest.mark.parametrize("backend", backends("policy_loss"))
-def test_policy_loss_matches_reference(backend):
+def test_policy_loss_matches_reference(interpreted_chunks, backend):
     fuzz_run(check_policy_loss_matches_reference, backend, policy_cases(backend), ci=3)
 
 
 @pytest.mark.parametrize("backend", backends("policy_loss"))
-def test_policy_loss_matches_reference_at_extreme_log_ratios(backend):
+def test_policy_loss_matches_reference_at_extreme_log_ratios(interpreted_chunks, backend):
     fuzz_run(check_policy_loss_matches_reference, backend, policy_cases(backend, extreme=True), ci=2)
 
 
@@ -515,7 +528,7 @@ CISPO_CAP_AT_ONE = PolicyCase(
 
 
 @pytest.mark.parametrize("backend", backends("policy_loss"))
-def test_policy_loss_clip_decisions_on_rounding_are_not_compared(backend, monkeypatch):
+def test_policy_loss_clip_decisions_on_rounding_are_not_compared(interpreted_chunks, backend, monkeypatch):
     """The long profile's cispo finding passes with ``mask_rounding_boundaries``, and fails without it (the
     rounding-decided token is what differs, not the kernel)."""
     check_policy_loss_matches_reference(backend, CISPO_CAP_AT_ONE)
@@ -525,12 +538,12 @@ def test_policy_loss_clip_decisions_on_rounding_are_not_compared(backend, monkey
 
 
 @pytest.mark.parametrize("backend", backends("policy_loss"))
-def test_policy_loss_masked_positions_never_matter(backend):
+def test_policy_loss_masked_positions_never_matter(interpreted_chunks, backend):
     fuzz_run(check_policy_loss_masked_positions, backend, policy_cases(backend), ci=3)
 
 
 @pytest.mark.parametrize("backend", backends("policy_loss", invariant_only=True))
-def test_policy_loss_batch_invariance(backend):
+def test_policy_loss_batch_invariance(interpreted_chunks, backend):
     probe = policy_cases(backend, invariant=True, one_row=True)
     fuzz_run(
         check_policy_loss_batch_invariance,

@@ -127,6 +127,9 @@ def test_rows_of_extreme_magnitude(backend, magnitude, eps):
     of fp64; the ordinary rows of the same batch keep the bits of HF's fp32 formula (reference backend). Rows of
     24 and of 9000 columns (the long-row kernels)."""
     device = torch.device("cuda" if ON_GPU else "cpu")
+    reason = rlk.core.dispatch.why_not(backend, rlk.core.abi.OPS["rms_norm"], device, torch.float32)
+    if reason is not None:  # rlk-cuda where it was not built (the GPU run without ci/build_cuda.sh)
+        pytest.skip(f"{backend} does not run rms_norm here: {reason}")
     g = torch.Generator().manual_seed(5)
     for width in (24, 9000) if ON_GPU else (24,):
         x = torch.randn(4, width, generator=g)

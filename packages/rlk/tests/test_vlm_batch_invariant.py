@@ -192,7 +192,8 @@ def check_vlm_invariance(
 
 @pytest.mark.triton_interpreter
 def test_tiny_qwen2_vl_response_logprobs_are_batch_invariant_cpu():
-    check_vlm_invariance("tiny")
+    # a 1-layer language model (the preset's 2 layers run the same ops twice): every comparison, the stock drift
+    check_vlm_invariance("tiny", layers=1)
 
 
 @pytest.mark.slow
