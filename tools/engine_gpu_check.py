@@ -17,9 +17,9 @@ bf16) or ``--preset tiny`` (hidden 64, vocabulary 96, fp32: a CPU dry run with `
 
 Engines (``--engine``): ``fsdp2`` (``fully_shard`` over a one-rank process group, NCCL on a GPU, gloo on the CPU;
 bf16 parameters, and with ``--mixed-precision`` also fp32 parameters under ``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)`` against the rollout model cast to bf16), ``megatron`` (megatron-core TP = 1 on rlk's layer specs,
-the weights converted from the rollout model and checked by checksums; its stock modes need CUDA) or ``all``. Prints a table and
-one JSON line (``--json PATH`` also writes it); exit code 1 when a bitwise check fails.
+reduce_dtype=fp32)`` against the rollout model cast to bf16), ``megatron`` (megatron-core TP = 1 on rlk's layer
+specs, the weights converted from the rollout model and checked by checksums; its stock modes need CUDA) or
+``all``. Prints a table and one JSON line (``--json PATH`` also writes it); exit code 1 when a bitwise check fails.
 
     python tools/engine_gpu_check.py --engine fsdp2 --layers 2
     TRITON_INTERPRET=1 python tools/engine_gpu_check.py --engine all --device cpu --preset tiny
