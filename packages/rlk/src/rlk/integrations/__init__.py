@@ -17,5 +17,5 @@
 
 ``rlk.batch_invariant`` and ``rlk.patch_model`` import ``batch_invariant`` and ``hf`` on first use (neither needs
 transformers to import); import ``trl``, ``verl``, ``vllm`` and ``megatron`` explicitly (``import
-rlk.integrations.verl``): each imports its framework when it is used.
+rlk.integrations.verl``): each needs its framework, installed by its extra.
 """
