@@ -115,7 +115,7 @@ def _stored(hidden, weight, targets, inv_t, grad_lp, grad_ent, with_entropy, gra
 
 
 # every entropy mode on the small shapes; the multi-chunk, multi-block one (slower under the interpreter) with none
-# and with the entropy's gradient, fp16 there in the nightly tier only
+# and with the entropy's gradient
 CASES = [
     *[((1, 1, 16), mode) for mode in ENTROPY_MODES],
     ((17, 7, 40), "fwd_and_grad"),
@@ -127,8 +127,6 @@ CASES = [
 @pytest.mark.parametrize(("shape", "entropy_mode"), CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tiled_matches_reference(small_chunks, dtype, shape, entropy_mode):
-    if DEVICE.type == "cpu" and dtype == torch.float16 and shape == (N, V, H) and entropy_mode == "off":
-        pytest.skip("the fwd_and_grad case covers fp16 at this shape")
     n, v, h = shape
     hidden, weight, targets, inv_t, grad_lp, grad_ent = linear_inputs(n, v, h, dtype, extreme=True)
     with_entropy = entropy_mode != "off"
