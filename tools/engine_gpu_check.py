@@ -190,6 +190,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def measure(step, device: torch.device, repeats: int) -> tuple[float, float | None]:
+    """``(median ms of step(), peak GiB above what was allocated before it, None off CUDA)``, after a warm-up."""
+    step()  # warm-up (compiles and autotunes nothing else later)
+    _sync(device)
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step()
+        _sync(device)
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return 1e3 * times[len(times) // 2], peak
+
+
 def time_step(model, shared: Shared, mode: str, repeats: int) -> dict:
     """Forward + backward of the summed response log-probs of all sequences in one packed row, ``mode``: ``stock``
     (the logits, ``log_softmax`` in fp32), ``fused`` (``apply(model)``) or ``rlk`` (``apply(model,
@@ -216,26 +238,10 @@ def time_step(model, shared: Shared, mode: str, repeats: int) -> dict:
         model.zero_grad(set_to_none=True)
 
     try:
-        step()  # warm-up (compiles and autotunes nothing else later)
-        _sync(device)
-        peak = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            step()
-            _sync(device)
-            peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
-        times = []
-        for _ in range(repeats):
-            _sync(device)
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            times.append(time.perf_counter() - start)
+        step_ms, peak = measure(step, device, repeats)
     finally:
         hf.unapply(model)
-    times.sort()
-    return {"mode": mode, "tokens": int(ids.numel()), "step_ms": 1e3 * times[len(times) // 2], "peak_gib": peak}
+    return {"mode": mode, "tokens": int(ids.numel()), "step_ms": step_ms, "peak_gib": peak}
 
 
 # ---------------------------------------------------------------------------
@@ -397,24 +403,8 @@ def _megatron_time_step(model, shared: Shared, mode: str, repeats: int) -> dict:
         logprobs().sum().backward()
         model.zero_grad(set_to_none=True)
 
-    step()
-    _sync(device)
-    peak = None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        step()
-        _sync(device)
-        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    times.sort()
-    result = {"mode": mode, "tokens": int(ids.numel()), "step_ms": 1e3 * times[len(times) // 2], "peak_gib": peak}
+    step_ms, peak = measure(step, device, repeats)
+    result = {"mode": mode, "tokens": int(ids.numel()), "step_ms": step_ms, "peak_gib": peak}
     with torch.no_grad():  # how far this mode's log-probs are from the rollout's (stock: not bitwise, by design)
         lp = logprobs()
     got = [

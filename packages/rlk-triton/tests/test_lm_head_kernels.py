@@ -368,3 +368,29 @@ def test_tiled_gpu_matches_reference_and_rows_are_invariant(dtype):
     assert torch.equal(again[0], gh) and torch.equal(again[1], gw)
     stored_again = _stored(hidden, weight, targets, inv_t, grad_lp, grad_ent, True)
     assert torch.equal(stored_again[1], gh_s) and torch.equal(stored_again[2], gw_s)
+
+
+@pytest.mark.gpu
+def test_tiled_gpu_fallback_without_the_fp32_output_gemms(monkeypatch):
+    """Where torch refuses ``mm`` / ``addmm(out_dtype=float32, out=...)`` for 16-bit operands, the tiled path writes a
+    fresh fp32 GEMM and copies or adds it: the same statistics bit for bit (the forward's GEMM is the same product),
+    the gradients within the contract."""
+    n, v, h = 2500, 20000, 256
+    dtype = torch.bfloat16
+    hidden, weight, targets, inv_t, grad_lp, grad_ent = linear_inputs(n, v, h, dtype, seed=12)
+    assert isinstance(lm_head.accumulates_in_place(hidden.device, dtype), bool)
+    fused = _fwd(hidden, weight, targets, inv_t, True)
+    for gemm in ("mm", "addmm"):
+        monkeypatch.setitem(lm_head._FUSED_ACCUMULATE, (gemm, str(hidden.device), dtype), False)
+    assert lm_head.accumulates_in_place(hidden.device, dtype) is False
+    got = _fwd(hidden, weight, targets, inv_t, True)
+    for name, value in got.items():
+        assert torch.equal(value, fused[name]), name
+    gh, gw = _bwd(hidden, weight, targets, inv_t, got, grad_lp, grad_ent)
+    truth = run_fwd(ref, "linear_logprob", _f64(hidden, weight), targets, inv_t.double(), True)
+    max_scale = check_stats("linear_logprob", dtype, got, truth, targets)
+    gh_truth, gw_truth = run_linear_bwd(
+        ref, *_f64(hidden, weight), targets, inv_t.double(), truth, grad_lp.double(), grad_ent.double()
+    )
+    check_grad("linear_logprob", dtype, "grad_hidden", gh, gh_truth, max_scale)
+    check_grad("linear_logprob", dtype, "grad_weight", gw, gw_truth, max_scale)

@@ -14,6 +14,7 @@ the training's bits.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -118,7 +119,7 @@ def accumulates_in_place(device: torch.device, dtype: torch.dtype) -> bool:
         return dtype == torch.float32
     a = torch.ones((2, 2), device=device, dtype=dtype)
     _accumulate(torch.zeros((2, 2), device=device, dtype=torch.float32), a, a)
-    return _FUSED_ACCUMULATE[("addmm", str(device), dtype)]
+    return _FUSED_ACCUMULATE[("addmm", str(a.device), dtype)]  # the tensor's device: "cuda:0", not "cuda"
 
 
 def _chunk_of(buffer: torch.Tensor | None, r0: int, rows: int, chunk: int) -> torch.Tensor | None:
@@ -216,7 +217,9 @@ def _stats(x, targets, inv_t, ignore_index, logprob_out, entropy_out, lse_out, s
 # ----------------------------------------------------------------------------------------------
 
 
-def tiled_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, logits_out):
+def tiled_fwd(
+    hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, logits_out=None
+):
     """``linear_logprob_fwd`` (``logits_out`` None) or ``linear_logprob_stored_fwd`` on the tiled path.
 
     Per chunk of :data:`CHUNK_ROWS` rows (zero-padded): ``x = hidden[chunk] @ weight.T`` in fp32 by one GEMM (into
@@ -450,93 +453,22 @@ def tiled_stored_bwd(
 # ----------------------------------------------------------------------------------------------
 
 
-def linear_logprob_fwd(hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out):
-    """The ABI primitive: :func:`tiled_fwd` or :func:`rlk_triton.logprob.linear_logprob_fwd` (:func:`lm_head_path`)."""
-    if lm_head_path(hidden.device, hidden.dtype) == "tiled":
-        return tiled_fwd(
-            hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, None
-        )
-    return kernels.linear_logprob_fwd(
-        hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out
-    )
+def _selected(tiled, kernel):
+    """The ABI primitive served by ``tiled`` or by the Triton kernel ``kernel`` (same parameters), per
+    :func:`lm_head_path` of the call's ``hidden``."""
+
+    @functools.wraps(kernel)
+    def primitive(hidden, *args):
+        impl = tiled if lm_head_path(hidden.device, hidden.dtype) == "tiled" else kernel
+        return impl(hidden, *args)
+
+    return primitive
 
 
-def linear_logprob_bwd(
-    hidden,
-    weight,
-    targets,
-    inv_temperature,
-    lse,
-    entropy,
-    grad_logprob,
-    grad_entropy,
-    ignore_index,
-    grad_hidden_out,
-    grad_weight_out,
-):
-    """The ABI primitive: :func:`tiled_bwd` or :func:`rlk_triton.logprob.linear_logprob_bwd`."""
-    impl = tiled_bwd if lm_head_path(hidden.device, hidden.dtype) == "tiled" else kernels.linear_logprob_bwd
-    return impl(
-        hidden,
-        weight,
-        targets,
-        inv_temperature,
-        lse,
-        entropy,
-        grad_logprob,
-        grad_entropy,
-        ignore_index,
-        grad_hidden_out,
-        grad_weight_out,
-    )
-
-
-def linear_logprob_stored_fwd(
-    hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, logits_out
-):
-    """The ABI primitive: :func:`tiled_fwd` or :func:`rlk_triton.logprob.linear_logprob_stored_fwd`."""
-    if lm_head_path(hidden.device, hidden.dtype) == "tiled":
-        return tiled_fwd(
-            hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, logits_out
-        )
-    return kernels.linear_logprob_stored_fwd(
-        hidden, weight, targets, inv_temperature, ignore_index, logprob_out, entropy_out, lse_out, logits_out
-    )
-
-
-def linear_logprob_stored_bwd(
-    hidden,
-    weight,
-    targets,
-    inv_temperature,
-    lse,
-    entropy,
-    grad_logprob,
-    grad_entropy,
-    ignore_index,
-    logits,
-    grad_hidden_out,
-    grad_weight_out,
-    accumulate,
-):
-    """The ABI primitive: :func:`tiled_stored_bwd` or :func:`rlk_triton.logprob.linear_logprob_stored_bwd`."""
-    tiled = lm_head_path(hidden.device, hidden.dtype) == "tiled"
-    impl = tiled_stored_bwd if tiled else kernels.linear_logprob_stored_bwd
-    return impl(
-        hidden,
-        weight,
-        targets,
-        inv_temperature,
-        lse,
-        entropy,
-        grad_logprob,
-        grad_entropy,
-        ignore_index,
-        logits,
-        grad_hidden_out,
-        grad_weight_out,
-        accumulate,
-    )
+linear_logprob_fwd = _selected(tiled_fwd, kernels.linear_logprob_fwd)
+linear_logprob_bwd = _selected(tiled_bwd, kernels.linear_logprob_bwd)
+linear_logprob_stored_fwd = _selected(tiled_fwd, kernels.linear_logprob_stored_fwd)
+linear_logprob_stored_bwd = _selected(tiled_stored_bwd, kernels.linear_logprob_stored_bwd)
 
 
 #: The primitives this module serves in the Triton backend's table (in place of :mod:`rlk_triton.logprob`'s).
